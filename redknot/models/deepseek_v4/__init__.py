@@ -1,0 +1,1 @@
+"""models/deepseek_v4"""
