@@ -1,1 +1,31 @@
-"""models/deepseek_v4"""
+"""DeepSeek-V4 (V4-Flash) in PyTorch: config, model math, state, checkpoint I/O, tiny model.
+
+Names are resolved lazily so that torch-free users (the cache manager reading
+:class:`StateLayout`, the catalog reading :class:`V4Config`) never import torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "V4Config": "redknot.models.deepseek_v4.config",
+    "StateLayout": "redknot.models.deepseek_v4.layout",
+    "load_tokenizer": "redknot.models.deepseek_v4.tokenizer",
+    "V4Tokenizer": "redknot.models.deepseek_v4.tokenizer",
+    "V4State": "redknot.models.deepseek_v4.state",
+    "StepMetadata": "redknot.models.deepseek_v4.state",
+    "DeepseekV4": "redknot.models.deepseek_v4.model",
+    "SingleSequence": "redknot.models.deepseek_v4.single",
+    "build_model": "redknot.models.deepseek_v4.build",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
