@@ -1,0 +1,3 @@
+"""Triton kernels for Hopper (``hardware=sm90-port``); importing this package registers the
+``triton`` backend of every op it accelerates (see :mod:`redknot.kernels.triton.ops`)."""
+from redknot.kernels.triton import ops as _ops  # noqa: F401  (registration)

@@ -1,0 +1,283 @@
+"""V4 sparse attention on Hopper: one shared 512-dim K=V head, 64 query heads, joint softmax with sinks.
+
+One program owns one query token and ``BLOCK_H`` heads and walks that token's key list, which is the
+virtual concatenation of
+
+* its sliding window, positions ``max(0, t-W+1) .. t``: rows of this step's ``kv`` for positions at or
+  after the sequence's ``context_len``, rows of the per-sequence ring (``t % ring``) before it;
+* its compressed entries, read straight from the paged cache through the block table (entry ``w`` of
+  ratio ``m`` sits in block ``block_table[w*m // block_size]`` at offset ``(w*m % block_size) // m``):
+  either the indexer's top-k list (``topk[t]``, ``-1`` = empty) or every visible entry
+  ``w < (t+1) // m``.
+
+Keys are gathered once per block and used twice (``S = Q·Kᵀ`` and ``O += P·K``, since V = K). The sink
+joins the softmax denominator only. Short key lists with few tokens (decode) are split over several
+programs per token and merged by a second kernel. The inverse RoPE of the output's rope slice is fused:
+two small accumulators carry the rope columns and their pair-swapped copy, so the epilogue rotates in
+registers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import LOG2E, as_i32, cdiv, check_last_dim_contiguous, dot_precision, sm_count
+
+COMP_NONE, COMP_TOPK, COMP_ALL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Launch shape of the attention kernel (``num_splits=0``: chosen from the problem size)."""
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 1
+    num_splits: int = 0
+
+
+@triton.jit
+def _finalize(acc, acc_r, acc_sw, m_i, l_i, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d, offs_r,
+              stride_ot, stride_oh, D: tl.constexpr, RD: tl.constexpr, HAS_SINK: tl.constexpr,
+              ROPE: tl.constexpr):
+    """Sink, normalisation, inverse RoPE of the rope columns, store."""
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_f)
+        l_f = l_i * alpha + tl.exp2(sink - m_f)
+    else:
+        alpha = tl.full(m_i.shape, 1.0, tl.float32)
+        l_f = l_i
+    factor = alpha / l_f
+    o = acc * factor[:, None]
+    row = out_ptr + tok.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
+    if ROPE:
+        tl.store(row + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=offs_d[None, :] < D - RD)
+        half = offs_r // 2
+        c = tl.load(cos_ptr + tok.to(tl.int64) * (RD // 2) + half)
+        s = tl.load(sin_ptr + tok.to(tl.int64) * (RD // 2) + half)
+        sign = tl.where(offs_r % 2 == 0, 1.0, -1.0)
+        rot = acc_r * factor[:, None] * c[None, :] + acc_sw * factor[:, None] * (sign * s)[None, :]
+        tl.store(row + (D - RD) + offs_r[None, :], rot.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(row + offs_d[None, :], o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _key_rows(kb, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
+              topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk,
+              ring_size, ratio, block_size, BLOCK_N: tl.constexpr, COMP: tl.constexpr,
+              HAS_RING: tl.constexpr):
+    """Row pointers and validity of the virtual keys ``kb .. kb+BLOCK_N``."""
+    kv_i = kb + tl.arange(0, BLOCK_N)
+    in_rng = kv_i < k_hi
+    is_swa = kv_i < n_swa
+    p = lo + kv_i
+    ptr = kv_ptr + (qs + p - ctx).to(tl.int64) * stride_kvt
+    if HAS_RING:
+        ring_row = slot.to(tl.int64) * stride_rs + (p % ring_size).to(tl.int64) * stride_rr
+        ptr = tl.where(p >= ctx, ptr, ring_ptr + ring_row)
+    valid = in_rng & is_swa
+    if COMP != 0:
+        ci = kv_i - n_swa
+        comp_ok = in_rng & (kv_i >= n_swa)
+        if COMP == 1:
+            w = tl.load(topk_ptr + tok.to(tl.int64) * stride_tk + ci, mask=comp_ok, other=-1)
+            comp_ok = comp_ok & (w >= 0)
+        else:
+            w = ci
+        first = w * ratio
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + first // block_size, mask=comp_ok, other=0)
+        crow = blk.to(tl.int64) * stride_cb + ((first % block_size) // ratio).to(tl.int64) * stride_ce
+        ptr = tl.where(is_swa, ptr, cache_ptr + crow)
+        valid = valid | comp_ok
+    return ptr, valid
+
+
+@triton.jit
+def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prope_ptr, pml_ptr,
+                     tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr, bt_ptr, topk_ptr, sink_ptr,
+                     cos_ptr, sin_ptr,
+                     stride_qt, stride_qh, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce,
+                     stride_ot, stride_oh, stride_bt, stride_tk,
+                     qk_scale, ring_size, window, ratio, block_size, num_topk,
+                     H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_N: tl.constexpr, COMP: tl.constexpr, NSPLIT: tl.constexpr, HAS_RING: tl.constexpr,
+                     HAS_SINK: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
+    tok = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = tl.load(tok_seq_ptr + tok)
+    t = tl.load(pos_ptr + tok)
+    ctx = tl.load(ctx_ptr + b)
+    qs = tl.load(qstart_ptr + b)
+    slot = 0
+    if HAS_RING:
+        slot = tl.load(slot_ptr + b)
+    lo = tl.maximum(t - window + 1, 0)
+    n_swa = t - lo + 1
+    n_comp = 0
+    if COMP == 1:
+        n_comp = num_topk
+    elif COMP == 2:
+        n_comp = (t + 1) // ratio
+    n_tot = n_swa + n_comp
+    chunk = tl.cdiv(tl.cdiv(n_tot, NSPLIT), BLOCK_N) * BLOCK_N
+    k_lo = pid_s * chunk
+    k_hi = tl.minimum(k_lo + chunk, n_tot)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    offs_r = tl.arange(0, RD)
+    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, RD], tl.float32)
+    acc_sw = tl.zeros([BLOCK_H, RD], tl.float32)
+    for kb in range(k_lo, k_hi, BLOCK_N):
+        ptr, valid = _key_rows(kb, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
+                               cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb,
+                               stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, BLOCK_N,
+                               COMP, HAS_RING)
+        k = tl.load(ptr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pk = p.to(k.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pk, k, input_precision=PREC)
+        if ROPE:
+            kr = tl.load(ptr[:, None] + (D - RD) + offs_r[None, :], mask=valid[:, None], other=0.0)
+            ksw = tl.load(ptr[:, None] + (D - RD) + (offs_r ^ 1)[None, :], mask=valid[:, None], other=0.0)
+            acc_r = acc_r * alpha[:, None] + tl.dot(pk, kr, input_precision=PREC)
+            acc_sw = acc_sw * alpha[:, None] + tl.dot(pk, ksw, input_precision=PREC)
+        m_i = m_new
+
+    if NSPLIT == 1:
+        _finalize(acc, acc_r, acc_sw, m_i, l_i, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d,
+                  offs_r, stride_ot, stride_oh, D, RD, HAS_SINK, ROPE)
+    else:
+        part = (tok.to(tl.int64) * NSPLIT + pid_s) * H + offs_h  # [BLOCK_H] rows of the partial buffers
+        tl.store(pacc_ptr + part[:, None] * D + offs_d[None, :], acc)
+        tl.store(pml_ptr + part * 2, m_i)
+        tl.store(pml_ptr + part * 2 + 1, l_i)
+        if ROPE:
+            tl.store(prope_ptr + part[:, None] * (2 * RD) + offs_r[None, :], acc_r)
+            tl.store(prope_ptr + part[:, None] * (2 * RD) + RD + offs_r[None, :], acc_sw)
+
+
+@triton.jit
+def _sparse_attn_merge(pacc_ptr, prope_ptr, pml_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, stride_ot, stride_oh,
+                       H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
+                       NSPLIT: tl.constexpr, HAS_SINK: tl.constexpr, ROPE: tl.constexpr):
+    tok = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    offs_r = tl.arange(0, RD)
+    m_g = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(NSPLIT):
+        m_g = tl.maximum(m_g, tl.load(pml_ptr + ((tok.to(tl.int64) * NSPLIT + s) * H + offs_h) * 2))
+    l_g = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    acc_r = tl.zeros([BLOCK_H, RD], tl.float32)
+    acc_sw = tl.zeros([BLOCK_H, RD], tl.float32)
+    for s in range(NSPLIT):
+        part = (tok.to(tl.int64) * NSPLIT + s) * H + offs_h
+        w = tl.exp2(tl.load(pml_ptr + part * 2) - m_g)  # an empty split has m = -inf, weight 0
+        l_g += w * tl.load(pml_ptr + part * 2 + 1)
+        acc += w[:, None] * tl.load(pacc_ptr + part[:, None] * D + offs_d[None, :])
+        if ROPE:
+            acc_r += w[:, None] * tl.load(prope_ptr + part[:, None] * (2 * RD) + offs_r[None, :])
+            acc_sw += w[:, None] * tl.load(prope_ptr + part[:, None] * (2 * RD) + RD + offs_r[None, :])
+    _finalize(acc, acc_r, acc_sw, m_g, l_g, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d, offs_r,
+              stride_ot, stride_oh, D, RD, HAS_SINK, ROPE)
+
+
+def _choose_splits(cfg: AttnConfig, num_tokens: int, num_hblocks: int, max_keys: int, device_sms: int) -> int:
+    if cfg.num_splits > 0:
+        return cfg.num_splits
+    programs = num_tokens * num_hblocks
+    if programs >= 2 * device_sms:
+        return 1
+    want = cdiv(2 * device_sms, programs)
+    # Each split should still own a few key blocks, or the merge costs more than it saves.
+    return max(1, min(want, cdiv(max_keys, 4 * cfg.block_n), 64))
+
+
+def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torch.Tensor, positions: torch.Tensor,
+                           context_lens: torch.Tensor, query_start: torch.Tensor, window: int,
+                           sink: Optional[torch.Tensor], scale: float,
+                           ring: Optional[torch.Tensor] = None, seq_slots: Optional[torch.Tensor] = None,
+                           cache: Optional[torch.Tensor] = None, block_table: Optional[torch.Tensor] = None,
+                           ratio: int = 0, block_size: int = 0, topk: Optional[torch.Tensor] = None,
+                           rope_cos: Optional[torch.Tensor] = None, rope_sin: Optional[torch.Tensor] = None,
+                           out: Optional[torch.Tensor] = None, config: Optional[AttnConfig] = None) -> torch.Tensor:
+    """Sparse V4 attention for the ``T`` query tokens of one step (sequences concatenated).
+
+    q ``[T, H, D]``; kv ``[T, D]`` (this step's K=V rows); token_seq/positions ``[T]``; per sequence
+    ``context_lens`` (first position of the step), ``query_start`` (its first row in ``q``), ``seq_slots``;
+    ring ``[num_slots, ring, D]`` (rows for positions before the step); cache ``[num_blocks,
+    block_size // ratio, D]`` with ``block_table [B, max_blocks]``; ``topk [T, K]`` selects entries
+    (CSA), otherwise every visible entry is used (HCA) when a cache is given; sink ``[H]`` fp32;
+    ``topk`` / ``block_table`` may be int32 or int64; ``rope_cos/sin [T, rope_dim // 2]`` fp32 at each query's position: the output's last ``rope_dim``
+    columns are rotated back by the query position (interleaved pairs).
+    """
+    cfg = config or AttnConfig()
+    T, H, D = q.shape
+    for name, t in (("q", q), ("kv", kv)):
+        check_last_dim_contiguous(name, t)
+    block_h = min(cfg.block_h, H)
+    if H % block_h:
+        raise ValueError(f"heads {H} not a multiple of block_h {block_h}")
+    comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
+    rope = rope_cos is not None
+    rd = 2 * rope_cos.shape[-1] if rope else 16
+    out = torch.empty_like(q) if out is None else out
+    if T == 0:
+        return out
+    dummy_i = as_i32(positions)
+    ring_t = ring if ring is not None else kv
+    cache_t = cache if cache is not None else kv
+    bt = block_table if block_table is not None else dummy_i.view(1, -1)
+    tk = topk if topk is not None else dummy_i.view(-1, 1)
+    cos = rope_cos.float().contiguous() if rope else q
+    sin = rope_sin.float().contiguous() if rope else q
+    max_keys = window + (tk.shape[1] if comp == COMP_TOPK else
+                         (bt.shape[1] * block_size // max(ratio, 1) if comp == COMP_ALL else 0))
+    nsplit = _choose_splits(cfg, T, H // block_h, max_keys, sm_count(q))
+    if nsplit > 1:
+        pacc = torch.empty(T * nsplit * H, D, device=q.device, dtype=torch.float32)  # [T*S*H, D]
+        prope = torch.empty(T * nsplit * H, 2 * rd, device=q.device, dtype=torch.float32)  # [T*S*H, 2*RD]
+        pml = torch.empty(T * nsplit * H, 2, device=q.device, dtype=torch.float32)  # [T*S*H, (m, l)]
+    else:
+        pacc = prope = pml = out
+    sink_t = sink if sink is not None else q
+    prec = dot_precision(q.dtype)
+    _sparse_attn_fwd[(T, H // block_h, nsplit)](
+        q, kv, ring_t, cache_t, out, pacc, prope, pml,
+        as_i32(token_seq), as_i32(positions), as_i32(context_lens), as_i32(query_start),
+        as_i32(seq_slots) if seq_slots is not None else dummy_i, bt, tk, sink_t, cos, sin,
+        q.stride(0), q.stride(1), kv.stride(0),
+        ring_t.stride(0) if ring is not None else 0, ring_t.stride(1) if ring is not None else 0,
+        cache_t.stride(0) if cache is not None else 0, cache_t.stride(1) if cache is not None else 0,
+        out.stride(0), out.stride(1), bt.stride(0), tk.stride(0),
+        scale * LOG2E, ring.shape[1] if ring is not None else 1, window, max(ratio, 1), max(block_size, 1),
+        tk.shape[1] if comp == COMP_TOPK else 0,
+        H=H, D=D, RD=rd, BLOCK_H=block_h, BLOCK_N=cfg.block_n, COMP=comp, NSPLIT=nsplit,
+        HAS_RING=ring is not None, HAS_SINK=sink is not None, ROPE=rope, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if nsplit > 1:
+        _sparse_attn_merge[(T, H // block_h)](
+            pacc, prope, pml, sink_t, cos, sin, out, out.stride(0), out.stride(1),
+            H=H, D=D, RD=rd, BLOCK_H=block_h, NSPLIT=nsplit, HAS_SINK=sink is not None, ROPE=rope,
+            num_warps=cfg.num_warps)
+    return out

@@ -1,0 +1,82 @@
+"""Row-wise memory-bound ops: RMSNorm and interleaved partial RoPE, one pass each, fp32 math."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import cdiv, next_pow2
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, M, N, eps, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 1) / N + eps)[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, rows_per_token, HALF: tl.constexpr, INVERSE: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < M) & (cols[None, :] < D)
+    base = rows[:, None].to(tl.int64) * D
+    x = tl.load(x_ptr + base + cols[None, :], mask=mask, other=0.0)
+    first = D - 2 * HALF
+    is_rot = (cols >= first)[None, :] & mask
+    partner = tl.load(x_ptr + base + (cols ^ 1)[None, :], mask=is_rot, other=0.0).to(tl.float32)
+    pair = tl.maximum(cols - first, 0) // 2
+    tok = (rows // rows_per_token).to(tl.int64)
+    c = tl.load(cos_ptr + tok[:, None] * HALF + pair[None, :], mask=is_rot, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * HALF + pair[None, :], mask=is_rot, other=0.0)
+    # forward: even column a·cos − b·sin, odd column a·sin + b·cos (b / a = the pair partner)
+    sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+    if INVERSE:
+        sign = -sign
+    rot = x.to(tl.float32) * c + sign[None, :] * partner * s
+    y = tl.where(is_rot, rot.to(out_ptr.dtype.element_ty), x)
+    tl.store(out_ptr + base + cols[None, :], y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """``x · rsqrt(mean(x²) + eps) (· weight)`` over the last dim, fp32 math, x's dtype out."""
+    n = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    m = xc.numel() // max(n, 1)
+    if m == 0:
+        return out
+    block_n = next_pow2(n)
+    block_m = max(1, min(16, 4096 // block_n))
+    _rms_norm[(cdiv(m, block_m),)](xc, weight if weight is not None else xc, out, m, n, eps,
+                                   HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                                   num_warps=4 if block_n <= 2048 else 8)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate interleaved pairs of the trailing ``2·cos.shape[-1]`` dims of ``x [T, ..., D]`` by the
+    per-token angles (cos/sin ``[T, r/2]`` fp32); ``inverse`` rotates back."""
+    d = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    t = x.shape[0]
+    m = xc.numel() // max(d, 1)
+    if m == 0:
+        return out
+    block_d = next_pow2(d)
+    block_m = max(1, min(32, 4096 // block_d))
+    _rope[(cdiv(m, block_m),)](xc, cos.float().contiguous(), sin.float().contiguous(), out, m, d, m // t,
+                               HALF=cos.shape[-1], INVERSE=inverse, BLOCK_M=block_m, BLOCK_D=block_d,
+                               num_warps=4)
+    return out

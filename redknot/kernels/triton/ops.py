@@ -1,0 +1,129 @@
+"""The ``triton`` backend of the kernel registry: the reference signatures, bound to the Triton kernels.
+
+Ops that have no Triton kernel here (or inputs a kernel does not cover, such as packed FP4 weights)
+run the reference implementation; ``KernelSet`` reports which backend each op resolved to.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from redknot.kernels import ref_attention, ref_moe
+from redknot.kernels import reference as ref
+from redknot.kernels.registry import register
+from redknot.kernels.triton import attention, fp8, indexer, mhc, moe, norm
+from redknot.kernels.triton._common import next_pow2
+
+BACKEND = "triton"
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """Device-side per-token / per-sequence indices of one step, derived without a host sync."""
+    token_seq: torch.Tensor     # [T] sequence index of each row
+    context_lens: torch.Tensor  # [B] first position of each sequence in the step
+    query_start: torch.Tensor   # [B] first row of each sequence
+
+
+_STEP_CACHE: "dict[int, tuple[weakref.ref, StepTensors]]" = {}
+
+
+def step_tensors(meta) -> StepTensors:
+    """Derive (once per step object) the index tensors the kernels read from ``StepMetadata``."""
+    hit = _STEP_CACHE.get(id(meta))
+    if hit is not None and hit[0]() is meta:
+        return hit[1]
+    qsl = meta.query_start_loc
+    rows = torch.arange(meta.positions.shape[0], device=qsl.device, dtype=qsl.dtype)
+    token_seq = (torch.searchsorted(qsl[1:].contiguous(), rows, right=True)).to(torch.int32)
+    starts = qsl[:-1].to(torch.int32)
+    ctx = meta.positions.index_select(0, starts.clamp(max=max(meta.positions.shape[0] - 1, 0)).long())
+    st = StepTensors(token_seq, ctx.to(torch.int32), starts)
+    if len(_STEP_CACHE) > 64:
+        for key in [k for k, (r, _) in _STEP_CACHE.items() if r() is None]:
+            del _STEP_CACHE[key]
+    _STEP_CACHE[id(meta)] = (weakref.ref(meta), st)
+    return st
+
+
+@register("rms_norm", BACKEND)
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    return norm.rms_norm(x, weight, eps)
+
+
+@register("rope", BACKEND)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    return norm.rope(x, cos, sin, inverse)
+
+
+@register("linear", BACKEND)
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if weight.dtype == torch.float8_e4m3fn and scale is not None:
+        return fp8.linear_fp8(x, weight, scale)
+    if weight.is_floating_point() and weight.dtype != torch.float8_e4m3fn:
+        return F.linear(x, weight.to(x.dtype))  # cuBLAS is the fastest dense float GEMM there is
+    return ref.linear(x, weight, scale)  # packed FP4: dequantised per call
+
+
+@register("mhc_pre", BACKEND)
+def mhc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    if streams.shape[1] & (streams.shape[1] - 1):
+        return ref.mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return mhc.mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+@register("mhc_post", BACKEND)
+def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    if streams.shape[1] & (streams.shape[1] - 1):
+        return ref.mhc_post(y, streams, post, comb)
+    return mhc.mhc_post(y, streams, post, comb)
+
+
+@register("mhc_head", BACKEND)
+def mhc_head(streams, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    if streams.shape[1] & (streams.shape[1] - 1):
+        return ref.mhc_head(streams, fn, base, scale, hc_eps, norm_eps)
+    return mhc.mhc_head(streams, fn, base, scale, hc_eps, norm_eps)
+
+
+@register("moe", BACKEND)
+def moe_op(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit: float, w1_scale=None, w2_scale=None,
+           w3_scale=None) -> torch.Tensor:
+    packed = any(w.dtype in (torch.int8, torch.uint8) for w in (w1, w2, w3))
+    if packed:
+        return ref_moe.moe(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
+    return moe.moe_experts(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
+
+
+@register("indexer_topk", BACKEND)
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, meta, ratio: int, topk: int,
+                 scale: float, q_tile: int = 512) -> torch.Tensor:
+    st = step_tensors(meta)
+    k2 = next_pow2(topk)  # the selection runs on a power of two; the best `topk` lead its list
+    ids = torch.empty(q.shape[0], k2, dtype=torch.long, device=q.device)  # [T, topk]
+    indexer.indexer_topk_paged(q.contiguous(), weights.contiguous(), token_seq=st.token_seq,
+                               positions=meta.positions, keys=key_pool, block_table=meta.block_tables,
+                               ratio=ratio, block_size=ratio * key_pool.shape[1], topk=k2, scale=scale, out=ids)
+    return ids[:, :topk]
+
+
+@register("sparse_attention", BACKEND)
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, swa_ring: torch.Tensor, sinks: torch.Tensor, scale: float,
+                     window: int, meta, extra_pool: Optional[torch.Tensor] = None,
+                     extra_idx: Optional[torch.Tensor] = None, q_tile: int = 256) -> torch.Tensor:
+    dtypes = {kv.dtype, swa_ring.dtype} | ({extra_pool.dtype} if extra_idx is not None else set())
+    if len(dtypes) > 1:  # the kernel gathers every key through one pointer type
+        return ref_attention.sparse_attention(q, kv, swa_ring, sinks, scale, window, meta, extra_pool,
+                                              extra_idx, q_tile)
+    st = step_tensors(meta)
+    use_pool = extra_idx is not None and extra_pool is not None
+    return attention.sparse_attention_paged(
+        q.contiguous(), kv.contiguous(), token_seq=st.token_seq, positions=meta.positions,
+        context_lens=st.context_lens, query_start=st.query_start, window=window, sink=sinks, scale=scale,
+        ring=swa_ring, seq_slots=meta.seq_slots, cache=extra_pool if use_pool else None,
+        block_table=meta.block_tables if use_pool else None, ratio=1,
+        block_size=extra_pool.shape[1] if use_pool else 0, topk=extra_idx if use_pool else None)
