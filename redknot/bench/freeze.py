@@ -48,6 +48,7 @@ def manifest_header(builder: SuiteBuilder, key: dict) -> dict:
         "tokenizer": tokenizer_summary(builder.tokenizer),
         "data_location": builder.reader.description,
         "archive_sha256": builder.reader.archive_sha256,
+        "datasets": builder.stats,  # filled while the cases are built, written with the manifest
     }
 
 

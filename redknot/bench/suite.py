@@ -93,6 +93,7 @@ class SuiteBuilder:
         self.reader = reader
         self.specs: List[Tuple[str, DatasetSpec]] = [(name, registry.get_spec(name)) for name in suite.datasets]
         self._filler_pool: Optional[List[np.ndarray]] = None
+        self.stats: dict = {}  # per dataset, filled while building: source rows, gold token counts, truncations
 
     # ------------------------------------------------------------------ identity
 
@@ -157,6 +158,12 @@ class SuiteBuilder:
             else:
                 yield from self._build_longbench(name, spec, self.reader.load(name), progress)
 
+    def _note_stats(self, name: str, source_rows: int, gold_lengths: List[int], truncated: int) -> None:
+        self.stats[name] = {
+            "source_rows": source_rows, "cases": len(gold_lengths), "truncated": truncated,
+            "gold_tokens": {"mean": float(np.mean(gold_lengths)) if gold_lengths else 0.0,
+                            "min": int(min(gold_lengths, default=0)), "max": int(max(gold_lengths, default=0))}}
+
     def _entry(self, name: str, spec: DatasetSpec, index: int, row_id: str, source: str, sha: str, question: str,
                answers: Sequence[str], built: BuiltCase, distractors: Tuple[str, ...]) -> CaseEntry:
         return CaseEntry(
@@ -175,6 +182,7 @@ class SuiteBuilder:
         questions = self.tokenizer.encode_batch([row.input for row in selected])
         sep = self.tokenizer.encode(registry.PASSAGE_SEPARATOR)
         by_id = {row.row_id: row.index for row in rows}
+        truncated = 0
         for row, question in zip(selected, questions):
             order = distractor_order(self.suite.seed, name, row.row_id, [r.row_id for r in rows if r is not row])
             filler = ((other, contexts[by_id[other]]) for other in order)
@@ -186,10 +194,12 @@ class SuiteBuilder:
                 raise CaseError(f"{name} row {row.index} (_id {row.row_id}) from {self.reader.description}: {err}; "
                                 f"point suite.data.dir / suite.data.archive at the full LongBench data or lower "
                                 f"suite.context_tokens") from None
+            truncated += built.gold_truncated
             yield self._entry(name, spec, row.index, row.row_id, source.origin, source.sha256, row.input,
                               row.answers, built, built.filler_keys), built.input_ids
             if progress:
                 progress(f"build {name}", row.index + 1, len(selected))
+        self._note_stats(name, len(rows), [len(contexts[row.index]) for row in selected], truncated)
 
     def _pool(self, progress: Optional[Progress]) -> List[np.ndarray]:
         if self._filler_pool is None:
@@ -203,8 +213,10 @@ class SuiteBuilder:
         rows = synthetic.generate_rows(spec.name, self.num_synthetic(), self.suite.seed)
         sha = self.source_sha256(name, spec)
         empty = np.zeros(0, dtype=np.uint32)
+        gold_lengths = []
         for row in rows:
             needles = self.tokenizer.encode_batch([" " + needle for needle in row.needles])
+            gold_lengths.append(sum(len(n) for n in needles))
             order = synthetic.filler_order(self.suite.seed, spec.name, row.index, len(pool))
             filler = ((f"s{i}", pool[i]) for i in order)
             built = build_case(self._pieces(spec, self.tokenizer.encode(row.question)), needles, row.depths,
@@ -213,6 +225,7 @@ class SuiteBuilder:
                               row.answers, built, ()), built.input_ids
             if progress:
                 progress(f"build {name}", row.index + 1, len(rows))
+        self._note_stats(name, len(rows), gold_lengths, 0)
 
 
 def tokenizer_summary(tokenizer: BenchTokenizer) -> dict:

