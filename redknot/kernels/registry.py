@@ -29,6 +29,8 @@ class BackendInfo:
 # Known backends and where they live. Importing the module registers its ops.
 BACKENDS: Dict[str, BackendInfo] = {
     "reference": BackendInfo("redknot.kernels.reference"),
+    # Shape-independent-of-batch versions of the reference ops (features.batch_invariant).
+    "batch_invariant": BackendInfo("redknot.kernels.batch_invariant"),
     "triton": BackendInfo("redknot.kernels.triton", ("triton",), "sm90"),
     "native": BackendInfo("redknot.kernels.native", (), "sm90"),
     "flash_mla": BackendInfo("redknot.kernels.vendor.sm100", ("flash_mla",), "sm100"),

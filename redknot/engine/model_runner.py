@@ -1,0 +1,130 @@
+"""Model runner: owns the device, the model, the state tensors and the sampler."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from redknot.cache import CachePlan, CacheSpec, plan_cache
+from redknot.config.schema import EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig
+from redknot.engine.device import cache_budget_bytes, synchronize
+from redknot.engine.inputs import StepInputs
+from redknot.engine.messages import ModelRunnerOutput
+from redknot.kernels import KernelSet
+from redknot.models.deepseek_v4 import StateLayout, V4State, build_model
+from redknot.models.deepseek_v4.build import torch_dtype
+from redknot.sample import Sampler, SamplingRow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepBatch:
+    """Everything one launch needs: the inputs, one sampling row per logits row, the grammar mask."""
+    inputs: StepInputs
+    rows: List[SamplingRow]
+    bitmask: Optional[torch.Tensor] = None
+
+
+def engine_kernels(hardware: HardwareConfig, features: FeaturesConfig,
+                   kernels: Optional[KernelSet] = None) -> KernelSet:
+    """The kernel set the engine runs: the hardware's, with the batch-invariant backend
+    taking over every op it implements when ``features.batch_invariant.enabled``."""
+    if kernels is None:
+        kernels = KernelSet(hardware.kernels.default, dict(hardware.kernels.ops))
+    if not features.batch_invariant.enabled:
+        return kernels
+    from redknot.kernels.batch_invariant import BACKEND, OPS
+    ops = {op: b for op, b in kernels.choice.items() if b != kernels.default}
+    ops.update({op: BACKEND for op in OPS})
+    return KernelSet(kernels.default, ops)
+
+
+class ModelRunner:
+    """Builds the model and its state on ``device``; runs one step at a time.
+
+    ``execute`` is the only method that touches the device during serving, so it
+    can run on a worker thread while the host prepares the next step.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, hardware: HardwareConfig, features: FeaturesConfig,
+                 engine: EngineConfig, kernels: KernelSet, device: torch.device) -> None:
+        self.device = device
+        self.kernels = kernels
+        self.model = build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device)
+        self.cfg = self.model.cfg
+        self.vocab_size = self.cfg.vocab_size
+        self.dtype = torch_dtype(hardware.dtype)
+        kv_dtype = torch_dtype(hardware.kv_cache_dtype)
+        dspark = features.dspark
+        backtrack = dspark.max_draft if dspark.enabled else 0
+        self.layout = StateLayout.create(self.cfg, block_size=engine.scheduler.block_size, max_backtrack=backtrack,
+                                         kv_bytes=torch.empty((), dtype=kv_dtype).element_size())
+        self.cache_spec = CacheSpec.from_layout(self.layout)
+        self.plan: CachePlan = plan_cache(
+            self.cache_spec, max_num_seqs=engine.scheduler.max_num_seqs, max_model_len=model_cfg.max_position,
+            budget_bytes=cache_budget_bytes(device, hardware.memory_utilization),
+            num_blocks=engine.scheduler.num_cache_blocks)
+        # One spare slot and block beyond the plan: padding rows of captured decode graphs write there.
+        self.state = V4State.allocate(self.cfg, self.layout, self.plan.num_slots + 1, self.plan.num_blocks + 1,
+                                      device=device, dtype=kv_dtype)
+        log.info("state cache: %s (%s)", self.plan.describe(), self.layout.describe())
+        invariant = features.batch_invariant.enabled or features.deterministic
+        self.sampler = Sampler(device, row_by_row=invariant)
+        self.record_logits = False
+        self.graphs = None
+        if hardware.cuda_graphs and device.type == "cuda":
+            from redknot.engine.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, max_batch=engine.scheduler.max_num_seqs)
+
+    @property
+    def padding_slot(self) -> int:
+        return self.plan.num_slots
+
+    @property
+    def padding_block(self) -> int:
+        return self.plan.num_blocks
+
+    def execute(self, batch: StepBatch) -> ModelRunnerOutput:
+        """Run the model on the step, sample every logits row, wait for the device."""
+        inputs = batch.inputs
+        out = ModelRunnerOutput(step_id=inputs.sched.step_id)
+        if inputs.sched.is_empty:
+            out.finish_time = time.perf_counter()
+            return out
+        t0 = time.perf_counter()
+        logits = self._logits(inputs)  # [N, V] fp32
+        tokens = self.sampler.sample(logits, batch.rows, batch.bitmask) if batch.rows else []
+        synchronize(self.device)  # tokens are on the host already; this also covers logits copies
+        i = 0
+        for req_id, n in inputs.logits_owners:
+            out.sampled_token_ids[req_id] = tokens[i:i + n]
+            i += n
+        if self.record_logits:
+            out.logits = self._split_logits(inputs, logits.cpu())
+        out.finish_time = time.perf_counter()
+        out.execute_time = out.finish_time - t0
+        return out
+
+    def _logits(self, inputs: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        meta = inputs.to(self.device)
+        streams = self.model.forward(meta, self.state)  # [T, hc, D]
+        return self.model.compute_logits(streams[meta.logits_indices])
+
+    @staticmethod
+    def _split_logits(inputs: StepInputs, logits: torch.Tensor) -> Dict[str, torch.Tensor]:
+        parts, i = {}, 0
+        for req_id, n in inputs.logits_owners:
+            parts[req_id] = logits[i:i + n]
+            i += n
+        return parts
+
+    def warmup(self) -> None:
+        """Capture decode graphs (CUDA, when enabled) before serving."""
+        if self.graphs is not None:
+            self.graphs.capture()
