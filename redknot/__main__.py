@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import List
+from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from redknot.config.modes import ModeUnavailable, load_mode
+from redknot.config.modes import ModeBody, ModeUnavailable, load_mode
 from redknot.config.resolve import resolve
 from redknot.config.validate import ConfigError
 
@@ -25,10 +25,11 @@ log = logging.getLogger("redknot")
 _exit_codes: List[int] = []
 
 
-def dispatch(cfg: DictConfig) -> int:
+def dispatch(cfg: DictConfig, body: Optional[ModeBody] = None) -> int:
+    """Resolve ``cfg`` and run its mode's body (``body`` replaces the lookup, for embedding)."""
     try:
         ctx = resolve(cfg)
-        body = load_mode(ctx.cfg.mode)
+        body = body or load_mode(ctx.cfg.mode)
     except (ConfigError, ModeUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -2,14 +2,15 @@
 
 :func:`group_options` is what Hydra itself would accept for each group (it asks
 Hydra's config loader, so options from plugins and extra search paths show up
-too); :func:`catalog` prints them with a one-line summary each.
+too); :func:`catalog_with` builds the ``mode=catalog`` body around the harness's
+own tables.
 """
 from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from redknot.config.device import CONF_DIR
 
@@ -81,14 +82,33 @@ def render(options: Dict[str, List[str]], selected: Optional[Dict[str, str]] = N
     return table
 
 
-def catalog(ctx) -> int:
-    """``mode=catalog`` without the harness: every config group option."""
-    from rich.console import Console
+def render_compact(options: Dict[str, List[str]], selected: Optional[Dict[str, str]] = None):
+    """One row per group: its options, the selected one marked with ``*``."""
+    from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 140)
-    console.print(render(group_options(), ctx.choices))
-    _print_device(console)
-    return 0
+    selected = selected or {}
+    table = Table(title="config groups (group=option; +sweep=option; hydra/launcher=option with -m)")
+    table.add_column("group", no_wrap=True)
+    table.add_column("options", overflow="fold")
+    for group, names in options.items():
+        table.add_row(group, ", ".join(f"*{n}" if selected.get(group) == n else n for n in names))
+    return table
+
+
+def catalog_with(details: Optional[Callable[[Any], int]]) -> Callable[[Any], int]:
+    """The ``mode=catalog`` body: ``details(ctx)`` (the harness's tables) when given, then every
+    config group's options; without ``details``, the group listing with a summary per option."""
+    def catalog(ctx) -> int:
+        from rich.console import Console
+
+        code = int(details(ctx) or 0) if details is not None else 0
+        console = Console(width=None if sys.stdout.isatty() else 140)
+        options = group_options()
+        console.print(render_compact(options, ctx.choices) if details is not None else render(options, ctx.choices))
+        if details is None:
+            _print_device(console)
+        return code
+    return catalog
 
 
 def _print_device(console) -> None:

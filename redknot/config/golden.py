@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from redknot.config.device import CONF_DIR
 
@@ -35,30 +35,32 @@ def header(suite: str, hardware: str) -> str:
             f"# generated: {UPDATE_COMMAND}\n")
 
 
-def render_all(conf_dir: Path = CONF_DIR) -> Iterator[Tuple[str, str]]:
-    """(file name, snapshot text) for every pair, composed with the real ``conf/``."""
+def render_all(conf_dir: Path = CONF_DIR, only: Optional[List[Tuple[str, str]]] = None
+               ) -> Iterator[Tuple[str, str]]:
+    """(file name, snapshot text) for every pair (or the pairs in ``only``), composed from ``conf_dir``."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     import redknot.config.store  # noqa: F401
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
-        for suite, hw in pairs():
+        for suite, hw in only or pairs():
             cfg = compose("config", overrides=[f"suite={suite}", f"hardware={hw}"])
             yield file_name(suite, hw), header(suite, hw) + OmegaConf.to_yaml(cfg, resolve=True)
 
 
-def drift(golden_dir: Path = GOLDEN_DIR) -> Dict[str, str]:
-    """``{file: reason}`` for every snapshot that is missing, stale or unexpected."""
+def drift(golden_dir: Path = GOLDEN_DIR, conf_dir: Path = CONF_DIR,
+          only: Optional[List[Tuple[str, str]]] = None) -> Dict[str, str]:
+    """``{file: reason}`` for every snapshot that is missing, stale or (without ``only``) unexpected."""
     problems = {}
-    expected = dict(render_all())
+    expected = dict(render_all(conf_dir, only))
     for name, text in expected.items():
         path = golden_dir / name
         if not path.is_file():
             problems[name] = "missing"
         elif path.read_text() != text:
             problems[name] = "differs from the composed config"
-    for path in golden_dir.glob("*.yaml"):
+    for path in golden_dir.glob("*.yaml") if only is None else ():
         if path.name not in expected:
             problems[path.name] = "no longer a suite x hardware pair"
     return problems

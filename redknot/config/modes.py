@@ -3,8 +3,10 @@
 The bodies live in :mod:`redknot.bench.app` (``run``, ``prepare``, ``validate``,
 ``generate`` take ``(ctx, tracker)``; ``catalog`` takes ``(ctx)``) and are imported
 only when their mode is asked for, so ``mode=catalog`` never loads the engine.
-``catalog`` falls back to the config-group listing of
-:mod:`redknot.config.catalog` when the harness does not provide one.
+``catalog`` prints the harness's details (suites, datasets, models, hardware)
+followed by the option list of every config group (:mod:`redknot.config.catalog`),
+so sweeps, feature presets and launchers show too; without the harness, the
+group listing alone, with a summary per option.
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ class ModeBody:
 def load_mode(mode: Mode) -> ModeBody:
     mode = Mode(mode)
     fn = getattr(_bodies_module(), mode.value, None)
-    if fn is None and mode == Mode.catalog:
-        from redknot.config.catalog import catalog as fn
+    if mode == Mode.catalog:
+        from redknot.config.catalog import catalog_with
+
+        fn = catalog_with(fn)
     if fn is None:
         raise ModeUnavailable(
             f"mode={mode.value}: this installation has no {BODIES_MODULE}.{mode.value}; "
