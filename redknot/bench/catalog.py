@@ -38,7 +38,7 @@ def probe_device():
             return DeviceFacts(Accelerator.cuda, len(out), name, cc, driver)
     if shutil.which("npu-smi"):
         return DeviceFacts(Accelerator.npu, 1, "Ascend NPU")
-    return DeviceFacts(Accelerator.cpu, 0, "cpu")
+    return DeviceFacts(Accelerator.cpu, 0, "no accelerator")
 
 
 def _options(conf_dir: Path, group: str, cls) -> Dict[str, object]:
@@ -113,8 +113,9 @@ def models_table(models: Dict[str, ModelConfig], selected: Optional[str]) -> Tab
 def hardware_table(options: Dict[str, HardwareConfig], facts, selected: Optional[str]) -> Table:
     from redknot.config.device import fits
 
-    table = Table(title=f"hardware targets (hardware=NAME); this machine: {facts.accelerator.value} "
-                        f"{facts.name}" + (f", CC {facts.compute_capability}" if facts.compute_capability else ""))
+    found = f"{facts.accelerator.value} ({facts.name}" + (
+        f", {facts.count} x CC {facts.compute_capability}" if facts.compute_capability else "") + ")"
+    table = Table(title=f"hardware targets (hardware=NAME); this machine: {found}")
     for column in ("hardware", "support", "accelerator", "compute capability", "kernels", "runs here"):
         table.add_column(column, overflow="fold")
     for name, hw in options.items():
