@@ -150,6 +150,9 @@ class V4Config:
             d.pop("num_hash_layers", None)
         if "partial_rotary_factor" in overrides:
             d.pop("qk_rope_head_dim", None)
+        overrides = dict(overrides)
+        if "expert_dtype" in overrides and isinstance(d.get("quantization_config"), dict):
+            d["quantization_config"]["expert_dtype"] = overrides.pop("expert_dtype")
         d.update(overrides)
         return type(self).from_hf_dict(d)
 

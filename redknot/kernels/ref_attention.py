@@ -1,0 +1,135 @@
+"""Reference attention-side ops of DeepSeek-V4: compressor pooling, lightning-indexer
+top-k and sparse attention over the paged state (reference §4).
+
+Ops that read the state receive the step's ``StepMetadata`` (``meta``) and use
+its python-side ``query_start_list``, ``num_tokens_per_seq``, ``context_lens``,
+``seq_slot_list`` and its ``block_tables`` tensor. A compressed entry ``w`` of a
+sequence lives in ``pool[block_tables[b, w // E], w % E]`` (E = entries per block).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from redknot.kernels.registry import register
+
+
+def _spans(meta):
+    return zip(meta.query_start_list, meta.num_tokens_per_seq, meta.context_lens, meta.seq_slot_list)
+
+
+def _entry_rows(block_row: torch.Tensor, w: torch.Tensor, per_block: int) -> torch.Tensor:
+    """Logical entry ids -> rows of the flattened pool [num_blocks * per_block, dim]."""
+    return block_row[w // per_block].long() * per_block + w % per_block
+
+
+@register("compressor")
+def compressor(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
+               has_prev: bool) -> torch.Tensor:
+    """Pool raw projected rows into compressed entries (pre-norm, fp32).
+
+    kv, gate [R, C]: rows of consecutive positions starting at a multiple of ``ratio``;
+    ``ape`` [ratio, C] is added to the gate of the row at offset r in its window.
+    HCA (``overlap=False``, C = hd): entry = Σ_r softmax_r(gate) ⊙ kv over each window.
+    CSA (``overlap=True``, C = 2*hd): entry w pools the first halves of window w-1 and the
+    second halves of window w (8 slots, softmax per channel). With ``has_prev`` the first
+    window of the rows is only the previous window (no entry of its own); without it the
+    first entry has no previous window (weight 0).
+    Returns [num_entries, hd] fp32.
+    """
+    r, c = kv.shape
+    nw = r // ratio
+    kvw = kv.float().view(nw, ratio, c)
+    g = gate.float().view(nw, ratio, c) + ape.float()
+    if not overlap:
+        return (torch.softmax(g, dim=1) * kvw).sum(dim=1)
+    hd = c // 2
+    prev_kv, prev_g, cur_kv, cur_g = kvw[..., :hd], g[..., :hd], kvw[..., hd:], g[..., hd:]
+    if has_prev:
+        prev_kv, prev_g, cur_kv, cur_g = prev_kv[:-1], prev_g[:-1], cur_kv[1:], cur_g[1:]
+    else:
+        prev_kv = torch.cat([torch.zeros_like(prev_kv[:1]), prev_kv[:-1]])
+        prev_g = torch.cat([torch.full_like(prev_g[:1], float("-inf")), prev_g[:-1]])
+    slots_kv = torch.cat([prev_kv, cur_kv], dim=1)  # [n, 2*ratio, hd]
+    slots_g = torch.cat([prev_g, cur_g], dim=1)
+    return (torch.softmax(slots_g, dim=1) * slots_kv).sum(dim=1)
+
+
+@register("indexer_topk")
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, meta, ratio: int,
+                 topk: int, scale: float, q_tile: int = 512) -> torch.Tensor:
+    """Lightning indexer: score(t, w) = scale · Σ_h weights[t, h] · ReLU(q[t, h] · K[w]) over the
+    entries w < (t+1)//ratio of t's sequence; returns [T, topk] entry ids (best first, ties: lower
+    id first), -1 where fewer entries are visible. q [T, IH, ID], weights [T, IH], key_pool [NB, E, ID]."""
+    t_rows = q.shape[0]
+    out = torch.full((t_rows, topk), -1, dtype=torch.long, device=q.device)
+    per_block = key_pool.shape[1]
+    flat = key_pool.flatten(0, 1)
+    for b, (s0, n, c, _slot) in enumerate(_spans(meta)):
+        n_ent = (c + n) // ratio
+        if n_ent == 0:
+            continue
+        w = torch.arange(n_ent, device=q.device)
+        keys = flat[_entry_rows(meta.block_tables[b], w, per_block)].float()  # [Ne, ID]
+        k = min(topk, n_ent)
+        for i0 in range(0, n, q_tile):
+            rows = slice(s0 + i0, s0 + min(n, i0 + q_tile))
+            scores = torch.relu(torch.einsum("qhd,ed->qhe", q[rows].float(), keys)) * scale
+            scores = (scores * weights[rows].float().unsqueeze(-1)).sum(dim=1)  # [q, Ne]
+            visible = (torch.arange(c + i0, c + min(n, i0 + q_tile), device=q.device) + 1) // ratio
+            scores.masked_fill_(w[None, :] >= visible[:, None], float("-inf"))
+            best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+            out[rows, :k] = torch.where(best < visible[:, None], best, torch.full_like(best, -1))
+    return out
+
+
+def _window_logits(qt, keys_local, lo, p0, p1, window, scale):
+    """Scores of queries at positions p0..p1 against their sliding windows."""
+    k_lo = max(lo, p0 - window + 1)
+    keys = keys_local[k_lo - lo:p1 + 1 - lo].float()  # [K, d] positions k_lo..p1
+    logits = torch.einsum("qhd,kd->qhk", qt, keys)
+    qpos = torch.arange(p0, p1 + 1, device=qt.device)[:, None]
+    kpos = torch.arange(k_lo, p1 + 1, device=qt.device)[None, :]
+    visible = (kpos <= qpos) & (kpos > qpos - window)  # [q, K]; the window includes the query
+    return logits.mul_(scale).masked_fill_(~visible[:, None, :], float("-inf")), keys
+
+
+@register("sparse_attention")
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, swa_ring: torch.Tensor, sinks: torch.Tensor,
+                     scale: float, window: int, meta, extra_pool: Optional[torch.Tensor] = None,
+                     extra_idx: Optional[torch.Tensor] = None, q_tile: int = 256) -> torch.Tensor:
+    """One joint softmax per head over (SWA window ∪ extra entries ∪ sink); V = K.
+
+    q [T, H, d] roped queries; kv [T, d] this step's K=V rows (not yet in the ring);
+    swa_ring [S, R, d] rows of earlier positions at ``pos % R`` of the sequence's slot;
+    extra_pool [NB, E, d] compressed entries, extra_idx [T, K] logical entry ids per query
+    (-1 = none); sinks [H] fp32 logits that only add to the denominator. Returns [T, H, d].
+    """
+    out = torch.empty_like(q)
+    ring = swa_ring.shape[1]
+    sink = sinks.float().view(1, -1, 1)
+    flat_pool = extra_pool.flatten(0, 1) if extra_pool is not None else None
+    for b, (s0, n, c, slot) in enumerate(_spans(meta)):
+        lo = max(0, c - window + 1)
+        old = torch.arange(lo, c, device=q.device) % ring
+        keys_local = torch.cat([swa_ring[slot, old], kv[s0:s0 + n]])  # positions lo .. c+n-1
+        for i0 in range(0, n, q_tile):
+            i1 = min(n, i0 + q_tile)
+            qt = q[s0 + i0:s0 + i1].float()
+            logits, keys = _window_logits(qt, keys_local, lo, c + i0, c + i1 - 1, window, scale)
+            parts, n_win = [logits], keys.shape[0]
+            if extra_idx is not None:
+                idx = extra_idx[s0 + i0:s0 + i1]
+                valid = idx >= 0
+                ext = flat_pool[_entry_rows(meta.block_tables[b], idx.clamp(min=0), extra_pool.shape[1])]
+                ext = ext.float()  # [q, K, d]
+                ext_logits = torch.einsum("qhd,qkd->qhk", qt, ext).mul_(scale)
+                parts.append(ext_logits.masked_fill_(~valid[:, None, :], float("-inf")))
+            parts.append(sink.expand(qt.shape[0], -1, 1))
+            probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+            o = torch.einsum("qhk,kd->qhd", probs[..., :n_win], keys)
+            if extra_idx is not None:
+                o = o + torch.einsum("qhk,qkd->qhd", probs[..., n_win:-1], ext)
+            out[s0 + i0:s0 + i1] = o.to(q.dtype)
+    return out

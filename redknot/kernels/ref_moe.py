@@ -1,0 +1,49 @@
+"""Reference routed-experts op of DeepSeek-V4 (reference §5)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from redknot.kernels.ref_quant import dequantize
+from redknot.kernels.registry import register
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _expert_weight(w: torch.Tensor, scale: Optional[torch.Tensor], e: int, dtype) -> torch.Tensor:
+    return dequantize(w[e], None if scale is None else scale[e], dtype)
+
+
+@register("moe")
+def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
+        w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float, w1_scale: Optional[torch.Tensor] = None,
+        w2_scale: Optional[torch.Tensor] = None, w3_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y[t] = Σ_j topk_weight[t, j] · W2_e (swiglu(W1_e x_t, W3_e x_t)) with e = topk_idx[t, j].
+
+    x [T, D]; topk_idx [T, k] int; topk_weight [T, k] fp32; w1/w3 [E, I, D], w2 [E, D, I] stacked
+    per expert (float, FP8 + block scales, or packed FP4 + group scales). Rows are permuted by
+    expert, each expert runs one GEMM over its rows, and the k contributions of a token are summed
+    in slot order j = 0..k-1 (fp32), so a row's result does not depend on the other rows.
+    """
+    t, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*k, D]
+    start = 0
+    for e, cnt in enumerate(counts):
+        if cnt == 0:
+            continue
+        rows = order[start:start + cnt]
+        start += cnt
+        h = x[rows // k]
+        act = swiglu(F.linear(h, _expert_weight(w1, w1_scale, e, x.dtype)),
+                     F.linear(h, _expert_weight(w3, w3_scale, e, x.dtype)), swiglu_limit)
+        y = F.linear(act, _expert_weight(w2, w2_scale, e, x.dtype))
+        slots[rows] = y.float() * topk_weight.reshape(-1)[rows, None].float()
+    return slots.view(t, k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,73 @@
+"""V4 attention (reference §4): low-rank q, one shared K=V head with partial interleaved RoPE,
+sliding window + compressed entries (CSA: indexer-selected, HCA: all visible) with per-head
+sinks in one softmax, inverse RoPE on the output, grouped output projection."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from redknot.models.deepseek_v4.compressor import Compressor, Indexer
+from redknot.models.deepseek_v4.config import V4Config
+from redknot.models.deepseek_v4.layers import Linear, Norm
+from redknot.models.deepseek_v4.params import ParamFactory
+from redknot.models.deepseek_v4.rope import rope_kind
+from redknot.models.deepseek_v4.state import LayerState
+from redknot.models.deepseek_v4.step import StepContext, write_ring
+
+
+def visible_entries(ctx: StepContext, ratio: int) -> Optional[torch.Tensor]:
+    """[T, max visible] ids of all entries w < (t+1)//ratio of each query (-1 pads), or None."""
+    most = max(sp.end_pos // ratio for sp in ctx.spans)
+    if most == 0:
+        return None
+    w = torch.arange(most, device=ctx.meta.positions.device)
+    visible = (ctx.meta.positions + 1) // ratio  # [T]
+    return torch.where(w[None, :] < visible[:, None], w[None, :], torch.full_like(w[None, :], -1))
+
+
+class Attention(nn.Module):
+    def __init__(self, f: ParamFactory, cfg: V4Config, ratio: int):
+        super().__init__()
+        lin = f.linear_fmt
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg, self.ratio = cfg, ratio
+        self.num_heads, self.head_dim = cfg.num_heads, hd
+        self.rope_kind = rope_kind(ratio)
+        self.wq_a = Linear(f, cfg.q_lora_rank, d, lin)
+        self.q_norm = Norm(f, cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(f, cfg.num_heads * hd, cfg.q_lora_rank, lin)
+        self.wkv = Linear(f, hd, d, lin)
+        self.kv_norm = Norm(f, hd, cfg.rms_norm_eps)
+        self.wo_a = Linear(f, cfg.o_groups * cfg.o_lora_rank, cfg.num_heads * hd // cfg.o_groups, lin)
+        self.wo_b = Linear(f, d, cfg.o_groups * cfg.o_lora_rank, lin)
+        self.attn_sink = f.fp32(cfg.num_heads)
+        self.compressor = Compressor(f, cfg, ratio, hd, overlap=ratio == cfg.csa_ratio) if ratio else None
+        self.indexer = Indexer(f, cfg, lin) if ratio == cfg.csa_ratio else None
+
+    def _extra(self, ks, x: torch.Tensor, c_q: torch.Tensor, ctx: StepContext, st: LayerState
+               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Update the compressed state; return (entry pool, per-query entry ids) for attention."""
+        if self.compressor is None:
+            return None, None
+        self.compressor.update(ks, x, ctx, st.kv_rows, st.gate_rows, st.entries)
+        if self.indexer is None:
+            return st.entries, visible_entries(ctx, self.ratio)
+        self.indexer.compressor.update(ks, x, ctx, st.idx_kv_rows, st.idx_gate_rows, st.idx_keys)
+        return st.entries, self.indexer.select(ks, x, c_q, ctx, st.idx_keys)
+
+    def forward(self, ks, x: torch.Tensor, ctx: StepContext, st: LayerState) -> torch.Tensor:
+        t, cfg = x.shape[0], self.cfg
+        cos, sin = ctx.cos_sin(self.rope_kind)
+        c_q = self.q_norm(ks, self.wq_a(ks, x))  # [T, q_lora]
+        kv = ks.rope(self.kv_norm(ks, self.wkv(ks, x)), cos, sin)  # [T, hd], both K and V
+        pool, idx = self._extra(ks, x, c_q, ctx, st)
+        q = self.wq_b(ks, c_q).view(t, self.num_heads, self.head_dim)  # [T, H, hd]
+        q = ks.rope(ks.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+        o = ks.sparse_attention(q, kv, st.swa, self.attn_sink, self.head_dim ** -0.5, cfg.sliding_window,
+                                ctx.meta, pool, idx)  # [T, H, hd]
+        write_ring(st.swa, ctx, kv)
+        o = ks.rope(o, cos, sin, inverse=True)
+        o = ks.grouped_linear(o.view(t, cfg.o_groups, -1), self.wo_a.weight, self.wo_a.scale)  # [T, G, R]
+        return self.wo_b(ks, o.flatten(1))

@@ -1,0 +1,54 @@
+"""``build_model``: the one way a V4 model is made from the typed config sections."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from redknot.kernels import KernelSet
+from redknot.models.deepseek_v4.config import V4Config
+from redknot.models.deepseek_v4.model import DeepseekV4
+from redknot.models.deepseek_v4.synthetic import ensure_synthetic_checkpoint
+from redknot.models.deepseek_v4.weights import load_checkpoint
+
+
+def torch_dtype(name) -> torch.dtype:
+    """``hardware.dtype`` (enum or string) -> torch dtype."""
+    value = getattr(name, "value", name)
+    dtype = getattr(torch, str(value), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"hardware.dtype={value!r}: must be one of float32, bfloat16, float16")
+    return dtype
+
+
+def checkpoint_path(model_cfg, cache_dir: str) -> str:
+    """The checkpoint directory: ``model.path``, or the synthetic model written under the cache."""
+    if model_cfg.path:
+        if not os.path.isdir(model_cfg.path):
+            raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
+        return model_cfg.path
+    syn = model_cfg.synthetic
+    if syn is None:
+        raise ValueError(f"model {model_cfg.name!r}: model.path is null and model.synthetic is not set; "
+                         f"give model.path=/path/to/checkpoint or choose model=tiny")
+    return ensure_synthetic_checkpoint(model_cfg.name, dict(syn.architecture), int(syn.seed),
+                                       bool(syn.quantize_fp8), cache_dir)
+
+
+def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = None, device="cpu",
+                with_mtp: bool = True, progress: Optional[bool] = None) -> DeepseekV4:
+    """Load (for ``model.synthetic``: first generate and write) the checkpoint and return the model."""
+    path = checkpoint_path(model, cache_dir)
+    cfg = V4Config.from_pretrained(path, num_layers=model.num_layers)
+    if model.max_position > cfg.max_position_embeddings:
+        raise ValueError(f"model.max_position={model.max_position} exceeds the checkpoint's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    if kernels is None:
+        kernels = KernelSet(hardware.kernels.default, dict(hardware.kernels.ops))
+    keep = getattr(hardware.weight_format, "value", hardware.weight_format) == "keep"
+    net = DeepseekV4(cfg, torch_dtype(hardware.dtype), keep_quantized=keep, device="meta", kernels=kernels,
+                     with_mtp=with_mtp and cfg.num_mtp_layers > 0)
+    net.to_empty(device=device)
+    load_checkpoint(net, path, progress=bool(model.path) if progress is None else progress)
+    return net.eval()

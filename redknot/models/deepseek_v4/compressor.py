@@ -1,0 +1,91 @@
+"""KV compressors (CSA ratio 4 with overlapping windows, HCA ratio 128) and the lightning
+indexer, as incremental updates of the paged state (reference §4.7-4.9)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+from redknot.models.deepseek_v4.config import V4Config
+from redknot.models.deepseek_v4.layers import Linear, Norm
+from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
+from redknot.models.deepseek_v4.rope import COMPRESS
+from redknot.models.deepseek_v4.step import StepContext, write_ring
+
+
+def entry_rows(block_row: torch.Tensor, w: torch.Tensor, per_block: int) -> torch.Tensor:
+    """Logical entry ids of one sequence -> rows of its pool flattened to [NB*E, dim]."""
+    return block_row[w // per_block].long() * per_block + w % per_block
+
+
+class Compressor(nn.Module):
+    """Turns every ``ratio`` raw rows into one compressed entry of width ``head_dim``.
+
+    Raw rows (kv and gate projections, fp32) live in per-slot rings; an entry is made
+    when the step contains the position closing its window and is written to the
+    block pool at its entry index, RMS-normed and roped at the window's first position.
+    """
+
+    def __init__(self, f: ParamFactory, cfg: V4Config, ratio: int, head_dim: int, overlap: bool):
+        super().__init__()
+        width = 2 * head_dim if overlap else head_dim
+        self.ratio, self.head_dim, self.overlap, self.eps = ratio, head_dim, overlap, cfg.rms_norm_eps
+        self.wkv = Linear(f, width, cfg.hidden_size, FLOAT)
+        self.wgate = Linear(f, width, cfg.hidden_size, FLOAT)
+        self.ape = f.fp32(ratio, width)
+        self.norm = Norm(f, head_dim, cfg.rms_norm_eps)
+
+    def _rows(self, ring: torch.Tensor, fresh: torch.Tensor, slot: int, first: int, ctx_len: int,
+              start_row: int, n_fresh: int) -> torch.Tensor:
+        """Rows of positions first..ctx_len-1 from the ring, then n_fresh rows of this step."""
+        old = torch.arange(first, ctx_len, device=ring.device) % ring.shape[1]
+        return torch.cat([ring[slot, old], fresh[start_row:start_row + n_fresh]])
+
+    def update(self, ks, x: torch.Tensor, ctx: StepContext, kv_ring: torch.Tensor, gate_ring: torch.Tensor,
+               pool: torch.Tensor) -> None:
+        """Project this step's rows, emit the entries of every window they close, store the rows."""
+        kv = self.wkv(ks, x).float()  # [T, C]
+        gate = self.wgate(ks, x).float()
+        m, per_block = self.ratio, pool.shape[1]
+        made: List[torch.Tensor] = []
+        dest: List[torch.Tensor] = []
+        for sp in ctx.spans:
+            w0, w1 = sp.context_len // m, sp.end_pos // m
+            if w1 == w0:
+                continue
+            has_prev = self.overlap and w0 > 0
+            first = m * w0 - (m if has_prev else 0)
+            n_fresh = m * w1 - sp.context_len
+            args = (sp.slot, first, sp.context_len, sp.start, n_fresh)
+            pooled = ks.compressor(self._rows(kv_ring, kv, *args), self._rows(gate_ring, gate, *args),
+                                   self.ape, m, self.overlap, has_prev)  # [w1-w0, hd] fp32
+            w = torch.arange(w0, w1, device=x.device)
+            cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
+            made.append(ks.rope(self.norm(ks, pooled), cos, sin))
+            dest.append(entry_rows(ctx.meta.block_tables[sp.index], w, per_block))
+        if made:
+            pool.view(-1, self.head_dim).index_copy_(0, torch.cat(dest), torch.cat(made).to(pool.dtype))
+        write_ring(kv_ring, ctx, kv)
+        write_ring(gate_ring, ctx, gate)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: its own compressor (keys of width index_head_dim)
+    and per-query top-k selection of the visible compressed entries."""
+
+    def __init__(self, f: ParamFactory, cfg: V4Config, linear_fmt: str):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.ratio, self.topk = cfg.csa_ratio, cfg.index_topk
+        self.wq_b = Linear(f, self.n_heads * self.head_dim, cfg.q_lora_rank, linear_fmt)
+        self.weights_proj = Linear(f, self.n_heads, cfg.hidden_size, FLOAT)
+        self.compressor = Compressor(f, cfg, cfg.csa_ratio, self.head_dim, overlap=True)
+
+    def select(self, ks, x: torch.Tensor, c_q: torch.Tensor, ctx: StepContext, keys: torch.Tensor) -> torch.Tensor:
+        """[T, index_topk] entry ids chosen for each query (-1 = none)."""
+        t = x.shape[0]
+        q = self.wq_b(ks, c_q).view(t, self.n_heads, self.head_dim)  # [T, IH, ID]
+        q = ks.rope(q, *ctx.cos_sin(COMPRESS))
+        weights = self.weights_proj(ks, x).float() * self.n_heads ** -0.5  # [T, IH]
+        return ks.indexer_topk(q, weights, keys, ctx.meta, self.ratio, self.topk, self.head_dim ** -0.5)

@@ -1,0 +1,97 @@
+"""The DeepSeek-V4 model: embedding, mHC layers, HyperHead, final norm, head, MTP layer.
+
+``forward`` runs one engine step over the incremental state; ``compute_logits`` turns
+pre-head streams into fp32 logits; ``mtp_forward`` runs the MTP layer (reference §6).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from redknot.kernels import KernelSet
+from redknot.models.deepseek_v4.block import Block, MTPLayer
+from redknot.models.deepseek_v4.config import V4Config
+from redknot.models.deepseek_v4.layers import Embedding, Linear, Norm
+from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
+from redknot.models.deepseek_v4.rope import RopeTables
+from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.models.deepseek_v4.step import StepContext
+
+
+class DeepseekV4(nn.Module):
+    """DeepSeek-V4 with native checkpoint parameter names (routed experts stacked per layer)."""
+
+    def __init__(self, cfg: V4Config, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+                 device="meta", kernels: Optional[KernelSet] = None, with_mtp: bool = True):
+        super().__init__()
+        f = ParamFactory(cfg, dtype, keep_quantized, device)
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.cfg, self.dtype = cfg, dtype
+        self.ks = kernels or KernelSet()
+        self.embed = Embedding(f, cfg.vocab_size, d)
+        self.layers = nn.ModuleList(
+            Block(f, cfg, cfg.compress_ratio(i), cfg.is_hash_layer(i)) for i in range(cfg.num_layers))
+        self.norm = Norm(f, d, cfg.rms_norm_eps)
+        self.hc_head_fn = f.fp32(n, n * d)
+        self.hc_head_base = f.fp32(n)
+        self.hc_head_scale = f.fp32(1)
+        self.head = Linear(f, cfg.vocab_size, d, FLOAT)
+        self.mtp = nn.ModuleList(MTPLayer(f, cfg) for _ in range(cfg.num_mtp_layers if with_mtp else 0))
+        self._rope: Optional[RopeTables] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def rope(self) -> RopeTables:
+        if self._rope is None or self._rope.inv["main"].device != self.device:
+            self._rope = RopeTables(self.cfg, self.device)
+        return self._rope
+
+    def _context(self, meta: StepMetadata) -> StepContext:
+        return StepContext(meta, self.rope, self.dtype)
+
+    @torch.no_grad()
+    def forward(self, meta: StepMetadata, state: V4State) -> torch.Tensor:
+        """One step over the state: -> pre-HyperHead streams [T, hc_mult, D]."""
+        ctx = self._context(meta)
+        x = self.embed(meta.input_ids)  # [T, D]
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, D]
+        for layer, st in zip(self.layers, state.layers):
+            streams = layer(self.ks, streams, ctx, st, meta.input_ids)
+        return streams
+
+    def _head(self, streams: torch.Tensor, fn, base, scale, norm: Norm) -> torch.Tensor:
+        cfg = self.cfg
+        h = self.ks.mhc_head(streams, fn, base, scale, cfg.hc_eps, cfg.rms_norm_eps)  # [N, D]
+        h = norm(self.ks, h)
+        return self.head(self.ks, h).float()  # [N, vocab]
+
+    @torch.no_grad()
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Pre-head streams [N, hc_mult, D] -> fp32 logits [N, vocab]."""
+        return self._head(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm)
+
+    @torch.no_grad()
+    def mtp_forward(self, meta: StepMetadata, state: V4State, prev_streams: torch.Tensor,
+                    next_token_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer at the step's positions: row t combines the target streams at t with token t+1.
+        -> (MTP pre-head streams [T, hc_mult, D], fp32 logits of meta.logits_indices [N, vocab])."""
+        if not len(self.mtp):
+            raise RuntimeError("this model was built without its MTP layer")
+        mtp = self.mtp[0]
+        ctx = self._context(meta)
+        streams = mtp.embed_streams(self.ks, prev_streams, self.embed(next_token_ids))
+        streams = mtp(self.ks, streams, ctx, state.mtp[0], meta.input_ids)
+        rows = streams[meta.logits_indices]
+        logits = self._head(rows, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
+        return streams, logits
+
+    def set_kernels(self, kernels: KernelSet) -> None:
+        self.ks = kernels
+
+    def num_parameters(self, include_mtp: bool = False) -> int:
+        return sum(p.numel() for name, p in self.named_parameters() if include_mtp or not name.startswith("mtp."))

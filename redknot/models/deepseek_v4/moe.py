@@ -1,0 +1,77 @@
+"""V4 mixture of experts (reference §5): hash routing (tid2eid) or sqrt-softplus top-k with a
+selection-only bias, renormalised weights × routed scale, clamped SwiGLU experts + a shared expert."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from redknot.models.deepseek_v4.config import V4Config
+from redknot.models.deepseek_v4.layers import Linear
+from redknot.models.deepseek_v4.params import ParamFactory
+
+
+class Router(nn.Module):
+    def __init__(self, f: ParamFactory, cfg: V4Config, hash_layer: bool):
+        super().__init__()
+        self.hash_layer, self.top_k = hash_layer, cfg.num_experts_per_tok
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = f.plain(cfg.n_routed_experts, cfg.hidden_size)
+        if hash_layer:
+            self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, self.top_k, dtype=torch.int32,
+                                                        device=f.device))
+        else:
+            self.register_buffer("bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32, device=f.device))
+
+    def forward(self, ks, x: torch.Tensor, input_ids: torch.Tensor):
+        """-> (expert ids [T, k], weights [T, k] fp32)."""
+        scores = F.softplus(ks.linear(x.float(), self.weight.float())).sqrt()  # [T, E] fp32
+        if self.hash_layer:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            idx = torch.topk(scores + self.bias, self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        return idx, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class Experts(nn.Module):
+    """Routed experts stacked per projection: w1/w3 [E, I, D], w2 [E, D, I] (+ scales if quantised)."""
+
+    def __init__(self, f: ParamFactory, cfg: V4Config):
+        super().__init__()
+        e, d, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        for name, shape in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
+            w, s = f.weight(shape, f.expert_fmt, lead=(e,))
+            setattr(self, name, w)
+            if s is not None:
+                setattr(self, f"{name}_scale", s)
+            else:
+                self.register_parameter(f"{name}_scale", None)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, f: ParamFactory, cfg: V4Config):
+        super().__init__()
+        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w1 = Linear(f, inter, d, f.linear_fmt)
+        self.w2 = Linear(f, d, inter, f.linear_fmt)
+        self.w3 = Linear(f, inter, d, f.linear_fmt)
+
+
+class MoE(nn.Module):
+    def __init__(self, f: ParamFactory, cfg: V4Config, hash_layer: bool):
+        super().__init__()
+        self.limit = cfg.swiglu_limit
+        self.gate = Router(f, cfg, hash_layer)
+        self.experts = Experts(f, cfg)
+        self.shared_experts = SharedExpert(f, cfg)
+
+    def forward(self, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        idx, weights = self.gate(ks, x, input_ids)
+        ex = self.experts
+        routed = ks.moe(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale, ex.w3_scale)
+        sh = self.shared_experts
+        gate, up = sh.w1(ks, x), sh.w3(ks, x)
+        hidden = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        return routed + sh.w2(ks, hidden)
+

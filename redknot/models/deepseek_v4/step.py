@@ -1,0 +1,69 @@
+"""Per-step values every layer needs, derived once from the ``StepMetadata``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+from redknot.models.deepseek_v4.rope import COMPRESS, MAIN, RopeTables
+from redknot.models.deepseek_v4.state import StepMetadata
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """Rows [start, start+num_tokens) of the step belong to one sequence at positions
+    context_len .. context_len+num_tokens-1."""
+    index: int
+    start: int
+    num_tokens: int
+    context_len: int
+    slot: int
+
+    @property
+    def end_pos(self) -> int:  # one past the last position of the step
+        return self.context_len + self.num_tokens
+
+
+class StepContext:
+    """The step's metadata plus rope tables at its positions and the per-sequence spans."""
+
+    def __init__(self, meta: StepMetadata, rope: RopeTables, compute_dtype: torch.dtype):
+        self.meta = meta
+        self.rope = rope
+        self.dtype = compute_dtype
+        self.spans: List[SeqSpan] = [
+            SeqSpan(b, s, n, c, slot) for b, (s, n, c, slot) in enumerate(
+                zip(meta.query_start_list, meta.num_tokens_per_seq, meta.context_lens, meta.seq_slot_list))]
+        self._cos_sin: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ring_rows: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cos_sin(self, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, r/2] at the step's positions for the "main" or "compress" table."""
+        if kind not in self._cos_sin:
+            self._cos_sin[kind] = self.rope.cos_sin(kind, self.meta.positions)
+        return self._cos_sin[kind]
+
+    def ring_write_rows(self, ring: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows of the step, flat ring index slot*ring + pos % ring) for writing this step's rows
+        into per-slot rings of length ``ring``; only each sequence's last ``ring`` rows are kept,
+        so no ring index is written twice."""
+        if ring not in self._ring_rows:
+            rows, dest = [], []
+            for sp in self.spans:
+                first = max(sp.context_len, sp.end_pos - ring)
+                pos = torch.arange(first, sp.end_pos)
+                rows.append(pos - sp.context_len + sp.start)
+                dest.append(sp.slot * ring + pos % ring)
+            device = self.meta.positions.device
+            self._ring_rows[ring] = (torch.cat(rows).to(device), torch.cat(dest).to(device))
+        return self._ring_rows[ring]
+
+
+def write_ring(ring_tensor: torch.Tensor, ctx: StepContext, values: torch.Tensor) -> None:
+    """Store this step's rows values [T, C] into ring_tensor [S, R, C] at their positions."""
+    rows, dest = ctx.ring_write_rows(ring_tensor.shape[1])
+    ring_tensor.view(-1, ring_tensor.shape[-1]).index_copy_(0, dest, values[rows].to(ring_tensor.dtype))
+
+
+__all__ = ["SeqSpan", "StepContext", "write_ring", "MAIN", "COMPRESS"]

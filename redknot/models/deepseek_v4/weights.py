@@ -1,0 +1,217 @@
+"""Load a native V4 checkpoint (sharded safetensors + ``model.safetensors.index.json``).
+
+The whole checkpoint is checked against :func:`checkpoint_spec` from the shard
+headers before any tensor is read: every missing, unexpected, mis-shaped or
+wrongly typed tensor is reported in one :class:`CheckpointError`. Tensors are
+then streamed shard by shard (an FP8/FP4 weight waits only for its scale) and
+either dequantised into the model dtype or kept quantised, as the model's
+parameters were built.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from safetensors import safe_open
+
+from redknot.kernels.ref_quant import dequantize
+from redknot.models.deepseek_v4.params import FP4, FP8, FP32, FLOAT, INT, TensorSpec, checkpoint_spec, stored_shapes
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_ALLOWED = {FP8: {"F8_E4M3"}, FP4: {"I8", "U8"}, FLOAT: {"BF16", "F16", "F32"}, FP32: {"F32", "BF16", "F16"},
+            INT: {"I32", "I64"}}
+_SCALE_DTYPES = {"F8_E8M0", "U8", "F32"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model config; lists every offending tensor."""
+
+
+@dataclass(frozen=True)
+class _Expect:
+    spec: TensorSpec
+    is_scale: bool
+    shape: Tuple[int, ...]
+    dtypes: frozenset
+
+
+def read_weight_map(path: str) -> Dict[str, str]:
+    """Tensor name -> shard file (absolute) from the index file, or the single-file checkpoint."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            wm = json.load(f).get("weight_map")
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        return {k: os.path.join(path, v) for k, v in wm.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise FileNotFoundError(f"checkpoint {path!r} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def _expectations(specs: List[TensorSpec]) -> Dict[str, _Expect]:
+    out: Dict[str, _Expect] = {}
+    for s in specs:
+        w_shape, s_shape = stored_shapes(s.fmt, s.shape)
+        out[s.name] = _Expect(s, False, w_shape, frozenset(_ALLOWED[s.fmt]))
+        if s.scale_name:
+            out[s.scale_name] = _Expect(s, True, s_shape, frozenset(_SCALE_DTYPES))
+    return out
+
+
+def _ignorable(name: str, keep_layers: int, source_layers: Optional[int], with_mtp: bool) -> bool:
+    """Tensors a cut model or a model built without MTP leaves unread on purpose."""
+    if name.startswith("mtp.") and not with_mtp:
+        return True
+    m = re.match(r"layers\.(\d+)\.", name)
+    return bool(m and source_layers and keep_layers <= int(m.group(1)) < source_layers)
+
+
+def _headers(weight_map: Dict[str, str]) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    found: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+    by_file: Dict[str, List[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        if not os.path.isfile(file):
+            raise CheckpointError(f"shard {file} named by the index does not exist")
+        with safe_open(file, framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"index maps {name} to {os.path.basename(file)}, which lacks it")
+                sl = f.get_slice(name)
+                found[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return found
+
+
+def check_checkpoint(path: str, specs: List[TensorSpec], keep_layers: int, source_layers: Optional[int],
+                     with_mtp: bool) -> Dict[str, str]:
+    """Validate names, shapes and dtypes from the headers; returns the weight map."""
+    weight_map = read_weight_map(path)
+    expect = _expectations(specs)
+    found = _headers(weight_map)
+    problems: List[str] = []
+    for name in sorted(set(expect) - set(found)):
+        e = expect[name]
+        problems.append(f"  missing     {name}: expected shape {list(e.shape)} ({'/'.join(sorted(e.dtypes))})")
+    for name in sorted(set(found) - set(expect)):
+        if not _ignorable(name, keep_layers, source_layers, with_mtp):
+            shape, dtype = found[name]
+            problems.append(f"  unexpected  {name}: found shape {list(shape)} {dtype}")
+    for name in sorted(set(found) & set(expect)):
+        (shape, dtype), e = found[name], expect[name]
+        if shape != e.shape or dtype not in e.dtypes:
+            problems.append(f"  mis-shaped  {name}: expected shape {list(e.shape)} "
+                            f"({'/'.join(sorted(e.dtypes))}), found shape {list(shape)} {dtype}")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match the model config "
+                              f"({len(problems)} tensors):\n" + "\n".join(problems))
+    return weight_map
+
+
+def _scale_to_float(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.uint8:  # raw ue8m0 exponent bytes
+        return torch.exp2(t.float() - 127.0)
+    return t.float()
+
+
+class _Target:
+    """Where a spec's values go in the model, and how they are converted."""
+
+    def __init__(self, model: torch.nn.Module, spec: TensorSpec, num_experts: int):
+        self.spec, self.num_experts = spec, num_experts
+        owner, _, leaf = spec.param.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        self.param = getattr(module, leaf)
+        scale_leaf = "scale" if leaf == "weight" else f"{leaf}_scale"
+        self.scale = getattr(module, scale_leaf, None) if spec.fmt in (FP8, FP4) else None
+
+    def _dst(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.spec.expert is None else t[self.spec.expert]
+
+    def store(self, weight: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+        dst = self._dst(self.param)
+        if self.spec.fmt == INT:
+            if weight.numel() and (int(weight.min()) < 0 or int(weight.max()) >= self.num_experts):
+                raise CheckpointError(f"{self.spec.name}: expert ids must be in [0, {self.num_experts})")
+            dst.copy_(weight.to(dst.dtype))
+        elif self.scale is not None:  # kept quantised
+            dst.copy_(weight.view(dst.dtype))
+            self._dst(self.scale).copy_(_scale_to_float(scale))
+        else:
+            s = None if scale is None else _scale_to_float(scale)
+            dst.copy_(dequantize(weight, s, torch.float32) if s is not None else weight)
+
+
+def load_checkpoint(model, path: str, progress: bool = True) -> None:
+    """Fill every parameter of ``model`` (a DeepseekV4) from the checkpoint at ``path``."""
+    cfg = model.cfg
+    with_mtp = len(model.mtp) > 0
+    specs = checkpoint_spec(cfg, include_mtp=with_mtp)
+    weight_map = check_checkpoint(path, specs, cfg.num_layers, cfg.source_num_layers, with_mtp)
+    targets = {s.name: _Target(model, s, cfg.n_routed_experts) for s in specs}
+    scale_of = {s.scale_name: s.name for s in specs if s.scale_name}
+    by_file: Dict[str, List[str]] = {}
+    for name, file in weight_map.items():
+        if name in targets or name in scale_of:
+            by_file.setdefault(file, []).append(name)
+    pending: Dict[str, torch.Tensor] = {}  # weights or scales waiting for their partner in a later shard
+    with _progress(progress, path, by_file) as advance:
+        for file in sorted(by_file):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in sorted(by_file[file]):
+                    _load_one(f, name, targets, scale_of, pending, model.device)
+            advance(file)
+    if pending:
+        raise CheckpointError(f"checkpoint {path}: unpaired quantised tensors {sorted(pending)}")
+
+
+def _load_one(f, name: str, targets, scale_of, pending, device) -> None:
+    t = f.get_tensor(name).to(device)
+    if name in scale_of:
+        weight_name = scale_of[name]
+        if weight_name in pending:
+            targets[weight_name].store(pending.pop(weight_name), t)
+        else:
+            pending[name] = t
+        return
+    target = targets[name]
+    scale_name = target.spec.scale_name
+    if scale_name is None:
+        target.store(t, None)
+    elif scale_name in pending:
+        target.store(t, pending.pop(scale_name))
+    else:
+        pending[name] = t
+
+
+class _progress:
+    """A rich progress bar over shards (bytes), or nothing."""
+
+    def __init__(self, enabled: bool, path: str, by_file: Dict[str, List[str]]):
+        self.enabled, self.path, self.files = enabled, path, by_file
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda file: None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        self.bar = Progress(TextColumn("loading {task.description}"), BarColumn(), DownloadColumn(),
+                            TimeRemainingColumn(), transient=True)
+        total = sum(os.path.getsize(f) for f in self.files)
+        task = self.bar.add_task(os.path.basename(self.path.rstrip("/")), total=total)
+        self.bar.start()
+        return lambda file: self.bar.advance(task, os.path.getsize(file))
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False

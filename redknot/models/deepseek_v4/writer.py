@@ -1,0 +1,85 @@
+"""Write a native V4 checkpoint (the layout :mod:`weights` reads), optionally FP8/FP4-quantised.
+
+Used by the tiny synthetic model and by tests. Quantisation follows the config:
+``cfg.quant`` set -> dense linears FP8 e4m3 with 128x128 ue8m0 block scales and
+routed experts FP8 or FP4 (``expert_dtype``); unquantised tensors are written in
+``float_dtype`` (bf16 like the released checkpoints) and fp32-kept ones in fp32.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterator, List, Mapping, Tuple
+
+import torch
+from safetensors.torch import save_file
+
+from redknot.kernels.ref_quant import quantize_fp4, quantize_fp8_block
+from redknot.models.deepseek_v4.config import V4Config
+from redknot.models.deepseek_v4.params import FP4, FP8, FP32, FLOAT, INT, checkpoint_spec
+from redknot.models.deepseek_v4.weights import INDEX_FILE
+
+
+def native_tensors(cfg: V4Config, params: Mapping[str, torch.Tensor], float_dtype: torch.dtype = torch.bfloat16,
+                   include_mtp: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(native name, stored tensor) for every checkpoint tensor, from dequantised model values
+    keyed by model parameter name (``DeepseekV4.state_dict()``)."""
+    for spec in checkpoint_spec(cfg, include_mtp=include_mtp):
+        value = params[spec.param]
+        if spec.expert is not None:
+            value = value[spec.expert]
+        value = value.detach().cpu()
+        if spec.fmt == FP8:
+            q, s = quantize_fp8_block(value)
+            yield spec.name, q
+            yield spec.scale_name, s.to(torch.float8_e8m0fnu)
+        elif spec.fmt == FP4:
+            q, s = quantize_fp4(value)
+            yield spec.name, q
+            yield spec.scale_name, s.to(torch.float8_e8m0fnu)
+        elif spec.fmt == INT:
+            yield spec.name, value.to(torch.int32).contiguous()
+        elif spec.fmt == FP32:
+            yield spec.name, value.float().contiguous()
+        else:
+            assert spec.fmt == FLOAT
+            yield spec.name, value.to(float_dtype).contiguous()
+
+
+def write_checkpoint(out_dir: str, cfg: V4Config, tensors: Iterator[Tuple[str, torch.Tensor]],
+                     max_shard_bytes: int = 1 << 30) -> List[str]:
+    """Write shards ``model-0000i-of-0000N.safetensors``, the index file and ``config.json``."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards: List[Dict[str, torch.Tensor]] = []
+    current: Dict[str, torch.Tensor] = {}
+    size = total = 0
+    written: List[str] = []
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"model-{len(written) + 1:05d}.partial"
+            save_file(current, os.path.join(out_dir, name), metadata={"format": "pt"})
+            written.append(name)
+            shards.append({k: None for k in current})
+        current, size = {}, 0
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+        current[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    weight_map, files = {}, []
+    for i, (partial, names) in enumerate(zip(written, shards)):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(os.path.join(out_dir, partial), os.path.join(out_dir, final))
+        files.append(final)
+        weight_map.update({k: final for k in names})
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=1)
+    return files
