@@ -44,6 +44,10 @@ def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = 
     if model.max_position > cfg.max_position_embeddings:
         raise ValueError(f"model.max_position={model.max_position} exceeds the checkpoint's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
+    window = getattr(model, "sliding_window", None)
+    if window is not None and window != cfg.sliding_window:
+        raise ValueError(f"model.sliding_window={window} disagrees with the checkpoint's "
+                         f"sliding_window={cfg.sliding_window}")
     if kernels is None:
         kernels = KernelSet(hardware.kernels.default, dict(hardware.kernels.ops))
     keep = getattr(hardware.weight_format, "value", hardware.weight_format) == "keep"
