@@ -73,6 +73,8 @@ def plan_cache(spec: CacheSpec, *, max_num_seqs: int, max_model_len: int,
         raise ValueError(f"model.max_position={max_model_len}: must be >= 1")
     slots_bytes = max_num_seqs * spec.bytes_per_slot
     per_seq_blocks = spec.blocks_for(max_model_len)
+    if num_blocks is not None:
+        budget_bytes = None  # the configured count wins; the budget plays no part
     if num_blocks is None:
         num_blocks = max_num_seqs * per_seq_blocks
         if budget_bytes is not None:

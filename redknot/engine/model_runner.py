@@ -114,6 +114,8 @@ class ModelRunner:
             return self.graphs.run(inputs)
         meta = inputs.to(self.device)
         streams = self.model.forward(meta, self.state)  # [T, hc, D]
+        if not inputs.logits_owners:  # a step of prefill chunks only
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(streams[meta.logits_indices])
 
     @staticmethod

@@ -12,6 +12,20 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 
+_COMPILERS: Dict[tuple, object] = {}
+_COMPILERS_LOCK = threading.Lock()
+
+
+def _make_compiler(tokenizer, vocab_size: int, stop_token_ids: List[int]):
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "tokenizer", tokenizer)  # the tokenizers.Tokenizer inside V4Tokenizer
+    info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=backend),
+                                              vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    return xgr.GrammarCompiler(info, max_threads=2)
+
+
 class GrammarError(ValueError):
     """A structured-output spec that does not compile (message from the compiler)."""
 
@@ -29,15 +43,15 @@ class StructuredOutputManager:
         self.num_compiled = 0
 
     def _get_compiler(self):
-        # Built on first use: the tokenizer scan takes about a second and most runs never need it.
+        # Built on first use and shared by every engine of the process: the tokenizer scan
+        # takes a second or two and most runs never need it.
         if self._compiler is None:
-            import xgrammar as xgr
-            from transformers import PreTrainedTokenizerFast
-            backend = getattr(self._tokenizer, "tokenizer", self._tokenizer)
-            info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=backend),
-                                                      vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            key = (getattr(self._tokenizer, "source", id(self._tokenizer)), self.vocab_size,
+                   tuple(self._stop_token_ids))
+            with _COMPILERS_LOCK:
+                if key not in _COMPILERS:
+                    _COMPILERS[key] = _make_compiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                self._compiler = _COMPILERS[key]
         return self._compiler
 
     def compile(self, spec: Dict[str, str]):
