@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from redknot.bench.datasets import SourceReader
 from redknot.bench.store import FrozenInputs, InputStore, address_of
 from redknot.bench.suite import TOKENS_PER_K, SuiteBuilder, tokenizer_summary
+from redknot.bench.tokcache import TokenCache
 from redknot.bench.tokenizer import load_tokenizer
 from redknot.config.schema import ModelConfig, SuiteConfig
 
@@ -30,8 +31,10 @@ class FreezeResult:
     disk_bytes: int
 
 
-def make_builder(suite: SuiteConfig, model: ModelConfig, cache_dir: Path) -> SuiteBuilder:
-    return SuiteBuilder(suite, load_tokenizer(model), SourceReader(suite.data, Path(cache_dir)))
+def make_builder(suite: SuiteConfig, model: ModelConfig, cache_dir: Path, reuse_tokens: bool = False) -> SuiteBuilder:
+    """A builder for ``suite``; ``reuse_tokens`` lets it read/write tokenized contexts under the cache (prepare)."""
+    cache = TokenCache(Path(cache_dir)) if reuse_tokens else None
+    return SuiteBuilder(suite, load_tokenizer(model), SourceReader(suite.data, Path(cache_dir)), cache)
 
 
 def manifest_header(builder: SuiteBuilder, key: dict) -> dict:
@@ -74,7 +77,7 @@ def freeze(suite: SuiteConfig, model: ModelConfig, cache_dir: Path, console: Opt
            builder: Optional[SuiteBuilder] = None) -> FreezeResult:
     """Return the suite's frozen inputs, building and storing them first if the address is new."""
     started = time.perf_counter()
-    builder = builder or make_builder(suite, model, cache_dir)
+    builder = builder or make_builder(suite, model, cache_dir, reuse_tokens=True)
     store = InputStore(Path(cache_dir))
     key = builder.key()
     address = address_of(key)

@@ -21,6 +21,7 @@ from redknot.bench import registry, synthetic
 from redknot.bench.casebuild import BuiltCase, CaseError, PromptPieces, build_case
 from redknot.bench.datasets import DatasetSource, SourceReader
 from redknot.bench.registry import DatasetSpec
+from redknot.bench.tokcache import TokenCache, context_key
 from redknot.bench.tokenizer import BenchTokenizer
 from redknot.config.schema import SuiteConfig
 
@@ -87,10 +88,12 @@ def gold_depth(seed: int, dataset: str, row_id: str) -> float:
 class SuiteBuilder:
     """Builds the cases of one suite with one tokenizer from one data location."""
 
-    def __init__(self, suite: SuiteConfig, tokenizer: BenchTokenizer, reader: SourceReader):
+    def __init__(self, suite: SuiteConfig, tokenizer: BenchTokenizer, reader: SourceReader,
+                 token_cache: Optional[TokenCache] = None):
         self.suite = suite
         self.tokenizer = tokenizer
         self.reader = reader
+        self.token_cache = token_cache  # prepare only; validation tokenizes from the sources
         self.specs: List[Tuple[str, DatasetSpec]] = [(name, registry.get_spec(name)) for name in suite.datasets]
         self._filler_pool: Optional[List[np.ndarray]] = None
         self.stats: dict = {}  # per dataset, filled while building: source rows, gold token counts, truncations
@@ -141,6 +144,17 @@ class SuiteBuilder:
                 progress(label, len(out), len(texts))
         return out
 
+    def _contexts(self, source: DatasetSource, label: str, progress: Optional[Progress]) -> List[np.ndarray]:
+        """Token ids of every row's context (from the token cache when one is given and holds them)."""
+        key = context_key(source.sha256, self.tokenizer.sha256)
+        cached = self.token_cache.get(key) if self.token_cache is not None else None
+        if cached is not None and len(cached) == len(source.rows):
+            return cached
+        contexts = self._encode_all([row.context for row in source.rows], label, progress)
+        if self.token_cache is not None:
+            self.token_cache.put(key, contexts)
+        return contexts
+
     def _pieces(self, spec: DatasetSpec, question: np.ndarray) -> PromptPieces:
         before, after = registry.chat_wrapper(getattr(self.suite.chat_template, "value", self.suite.chat_template))
         head, middle, tail = spec.template_parts()
@@ -178,7 +192,7 @@ class SuiteBuilder:
                          progress: Optional[Progress]) -> Iterator[Tuple[CaseEntry, np.ndarray]]:
         rows = source.rows
         selected = rows[:self.num_rows(len(rows))]
-        contexts = self._encode_all([row.context for row in rows], f"tokenize {name}", progress)
+        contexts = self._contexts(source, f"tokenize {name}", progress)
         questions = self.tokenizer.encode_batch([row.input for row in selected])
         sep = self.tokenizer.encode(registry.PASSAGE_SEPARATOR)
         by_id = {row.row_id: row.index for row in rows}

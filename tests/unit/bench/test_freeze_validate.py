@@ -123,3 +123,25 @@ def test_results_directory_checked_against_the_manifest(tmp_path, tokenizer):
                for d in report.differences), report.differences
     assert any("already has a final record" in d for d in report.differences)
     assert any(d.startswith("results.json: overall_score") or "datasets." in d for d in report.differences)
+
+
+def test_prepare_reuses_tokenized_contexts_but_validate_does_not_trust_them(suite, tmp_path):
+    from redknot.bench.tokcache import TokenCache
+
+    cache = tmp_path / "cache"
+    first = freeze(suite, ModelConfig(), cache)
+    entries = sorted((cache / "tokens").glob("*.npz"))
+    assert len(entries) == 3  # hotpotqa, narrativeqa, triviaqa (the synthetic set has no source file)
+    # Damage one cached context, then prepare the same data at another length: the damage flows into
+    # the new inputs, and validation (which tokenizes the sources afresh) reports the cases it touched.
+    tokens = TokenCache(cache)
+    key = entries[0].stem
+    contexts = tokens.get(key)
+    contexts[0] = contexts[0].copy()
+    contexts[0][3] ^= 1
+    tokens.put(key, contexts)
+    other = smoke_suite(**{**suite.__dict__, "context_tokens": 1100})
+    second = freeze(other, ModelConfig(), cache)
+    assert second.inputs.address != first.inputs.address
+    report = _validate(other, second.inputs, tmp_path)
+    assert not report.ok and all(line.startswith("case ") for line in report.differences)
