@@ -143,7 +143,8 @@ def _multifield(text: _Text, words: int) -> Tuple[str, str, List[str]]:
     unit = str(text.rng.choice(["units", "panels", "members"]))
     sections = [f"Section {i + 1}\n{text.sentences(120)}" for i in range(max(1, words // 130) - 1)]
     position = int(text.rng.integers(0, len(sections) + 1))
-    sections.insert(position, f"Section {position + 1}\n{text.words_around(f'The {system} array has {count} {unit}.', 110)}")
+    fact = f"The {system} array has {count} {unit}."
+    sections.insert(position, f"Section {position + 1}\n{text.words_around(fact, 110)}")
     return "\n\n".join(sections), f"How many {unit} does the {system} array have?", [count, f"{count} {unit}"]
 
 

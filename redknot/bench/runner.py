@@ -81,10 +81,11 @@ class Runner:
     def warmup(self, jobs: Sequence[CaseJob], max_tokens: int = 4) -> int:
         """Run ``jobs`` with short generations and discard them (kernels, caches, allocator warm)."""
         self._prefix = "warmup"
-        done = []
-        short = [CaseJob(j.entry, j.prompt_ids) for j in jobs]
-        self._loop(short, done.append, max_tokens)
-        self._prefix = "case"
+        done: List[CaseOutcome] = []
+        try:
+            self._loop(list(jobs), done.append, max_tokens)
+        finally:
+            self._prefix = "case"
         return len(done)
 
     def run(self, jobs: Sequence[CaseJob], on_outcome: Callable[[CaseOutcome], None]) -> None:

@@ -125,7 +125,8 @@ class SuiteBuilder:
         """Everything the frozen inputs depend on; its sha256 is their address."""
         suite = self.suite
         return {
-            "builder": BUILDER_VERSION, "templates": registry.TEMPLATE_VERSION, "synthetic": synthetic.SYNTHETIC_VERSION,
+            "builder": BUILDER_VERSION, "templates": registry.TEMPLATE_VERSION,
+            "synthetic": synthetic.SYNTHETIC_VERSION,
             "suite": suite.name, "context_tokens": suite.context_tokens, "tokens_per_k": TOKENS_PER_K,
             "datasets": list(suite.datasets), "samples_per_dataset": suite.samples_per_dataset, "seed": suite.seed,
             "chat_template": getattr(suite.chat_template, "value", suite.chat_template),

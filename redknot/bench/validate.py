@@ -12,13 +12,18 @@ score; the stored aggregates equal those recomputed from the records.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
 
+from redknot.bench.aggregate import aggregate
 from redknot.bench.freeze import progress_callback
+from redknot.bench.records import FINAL_STATUSES, RECORDS_FILE, STATUSES, read_records
+from redknot.bench.report import RESULTS_FILE
+from redknot.bench.scoring import score_prediction
 from redknot.bench.store import FrozenInputs, address_of, manifest_sha_mismatch
 from redknot.bench.suite import CaseEntry, SuiteBuilder, ids_sha256
 
@@ -132,9 +137,6 @@ def validate_inputs(builder: SuiteBuilder, inputs: FrozenInputs, console=None) -
 
 
 def _check_record(record: dict, case: Optional[CaseEntry], line: int, inputs: FrozenInputs) -> List[str]:
-    from redknot.bench.records import STATUSES
-    from redknot.bench.scoring import score_prediction
-
     where = f"record {line} (case {record.get('case_id')})"
     if case is None:
         return [f"{where}: no such case in the manifest {inputs.address}"]
@@ -155,12 +157,6 @@ def _check_record(record: dict, case: Optional[CaseEntry], line: int, inputs: Fr
 
 def validate_results(run_dir: Path, inputs: FrozenInputs) -> ValidationReport:
     """Check ``run_dir``'s records (and results.json, when present) against the manifest of ``inputs``."""
-    import json
-
-    from redknot.bench.aggregate import aggregate
-    from redknot.bench.records import FINAL_STATUSES, RECORDS_FILE, read_records
-    from redknot.bench.report import RESULTS_FILE
-
     report = ValidationReport()
     records, problems = read_records(Path(run_dir) / RECORDS_FILE)
     report.differences += problems

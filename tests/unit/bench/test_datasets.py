@@ -44,7 +44,8 @@ def test_missing_dataset_file_names_the_dataset(longbench_dir):
     ('{"input": "q", "context": "c", "answers": [], "_id": "x2"}', "line 2: field 'answers' must be a non-empty"),
     ('{"input": 3, "context": "c", "answers": ["a"], "_id": "x2"}', "line 2: field 'input' must be str, got int"),
     ('{"context": "c", "answers": ["a"], "_id": "x2"}', "line 2: field 'input' is missing"),
-    ('{"input": "q", "context": "c", "answers": ["a"], "_id": "x1"}', "line 2: field '_id' = 'x1' repeats the row on line 1"),
+    ('{"input": "q", "context": "c", "answers": ["a"], "_id": "x1"}',
+     "line 2: field '_id' = 'x1' repeats the row on line 1"),
     ('{"input": "q", "context": "c", "answers": ["a"], "_id": "x2", "length": "long"}', "line 2: field 'length'"),
     ('["a"]', "line 2: a row must be a JSON object"),
 ])
