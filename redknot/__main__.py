@@ -42,10 +42,11 @@ def dispatch(cfg: DictConfig, body: Optional[ModeBody] = None) -> int:
     return tracker.exit_code
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> int:
+def run_job(cfg: DictConfig, body: Optional[ModeBody] = None) -> int:
+    """One Hydra job: :func:`dispatch`, its exit code kept for the process exit.
+    In a sweep an exception fails this job only (its MLflow run is already FAILED)."""
     try:
-        code = dispatch(cfg)
+        code = dispatch(cfg, body)
     except Exception:
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             raise
@@ -55,6 +56,16 @@ def main(cfg: DictConfig) -> int:
     return code
 
 
+def exit_code() -> int:
+    """The first non-zero job exit code, else 0."""
+    return next((c for c in _exit_codes if c), 0)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> int:
+    return run_job(cfg)
+
+
 if __name__ == "__main__":
     main()
-    sys.exit(next((c for c in _exit_codes if c), 0))
+    sys.exit(exit_code())

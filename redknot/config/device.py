@@ -7,8 +7,10 @@ torch is imported lazily, only when a device is actually probed.
 """
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -38,6 +40,23 @@ def detect() -> DeviceFacts:
     npu = getattr(torch, "npu", None)  # present once torch_npu is imported
     if npu is not None and npu.is_available():
         return DeviceFacts(Accelerator.npu, npu.device_count(), npu.get_device_name(0))
+    return DeviceFacts(Accelerator.cpu, 0, _cpu_name())
+
+
+def describe() -> DeviceFacts:
+    """Device facts for run records, without importing torch just for that.
+
+    torch's own view when torch is loaded; else ``nvidia-smi`` (name, compute
+    capability, driver); else torch after all if an NVIDIA driver or torch_npu is
+    present; else the CPU.
+    """
+    if "torch" in sys.modules:
+        return detect()
+    smi = _nvidia_smi_facts()
+    if smi is not None:
+        return smi
+    if Path("/proc/driver/nvidia").exists() or importlib.util.find_spec("torch_npu") is not None:
+        return detect()
     return DeviceFacts(Accelerator.cpu, 0, _cpu_name())
 
 
@@ -86,15 +105,28 @@ def load_hardware_options(conf_dir: Path = CONF_DIR) -> Dict[str, HardwareConfig
     return options
 
 
-def _nvidia_driver() -> Optional[str]:
+def _nvidia_smi(fields: str) -> List[List[str]]:
     if shutil.which("nvidia-smi") is None:
-        return None
+        return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
+        return []
+    return [[part.strip() for part in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+
+
+def _nvidia_driver() -> Optional[str]:
+    rows = _nvidia_smi("driver_version")
+    return rows[0][0] if rows else None
+
+
+def _nvidia_smi_facts() -> Optional[DeviceFacts]:
+    rows = _nvidia_smi("name,compute_cap,driver_version")
+    if not rows or len(rows[0]) != 3:
         return None
-    return out.strip().splitlines()[0] if out.strip() else None
+    name, cc, driver = rows[0]
+    return DeviceFacts(Accelerator.cuda, len(rows), name, cc, driver)
 
 
 def _cpu_name() -> str:

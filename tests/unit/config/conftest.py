@@ -1,35 +1,9 @@
-"""Compose RedKnot's real conf/ in-process (Hydra's compose API), one initialisation per call
-so no global Hydra state leaks into other tests."""
-from contextlib import contextmanager
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
 
-import redknot.config.store  # noqa: F401
-from redknot.config.device import CONF_DIR
-from redknot.config.resolve import resolve
-
-
-@contextmanager
-def hydra_context():
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        yield
-
-
-def compose_cfg(*overrides):
-    with hydra_context():
-        return compose("config", overrides=list(overrides))
-
-
-def resolve_overrides(*overrides, tmp_path: Path, environ=None):
-    """Compose and resolve as `python -m redknot <overrides>` would (run dir under tmp_path)."""
-    with hydra_context():
-        cfg = compose("config", overrides=list(overrides))
-        return resolve(cfg, run_dir=tmp_path / "run", overrides=list(overrides),
-                       environ={} if environ is None else environ, cwd=tmp_path)
+from config_testutil import resolve_overrides
 
 
 @pytest.fixture
 def resolved(tmp_path):
+    """``resolved(*overrides, environ=None) -> RunContext`` for the real conf/, paths under tmp_path."""
     return lambda *overrides, environ=None: resolve_overrides(*overrides, tmp_path=tmp_path, environ=environ)

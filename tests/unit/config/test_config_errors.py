@@ -2,7 +2,7 @@
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from conftest import compose_cfg
+from config_testutil import compose_cfg
 from redknot.config.validate import ConfigError
 
 

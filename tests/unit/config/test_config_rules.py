@@ -1,8 +1,15 @@
-"""Each cross-field rule: the boundary that passes and the value that fails."""
+"""Each cross-field rule: the boundary that passes and the value that fails.
+
+Most cases change the typed default config directly (composing once); the ones that
+switch a config group go through Hydra (``resolved``)."""
 import pytest
 
+from config_testutil import typed_with
+from redknot.config.schema import Accelerator, Mode, SwaReplayMode
 from redknot.config.schema import ParallelConfig
-from redknot.config.validate import ConfigError, check_parallel_layout, require_parallel_layout
+from redknot.config.validate import ConfigError, check_parallel_layout, require_parallel_layout, validate
+
+COMPACT = {"features.swa_replay.mode": SwaReplayMode.compact}
 
 
 def violations(resolved, *overrides):
@@ -13,54 +20,75 @@ def violations(resolved, *overrides):
     return []
 
 
+def check(**changes):
+    """Violations of the default config with ``changes`` (keys with __ for dots)."""
+    return [str(v) for v in validate(typed_with({k.replace("__", "."): v for k, v in changes.items()}))]
+
+
 def test_default_config_is_valid(resolved):
     ctx = resolved()
     assert ctx.cfg.model.name == "tiny" and ctx.cfg.suite.name == "smoke" and ctx.cfg.hardware.name == "cpu"
+    assert validate(ctx.cfg) == []
 
 
 @pytest.mark.parametrize("keep, max_draft, ok", [(134, 5, True), (133, 5, False), (140, 12, False),
                                                  (141, 12, True), (129, 0, True), (128, 0, False)])
-def test_keep_tokens_covers_window_plus_draft(resolved, keep, max_draft, ok):
-    found = violations(resolved, "features.swa_replay.mode=compact", f"features.swa_replay.keep_tokens={keep}",
-                       f"features.dspark.max_draft={max_draft}")
+def test_keep_tokens_covers_window_plus_draft(keep, max_draft, ok):
+    found = check(features__swa_replay__mode=SwaReplayMode.compact, features__swa_replay__keep_tokens=keep,
+                  features__dspark__max_draft=max_draft)
     assert (found == []) == ok, found
     if not ok:
-        assert found[0].startswith(f"features.swa_replay.keep_tokens={keep}: must be >= model.sliding_window "
-                                   f"(128) + features.dspark.max_draft ({max_draft}) + 1 = {129 + max_draft}")
+        assert found == [f"features.swa_replay.keep_tokens={keep}: must be >= model.sliding_window (128) + "
+                         f"features.dspark.max_draft ({max_draft}) + 1 = {129 + max_draft} when "
+                         f"features.swa_replay.mode=compact"]
 
 
-def test_keep_tokens_unchecked_when_replay_is_off(resolved):
-    assert violations(resolved, "features.swa_replay.keep_tokens=10") == []
+def test_keep_tokens_follows_the_model_window():
+    window = {"model__synthetic__architecture": {}, "features__swa_replay__mode": SwaReplayMode.compact}
+    assert check(model__sliding_window=64, features__swa_replay__keep_tokens=70, **window) == []
+    assert check(model__sliding_window=256, **window) == [
+        "features.swa_replay.keep_tokens=140: must be >= model.sliding_window (256) + features.dspark.max_draft (5) "
+        "+ 1 = 262 when features.swa_replay.mode=compact"]
 
 
-def test_keep_tokens_without_drafting_needs_window_plus_one(resolved):
-    found = violations(resolved, "features.swa_replay.mode=compact", "features.swa_replay.keep_tokens=128",
-                       "features.dspark.enabled=false")
+def test_keep_tokens_unchecked_when_replay_is_off():
+    assert check(features__swa_replay__keep_tokens=10) == []
+
+
+def test_keep_tokens_without_drafting_needs_window_plus_one():
+    found = check(features__swa_replay__mode=SwaReplayMode.compact, features__swa_replay__keep_tokens=128,
+                  features__dspark__enabled=False)
     assert found == ["features.swa_replay.keep_tokens=128: must be >= model.sliding_window (128) + "
                      "features.dspark.max_draft (0: features.dspark.enabled=false) + 1 = 129 when "
                      "features.swa_replay.mode=compact"]
 
 
 def test_deterministic_needs_batch_invariance_and_fixed_verify_length(resolved):
-    found = violations(resolved, "features.deterministic=true")
+    found = check(features__deterministic=True)
     assert len(found) == 2
     assert found[0].startswith("features.batch_invariant.enabled=false: features.deterministic=true needs")
     assert found[1].startswith("features.dspark.varlen=true: features.deterministic=true needs")
+    assert check(features__deterministic=True, features__batch_invariant__enabled=True,
+                 features__dspark__enabled=False) == []
     assert violations(resolved, "features=deterministic") == []
 
 
-def test_batch_invariant_refused_on_ascend(resolved):
-    assert violations(resolved, "hardware=ascend950") == []
-    found = violations(resolved, "hardware=ascend950", "features.batch_invariant.enabled=true")
-    assert len(found) == 1 and "hardware=ascend950 has no batch-invariant kernels" in found[0]
+def test_batch_invariant_refused_without_kernels():
+    assert check(hardware__supports_batch_invariant=False) == []
+    found = check(hardware__supports_batch_invariant=False, features__batch_invariant__enabled=True)
+    assert found == ["features.batch_invariant.enabled=true: hardware=cpu has no batch-invariant kernels "
+                     "(hardware.supports_batch_invariant=false); use hardware=cpu, sm90-port or sm100"]
 
 
-def test_suite_plus_generation_must_fit_model_positions(resolved):
-    # 64k: 65536 prompt tokens + narrativeqa's 128 new tokens = 65664
-    assert violations(resolved, "suite=64k", "model.max_position=65664") == []
-    found = violations(resolved, "suite=64k", "model.max_position=65663")
-    assert found == ["suite.context_tokens=65536: suite.context_tokens (65536) + the largest max_new_tokens (128) "
-                     "= 65664 must be <= model.max_position (65663) of model=tiny"]
+def test_suite_plus_generation_must_fit_model_positions():
+    # 2048 prompt tokens + the smoke suite's 32 new tokens = 2080
+    assert check(model__max_position=2080) == []
+    assert check(model__max_position=2079) == [
+        "suite.context_tokens=2048: suite.context_tokens (2048) + the largest max_new_tokens (32) = 2080 must be "
+        "<= model.max_position (2079) of model=tiny"]
+    # a dataset without an entry uses default_max_new_tokens
+    assert len(check(model__max_position=2100, suite__default_max_new_tokens=100,
+                     suite__datasets=["hotpotqa", "musique"], suite__max_new_tokens={"hotpotqa": 32})) == 1
 
 
 def test_real_model_needs_a_path_to_run_but_not_to_prepare(resolved):
@@ -70,21 +98,23 @@ def test_real_model_needs_a_path_to_run_but_not_to_prepare(resolved):
     assert violations(resolved, "model=deepseek-v4.1-flash", "model.path=/ckpt") == []
 
 
-def test_generate_needs_a_prompt(resolved):
-    assert violations(resolved, "mode=generate") == ['prompt=null: mode=generate needs prompt="..."']
-    assert violations(resolved, "mode=generate", "prompt=hello") == []
+def test_generate_needs_a_prompt():
+    assert check(mode=Mode.generate) == ['prompt=null: mode=generate needs prompt="..."']
+    assert check(mode=Mode.generate, prompt="hello") == []
 
 
-def test_kernel_backend_must_exist_and_match_the_accelerator(resolved):
-    found = violations(resolved, "hardware.kernels.default=flash_mla", "+hardware.kernels.ops.rms_norm=cutlass")
+def test_kernel_backend_must_exist_and_match_the_accelerator():
+    found = check(hardware__kernels__default="flash_mla", hardware__kernels__ops={"rms_norm": "cutlass"})
     assert found[0] == ("hardware.kernels.default=flash_mla: backend 'flash_mla' runs on accelerator cuda, "
                         "not on hardware.accelerator=cpu")
     assert found[1].startswith("hardware.kernels.ops.rms_norm=cutlass: unknown kernel backend; known: [")
+    assert check(hardware__accelerator=Accelerator.cuda, hardware__kernels__default="flash_mla") == []
 
 
-def test_cuda_graphs_need_cuda(resolved):
-    assert violations(resolved, "hardware.cuda_graphs=true") == [
-        "hardware.cuda_graphs=true: needs hardware.accelerator=cuda (is cpu)"]
+def test_cuda_only_hardware_facts():
+    assert check(hardware__cuda_graphs=True) == ["hardware.cuda_graphs=true: needs hardware.accelerator=cuda (is cpu)"]
+    assert check(hardware__accelerator=Accelerator.cuda, hardware__compute_capability=["sm90"]) == [
+        'hardware.compute_capability=["sm90"]: entry \'sm90\' must look like \'9.0\' or \'10.\' (a major.minor prefix)']
 
 
 def test_max_new_tokens_entries_must_name_suite_datasets(resolved):
@@ -92,10 +122,10 @@ def test_max_new_tokens_entries_must_name_suite_datasets(resolved):
     assert len(found) == 1 and "has entries ['hotpot_qa'] for datasets not in suite.datasets" in found[0]
 
 
-def test_duplicate_dataset(resolved):
-    datasets = "[niah_single,niah_multikey,variable_tracking,hotpotqa,triviaqa,hotpotqa]"
-    found = violations(resolved, f"suite.datasets={datasets}")
-    assert len(found) == 1 and found[0].endswith(": lists ['hotpotqa'] more than once")
+def test_duplicate_and_empty_datasets():
+    found = check(suite__datasets=["hotpotqa", "triviaqa", "hotpotqa"], suite__max_new_tokens={})
+    assert found == ['suite.datasets=["hotpotqa", "triviaqa", "hotpotqa"]: lists [\'hotpotqa\'] more than once']
+    assert check(suite__datasets=[], suite__max_new_tokens={}) == ["suite.datasets=[]: must name at least one dataset"]
 
 
 def test_targets_must_stay_inside_redknot(resolved):
@@ -104,10 +134,15 @@ def test_targets_must_stay_inside_redknot(resolved):
                      "for engine: ['redknot.engine.LLM']"]
 
 
-def test_parallel_sizes_positive(resolved):
-    found = violations(resolved, "features.parallel.ep=0", "features.parallel.cp=-2")
-    assert found == ["features.parallel.ep=0: parallel sizes must be positive",
-                     "features.parallel.cp=-2: parallel sizes must be positive"]
+def test_parallel_sizes_positive():
+    assert check(features__parallel__ep=0, features__parallel__cp=-2) == [
+        "features.parallel.ep=0: parallel sizes must be positive",
+        "features.parallel.cp=-2: parallel sizes must be positive"]
+
+
+def test_scheduler_chunk_within_the_step_budget():
+    assert check(engine__scheduler__long_prefill_chunk=8192) == [
+        "engine.scheduler.long_prefill_chunk=8192: must be <= engine.scheduler.max_num_batched_tokens (4096)"]
 
 
 def test_synthetic_architecture_must_agree_with_model_fields(resolved):
