@@ -83,3 +83,23 @@ def test_every_dataset_named_by_a_suite_config_is_known():
 def test_unknown_dataset_lists_the_known_ones():
     with pytest.raises(ValueError, match=r"suite.datasets: unknown dataset 'hotpot'; known datasets: 2wikimqa, "):
         get_spec("hotpot")
+
+
+def test_download_goes_through_the_hub_client_only_when_asked(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+    made = fixtures.write_data_zip(tmp_path / "made" / "data.zip", "test", ["hotpotqa"])
+
+    def fake_download(**kwargs):  # stands in for the network: the hub client's own function
+        calls.append(kwargs)
+        return str(made)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    with pytest.raises(DataError):
+        SourceReader(DataConfig(archive=str(tmp_path / "absent.zip")), tmp_path / "cache")
+    assert calls == []
+    reader = SourceReader(DataConfig(download=True), tmp_path / "cache")
+    assert calls == [{"repo_id": "THUDM/LongBench", "filename": "data.zip", "repo_type": "dataset",
+                      "local_dir": str(tmp_path / "cache" / "longbench")}]
+    assert len(reader.load("hotpotqa").rows) == 6 and reader.archive_sha256

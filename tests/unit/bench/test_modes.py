@@ -75,3 +75,31 @@ def test_catalog_shows_token_statistics_once_prepared(tmp_path, longbench_dir):
     text = console.export_text()
     assert f"{stats['source_rows']} rows; gold context tokens mean {stats['gold_tokens']['mean']:,.0f}" in text
     assert result.inputs.address in text
+
+
+def test_generate_wraps_the_prompt_in_the_chat_template_and_prints_the_completion(tmp_path, monkeypatch,
+                                                                                     tokenizer, capsys):
+    from redknot.bench import app
+    from redknot.config.resolve import RunContext
+    from redknot.config.schema import OutputConfig, RedKnotConfig
+    from redknot.tracking.base import NullTracker
+
+    from .fake_engine import FakeLLM
+
+    prompts = []
+
+    def respond(ids):
+        prompts.append(ids)
+        return "Paris is the capital."
+
+    monkeypatch.setattr(app, "build_engine", lambda cfg: FakeLLM(tokenizer, respond))
+    cfg = RedKnotConfig(prompt="Capital of France?", output=OutputConfig(root=str(tmp_path),
+                                                                          cache_dir=str(tmp_path / "cache")))
+    ctx = RunContext(cfg=cfg, run_dir=tmp_path / "run", overrides=[], legacy_translation={}, config_yaml="")
+    assert app.generate(ctx, NullTracker()) == 0
+    assert "Paris is the capital." in capsys.readouterr().out
+    (prompt,) = prompts
+    assert prompt[:2] == [0, 128803] and prompt[-2:] == [128804, 128822]  # <bos><User> ... <Assistant></think>
+    assert tokenizer.decode(prompt[2:-2]) == "Capital of France?"
+    cfg.prompt = None
+    assert app.generate(ctx, NullTracker()) == 2
