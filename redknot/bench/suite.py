@@ -206,9 +206,10 @@ class SuiteBuilder:
                                    [gold_depth(self.suite.seed, name, row.row_id)], filler, sep,
                                    self.suite.context_tokens)
             except CaseError as err:
-                raise CaseError(f"{name} row {row.index} (_id {row.row_id}) from {self.reader.description}: {err}; "
-                                f"point suite.data.dir / suite.data.archive at the full LongBench data or lower "
-                                f"suite.context_tokens") from None
+                hint = ("; point suite.data.dir / suite.data.archive at the full LongBench data or lower "
+                        "suite.context_tokens") if "filler runs out" in str(err) else ""
+                raise CaseError(f"{name} row {row.index} (_id {row.row_id}) from {self.reader.description}: "
+                                f"{err}{hint}") from None
             truncated += built.gold_truncated
             yield self._entry(name, spec, row.index, row.row_id, source.origin, source.sha256, row.input,
                               row.answers, built, built.filler_keys), built.input_ids
