@@ -13,6 +13,7 @@ grouped_linear      x [T, G, K], W [G*R, K] (+ scale) -> [T, G, R] (block-diagon
 rope                interleaved rotation of the trailing 2*len(cos) dims (inverse: rotate by -angle)
 mhc_pre / mhc_post  manifold-constrained hyper-connection weights (Sinkhorn) and stream mixing
 mhc_head            final hyper-connection collapse (no Sinkhorn, no post)
+router_scores       MoE router affinities sqrt(softplus(x · Wᵀ)) in fp32
 compressor          softmax-gated pooling of raw projected rows into compressed entries
 indexer_topk        lightning-indexer scores + top-k (ties: lower entry index first)
 sparse_attention    queries x (SWA window ∪ chosen compressed entries) + sink, one softmax
@@ -111,6 +112,12 @@ def mhc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     """Final collapse of the n streams [T, n, D] -> [T, D] with sigmoid weights (no Sinkhorn)."""
     pre = torch.sigmoid(_hc_mix(streams, fn, norm_eps) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+@register("router_scores")
+def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, D], router weight [E, D] -> [T, E] fp32 = sqrt(softplus(x · Wᵀ)) (logits in fp32)."""
+    return F.softplus(F.linear(x.float(), weight.float())).sqrt()
 
 
 # The remaining ops live in their own modules; importing them registers them.

@@ -3,7 +3,6 @@ selection-only bias, renormalised weights × routed scale, clamped SwiGLU expert
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from redknot.models.deepseek_v4.config import V4Config
@@ -25,7 +24,7 @@ class Router(nn.Module):
 
     def forward(self, ks, x: torch.Tensor, input_ids: torch.Tensor):
         """-> (expert ids [T, k], weights [T, k] fp32)."""
-        scores = F.softplus(ks.linear(x.float(), self.weight.float())).sqrt()  # [T, E] fp32
+        scores = ks.router_scores(x.float(), self.weight)  # [T, E] fp32
         if self.hash_layer:
             idx = self.tid2eid[input_ids].long()
         else:
@@ -70,8 +69,14 @@ class MoE(nn.Module):
         idx, weights = self.gate(ks, x, input_ids)
         ex = self.experts
         routed = ks.moe(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale, ex.w3_scale)
-        sh = self.shared_experts
-        gate, up = sh.w1(ks, x), sh.w3(ks, x)
-        hidden = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
-        return routed + sh.w2(ks, hidden)
+        return routed + self._shared(ks, x)
 
+    def _shared(self, ks, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert, run as a one-expert MoE that every token selects with weight 1 (exact),
+        so that its GEMMs and clamped SwiGLU go through the same registered op as the routed ones."""
+        sh = self.shared_experts
+        one = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731  [1, ...] expert stack
+        idx = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)  # [T, 1]
+        w = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return ks.moe(x, idx, w, one(sh.w1.weight), one(sh.w2.weight), one(sh.w3.weight), self.limit,
+                      one(sh.w1.scale), one(sh.w2.scale), one(sh.w3.scale))

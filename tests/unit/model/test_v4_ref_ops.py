@@ -9,7 +9,7 @@ from redknot.kernels.ref_quant import quantize_fp4, quantize_fp8_block
 from redknot.models.deepseek_v4.state import StepMetadata
 
 OPS = {"rms_norm", "linear", "grouped_linear", "rope", "mhc_pre", "mhc_post", "mhc_head", "compressor",
-       "indexer_topk", "sparse_attention", "moe"}
+       "indexer_topk", "sparse_attention", "moe", "router_scores"}
 ks = KernelSet()
 g = torch.Generator().manual_seed(0)
 
