@@ -90,6 +90,8 @@ class LLM:
     def stats(self) -> EngineStats:
         s = self._core.stats
         s.peak_memory_bytes = peak_memory_bytes(self.device)
+        s.num_cuda_graph_steps = self.runner.num_graph_replays
+        s.cuda_graphs = self.runner.cuda_graphs_status
         return s
 
     # ------------------------------------------------------------------ batch API

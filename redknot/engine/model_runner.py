@@ -56,6 +56,7 @@ class ModelRunner:
         self.kernels = kernels
         self.model = build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device)
         self.cfg = self.model.cfg
+        self.max_model_len = model_cfg.max_position
         self.vocab_size = self.cfg.vocab_size
         self.dtype = torch_dtype(hardware.dtype)
         kv_dtype = torch_dtype(hardware.kv_cache_dtype)
@@ -112,6 +113,10 @@ class ModelRunner:
     def _logits(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
+        return self.eager_logits(inputs)
+
+    def eager_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """Forward + logits of the step, op by op."""
         meta = inputs.to(self.device)
         streams = self.model.forward(meta, self.state)  # [T, hc, D]
         if not inputs.logits_owners:  # a step of prefill chunks only
@@ -130,3 +135,13 @@ class ModelRunner:
         """Capture decode graphs (CUDA, when enabled) before serving."""
         if self.graphs is not None:
             self.graphs.capture()
+
+    @property
+    def cuda_graphs_status(self) -> str:
+        if self.graphs is None:
+            return "off: hardware.cuda_graphs=false" if self.device.type == "cuda" else f"off: {self.device.type}"
+        return self.graphs.status
+
+    @property
+    def num_graph_replays(self) -> int:
+        return 0 if self.graphs is None else self.graphs.num_replays

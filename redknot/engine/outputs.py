@@ -47,6 +47,7 @@ class EngineStats:
     num_draft_accepted: int = 0
     num_requests_finished: int = 0
     num_cuda_graph_steps: int = 0
+    cuda_graphs: str = "off"               # "on: batch sizes [...]" or "off: <reason>"
     peak_memory_bytes: int = 0
     cache_blocks_total: int = 0
     cache_blocks_peak_used: int = 0

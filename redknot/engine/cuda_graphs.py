@@ -1,0 +1,118 @@
+"""CUDA graphs for decode steps: one captured forward + logits per padded batch size.
+
+A graph replays the kernels it recorded with whatever the static input
+buffers hold, so the model's decode forward must take every per-step value
+from the ``StepMetadata`` tensors, never from its Python-side lists or from
+host-side control flow. A model states that with ``supports_cuda_graphs =
+True``; for any other model (the reference path loops over sequences on the
+host) decode runs eagerly and the reason is reported, never a wrong replay.
+The first replay of every batch size is also checked against an eager run.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+
+from redknot.engine.inputs import StepInputs
+from redknot.models.deepseek_v4.state import StepMetadata
+
+log = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> List[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captures and replays decode-only steps of ``runner.model`` (see the module docstring)."""
+
+    def __init__(self, runner, max_batch: int) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_batch)
+        self.graphs: Dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: Dict[int, torch.Tensor] = {}
+        self.checked: set = set()
+        self.num_replays = 0
+        self.disabled_reason: Optional[str] = None
+        if not getattr(runner.model, "supports_cuda_graphs", False):
+            self.disabled_reason = ("the model's decode forward reads per-step Python metadata (kernels: "
+                                    f"{runner.kernels!r}); decode runs eagerly")
+        device = runner.device
+        max_blocks = runner.cache_spec.blocks_for(runner.max_model_len)
+        b = max_batch
+        self.input_ids = torch.zeros(b, dtype=torch.long, device=device)           # [B]
+        self.positions = torch.zeros(b, dtype=torch.long, device=device)           # [B]
+        self.query_start = torch.arange(b + 1, dtype=torch.int32, device=device)   # [B+1]
+        self.seq_slots = torch.full((b,), runner.padding_slot, dtype=torch.int32, device=device)  # [B]
+        self.block_tables = torch.full((b, max_blocks), runner.padding_block, dtype=torch.int32,
+                                       device=device)                             # [B, max_blocks]
+        self.logits_indices = torch.arange(b, dtype=torch.long, device=device)     # [B]
+
+    @property
+    def status(self) -> str:
+        return f"off: {self.disabled_reason}" if self.disabled_reason else f"on: batch sizes {self.sizes}"
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return (self.disabled_reason is None and inputs.sched.is_decode_only
+                and len(inputs.sched.requests) <= self.sizes[-1])
+
+    def _meta(self, bs: int, context_lens: List[int]) -> StepMetadata:
+        return StepMetadata(input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+                            query_start_loc=self.query_start[:bs + 1], seq_slots=self.seq_slots[:bs],
+                            block_tables=self.block_tables[:bs], logits_indices=self.logits_indices[:bs],
+                            num_tokens_per_seq=[1] * bs, context_lens=context_lens)
+
+    def capture(self) -> None:
+        if self.disabled_reason is not None:
+            log.warning("hardware.cuda_graphs=true but %s", self.disabled_reason)
+            return
+        model, state = self.runner.model, self.runner.state
+        pool = None
+        try:
+            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+                meta = self._meta(bs, [0] * bs)
+                model.compute_logits(model.forward(meta, state)[meta.logits_indices])  # warm-up, eager
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = model.compute_logits(model.forward(meta, state)[meta.logits_indices])
+                pool = graph.pool()
+                self.graphs[bs], self.outputs[bs] = graph, out
+        except RuntimeError as exc:
+            self.graphs.clear()
+            self.disabled_reason = f"capture failed ({str(exc).splitlines()[0]}); decode runs eagerly"
+            log.warning("hardware.cuda_graphs=true but %s", self.disabled_reason)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [B, V] of a decode-only step by graph replay (padding rows go to the spare slot)."""
+        meta = inputs.meta
+        n = meta.num_seqs
+        bs = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(meta.input_ids, non_blocking=True)
+        self.positions[:n].copy_(meta.positions, non_blocking=True)
+        self.seq_slots[:n].copy_(meta.seq_slots, non_blocking=True)
+        self.seq_slots[n:bs].fill_(self.runner.padding_slot)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self.block_tables[n:bs].fill_(self.runner.padding_block)
+        self.positions[n:bs].zero_()
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        logits = self.outputs[bs][:n].clone()
+        if bs in self.checked:
+            return logits
+        return self._check(inputs, logits, bs)
+
+    def _check(self, inputs: StepInputs, logits: torch.Tensor, bs: int) -> torch.Tensor:
+        """First replay per size: recompute eagerly (state writes are position-addressed, so the
+        step writing the same rows twice is harmless), compare, and return the eager logits."""
+        self.checked.add(bs)
+        eager = self.runner.eager_logits(inputs)
+        if not torch.allclose(eager, logits, atol=1e-3, rtol=1e-3):
+            self.disabled_reason = (f"replay of batch size {bs} disagreed with eager execution "
+                                    f"(max diff {(eager - logits).abs().max().item():.3g}); decode runs eagerly")
+            log.error("cuda graphs: %s", self.disabled_reason)
+        return eager
