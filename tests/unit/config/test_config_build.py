@@ -77,3 +77,11 @@ def test_engine_start_check_names_the_device_found_and_the_option_that_fits():
     with pytest.raises(RuntimeError) as err:
         check_device(options["ascend950"], CPU)
     assert "but this machine has no accelerator (CPU: AMD EPYC); options that fit: hardware=cpu" in str(err.value)
+
+
+def test_every_op_a_hardware_target_names_is_a_registered_op():
+    from redknot.kernels import registered_ops
+
+    known = set(registered_ops())
+    for name, hardware in load_hardware_options().items():
+        assert set(hardware.kernels.ops) <= known, (name, sorted(set(hardware.kernels.ops) - known))
