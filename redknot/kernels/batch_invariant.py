@@ -26,7 +26,7 @@ from redknot.kernels import ref_attention
 from redknot.kernels import reference as ref
 from redknot.kernels.ref_moe import _expert_weight, swiglu
 from redknot.kernels.ref_quant import dequantize
-from redknot.kernels.registry import register, registered_ops
+from redknot.kernels.registry import register
 
 BACKEND = "batch_invariant"
 TILE_ROWS = 16
@@ -196,16 +196,12 @@ def sparse_attention(q, kv, swa_ring, sinks, scale: float, window: int, meta, ex
     return out
 
 
+@register("router_scores", BACKEND)
 def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sqrt(softplus(x·Wᵀ)) in fp32 on fixed tiles: softplus is vectorised differently in a tensor's
     body and tail on CPU, so the elementwise part needs a fixed shape as much as the GEMM."""
     return tiled(lambda rows, w: F.softplus(F.linear(rows, w)).sqrt(), [x.float()], weight.float())
 
 
-# The model registers the reference ``router_scores``; the tiled version joins once that op exists.
-if "router_scores" in registered_ops():
-    register("router_scores", BACKEND)(router_scores)
-
 OPS: Tuple[str, ...] = ("rms_norm", "linear", "grouped_linear", "mhc_pre", "mhc_post", "mhc_head", "moe",
-                        "compressor", "indexer_topk", "sparse_attention") + (
-                            ("router_scores",) if "router_scores" in registered_ops() else ())
+                        "compressor", "indexer_topk", "sparse_attention", "router_scores")
