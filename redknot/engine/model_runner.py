@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -76,6 +76,8 @@ class ModelRunner:
         invariant = features.batch_invariant.enabled or features.deterministic
         self.sampler = Sampler(device, row_by_row=invariant)
         self.record_logits = False
+        # (StepBatch, logits [N, V]) -> {req_id: accepted drafts + bonus token}; set by speculative decoding.
+        self.verifier: Optional[Callable[[StepBatch, torch.Tensor], Dict[str, List[int]]]] = None
         self.graphs = None
         if hardware.cuda_graphs and device.type == "cuda":
             from redknot.engine.cuda_graphs import DecodeGraphs
@@ -98,17 +100,28 @@ class ModelRunner:
             return out
         t0 = time.perf_counter()
         logits = self._logits(inputs)  # [N, V] fp32
-        tokens = self.sampler.sample(logits, batch.rows, batch.bitmask) if batch.rows else []
+        out.sampled_token_ids = self._sample(batch, logits)
         synchronize(self.device)  # tokens are on the host already; this also covers logits copies
-        i = 0
-        for req_id, n in inputs.logits_owners:
-            out.sampled_token_ids[req_id] = tokens[i:i + n]
-            i += n
         if self.record_logits:
             out.logits = self._split_logits(inputs, logits.cpu())
         out.finish_time = time.perf_counter()
         out.execute_time = out.finish_time - t0
         return out
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> Dict[str, List[int]]:
+        """One token per logits row, grouped by request. A step that feeds draft tokens is
+        handed to ``self.verifier`` (speculative decoding), which returns the accepted tokens
+        plus the bonus token per request; the scheduler rolls back the rest."""
+        if any(sr.draft_token_ids for sr in batch.inputs.sched.requests):
+            if self.verifier is None:
+                raise RuntimeError("draft tokens were scheduled but no verifier is installed (features.dspark)")
+            return self.verifier(batch, logits)
+        tokens = self.sampler.sample(logits, batch.rows, batch.bitmask) if batch.rows else []
+        sampled, i = {}, 0
+        for req_id, n in batch.inputs.logits_owners:
+            sampled[req_id] = tokens[i:i + n]
+            i += n
+        return sampled
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs):

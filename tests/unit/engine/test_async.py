@@ -61,3 +61,26 @@ def test_async_on_off_identical(engines, batch_invariant):
     for rid in prompts:
         a, b = ref[rid], got[rid]
         assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), rid
+
+
+def test_async_with_preemption_and_abort(engines):
+    rng = random.Random(6)
+    prompts = {f"p{i}": [rng.randrange(3, 120000) for _ in range(rng.randrange(20, 40))] for i in range(5)}
+    params = {rid: SamplingParams(max_tokens=24, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+              for i, rid in enumerate(prompts)}
+    ref, _ = run_all(engines(num_cache_blocks=8, max_model_len=128), prompts, params)
+    llm = engines(async_scheduling=True, num_cache_blocks=8, max_model_len=128)
+    got, _ = run_all(llm, prompts, params)
+    assert sum(o.metrics.num_preemptions for o in got.values()) > 0
+    for rid in prompts:
+        assert got[rid].token_ids == ref[rid].token_ids, rid
+    llm.add_request("gone", [3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True))
+    llm.add_request("stays", [3, 4, 6], SamplingParams(max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        llm.step()
+    llm.abort("gone")  # while its next step is in flight
+    finals = {}
+    while llm.has_unfinished_requests():
+        finals.update({o.req_id: o for o in llm.step() if o.finished})
+    assert finals["gone"].finish_reason == "abort" and 1 <= len(finals["gone"].token_ids) <= 3
+    assert finals["stays"].finish_reason == "length" and len(finals["stays"].token_ids) == 6
