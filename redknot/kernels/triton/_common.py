@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
+
+log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
 
@@ -48,22 +52,97 @@ def as_i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-def _patch_interpreter_scalars() -> None:
-    """Triton 3.6's CPU interpreter turns scalars into 1-element arrays and calls ``int()`` on them for
-    ``range`` bounds, which numpy >= 2.4 rejects. Read the element explicitly instead (interpreter only)."""
+def _patch_interpreter() -> None:
+    """Make Triton 3.6's CPU interpreter compute what the GPU computes (interpreter only):
+
+    * scalars are 1-element arrays there and ``range`` bounds call ``int()`` on them, which numpy >= 2.4
+      rejects: read the element explicitly;
+    * ``tl.dot`` multiplies bf16 operands as their raw uint16 storage: widen them to fp32 first;
+    * fp32 -> bf16 casts truncate, and fp32 -> e4m3 casts mis-round near powers of two: round to
+      nearest even (e4m3 saturating at ±448), as the hardware does.
+    """
+    import numpy as np
+    import triton.language as tl
     from triton.runtime import interpreter
 
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_redknot_patched", False):
+    if getattr(interpreter, "_redknot_patched", False):
         return
+    original_patch = interpreter._patch_lang_tensor
 
-    def patched(tensor, scope):
-        original(tensor, scope)
+    def patch_lang_tensor(tensor, scope):
+        original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._redknot_patched = True
-    interpreter._patch_lang_tensor = patched
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            bits = h.data.astype(np.uint32) << np.uint32(16)
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return h
+
+    builder = interpreter.InterpreterBuilder
+    original_dot, original_cast = builder.create_dot, builder.cast_impl
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = src.data.astype(np.float32).view(np.uint32)
+            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            vals = torch.from_numpy(np.clip(src.data.astype(np.float32), -448.0, 448.0))
+            codes = vals.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(codes, tl.float8e4nv)
+        return original_cast(self, src, dst_type)
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+    interpreter._redknot_patched = True
 
 
 if interpreting():
-    _patch_interpreter_scalars()
+    _patch_interpreter()
+
+
+class ConfigTuner:
+    """Per-problem-class choice among a kernel's launch configurations, by measurement.
+
+    The first call of a class (``key``) on a CUDA device times every candidate on the real inputs
+    (median of a few runs) and keeps the fastest that ran; a candidate that fails to compile is
+    skipped and remembered in ``failures``. Without CUDA, under the interpreter, during CUDA-graph
+    capture or while ``ConfigTuner.enabled`` is off, the first candidate is used untimed (and not
+    remembered). ``choices`` and ``timings`` are readable by benchmarks.
+    """
+
+    enabled = True
+
+    def __init__(self, name: str, candidates: Sequence[Any]):
+        self.name = name
+        self.candidates: List[Any] = list(candidates)
+        self.choices: Dict[Hashable, Any] = {}
+        self.timings: Dict[Hashable, List[Tuple[Any, float]]] = {}
+        self.failures: Dict[Hashable, List[Tuple[Any, str]]] = {}
+
+    def pick(self, key: Hashable, run: Callable[[Any], Any], device: torch.device) -> Any:
+        if key in self.choices:
+            return self.choices[key]
+        if (not ConfigTuner.enabled or device.type != "cuda" or interpreting()
+                or torch.cuda.is_current_stream_capturing()):
+            return self.candidates[0]
+        from triton.testing import do_bench
+
+        results, failed = [], []
+        for cfg in self.candidates:
+            try:
+                results.append((cfg, float(do_bench(lambda: run(cfg), warmup=3, rep=10, return_mode="median"))))
+            except Exception as exc:  # a config the compiler rejects (resources, layout) is just skipped
+                failed.append((cfg, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"))
+        self.failures[key] = failed
+        if not results:
+            raise RuntimeError(f"{self.name}: no launch configuration ran for {key}: {failed}")
+        self.timings[key] = results
+        best = min(results, key=lambda r: r[1])[0]
+        self.choices[key] = best
+        log.info("%s %s: chose %s from %s", self.name, key, best, results)
+        return best

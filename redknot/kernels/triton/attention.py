@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import LOG2E, as_i32, cdiv, check_last_dim_contiguous, dot_precision, sm_count
+from redknot.kernels.triton._common import (LOG2E, ConfigTuner, as_i32, cdiv, check_last_dim_contiguous, dot_precision,
+                                            next_pow2, sm_count)
 
 COMP_NONE, COMP_TOPK, COMP_ALL = 0, 1, 2
 
@@ -42,11 +43,12 @@ class AttnConfig:
 
 @triton.jit
 def _finalize(acc, acc_r, acc_sw, m_i, l_i, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d, offs_r,
-              stride_ot, stride_oh, D: tl.constexpr, RD: tl.constexpr, HAS_SINK: tl.constexpr,
+              stride_ot, stride_oh, H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, HAS_SINK: tl.constexpr,
               ROPE: tl.constexpr):
     """Sink, normalisation, inverse RoPE of the rope columns, store."""
+    hmask = offs_h < H
     if HAS_SINK:
-        sink = tl.load(sink_ptr + offs_h).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sink_ptr + offs_h, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
         m_f = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_f)
         l_f = l_i * alpha + tl.exp2(sink - m_f)
@@ -57,15 +59,15 @@ def _finalize(acc, acc_r, acc_sw, m_i, l_i, sink_ptr, cos_ptr, sin_ptr, out_ptr,
     o = acc * factor[:, None]
     row = out_ptr + tok.to(tl.int64) * stride_ot + offs_h[:, None] * stride_oh
     if ROPE:
-        tl.store(row + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=offs_d[None, :] < D - RD)
+        tl.store(row + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & (offs_d[None, :] < D - RD))
         half = offs_r // 2
         c = tl.load(cos_ptr + tok.to(tl.int64) * (RD // 2) + half)
         s = tl.load(sin_ptr + tok.to(tl.int64) * (RD // 2) + half)
         sign = tl.where(offs_r % 2 == 0, 1.0, -1.0)
         rot = acc_r * factor[:, None] * c[None, :] + acc_sw * factor[:, None] * (sign * s)[None, :]
-        tl.store(row + (D - RD) + offs_r[None, :], rot.to(out_ptr.dtype.element_ty))
+        tl.store(row + (D - RD) + offs_r[None, :], rot.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
     else:
-        tl.store(row + offs_d[None, :], o.to(out_ptr.dtype.element_ty))
+        tl.store(row + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
@@ -102,12 +104,12 @@ def _key_rows(kb, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cach
 @triton.jit
 def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prope_ptr, pml_ptr,
                      tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr, bt_ptr, topk_ptr, sink_ptr,
-                     cos_ptr, sin_ptr,
+                     cos_ptr, sin_ptr, nsplit,
                      stride_qt, stride_qh, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce,
                      stride_ot, stride_oh, stride_bt, stride_tk,
                      qk_scale, ring_size, window, ratio, block_size, num_topk,
-                     H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_N: tl.constexpr, COMP: tl.constexpr, NSPLIT: tl.constexpr, HAS_RING: tl.constexpr,
+                     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_N: tl.constexpr, COMP: tl.constexpr, SPLIT: tl.constexpr, HAS_RING: tl.constexpr,
                      HAS_SINK: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
     tok = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -127,14 +129,15 @@ def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prop
     elif COMP == 2:
         n_comp = (t + 1) // ratio
     n_tot = n_swa + n_comp
-    chunk = tl.cdiv(tl.cdiv(n_tot, NSPLIT), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(n_tot, nsplit), BLOCK_N) * BLOCK_N
     k_lo = pid_s * chunk
     k_hi = tl.minimum(k_lo + chunk, n_tot)
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
     offs_r = tl.arange(0, RD)
-    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])
+    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_h < H)[:, None], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -162,11 +165,12 @@ def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prop
             acc_sw = acc_sw * alpha[:, None] + tl.dot(pk, ksw, input_precision=PREC)
         m_i = m_new
 
-    if NSPLIT == 1:
+    if not SPLIT:
         _finalize(acc, acc_r, acc_sw, m_i, l_i, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d,
-                  offs_r, stride_ot, stride_oh, D, RD, HAS_SINK, ROPE)
+                  offs_r, stride_ot, stride_oh, H, D, RD, HAS_SINK, ROPE)
     else:
-        part = (tok.to(tl.int64) * NSPLIT + pid_s) * H + offs_h  # [BLOCK_H] rows of the partial buffers
+        # rows of the partial buffers, padded heads included so the merge reads whole blocks
+        part = (tok.to(tl.int64) * nsplit + pid_s) * HP + offs_h  # [BLOCK_H]
         tl.store(pacc_ptr + part[:, None] * D + offs_d[None, :], acc)
         tl.store(pml_ptr + part * 2, m_i)
         tl.store(pml_ptr + part * 2 + 1, l_i)
@@ -177,21 +181,22 @@ def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prop
 
 @triton.jit
 def _sparse_attn_merge(pacc_ptr, prope_ptr, pml_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, stride_ot, stride_oh,
-                       H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
-                       NSPLIT: tl.constexpr, HAS_SINK: tl.constexpr, ROPE: tl.constexpr):
+                       nsplit, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
+                       BLOCK_H: tl.constexpr,
+                       HAS_SINK: tl.constexpr, ROPE: tl.constexpr):
     tok = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
     offs_r = tl.arange(0, RD)
     m_g = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(NSPLIT):
-        m_g = tl.maximum(m_g, tl.load(pml_ptr + ((tok.to(tl.int64) * NSPLIT + s) * H + offs_h) * 2))
+    for s in range(nsplit):
+        m_g = tl.maximum(m_g, tl.load(pml_ptr + ((tok.to(tl.int64) * nsplit + s) * HP + offs_h) * 2))
     l_g = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     acc_r = tl.zeros([BLOCK_H, RD], tl.float32)
     acc_sw = tl.zeros([BLOCK_H, RD], tl.float32)
-    for s in range(NSPLIT):
-        part = (tok.to(tl.int64) * NSPLIT + s) * H + offs_h
+    for s in range(nsplit):
+        part = (tok.to(tl.int64) * nsplit + s) * HP + offs_h
         w = tl.exp2(tl.load(pml_ptr + part * 2) - m_g)  # an empty split has m = -inf, weight 0
         l_g += w * tl.load(pml_ptr + part * 2 + 1)
         acc += w[:, None] * tl.load(pacc_ptr + part[:, None] * D + offs_d[None, :])
@@ -199,7 +204,7 @@ def _sparse_attn_merge(pacc_ptr, prope_ptr, pml_ptr, sink_ptr, cos_ptr, sin_ptr,
             acc_r += w[:, None] * tl.load(prope_ptr + part[:, None] * (2 * RD) + offs_r[None, :])
             acc_sw += w[:, None] * tl.load(prope_ptr + part[:, None] * (2 * RD) + RD + offs_r[None, :])
     _finalize(acc, acc_r, acc_sw, m_g, l_g, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d, offs_r,
-              stride_ot, stride_oh, D, RD, HAS_SINK, ROPE)
+              stride_ot, stride_oh, H, D, RD, HAS_SINK, ROPE)
 
 
 def _choose_splits(cfg: AttnConfig, num_tokens: int, num_hblocks: int, max_keys: int, device_sms: int) -> int:
@@ -211,6 +216,14 @@ def _choose_splits(cfg: AttnConfig, num_tokens: int, num_hblocks: int, max_keys:
     want = cdiv(2 * device_sms, programs)
     # Each split should still own a few key blocks, or the merge costs more than it saves.
     return max(1, min(want, cdiv(max_keys, 4 * cfg.block_n), 64))
+
+
+ATTN_TUNER = ConfigTuner("sparse_attention", [
+    AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=1),
+    AttnConfig(block_h=64, block_n=64, num_warps=8, num_stages=1),
+    AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+    AttnConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
+])
 
 
 def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torch.Tensor, positions: torch.Tensor,
@@ -227,57 +240,70 @@ def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torc
     ``context_lens`` (first position of the step), ``query_start`` (its first row in ``q``), ``seq_slots``;
     ring ``[num_slots, ring, D]`` (rows for positions before the step); cache ``[num_blocks,
     block_size // ratio, D]`` with ``block_table [B, max_blocks]``; ``topk [T, K]`` selects entries
-    (CSA), otherwise every visible entry is used (HCA) when a cache is given; sink ``[H]`` fp32;
-    ``topk`` / ``block_table`` may be int32 or int64; ``rope_cos/sin [T, rope_dim // 2]`` fp32 at each query's position: the output's last ``rope_dim``
-    columns are rotated back by the query position (interleaved pairs).
+    (CSA), otherwise every visible entry is used (HCA) when a cache is given; ``topk`` and
+    ``block_table`` may be int32 or int64; sink ``[H]`` fp32; ``rope_cos/sin [T, rope_dim // 2]`` fp32 at
+    each query's position: the output's last ``rope_dim`` columns are rotated back by the query position
+    (interleaved pairs). ``config=None`` picks the launch shape by measurement per problem class.
     """
-    cfg = config or AttnConfig()
     T, H, D = q.shape
     for name, t in (("q", q), ("kv", kv)):
         check_last_dim_contiguous(name, t)
-    block_h = min(cfg.block_h, H)
-    if H % block_h:
-        raise ValueError(f"heads {H} not a multiple of block_h {block_h}")
-    comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
-    rope = rope_cos is not None
-    rd = 2 * rope_cos.shape[-1] if rope else 16
     out = torch.empty_like(q) if out is None else out
     if T == 0:
         return out
     dummy_i = as_i32(positions)
+    args = dict(q=q, kv=kv, token_seq=as_i32(token_seq), positions=dummy_i, context_lens=as_i32(context_lens),
+                query_start=as_i32(query_start), window=window, sink=sink, scale=scale, ring=ring,
+                seq_slots=as_i32(seq_slots) if seq_slots is not None else dummy_i, cache=cache,
+                block_table=block_table, ratio=ratio, block_size=block_size, topk=topk,
+                rope_cos=rope_cos.float().contiguous() if rope_cos is not None else None,
+                rope_sin=rope_sin.float().contiguous() if rope_sin is not None else None, out=out)
+    if config is None:
+        comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
+        key = (comp, "decode" if T * H < 128 * sm_count(q) else "prefill", H, D, str(q.dtype), rope_cos is not None)
+        config = ATTN_TUNER.pick(key, lambda cfg: _launch(cfg, **args), q.device)
+    return _launch(config, **args)
+
+
+def _launch(cfg: AttnConfig, *, q, kv, token_seq, positions, context_lens, query_start, window, sink, scale, ring,
+            seq_slots, cache, block_table, ratio, block_size, topk, rope_cos, rope_sin, out) -> torch.Tensor:
+    T, H, D = q.shape
+    block_h = max(16, min(cfg.block_h, next_pow2(H)))  # tensor-core dots need >= 16 rows; extra heads are masked
+    n_hblocks = cdiv(H, block_h)
+    hp = n_hblocks * block_h
+    comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
+    rope = rope_cos is not None
+    rd = 2 * rope_cos.shape[-1] if rope else 16
     ring_t = ring if ring is not None else kv
     cache_t = cache if cache is not None else kv
-    bt = block_table if block_table is not None else dummy_i.view(1, -1)
-    tk = topk if topk is not None else dummy_i.view(-1, 1)
-    cos = rope_cos.float().contiguous() if rope else q
-    sin = rope_sin.float().contiguous() if rope else q
+    bt = block_table if block_table is not None else positions.view(1, -1)
+    tk = topk if topk is not None else positions.view(-1, 1)
+    cos = rope_cos if rope else q
+    sin = rope_sin if rope else q
     max_keys = window + (tk.shape[1] if comp == COMP_TOPK else
                          (bt.shape[1] * block_size // max(ratio, 1) if comp == COMP_ALL else 0))
-    nsplit = _choose_splits(cfg, T, H // block_h, max_keys, sm_count(q))
+    nsplit = _choose_splits(cfg, T, n_hblocks, max_keys, sm_count(q))
     if nsplit > 1:
-        pacc = torch.empty(T * nsplit * H, D, device=q.device, dtype=torch.float32)  # [T*S*H, D]
-        prope = torch.empty(T * nsplit * H, 2 * rd, device=q.device, dtype=torch.float32)  # [T*S*H, 2*RD]
-        pml = torch.empty(T * nsplit * H, 2, device=q.device, dtype=torch.float32)  # [T*S*H, (m, l)]
+        pacc = torch.empty(T * nsplit * hp, D, device=q.device, dtype=torch.float32)  # [T*S*HP, D]
+        prope = torch.empty(T * nsplit * hp, 2 * rd, device=q.device, dtype=torch.float32)  # [T*S*HP, 2*RD]
+        pml = torch.empty(T * nsplit * hp, 2, device=q.device, dtype=torch.float32)  # [T*S*HP, (m, l)]
     else:
         pacc = prope = pml = out
     sink_t = sink if sink is not None else q
-    prec = dot_precision(q.dtype)
-    _sparse_attn_fwd[(T, H // block_h, nsplit)](
-        q, kv, ring_t, cache_t, out, pacc, prope, pml,
-        as_i32(token_seq), as_i32(positions), as_i32(context_lens), as_i32(query_start),
-        as_i32(seq_slots) if seq_slots is not None else dummy_i, bt, tk, sink_t, cos, sin,
+    _sparse_attn_fwd[(T, n_hblocks, nsplit)](
+        q, kv, ring_t, cache_t, out, pacc, prope, pml, token_seq, positions, context_lens, query_start,
+        seq_slots, bt, tk, sink_t, cos, sin, nsplit,
         q.stride(0), q.stride(1), kv.stride(0),
         ring_t.stride(0) if ring is not None else 0, ring_t.stride(1) if ring is not None else 0,
         cache_t.stride(0) if cache is not None else 0, cache_t.stride(1) if cache is not None else 0,
         out.stride(0), out.stride(1), bt.stride(0), tk.stride(0),
         scale * LOG2E, ring.shape[1] if ring is not None else 1, window, max(ratio, 1), max(block_size, 1),
         tk.shape[1] if comp == COMP_TOPK else 0,
-        H=H, D=D, RD=rd, BLOCK_H=block_h, BLOCK_N=cfg.block_n, COMP=comp, NSPLIT=nsplit,
-        HAS_RING=ring is not None, HAS_SINK=sink is not None, ROPE=rope, PREC=prec,
+        H=H, HP=hp, D=D, RD=rd, BLOCK_H=block_h, BLOCK_N=cfg.block_n, COMP=comp, SPLIT=nsplit > 1,
+        HAS_RING=ring is not None, HAS_SINK=sink is not None, ROPE=rope, PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit > 1:
-        _sparse_attn_merge[(T, H // block_h)](
-            pacc, prope, pml, sink_t, cos, sin, out, out.stride(0), out.stride(1),
-            H=H, D=D, RD=rd, BLOCK_H=block_h, NSPLIT=nsplit, HAS_SINK=sink is not None, ROPE=rope,
-            num_warps=cfg.num_warps)
+        _sparse_attn_merge[(T, n_hblocks)](
+            pacc, prope, pml, sink_t, cos, sin, out, out.stride(0), out.stride(1), nsplit,
+            H=H, HP=hp, D=D, RD=rd, BLOCK_H=block_h, HAS_SINK=sink is not None, ROPE=rope, num_warps=cfg.num_warps)
     return out

@@ -8,13 +8,14 @@ With per-group offsets it runs a grouped GEMM (MoE experts): M-tiles never strad
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, dot_precision
+from redknot.kernels.triton._common import ConfigTuner, cdiv, dot_precision, next_pow2
 
 FP8_MAX = 448.0
 GROUP = 128
@@ -32,7 +33,7 @@ def _quant_rows(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s, UE8M0: 
     scale = amax / 448.0
     if UE8M0:
         scale = tl.exp2(tl.ceil(tl.log2(scale)))
-    q = x / scale[:, None]
+    q = tl.div_rn(x, scale[:, None])  # correctly rounded, so the e4m3 codes match a host-side cast
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows.to(tl.int64) * stride_s + g, scale, mask=rows < M)
 
@@ -106,13 +107,31 @@ def _tile_map(offs: torch.Tensor, block_m: int, max_rows: int):
     return group.to(torch.int32), row0.to(torch.int32), ends[g].to(torch.int32), bound
 
 
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+GEMM_TUNER = ConfigTuner("block_scaled_mm", [
+    GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 8, 3), GemmConfig(128, 64, 4, 4), GemmConfig(32, 64, 4, 4),
+])
+
+
 def block_scaled_mm(a: torch.Tensor, sa: Optional[torch.Tensor], b: torch.Tensor, sb: torch.Tensor,
                     offs: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
-                    block_m: int = 64, block_n: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                    config: Optional[GemmConfig] = None) -> torch.Tensor:
     """``(a·sa) @ (b·sb)ᵀ``: a ``[M, K]`` e4m3 with sa ``[M, K/128]`` (or a 16-bit/fp32 ``a`` and
     ``sa=None``: weight-only FP8); b ``[N, K]`` (or ``[G, N, K]`` with ``offs`` = per-group row ends of
-    ``a``) e4m3 with sb ``[N/128, K/128]`` (or ``[G, ...]``) → ``[M, N]``."""
+    ``a``) e4m3 with sb ``[N/128, K/128]`` (or ``[G, ...]``) → ``[M, N]``. ``config=None``: tuned per
+    shape class."""
     M, K = a.shape
+    if config is None:
+        key = (min(next_pow2(M), 8192), b.shape[-2], K, offs is not None, sa is not None, str(a.dtype))
+        config = GEMM_TUNER.pick(key, lambda cfg: block_scaled_mm(a, sa, b, sb, offs, out_dtype, cfg), a.device)
+    block_m, block_n, num_warps, num_stages = config.block_m, config.block_n, config.num_warps, config.num_stages
     grouped = offs is not None
     b3 = b if grouped else b.unsqueeze(0)
     sb3 = sb if grouped else sb.unsqueeze(0)

@@ -4,14 +4,15 @@
 visible to the query at position ``t``; the result is the ``topk`` best entries per token, ordered by
 score (descending) then entry id (ascending): ties go to the lower id, the same on every run.
 
-The full score matrix is never written. Each program scores one token's entries block by block
-(newest first, since recent entries tend to score high and so raise the bar early) and keeps a
-candidate buffer in a private scratch row: a score enters only if it beats the current ``topk``-th
-best (``theta``). Scores and ids travel packed in one int64 sort key (order-preserving float bits in
-the high word, ``2^31-1-id`` in the low word), so one comparison does score-then-id ordering and every
-key is unique. When the buffer fills it is sorted and cut back to ``topk``, raising ``theta``. Few
-tokens (decode) split their entries over several programs; a second kernel merges the per-split
-lists and unpacks ids (``-1`` where fewer than ``topk`` entries are visible).
+The full score matrix is never written. A program takes a tile of ``BLOCK_T`` consecutive tokens of one
+sequence (they share the keys, so each key block is loaded once for the tile) and scores its entries
+block by block, newest first (recent entries tend to score high and so raise the bar early). Each token
+keeps a candidate buffer in a private scratch row: a score enters only if it beats that token's current
+``topk``-th best (``theta``). Scores and ids travel packed in one int64 key (order-preserving float
+bits in the high word, ``2^31-1-id`` in the low word), so one comparison orders by score then id and
+every key is unique. When a buffer fills, a bitonic top-k cuts it back to ``topk`` and raises
+``theta``. Few tokens (decode) split their entries over several programs; a second kernel merges the
+per-split lists and unpacks ids (``-1`` where fewer than ``topk`` entries are visible).
 """
 from __future__ import annotations
 
@@ -22,14 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import as_i32, cdiv, check_last_dim_contiguous, dot_precision, next_pow2, sm_count
+from redknot.kernels.triton._common import (ConfigTuner, as_i32, cdiv, check_last_dim_contiguous, dot_precision,
+                                            next_pow2, sm_count)
 
 _EMPTY = tl.constexpr(-9223372036854775807)  # below every packed key of a finite score
 
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """Launch shape (``num_splits=0``: chosen from the problem size; ``capacity=0``: 4·topk)."""
+    """Launch shape (``num_splits=0``: chosen from the problem size; ``capacity=0``: 4·topk).
+
+    ``block_t`` tokens of one sequence share a program when there are enough tokens (prefill);
+    decode-sized steps use one token per program and split its entries instead.
+    """
+    block_t: int = 2
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
@@ -45,42 +52,53 @@ def _pack(score, ids):
 
 
 @triton.jit
-def _compact(buf, count, CAP: tl.constexpr, K: tl.constexpr):
-    """Sort the buffer, keep its best K keys at the front; return (new count, new theta)."""
+def _compact(buf, count, rows_ok, BLOCK_T: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr):
+    """Keep each row's best K keys at the front of its buffer; return (new counts, new thetas)."""
     tl.debug_barrier()  # appends by other threads of this program are visible after the barrier
     offs = tl.arange(0, CAP)
-    vals = tl.load(buf + offs, mask=offs < count, other=_EMPTY)
-    srt = tl.sort(vals, descending=True)
-    tl.store(buf + offs, srt, mask=offs < K)
-    theta = tl.max(tl.where(offs == K - 1, srt, _EMPTY))
+    vals = tl.load(buf + offs[None, :], mask=(offs[None, :] < count[:, None]) & rows_ok[:, None], other=_EMPTY)
+    best = tl.topk(vals, K)  # [BLOCK_T, K], descending
+    offs_k = tl.arange(0, K)
+    tl.store(buf + offs_k[None, :], best, mask=rows_ok[:, None])
     tl.debug_barrier()
-    return tl.minimum(count, K), theta
+    return tl.minimum(count, K), tl.min(best, 1)
 
 
 @triton.jit
-def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, tok_seq_ptr, pos_ptr, buf_ptr, cand_ptr,
+def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_len_ptr, tile_seq_ptr,
+                    buf_ptr, cand_ptr, nsplit,
                     stride_qt, stride_qh, stride_wt, stride_kb, stride_ke, stride_bt,
                     scale, ratio, block_size,
-                    H: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    NSPLIT: tl.constexpr, PREC: tl.constexpr):
-    tok = tl.program_id(0)
+                    H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = tl.load(tok_seq_ptr + tok)
-    t = tl.load(pos_ptr + tok)
-    n_vis = (t + 1) // ratio
-    chunk = tl.cdiv(tl.cdiv(n_vis, NSPLIT), BLOCK_N) * BLOCK_N
+    tok0 = tl.load(tile_tok_ptr + tile)
+    n_tok = tl.load(tile_len_ptr + tile)
+    b = tl.load(tile_seq_ptr + tile)
+    offs_t = tl.arange(0, BLOCK_T)
+    rows_ok = offs_t < n_tok
+    toks = (tok0 + offs_t).to(tl.int64)
+    t = tl.load(pos_ptr + toks, mask=rows_ok, other=-1)
+    n_vis = (t + 1) // ratio  # [BLOCK_T]
+    n_max = tl.max(n_vis, 0)
+    chunk = tl.cdiv(tl.cdiv(n_max, nsplit), BLOCK_N) * BLOCK_N
     e_lo = pid_s * chunk
-    e_hi = tl.minimum(e_lo + chunk, n_vis)
+    e_hi = tl.minimum(e_lo + chunk, n_max)
     n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0), BLOCK_N)
 
-    offs_h = tl.arange(0, H)
+    offs_h = tl.arange(0, HP)  # heads padded to a tensor-core shape; padded rows have q = 0, weight 0
     offs_d = tl.arange(0, DI)
-    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :])
-    w = tl.load(w_ptr + tok.to(tl.int64) * stride_wt + offs_h).to(tl.float32)
-    row = (tok.to(tl.int64) * NSPLIT + pid_s)
-    buf = buf_ptr + row * CAP
-    count = 0
-    theta = _EMPTY
+    hmask = rows_ok[:, None] & (offs_h < H)[None, :]
+    qrow = toks[:, None] * stride_qt + offs_h[None, :] * stride_qh  # [BLOCK_T, HP]
+    q = tl.load(q_ptr + qrow[:, :, None] + offs_d[None, None, :], mask=hmask[:, :, None], other=0.0)
+    q = tl.reshape(q, [BLOCK_T * HP, DI])
+    w = tl.load(w_ptr + toks[:, None] * stride_wt + offs_h[None, :], mask=hmask, other=0.0)
+    w = tl.reshape(w.to(tl.float32), [BLOCK_T * HP])
+    rows = (toks * nsplit + pid_s)  # scratch / candidate row of each token
+    buf = buf_ptr + rows[:, None] * CAP  # [BLOCK_T, 1] row bases
+    count = tl.zeros([BLOCK_T], tl.int32)
+    theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
     for j in range(n_blocks):
         ents = e_hi - (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)  # newest block first
         ok = ents >= e_lo
@@ -88,31 +106,56 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, tok_seq_ptr, pos_ptr, buf_pt
         blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + first // block_size, mask=ok, other=0)
         krow = blk.to(tl.int64) * stride_kb + ((first % block_size) // ratio).to(tl.int64) * stride_ke
         k = tl.load(keys_ptr + krow[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, DI]
-        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0)  # [H, BLOCK_N]
-        score = tl.sum(s * w[:, None], 0) * scale
-        key = _pack(score, ents)
-        keep = ok & (key > theta)
-        if count + BLOCK_N > CAP:
-            count, theta = _compact(buf, count, CAP, K)
-            keep = keep & (key > theta)
-        slot = count + tl.cumsum(keep.to(tl.int32), 0) - 1
+        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]  # [BLOCK_T*H, BLOCK_N]
+        score = tl.sum(tl.reshape(s, [BLOCK_T, HP, BLOCK_N]), 1) * scale
+        key = _pack(score, ents[None, :])
+        vis = ok[None, :] & (ents[None, :] < n_vis[:, None]) & rows_ok[:, None]
+        keep = vis & (key > theta[:, None])
+        if tl.max(count, 0) + BLOCK_N > CAP:
+            count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
+            keep = keep & (key > theta[:, None])
+        slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
         tl.store(buf + slot, key, mask=keep)
-        count += tl.sum(keep.to(tl.int32), 0)
-    count, theta = _compact(buf, count, CAP, K)
+        count += tl.sum(keep.to(tl.int32), 1)
+    count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
     offs_k = tl.arange(0, K)
-    best = tl.load(buf + offs_k, mask=offs_k < count, other=_EMPTY)
-    tl.store(cand_ptr + row * K + offs_k, best)
+    best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
+                   other=_EMPTY)
+    tl.store(cand_ptr + rows[:, None] * K + offs_k[None, :], best, mask=rows_ok[:, None])
 
 
 @triton.jit
-def _indexer_merge(cand_ptr, out_ptr, stride_ot, K: tl.constexpr, NSPLIT: tl.constexpr, NS_P2: tl.constexpr):
+def _indexer_merge(cand_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, NS_P2: tl.constexpr):
     tok = tl.program_id(0)
     offs = tl.arange(0, NS_P2 * K)
-    keys = tl.load(cand_ptr + tok.to(tl.int64) * (NSPLIT * K) + offs, mask=offs < NSPLIT * K, other=_EMPTY)
-    if NSPLIT > 1:
-        keys = tl.sort(keys, descending=True)
-    ids = tl.where(keys == _EMPTY, -1, 2147483647 - (keys & 0xFFFFFFFF))
-    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + offs, ids.to(out_ptr.dtype.element_ty), mask=offs < K)
+    keys = tl.load(cand_ptr + tok.to(tl.int64) * nsplit * K + offs, mask=offs < nsplit * K, other=_EMPTY)
+    if NS_P2 > 1:
+        best = tl.topk(keys, K)
+    else:
+        best = keys
+    ids = tl.where(best == _EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF))
+    offs_k = tl.arange(0, K)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + offs_k, ids.to(out_ptr.dtype.element_ty))
+
+
+def token_tiles(query_start_loc: torch.Tensor, num_tokens: int, block_t: int):
+    """Tiles of at most ``block_t`` consecutive tokens of one sequence, computed on the device.
+
+    Returns (first token ``[n]``, tokens in the tile ``[n]``, sequence ``[n]``) int32, ``n`` an upper bound
+    (``cdiv(T, block_t) + B``); surplus tiles have 0 tokens.
+    """
+    qsl = query_start_loc.to(torch.int64)
+    nseq = qsl.numel() - 1
+    n = qsl[1:] - qsl[:-1]
+    per = (n + block_t - 1) // block_t
+    cum = torch.cumsum(per, 0)
+    bound = cdiv(num_tokens, block_t) + nseq
+    j = torch.arange(bound, device=qsl.device)
+    b = torch.searchsorted(cum, j, right=True).clamp(max=nseq - 1)
+    tok0 = qsl[b] + (j - (cum[b] - per[b])) * block_t
+    length = torch.clamp(torch.minimum(qsl[b + 1] - tok0, torch.full_like(tok0, block_t)), min=0)
+    length = torch.where(j < cum[-1], length, torch.zeros_like(length))
+    return tok0.to(torch.int32), length.to(torch.int32), b.to(torch.int32), bound
 
 
 def _choose_splits(cfg: IndexerConfig, num_tokens: int, max_entries: int, device_sms: int) -> int:
@@ -121,20 +164,27 @@ def _choose_splits(cfg: IndexerConfig, num_tokens: int, max_entries: int, device
     if num_tokens >= 2 * device_sms:
         return 1
     want = cdiv(2 * device_sms, num_tokens)
-    splits = max(1, min(want, cdiv(max_entries, 8 * cfg.block_n), 16))
-    return 1 << (splits.bit_length() - 1)  # a power of two keeps the merge sort exact-sized
+    return max(1, min(want, cdiv(max_entries, 8 * cfg.block_n), 16))
 
 
-def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, token_seq: torch.Tensor, positions: torch.Tensor,
-                       keys: torch.Tensor, block_table: torch.Tensor, ratio: int, block_size: int, topk: int,
-                       scale: float, out: Optional[torch.Tensor] = None,
+INDEXER_TUNER = ConfigTuner("indexer_topk", [
+    IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=2),
+    IndexerConfig(block_t=1, block_n=64, num_warps=4, num_stages=2),
+    IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
+    IndexerConfig(block_t=4, block_n=64, num_warps=8, num_stages=2),
+])
+
+
+def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: torch.Tensor,
+                       query_start_loc: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, ratio: int,
+                       block_size: int, topk: int, scale: float, out: Optional[torch.Tensor] = None,
                        config: Optional[IndexerConfig] = None) -> torch.Tensor:
-    """Top-``topk`` entry ids per token, ``[T, topk]`` int32, ``-1`` padded.
+    """Top-``topk`` entry ids per token, ``[T, topk]`` (int32 unless ``out`` says otherwise), ``-1`` padded.
 
     q ``[T, H, DI]`` (roped indexer queries), weights ``[T, H]``, keys ``[num_blocks, block_size // ratio,
-    DI]`` paged through ``block_table [B, max_blocks]``; token_seq/positions ``[T]``.
+    DI]`` paged through ``block_table [B, max_blocks]``; positions ``[T]``; ``query_start_loc [B+1]``.
+    ``config=None`` picks the launch shape by measurement per problem class.
     """
-    cfg = config or IndexerConfig()
     T, H, DI = q.shape
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("keys", keys)
@@ -143,20 +193,32 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, token_seq: tor
     out = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out is None else out
     if T == 0:
         return out
-    bt = block_table
+    args = dict(q=q, weights=weights, positions=as_i32(positions), query_start_loc=query_start_loc, keys=keys,
+                block_table=block_table, ratio=ratio, block_size=block_size, topk=topk, scale=scale, out=out)
+    if config is None:
+        key = ("decode" if T < 2 * sm_count(q) else "prefill", H, DI, topk, str(q.dtype))
+        config = INDEXER_TUNER.pick(key, lambda cfg: _launch(cfg, **args), q.device)
+    return _launch(config, **args)
+
+
+def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys, block_table, ratio, block_size,
+            topk, scale, out) -> torch.Tensor:
+    T, H, DI = q.shape
     cap = cfg.capacity or max(4 * topk, next_pow2(topk + cfg.block_n))
     if cap < topk + cfg.block_n or cap & (cap - 1):
         raise ValueError(f"capacity={cap}: needs a power of two >= topk + block_n ({topk + cfg.block_n})")
-    max_entries = bt.shape[1] * block_size // ratio
-    nsplit = _choose_splits(cfg, T, max_entries, sm_count(q))
+    nsplit = _choose_splits(cfg, T, block_table.shape[1] * block_size // ratio, sm_count(q))
+    block_t = 1 if nsplit > 1 else cfg.block_t
+    tile_tok, tile_len, tile_seq, n_tiles = token_tiles(query_start_loc, T, block_t)
     buf = torch.empty(T * nsplit, cap, dtype=torch.int64, device=q.device)  # [T*S, CAP] scratch
     cand = torch.empty(T * nsplit, topk, dtype=torch.int64, device=q.device)  # [T*S, K] packed keys
-    _indexer_select[(T, nsplit)](
-        q, weights, keys, bt, as_i32(token_seq), as_i32(positions), buf, cand,
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), bt.stride(0),
+    _indexer_select[(n_tiles, nsplit)](
+        q, weights, keys, block_table, positions, tile_tok, tile_len, tile_seq, buf, cand, nsplit,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), block_table.stride(0),
         scale, ratio, block_size,
-        H=H, DI=DI, K=topk, CAP=cap, BLOCK_N=cfg.block_n, NSPLIT=nsplit, PREC=dot_precision(q.dtype),
+        H=H, HP=max(next_pow2(H), cdiv(16, block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=block_t, BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _indexer_merge[(T,)](cand, out, out.stride(0), K=topk, NSPLIT=nsplit, NS_P2=next_pow2(nsplit),
-                         num_warps=4 if nsplit * topk <= 2048 else 8)
+    ns_p2 = next_pow2(nsplit)
+    _indexer_merge[(T,)](cand, out, out.stride(0), nsplit, K=topk, NS_P2=ns_p2,
+                         num_warps=4 if ns_p2 * topk <= 2048 else 8)
     return out

@@ -9,6 +9,8 @@ and Sinkhorn. ``mhc_post`` mixes the streams and adds the sub-block output in on
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -74,7 +76,7 @@ def _mhc_pre(s_ptr, fn_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr, T,
         post = tl.sum(tl.where(g == 1, 2.0 * tl.sigmoid(x), 0.0), 1)
         is_c = (g >= 2) & (g < 2 + N)
         e = tl.where(is_c, tl.exp(x - tl.max(tl.where(is_c, x, float("-inf")), 2)[:, :, None]), 0.0)
-        c = tl.where(is_c, e / tl.sum(e, 2)[:, :, None] + hc_eps, 0.0)
+        c = tl.where(is_c, e / tl.where(is_c, tl.sum(e, 2)[:, :, None], 1.0) + hc_eps, 0.0)
         c = c / (tl.sum(c, 1)[:, None, :] + hc_eps)
         for _ in range(iters - 1):
             c = tl.where(is_c, c / (tl.sum(c, 2)[:, :, None] + hc_eps), 0.0)
@@ -104,12 +106,14 @@ def _mhc_post(y_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, D, stride_y, stride_st,
              mask=dmask[None, :])
 
 
-def _launch_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
+def _launch_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, outs=None):
     T, n, D = streams.shape
     s = streams.contiguous()
-    out = torch.empty(T, D, dtype=streams.dtype, device=streams.device)  # [T, D]
-    post = torch.empty(T, n, dtype=torch.float32, device=streams.device)  # [T, n]
-    comb = torch.empty(T, n, n, dtype=torch.float32, device=streams.device)  # [T, n, n]
+    if outs is None:
+        outs = (torch.empty(T, D, dtype=streams.dtype, device=streams.device),  # [T, D]
+                torch.empty(T, n, dtype=torch.float32, device=streams.device),  # [T, n]
+                torch.empty(T, n, n, dtype=torch.float32, device=streams.device))  # [T, n, n]
+    out, post, comb = outs
     if T:
         groups = 1 if head else 2 + n
         g_p2 = max(next_pow2(groups), cdiv(16, n))  # the mixing dot needs >= 16 columns
@@ -123,9 +127,9 @@ def _launch_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool):
 
 
 def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-            sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+            sinkhorn_iters: int, hc_eps: float, norm_eps: float, outs=None):
     """streams ``[T, n, D]`` → (collapsed ``[T, D]``, post ``[T, n]`` fp32, comb ``[T, n, n]`` fp32)."""
-    return _launch_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
+    return _launch_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False, outs=outs)
 
 
 def mhc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -134,12 +138,13 @@ def mhc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     return _launch_pre(streams, fn, base, scale.reshape(1).expand(3), 1, hc_eps, norm_eps, head=True)[0]
 
 
-def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out[:, k] = post[:, k] · y + Σ_j comb[:, j, k] · streams[:, j]`` (fp32 mix)."""
     T, n, D = streams.shape
     s = streams.contiguous()
     yc = y.contiguous()
-    out = torch.empty_like(s)
+    out = torch.empty_like(s) if out is None else out
     if T:
         bd = min(512, next_pow2(D))
         _mhc_post[(T, cdiv(D, bd))](yc, s, post.float().contiguous(), comb.float().contiguous(), out, D,

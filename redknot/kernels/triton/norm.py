@@ -48,11 +48,12 @@ def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, rows_per_token, HALF: tl.const
     tl.store(out_ptr + base + cols[None, :], y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x · rsqrt(mean(x²) + eps) (· weight)`` over the last dim, fp32 math, x's dtype out."""
     n = x.shape[-1]
     xc = x.contiguous()
-    out = torch.empty_like(xc)
+    out = torch.empty_like(xc) if out is None else out
     m = xc.numel() // max(n, 1)
     if m == 0:
         return out
@@ -64,12 +65,13 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
     return out
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rotate interleaved pairs of the trailing ``2·cos.shape[-1]`` dims of ``x [T, ..., D]`` by the
     per-token angles (cos/sin ``[T, r/2]`` fp32); ``inverse`` rotates back."""
     d = x.shape[-1]
     xc = x.contiguous()
-    out = torch.empty_like(xc)
+    out = torch.empty_like(xc) if out is None else out
     t = x.shape[0]
     m = xc.numel() // max(d, 1)
     if m == 0:

@@ -102,11 +102,10 @@ def moe_op(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit: float, w1_scale=N
 @register("indexer_topk", BACKEND)
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, meta, ratio: int, topk: int,
                  scale: float, q_tile: int = 512) -> torch.Tensor:
-    st = step_tensors(meta)
     k2 = next_pow2(topk)  # the selection runs on a power of two; the best `topk` lead its list
     ids = torch.empty(q.shape[0], k2, dtype=torch.long, device=q.device)  # [T, topk]
-    indexer.indexer_topk_paged(q.contiguous(), weights.contiguous(), token_seq=st.token_seq,
-                               positions=meta.positions, keys=key_pool, block_table=meta.block_tables,
+    indexer.indexer_topk_paged(q.contiguous(), weights.contiguous(), positions=meta.positions,
+                               query_start_loc=meta.query_start_loc, keys=key_pool, block_table=meta.block_tables,
                                ratio=ratio, block_size=ratio * key_pool.shape[1], topk=k2, scale=scale, out=ids)
     return ids[:, :topk]
 

@@ -83,7 +83,7 @@ def indexer_topk_paged(q, weights, *, token_seq, positions, keys, block_table, r
         s = torch.relu(q[i].double() @ k.T)  # [H, n]
         s = (weights[i].double()[:, None] * s).sum(0) * scale
         scores[i, :n_vis] = s
-        order = sorted(range(n_vis), key=lambda w: (-float(s[w]), w))[:topk]
-        idx[i, :len(order)] = torch.tensor(order, dtype=torch.int32)
+        order = torch.sort(s, descending=True, stable=True).indices[:topk]  # equal scores: lower id first
+        idx[i, :order.numel()] = order.to(torch.int32)
     return idx, scores
 

@@ -1,0 +1,176 @@
+"""Timed cases for ``benchmarks/kernels.py``: inputs at V4 dimensions, the Triton and reference calls,
+and the FLOPs / bytes each must do (the same counting as ``shared/tools/roofline.py``).
+
+A case builder returns a :class:`Case`; building allocates its inputs on the device, so the runner
+builds one case at a time and drops it before the next.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from redknot.kernels import ref_attention, ref_moe
+from redknot.kernels import reference as ref
+from redknot.kernels.ref_quant import quantize_fp8_block
+from redknot.kernels.triton import fp8, ops
+from redknot.kernels.triton.checks.common import Dims, paged_step, random_choice_lists, rel_err, visible_lists
+
+CORE_FLOPS = 4  # per (query, key, head, dim): QK and PV multiply-adds
+
+
+@dataclass
+class Case:
+    op: str
+    label: str
+    context: int
+    tokens: int
+    triton: Callable[[], torch.Tensor]
+    reference: Optional[Callable[[], torch.Tensor]]
+    flops: float
+    bytes: float
+    peak: str = "bf16"          # which matrix ceiling the FLOPs are held against
+    compare: str = "rel"        # "rel": relative error vs reference; "none": not compared here
+    tol: float = 1e-2
+
+
+def _keys_per_query(positions: torch.Tensor, window: int, mode: str, d: Dims) -> torch.Tensor:
+    swa = torch.clamp(positions + 1, max=window)
+    if mode == "csa":
+        return swa + torch.clamp((positions + 1) // d.csa_ratio, max=d.topk)
+    if mode == "hca":
+        return swa + (positions + 1) // d.hca_ratio
+    return swa
+
+
+def attention_case(d: Dims, device, mode: str, context: int, new: int, batch: int, with_ref: bool) -> Case:
+    """``batch`` sequences each adding ``new`` tokens at the end of ``context`` tokens (prefill chunk or decode)."""
+    step = paged_step([context - new] * batch, [new] * batch, d.block_size, device)
+    meta, t = step.meta, step.num_tokens
+    dt = torch.bfloat16
+    q = torch.randn(t, d.heads, d.head_dim, device=device, dtype=dt)
+    kv = torch.randn(t, d.head_dim, device=device, dtype=dt)
+    ring = torch.randn(step.num_slots, d.window + 8, d.head_dim, device=device, dtype=dt)
+    sinks = torch.randn(d.heads, device=device)
+    pool = idx = None
+    if mode != "swa":
+        ratio = d.csa_ratio if mode == "csa" else d.hca_ratio
+        pool = torch.randn(step.num_blocks, d.block_size // ratio, d.head_dim, device=device, dtype=dt)
+        idx = (random_choice_lists(meta.positions, ratio, d.topk) if mode == "csa"
+               else visible_lists(meta.positions, ratio))
+    scale = d.head_dim ** -0.5
+    keys = _keys_per_query(meta.positions, d.window, mode, d)
+    flops = float(keys.sum()) * CORE_FLOPS * d.heads * d.head_dim
+    # decode: every query reads its own keys; prefill chunk: the keys of the chunk's queries overlap,
+    # so count the union (window + new rows, and at most every visible entry once per sequence)
+    last = _keys_per_query(meta.positions.max().view(1), d.window, mode, d)
+    n_keys_read = float(keys.sum()) if new == 1 else batch * (new + float(last) - min(d.window, context))
+    nbytes = 2.0 * (2 * t * d.heads * d.head_dim + n_keys_read * d.head_dim) + (idx.numel() * 8 if idx is not None else 0)
+    args = (q, kv, ring, sinks, scale, d.window, meta, pool, idx)
+    return Case("sparse_attention", f"{mode} {'decode' if new == 1 else 'prefill'} b{batch}", context, t,
+                lambda: ops.sparse_attention(*args),
+                (lambda: ref_attention.sparse_attention(*args)) if with_ref else None, flops, nbytes)
+
+
+def indexer_case(d: Dims, device, context: int, new: int, batch: int, with_ref: bool) -> Case:
+    step = paged_step([context - new] * batch, [new] * batch, d.block_size, device)
+    meta, t = step.meta, step.num_tokens
+    ratio, dt = d.csa_ratio, torch.bfloat16
+    q = torch.randn(t, d.index_heads, d.index_dim, device=device, dtype=dt)
+    w = torch.randn(t, d.index_heads, device=device)
+    keys = torch.randn(step.num_blocks, d.block_size // ratio, d.index_dim, device=device, dtype=dt)
+    n_vis = (meta.positions + 1) // ratio
+    flops = float(n_vis.sum()) * 2 * d.index_heads * d.index_dim
+    entries_read = float(n_vis.sum()) if new == 1 else float(n_vis.max()) * batch
+    nbytes = entries_read * d.index_dim * 2 + t * (d.index_heads * (d.index_dim * 2 + 4) + d.topk * 8)
+    args = (q, w, keys, meta, ratio, d.topk, d.index_dim ** -0.5)
+    # The selected sets are checked against the reference's scores by the correctness phase; here the
+    # share of rows identical to the reference is reported (near-ties may legitimately differ).
+    return Case("indexer_topk", f"{'decode' if new == 1 else 'prefill'} b{batch}", context, t,
+                lambda: ops.indexer_topk(*args), (lambda: ref_attention.indexer_topk(*args)) if with_ref else None,
+                flops, nbytes, compare="ids")
+
+
+def moe_case(d: Dims, device, tokens: int, experts: int, weights: str, with_ref: bool, cache: dict) -> Case:
+    """Routed experts at V4 width (D 4096, I 2048, top-6 of ``experts``), bf16 or FP8 block-scaled weights."""
+    dm, inter, k = 4096, 2048, 6
+    key = (experts, weights)
+    if key not in cache:
+        cache.clear()
+        ws = []
+        for shape in ((experts, inter, dm), (experts, dm, inter), (experts, inter, dm)):
+            w = torch.randn(*shape, device=device, dtype=torch.bfloat16) * shape[2] ** -0.5
+            if weights == "fp8":
+                q = torch.empty(shape, device=device, dtype=torch.float8_e4m3fn)
+                s = torch.empty(experts, shape[1] // 128, shape[2] // 128, device=device)
+                for e in range(experts):
+                    q[e], s[e] = quantize_fp8_block(w[e])
+                ws.append((q, s))
+            else:
+                ws.append((w, None))
+            del w
+        cache[key] = ws
+    (w1, s1), (w2, s2), (w3, s3) = cache[key]
+    x = torch.randn(tokens, dm, device=device, dtype=torch.bfloat16)
+    scores = torch.rand(tokens, experts, device=device)
+    ids = scores.topk(k, dim=1).indices
+    wts = torch.rand(tokens, k, device=device)
+    active = int(ids.unique().numel())
+    wbytes = 1 if weights == "fp8" else 2
+    flops = tokens * k * 6.0 * dm * inter
+    nbytes = active * 3.0 * dm * inter * wbytes + tokens * dm * 4.0
+    args = (x, ids, wts, w1, w2, w3, 10.0, s1, s2, s3)
+    return Case("moe", f"{weights} experts={experts}", 0, tokens, lambda: ops.moe_op(*args),
+                (lambda: ref_moe.moe(*args)) if with_ref else None, flops, nbytes, tol=2e-2)
+
+
+def linear_case(device, tokens: int, n: int, k: int, kind: str, with_ref: bool) -> Case:
+    x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
+    flops = 2.0 * tokens * n * k
+    if kind == "bf16":
+        return Case("linear", f"bf16 {n}x{k}", 0, tokens, lambda: ops.linear(x, w),
+                    (lambda: ref.linear(x, w)) if with_ref else None, flops, 2.0 * (n * k + tokens * (n + k)))
+    wq, ws = quantize_fp8_block(w)
+    nbytes = n * k + 2.0 * tokens * (n + k)
+    if kind == "fp8-w8a16":
+        return Case("linear", f"fp8 weight-only {n}x{k}", 0, tokens, lambda: ops.linear(x, wq, ws),
+                    (lambda: ref.linear(x, wq, ws)) if with_ref else None, flops, nbytes)
+    # FP8 activations too: compared against the dequantised GEMM, so the quantisation error counts (~2-3 %).
+    return Case("linear", f"fp8 w8a8 {n}x{k}", 0, tokens, lambda: fp8.linear_fp8(x, wq, ws, quantize_activations=True),
+                (lambda: ref.linear(x, wq, ws)) if with_ref else None, flops, nbytes, peak="fp8", tol=5e-2)
+
+
+def small_op_cases(device, tokens: int, with_ref: bool):
+    """Memory-bound ops at V4 width: bytes read + written once is their floor."""
+    dt, dm, hc, heads, hd = torch.bfloat16, 4096, 4, 64, 512
+    x = torch.randn(tokens, dm, device=device, dtype=dt)
+    wt = torch.rand(dm, device=device) + 0.5
+    q = torch.randn(tokens, heads, hd, device=device, dtype=dt)
+    ang = torch.rand(tokens, 32, device=device) * 100
+    cos, sin = ang.cos(), ang.sin()
+    streams = torch.randn(tokens, hc, dm, device=device, dtype=dt)
+    fn = torch.randn((2 + hc) * hc, hc * dm, device=device) * (hc * dm) ** -0.5
+    base, scale = torch.randn((2 + hc) * hc, device=device) * 0.5, torch.rand(3, device=device) + 0.5
+    post, comb = torch.rand(tokens, hc, device=device), torch.rand(tokens, hc, hc, device=device)
+    wr = with_ref
+    yield Case("rms_norm", f"hidden {dm}", 0, tokens, lambda: ops.rms_norm(x, wt, 1e-6),
+               (lambda: ref.rms_norm(x, wt, 1e-6)) if wr else None, 0.0, 4.0 * tokens * dm)
+    yield Case("rope", f"q {heads}x{hd}", 0, tokens, lambda: ops.rope(q, cos, sin),
+               (lambda: ref.rope(q, cos, sin)) if wr else None, 0.0, 4.0 * tokens * heads * hd)
+    yield Case("mhc_pre", f"n={hc} D={dm}", 0, tokens,
+               lambda: ops.mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)[0],
+               (lambda: ref.mhc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)[0]) if wr else None,
+               2.0 * tokens * fn.numel(), 2.0 * tokens * hc * dm + 2.0 * tokens * dm + fn.numel() * 4, peak="fp32")
+    yield Case("mhc_post", f"n={hc} D={dm}", 0, tokens, lambda: ops.mhc_post(x, streams, post, comb),
+               (lambda: ref.mhc_post(x, streams, post, comb)) if wr else None, 0.0, 2.0 * tokens * dm * (1 + 2 * hc))
+
+
+def compare(case: Case, got, want) -> tuple:
+    """(ok, error, note) of a timed case's output against the reference output."""
+    if case.compare == "ids":
+        same = float((got == want).all(dim=1).float().mean())
+        return same >= 0.9, 1.0 - same, f"{same:.0%} rows identical"
+    err = rel_err(got, want)
+    return err <= case.tol, err, ""
