@@ -2,12 +2,13 @@
 """Baseline of the PyTorch reference path of DeepSeek-V4 on one GPU.
 
 1. Parity with transformers' DeepseekV4ForCausalLM on the reference §11 config on the device:
-   fp32 (max relative error <= 1e-5, as on CPU) and bf16. bf16 criterion: both implementations
-   round differently (we pool compressors, mix mHC streams and keep RoPE tables in fp32; HF
-   rounds those to bf16), and on this random model bf16 itself moves logits by a few percent,
+   fp32 (max relative error <= 1e-5, as on CPU) and bf16. bf16 criterion: the two implementations
+   round in different places (we pool compressors, mix mHC streams and keep RoPE tables in fp32;
+   transformers rounds those to bf16), and on this random model bf16 itself moves logits by a few
+   percent (mean row error ~3-6%, and a flipped expert or indexer choice moves single rows far more),
    so a fixed 1e-5 is meaningless. We require our bf16 logits to be as close to the fp32 truth as
-   transformers' own bf16 run: rel_err(ours_bf16, fp32) <= max(1.5 * rel_err(hf_bf16, fp32), 2e-2).
-2. Prefill and one decode step of a 3-layer real-dimension cut (SWA, CSA, HCA; D=4096, 64 heads of
+   transformers' own bf16 run: mean row error(ours_bf16) <= 1.5 * mean row error(hf_bf16) + 5e-3.
+2. Prefill and one decode step of a 3-layer real-dimension cut (SWA, CSA, HCA like real layers 1-3; D=4096, 64 heads of
    512, q_lora 1024, 8 output groups of 1024, indexer 64x128 top-512, all 256 experts, window 128,
    ratios 4/128) in bf16 with synthetic weights made on the GPU, at 2K/4K/8K tokens, with the time
    as a fraction of the H200 floor from redknot's cost model (bf16 matmul 796 TFLOP/s, 4.17 TB/s).
@@ -54,12 +55,29 @@ def top1(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.argmax(-1).cpu() == b.argmax(-1).cpu()).float().mean())
 
 
+def row_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over positions of ||a - b|| / ||b|| (robust to the rare top-k flip that dominates the max)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).mean())
+
+
+def _ours(cfg, native: str, dtype, device, ids) -> tuple:
+    model = DeepseekV4(cfg, dtype, device="meta", with_mtp=False)
+    model.to_empty(device=device)
+    load_checkpoint(model, native, progress=False)
+    full = SingleSequence(model, 70).step(ids[0].tolist(), all_logits=True)[1]
+    seq = SingleSequence(model, 70, shuffle_blocks=3)
+    cuts = [0, 29, 32, 35, 40, 41, 70]
+    chunked = torch.cat([seq.step(ids[0, a:b].tolist(), all_logits=True)[1] for a, b in zip(cuts, cuts[1:])])
+    return full, chunked
+
+
 def parity(device: torch.device) -> list:
+    """Rows (comparison, max rel error, mean row error, tolerance, ok, top-1 agreement)."""
     from v4_testutil import PARITY_CONFIG, hf_model, hf_to_native, rel_err
     from transformers import DeepseekV4ForCausalLM
     from redknot.models.deepseek_v4.writer import write_checkpoint
 
-    rows = []
     hf = hf_model(PARITY_CONFIG, seed=0)
     cfg = V4Config.from_hf_dict(hf.config.to_dict())
     ids = torch.randint(0, cfg.vocab_size, (1, 70), generator=torch.Generator().manual_seed(1))
@@ -70,33 +88,27 @@ def parity(device: torch.device) -> list:
         with torch.no_grad():
             truth = hf.to(device)(ids.to(device), use_cache=False).logits[0].float()
             hf_bf16 = DeepseekV4ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(device).eval()
-            hf_bf16_logits = hf_bf16(ids.to(device), use_cache=False).logits[0].float()
-        for dtype in (torch.float32, torch.bfloat16):
-            ours = DeepseekV4(cfg, dtype, device="meta", with_mtp=False)
-            ours.to_empty(device=device)
-            load_checkpoint(ours, native, progress=False)
-            full = SingleSequence(ours, 70).step(ids[0].tolist(), all_logits=True)[1]
-            seq = SingleSequence(ours, 70, shuffle_blocks=3)
-            cuts = [0, 29, 32, 35, 40, 41, 70]
-            chunked = torch.cat([seq.step(ids[0, a:b].tolist(), all_logits=True)[1] for a, b in zip(cuts, cuts[1:])])
-            err = max(rel_err(full, truth), rel_err(chunked, truth))
-            if dtype == torch.float32:
-                rows.append(("fp32 ours vs HF fp32", err, 1e-5, err <= 1e-5, top1(full, truth)))
-            else:
-                hf_err = rel_err(hf_bf16_logits, truth)
-                tol = max(1.5 * hf_err, 2e-2)
-                rows.append(("bf16 HF vs HF fp32 (reference point)", hf_err, float("nan"), True,
-                             top1(hf_bf16_logits, truth)))
-                rows.append(("bf16 ours vs HF fp32", err, tol, err <= tol, top1(full, truth)))
-                rows.append(("bf16 ours vs HF bf16", rel_err(full, hf_bf16_logits), float("nan"), True,
-                             top1(full, hf_bf16_logits)))
-    return rows
+            hfb = hf_bf16(ids.to(device), use_cache=False).logits[0].float()
+        f32, f32_chunked = _ours(cfg, native, torch.float32, device, ids)
+        b16, b16_chunked = _ours(cfg, native, torch.bfloat16, device, ids)
+    err32 = max(rel_err(f32, truth), rel_err(f32_chunked, truth))
+    hf_row = row_err(hfb, truth)
+    tol = 1.5 * hf_row + 5e-3
+    ours_row = max(row_err(b16, truth), row_err(b16_chunked, truth))
+    nan = float("nan")
+    return [("fp32 ours (full, chunked) vs HF fp32", err32, row_err(f32, truth), 1e-5, err32 <= 1e-5, top1(f32, truth)),
+            ("bf16 HF vs HF fp32 (reference point)", rel_err(hfb, truth), hf_row, nan, True, top1(hfb, truth)),
+            ("bf16 ours (full, chunked) vs HF fp32", max(rel_err(b16, truth), rel_err(b16_chunked, truth)),
+             ours_row, tol, ours_row <= tol, top1(b16, truth)),
+            ("bf16 ours vs HF bf16", rel_err(b16, hfb), row_err(b16, hfb), nan, True, top1(b16, hfb))]
 
 
 # ----------------------------------------------------------------------------- timing
 
 def cut_config(small: bool, experts: int) -> V4Config:
-    over = {"num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0], "n_routed_experts": experts}
+    # Like real layers 1-3 (SWA, CSA, HCA): the first two hash-routed, the third with the learned router.
+    over = {"num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0], "n_routed_experts": experts,
+            "num_hash_layers": 2}
     if small:
         over.update({"hidden_size": 256, "num_attention_heads": 4, "head_dim": 128, "q_lora_rank": 128,
                      "o_groups": 2, "o_lora_rank": 64, "index_n_heads": 8, "index_head_dim": 64,
@@ -183,12 +195,15 @@ def main() -> int:
             par = parity(device)
         except Exception:  # report and still time the model
             traceback.print_exc()
-            par, status = [("parity", float("nan"), float("nan"), False, float("nan"))], 1
+            nan = float("nan")
+            par, status = [("parity", nan, nan, nan, False, nan)], 1
     res = timing(device, a.contexts, a.small, a.experts)
-    log("\n== parity on the reference §11 config, T=70 (error = max|a - b| / max|b| over all logits) ==")
-    log(f"  {'comparison':<40} {'error':>10}  {'tolerance':>13}  {'top-1 agree':>11}")
-    for name, err, tol, ok, agree in par:
-        log(f"  {name:<40} {err:10.3e}  {tol:13.2e}  {agree * 100:10.1f}%  {'ok' if ok else 'FAIL'}")
+    log("\n== parity on the reference §11 config, T=70 ==")
+    log("   max = max|a-b| / max|b| over all logits (fp32 criterion); row = mean over positions of ||a-b||/||b||")
+    log("   (bf16 criterion: ours must be as close to fp32 as transformers' own bf16 run: row <= 1.5*HF + 5e-3)")
+    log(f"  {'comparison':<40} {'max':>10} {'row':>10} {'tolerance':>10} {'top-1':>7}")
+    for name, err, row, tol, ok, agree in par:
+        log(f"  {name:<40} {err:10.3e} {row:10.3e} {tol:10.2e} {agree * 100:6.1f}%  {'ok' if ok else 'FAIL'}")
         status |= 0 if ok else 1
     log(f"\n== reference path, 3-layer real-dimension cut, bf16, floors: {H200.name} bf16 "
         f"{H200.bf16_flops / 1e12:.0f} TFLOP/s, {H200.hbm_bytes_per_s / 1e12:.2f} TB/s ==")

@@ -51,7 +51,8 @@ def test_reference_ops_agree_between_cuda_and_cpu():
     pool = torch.randn(6, 8, d, generator=g)
     table = [4, 1, 5, 0, 2, 3]
     idx = torch.randint(-1, 20, (n, 7), generator=g)
-    qi, wi, keys = torch.randn(n, 16, 32, generator=g), torch.randn(n, 16, generator=g), torch.randn(6, 8, 32, generator=g)
+    qi, wi = torch.randn(n, 16, 32, generator=g), torch.randn(n, 16, generator=g)
+    keys = torch.randn(6, 8, 32, generator=g)
 
     def run(device):
         meta = StepMetadata.build([[0] * n], [ctx], [0], [table], device=device)

@@ -28,6 +28,9 @@ def visible_entries(ctx: StepContext, ratio: int) -> Optional[torch.Tensor]:
 
 
 class Attention(nn.Module):
+    """Attention of one layer; ``ratio`` 0 = sliding window only, else the layer's compressor ratio
+    (CSA adds the lightning indexer)."""
+
     def __init__(self, f: ParamFactory, cfg: V4Config, ratio: int):
         super().__init__()
         lin = f.linear_fmt

@@ -15,6 +15,8 @@ from redknot.models.deepseek_v4.step import StepContext
 
 
 class Block(nn.Module):
+    """A decoder layer on hc_mult residual streams: mHC-wrapped attention, then mHC-wrapped MoE."""
+
     def __init__(self, f: ParamFactory, cfg: V4Config, ratio: int, hash_layer: bool):
         super().__init__()
         d, n = cfg.hidden_size, cfg.hc_mult

@@ -39,6 +39,8 @@ class Norm(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Token embedding table [vocab, D]."""
+
     def __init__(self, f: ParamFactory, vocab: int, dim: int):
         super().__init__()
         self.weight = f.plain(vocab, dim)

@@ -11,6 +11,8 @@ from redknot.models.deepseek_v4.params import ParamFactory
 
 
 class Router(nn.Module):
+    """Expert choice: fixed ``tid2eid[token]`` (hash layers) or top-k of sqrt-softplus scores + bias."""
+
     def __init__(self, f: ParamFactory, cfg: V4Config, hash_layer: bool):
         super().__init__()
         self.hash_layer, self.top_k = hash_layer, cfg.num_experts_per_tok
@@ -49,6 +51,8 @@ class Experts(nn.Module):
 
 
 class SharedExpert(nn.Module):
+    """The always-on expert (clamped SwiGLU of width moe_intermediate_size)."""
+
     def __init__(self, f: ParamFactory, cfg: V4Config):
         super().__init__()
         d, inter = cfg.hidden_size, cfg.moe_intermediate_size
@@ -58,6 +62,8 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts weighted by the router, plus the shared expert."""
+
     def __init__(self, f: ParamFactory, cfg: V4Config, hash_layer: bool):
         super().__init__()
         self.limit = cfg.swiglu_limit

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from redknot.kernels.ref_quant import FP4_GROUP, FP8_BLOCK
-from redknot.models.deepseek_v4.config import CSA, HCA, V4Config
+from redknot.models.deepseek_v4.config import V4Config
 
 FP8, FP4, FLOAT, FP32, INT = "fp8", "fp4", "float", "fp32", "int"
 

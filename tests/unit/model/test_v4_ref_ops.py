@@ -26,7 +26,8 @@ def test_rope_is_a_rotation_of_interleaved_pairs_and_inverse_undoes_it():
     x, ang = rnd(5, 3, 12), rnd(5, 4)
     y = ks.rope(x, ang.cos(), ang.sin())
     assert torch.equal(y[..., :4], x[..., :4])
-    z = torch.view_as_complex(x[..., 4:].reshape(5, 3, 4, 2).contiguous()) * torch.polar(torch.ones(5, 1, 4), ang[:, None])
+    pairs = torch.view_as_complex(x[..., 4:].reshape(5, 3, 4, 2).contiguous())
+    z = pairs * torch.polar(torch.ones(5, 1, 4), ang[:, None])
     assert torch.allclose(y[..., 4:], torch.view_as_real(z).flatten(-2), atol=1e-6)
     assert torch.allclose(ks.rope(y, ang.cos(), ang.sin(), inverse=True), x, atol=1e-6)
 

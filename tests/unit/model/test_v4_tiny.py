@@ -15,7 +15,8 @@ from v4_testutil import rel_err
 
 
 def tiny_cfg(seed=0, **arch):
-    return ModelConfig(name="tiny", synthetic=SyntheticModelConfig(seed=seed, architecture={**TINY_ARCHITECTURE, **arch}))
+    arch = {**TINY_ARCHITECTURE, **arch}
+    return ModelConfig(name="tiny", synthetic=SyntheticModelConfig(seed=seed, architecture=arch))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from redknot.models.deepseek_v4.config import QuantConfig, V4Config
+from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.params import checkpoint_spec
 from redknot.models.deepseek_v4.single import full_logits
