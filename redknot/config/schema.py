@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 
 
 class Mode(str, Enum):
+    """What ``python -m redknot`` does (``mode=``)."""
     run = "run"            # run the suite through the engine, score, report, track
     prepare = "prepare"    # build and freeze the tokenized inputs only (no engine, no GPU)
     catalog = "catalog"    # list suites, datasets, models, hardware targets
@@ -23,49 +24,58 @@ class Mode(str, Enum):
 
 
 class LegacyEnvPolicy(str, Enum):
+    """What a set legacy DeepInfer variable does (``legacy_env=``)."""
     stop = "stop"            # a legacy DEEPINFER_* variable stops the run and prints the overrides
     translate = "translate"  # legacy variables become overrides (recorded in MLflow)
 
 
 class Accelerator(str, Enum):
+    """Device kind a hardware target runs on."""
     cpu = "cpu"
     cuda = "cuda"
     npu = "npu"
 
 
 class DType(str, Enum):
+    """Activation, weight and cache dtypes."""
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
 
 class WeightFormat(str, Enum):
+    """How quantised checkpoint weights are held after loading."""
     dequantize = "dequantize"  # FP8/FP4 checkpoint weights are dequantised to `hardware.dtype` at load
     keep = "keep"              # quantised weights stay quantised (needs kernels that read them)
 
 
 class SupportStatus(str, Enum):
+    """How far a model or hardware target is supported (shown by ``mode=catalog``)."""
     supported = "supported"
     experimental = "experimental"
     planned = "planned"
 
 
 class SwaReplayMode(str, Enum):
+    """SWA bounded replay of the prefill (``features.swa_replay.mode``)."""
     off = "off"
     compact = "compact"
 
 
 class VerificationMethod(str, Enum):
+    """How drafted tokens are verified."""
     rejection = "rejection"  # greedy requests: longest matching prefix; sampled: rejection sampling
     greedy = "greedy"        # every request verified as greedy (sampling params ignored for drafts)
 
 
 class StructuredOutputBackend(str, Enum):
+    """Grammar engine for structured outputs."""
     xgrammar = "xgrammar"
     none = "none"
 
 
 class ChatTemplate(str, Enum):
+    """Chat wrapper around each benchmark prompt."""
     non_thinking = "non_thinking"  # <bos><User>{prompt}<Assistant></think>
     thinking = "thinking"          # <bos><User>{prompt}<Assistant><think>
     raw = "raw"                    # the prompt only (no chat wrapper)
@@ -116,6 +126,7 @@ class KernelsConfig:
 
 @dataclass
 class HardwareConfig:
+    """A hardware target: device kind and capability, dtypes, and the kernel backend per op."""
     name: str = "cpu"
     accelerator: Accelerator = Accelerator.cpu
     # Accepted compute capabilities as "major.minor" prefixes, e.g. ["9.0"] or ["10."]; empty = any.
@@ -137,6 +148,7 @@ class HardwareConfig:
 
 @dataclass
 class DSparkConfig:
+    """DSpark: MTP drafting with confidence-scheduled (optionally variable-length) verification."""
     enabled: bool = True
     max_draft: int = 5            # draft tokens per step at most (0 = plain decoding)
     varlen: bool = True           # requests in one batch verify different lengths
@@ -145,11 +157,13 @@ class DSparkConfig:
 
 @dataclass
 class VerificationConfig:
+    """Verification of drafted tokens."""
     method: VerificationMethod = VerificationMethod.rejection
 
 
 @dataclass
 class SwaReplayConfig:
+    """SWA bounded replay: SWA-only layers prefill just the last ``keep_tokens`` positions."""
     mode: SwaReplayMode = SwaReplayMode.off
     # Rule: keep_tokens >= model sliding window + features.dspark.max_draft + 1, so that
     # every position a query can still reach after a rollback of a whole draft block is kept.
@@ -158,16 +172,19 @@ class SwaReplayConfig:
 
 @dataclass
 class BatchInvariantConfig:
+    """Batch-invariant kernels: a request's logits do not depend on the rest of the batch."""
     enabled: bool = False
 
 
 @dataclass
 class StructuredOutputConfig:
+    """Structured outputs (regex, JSON schema, EBNF)."""
     backend: StructuredOutputBackend = StructuredOutputBackend.xgrammar
 
 
 @dataclass
 class EplbConfig:
+    """Expert-parallel load balancing: redundant expert replicas placed from recorded load."""
     enabled: bool = False
     num_redundant_experts: int = 0
     rebalance_interval: int = 1000  # engine steps between re-placements
@@ -175,6 +192,7 @@ class EplbConfig:
 
 @dataclass
 class ParallelConfig:
+    """Parallel layout; checked against the launched world at engine start."""
     dp: int = 1  # attention data parallel ranks
     ep: int = 1  # MoE expert parallel ranks
     cp: int = 1  # context parallel ranks (long prefill)
@@ -183,6 +201,7 @@ class ParallelConfig:
 
 @dataclass
 class FeaturesConfig:
+    """Engine feature toggles (``conf/features/``)."""
     dspark: DSparkConfig = field(default_factory=DSparkConfig)
     verification: VerificationConfig = field(default_factory=VerificationConfig)
     swa_replay: SwaReplayConfig = field(default_factory=SwaReplayConfig)
@@ -198,6 +217,7 @@ class FeaturesConfig:
 
 @dataclass
 class SchedulerConfig:
+    """Continuous-batching limits of the scheduler."""
     max_num_seqs: int = 64                # running requests at most
     max_num_batched_tokens: int = 4096    # token budget per engine step (prefill chunks + decodes)
     long_prefill_chunk: int = 2048        # one request's prefill chunk at most per step
@@ -219,6 +239,7 @@ class EngineConfig:
 
 @dataclass
 class DataConfig:
+    """Where a suite's LongBench data comes from (never downloaded unless asked)."""
     dir: Optional[str] = None        # directory of LongBench JSONL files (<dataset>.jsonl)
     archive: Optional[str] = None    # LongBench data.zip
     sha256: Optional[str] = None     # expected sha256 of the archive (pinned in the manifest)
@@ -227,6 +248,7 @@ class DataConfig:
 
 @dataclass
 class SuiteConfig:
+    """A benchmark suite: exact prompt length, datasets, case counts, generation lengths."""
     name: str = "smoke"
     context_tokens: int = 2048               # exact prompt length in target-tokenizer tokens
     datasets: List[str] = field(default_factory=lambda: ["hotpotqa"])
@@ -246,6 +268,7 @@ class SuiteConfig:
 
 @dataclass
 class TrackingConfig:
+    """MLflow tracking of each run."""
     _target_: str = "redknot.tracking.MlflowTracker"
     enabled: bool = True
     uri: Optional[str] = None        # null: MLFLOW_TRACKING_URI, else sqlite:///<abs>/outputs/mlflow.db
@@ -259,12 +282,14 @@ class TrackingConfig:
 
 @dataclass
 class OutputConfig:
+    """Where runs, caches and the default MLflow store are written."""
     root: str = "outputs"
     cache_dir: str = "${output.root}/cache"
 
 
 @dataclass
 class GenerateConfig:
+    """Sampling for ``mode=generate``."""
     max_tokens: int = 32
     temperature: float = 0.0
     seed: Optional[int] = None
@@ -272,6 +297,7 @@ class GenerateConfig:
 
 @dataclass
 class RedKnotConfig:
+    """The whole run config: what ``conf/config.yaml`` composes into."""
     mode: Mode = Mode.run
     seed: int = 0
     legacy_env: LegacyEnvPolicy = LegacyEnvPolicy.stop

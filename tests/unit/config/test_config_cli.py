@@ -2,7 +2,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from redknot.config import golden
 from redknot.config.device import CONF_DIR

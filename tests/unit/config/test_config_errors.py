@@ -78,3 +78,21 @@ def test_range_and_cross_field_violations_in_one_message(resolved):
     assert keys == ["features.dspark.confidence_threshold", "suite.admission_batch_size",
                     "features.batch_invariant.enabled"]
     assert "hardware=ascend950 has no batch-invariant kernels" in str(err.value)
+
+
+def test_a_typo_in_a_group_file_fails_naming_file_and_key(tmp_path):
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from redknot.config.device import CONF_DIR
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    suite = conf / "suite" / "64k.yaml"
+    suite.write_text(suite.read_text().replace("admission_batch_size:", "admision_batch_size:"))
+    with initialize_config_dir(str(conf), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException) as err:
+            compose("config", overrides=["suite=64k"])
+    text = f"{err.value} {err.value.__cause__}"
+    assert "suite/64k" in text and "admision_batch_size" in text and "SuiteConfig" in text
