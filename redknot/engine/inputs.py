@@ -26,7 +26,9 @@ class StepInputs:
 
     def fill_placeholders(self, prev: ModelRunnerOutput) -> None:
         for row, req_id in self.placeholder_rows:
-            self.meta.input_ids[row] = prev.sampled_token_ids[req_id][-1]
+            tokens = prev.sampled_token_ids.get(req_id)
+            # No token (the request failed in that step): it has left the engine, this row is discarded.
+            self.meta.input_ids[row] = tokens[-1] if tokens else 0
         self.placeholder_rows = []
 
     def to(self, device: torch.device) -> StepMetadata:
