@@ -10,6 +10,7 @@ launch scripts clear one).
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -142,7 +143,7 @@ def stop_message(settings: List[LegacySetting], explicit: Optional[List[str]] = 
         lines.append(f"  {f'{s.name}={s.value}':<{width}}  ->  {' '.join(s.overrides)}")
     overrides, _ = merge_overrides(list(explicit or []), settings)
     lines.append("equivalent command:")
-    lines.append("  python -m redknot " + " ".join(overrides))
+    lines.append("  python -m redknot " + " ".join(shlex.quote(o) for o in overrides))
     lines.append("unset the variables, or add legacy_env=translate to apply them as overrides "
                  "(the translation is recorded in MLflow)")
     return "\n".join(lines)

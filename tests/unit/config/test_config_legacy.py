@@ -72,3 +72,10 @@ def test_untranslatable_values_name_variable_value_and_choices():
 def test_empty_and_absent_variables_are_ignored(resolved):
     assert find_legacy({"DEEPINFER_BATCH_INVARIANT": "", "HOME": "/root"}) == []
     assert resolved(environ={"DEEPINFER_USE_NEXTN_DECODE": ""}).legacy_translation == {}
+
+
+def test_the_printed_command_is_shell_safe():
+    from redknot.config.legacy import stop_message
+
+    message = stop_message(find_legacy({"DEEPINFER_HF_MODEL_DIR": "/ckpt/v4 flash"}), ["prompt=hi there"])
+    assert "python -m redknot 'prompt=hi there' model=deepseek-v4-flash 'model.path=/ckpt/v4 flash'" in message
