@@ -80,28 +80,37 @@ def _patch_interpreter() -> None:
         return h
 
     builder = interpreter.InterpreterBuilder
-    original_dot, original_cast = builder.create_dot, builder.cast_impl
+    original_dot, original_cast, original_fp_to_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return original_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
-    def cast_impl(self, src, dst_type):
+    def rounded(src, dst_type):
+        """fp32 -> bf16 / e4m3 with round-to-nearest-even, or None for other casts."""
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             bits = src.data.astype(np.float32).view(np.uint32)
-            rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
+            out = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            return interpreter.TensorHandle(out.astype(np.uint16), tl.bfloat16)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
             vals = torch.from_numpy(np.clip(src.data.astype(np.float32), -448.0, 448.0))
-            codes = vals.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-            return interpreter.TensorHandle(codes, tl.float8e4nv)
-        return original_cast(self, src, dst_type)
+            return interpreter.TensorHandle(vals.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), tl.float8e4nv)
+        return None
+
+    def cast_impl(self, src, dst_type):
+        out = rounded(src, dst_type)
+        return original_cast(self, src, dst_type) if out is None else out
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        out = rounded(src, dst_type)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode) if out is None else out
 
     interpreter._patch_lang_tensor = patch_lang_tensor
-    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+    builder.create_dot, builder.cast_impl, builder.create_fp_to_fp = create_dot, cast_impl, create_fp_to_fp
     interpreter._redknot_patched = True
 
 
-if interpreting():
+_INTERPRETED_AT_IMPORT = interpreting()  # kernels below this module were decorated for the interpreter
+if _INTERPRETED_AT_IMPORT:
     _patch_interpreter()
 
 

@@ -5,8 +5,6 @@ run the reference implementation; ``KernelSet`` reports which backend each op re
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,39 +13,11 @@ import torch.nn.functional as F
 from redknot.kernels import ref_attention, ref_moe
 from redknot.kernels import reference as ref
 from redknot.kernels.registry import register
+from redknot.kernels.step_index import step_tensors
 from redknot.kernels.triton import attention, fp8, indexer, mhc, moe, norm
 from redknot.kernels.triton._common import next_pow2
 
 BACKEND = "triton"
-
-
-@dataclass(frozen=True)
-class StepTensors:
-    """Device-side per-token / per-sequence indices of one step, derived without a host sync."""
-    token_seq: torch.Tensor     # [T] sequence index of each row
-    context_lens: torch.Tensor  # [B] first position of each sequence in the step
-    query_start: torch.Tensor   # [B] first row of each sequence
-
-
-_STEP_CACHE: "dict[int, tuple[weakref.ref, StepTensors]]" = {}
-
-
-def step_tensors(meta) -> StepTensors:
-    """Derive (once per step object) the index tensors the kernels read from ``StepMetadata``."""
-    hit = _STEP_CACHE.get(id(meta))
-    if hit is not None and hit[0]() is meta:
-        return hit[1]
-    qsl = meta.query_start_loc
-    rows = torch.arange(meta.positions.shape[0], device=qsl.device, dtype=qsl.dtype)
-    token_seq = (torch.searchsorted(qsl[1:].contiguous(), rows, right=True)).to(torch.int32)
-    starts = qsl[:-1].to(torch.int32)
-    ctx = meta.positions.index_select(0, starts.clamp(max=max(meta.positions.shape[0] - 1, 0)).long())
-    st = StepTensors(token_seq, ctx.to(torch.int32), starts)
-    if len(_STEP_CACHE) > 64:
-        for key in [k for k, (r, _) in _STEP_CACHE.items() if r() is None]:
-            del _STEP_CACHE[key]
-    _STEP_CACHE[id(meta)] = (weakref.ref(meta), st)
-    return st
 
 
 @register("rms_norm", BACKEND)

@@ -1,0 +1,42 @@
+"""Device-side per-token / per-sequence indices of one step, shared by the fast backends (pure torch).
+
+Derived from ``StepMetadata``'s tensors (``positions``, ``query_start_loc``) without a host sync, once
+per step object, so CUDA-graph replays and every layer of a step reuse them.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """Index tensors of one step."""
+    token_seq: torch.Tensor     # [T] int32 sequence index of each row
+    context_lens: torch.Tensor  # [B] int32 first position of each sequence in the step
+    query_start: torch.Tensor   # [B] int32 first row of each sequence
+
+
+_CACHE: Dict[int, Tuple[weakref.ref, StepTensors]] = {}
+
+
+def step_tensors(meta) -> StepTensors:
+    """The :class:`StepTensors` of ``meta`` (computed on its first use)."""
+    hit = _CACHE.get(id(meta))
+    if hit is not None and hit[0]() is meta:
+        return hit[1]
+    qsl = meta.query_start_loc
+    rows = torch.arange(meta.positions.shape[0], device=qsl.device, dtype=qsl.dtype)
+    token_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).to(torch.int32)
+    starts = qsl[:-1].to(torch.int32)
+    last = max(meta.positions.shape[0] - 1, 0)
+    ctx = meta.positions.index_select(0, starts.clamp(max=last).long()).to(torch.int32)
+    st = StepTensors(token_seq, ctx, starts)
+    if len(_CACHE) > 64:
+        for key in [k for k, (r, _) in _CACHE.items() if r() is None]:
+            del _CACHE[key]
+    _CACHE[id(meta)] = (weakref.ref(meta), st)
+    return st
