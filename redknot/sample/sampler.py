@@ -61,7 +61,9 @@ class Sampler:
             logits = apply_bitmask(logits, bitmask)
         return logits
 
-    def _draw(self, logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+        """[n, V] distribution each (sampled, already processed) row draws from: temperature,
+        top-k, top-p, min-p, softmax. Speculative verification uses it as the target distribution."""
         def col(values, dtype):
             return torch.tensor(values, dtype=dtype, device=logits.device)  # [n]
         p = [r.params for r in rows]
@@ -69,7 +71,10 @@ class Sampler:
         logits = apply_top_k(logits, col([x.top_k for x in p], torch.long))
         logits = apply_top_p(logits, col([x.top_p for x in p], torch.float32))
         logits = apply_min_p(logits, col([x.min_p for x in p], torch.float32))
-        probs = logits.softmax(dim=1)  # [n, V]
+        return logits.softmax(dim=1)  # [n, V]
+
+    def _draw(self, logits: torch.Tensor, rows: List[SamplingRow]) -> torch.Tensor:
+        probs = self.probs(logits, rows)  # [n, V]
         q = torch.stack([self.noise.exponential(r.seed, r.output_index, logits.shape[1]) for r in rows])
         return (probs / q).argmax(dim=1)
 
