@@ -222,7 +222,6 @@ ATTN_TUNER = ConfigTuner("sparse_attention", [
     AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=1),
     AttnConfig(block_h=64, block_n=64, num_warps=8, num_stages=1),
     AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
-    AttnConfig(block_h=32, block_n=64, num_warps=4, num_stages=2),
 ])
 
 

@@ -116,7 +116,7 @@ class GemmConfig:
 
 
 GEMM_TUNER = ConfigTuner("block_scaled_mm", [
-    GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 8, 3), GemmConfig(128, 64, 4, 4), GemmConfig(32, 64, 4, 4),
+    GemmConfig(64, 128, 4, 3), GemmConfig(128, 128, 8, 3), GemmConfig(128, 64, 4, 4),
 ])
 
 

@@ -31,7 +31,7 @@ _EMPTY = tl.constexpr(-9223372036854775807)  # below every packed key of a finit
 
 @dataclass(frozen=True)
 class IndexerConfig:
-    """Launch shape (``num_splits=0``: chosen from the problem size; ``capacity=0``: 4·topk).
+    """Launch shape (``num_splits=0``: chosen from the problem size; ``capacity=0``: 2·topk).
 
     ``block_t`` tokens of one sequence share a program when there are enough tokens (prefill);
     decode-sized steps use one token per program and split its entries instead.
@@ -125,17 +125,27 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
 
 
 @triton.jit
-def _indexer_merge(cand_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, NS_P2: tl.constexpr):
-    tok = tl.program_id(0)
-    offs = tl.arange(0, NS_P2 * K)
-    keys = tl.load(cand_ptr + tok.to(tl.int64) * nsplit * K + offs, mask=offs < nsplit * K, other=_EMPTY)
-    if NS_P2 > 1:
-        best = tl.topk(keys, K)
-    else:
-        best = keys
-    ids = tl.where(best == _EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF))
+def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, CAP: tl.constexpr):
+    """Stream the per-split lists of one token through the same thresholded buffer, then unpack ids."""
+    tok = tl.program_id(0).to(tl.int64)
+    buf = buf_ptr + (tok * nsplit) * CAP + tl.zeros([1, 1], tl.int64)  # this token's first scratch row
     offs_k = tl.arange(0, K)
-    tl.store(out_ptr + tok.to(tl.int64) * stride_ot + offs_k, ids.to(out_ptr.dtype.element_ty))
+    one = tl.full([1], True, tl.int1)
+    count = tl.zeros([1], tl.int32)
+    theta = tl.full([1], _EMPTY, tl.int64)
+    for s in range(nsplit):
+        key = tl.load(cand_ptr + (tok * nsplit + s) * K + offs_k)[None, :]  # [1, K], descending
+        keep = (key > theta[:, None]) & (key != _EMPTY)
+        if tl.max(count, 0) + K > CAP:
+            count, theta = _compact(buf, count, one, 1, CAP, K)
+            keep = keep & (key > theta[:, None])
+        slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
+        tl.store(buf + slot, key, mask=keep)
+        count += tl.sum(keep.to(tl.int32), 1)
+    count, theta = _compact(buf, count, one, 1, CAP, K)
+    best = tl.load(buf + offs_k[None, :], mask=offs_k[None, :] < count[:, None], other=_EMPTY)
+    ids = tl.where(best == _EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF))
+    tl.store(out_ptr + tok * stride_ot + offs_k[None, :], ids.to(out_ptr.dtype.element_ty))
 
 
 def token_tiles(query_start_loc: torch.Tensor, num_tokens: int, block_t: int):
@@ -164,14 +174,13 @@ def _choose_splits(cfg: IndexerConfig, num_tokens: int, max_entries: int, device
     if num_tokens >= 2 * device_sms:
         return 1
     want = cdiv(2 * device_sms, num_tokens)
-    return max(1, min(want, cdiv(max_entries, 8 * cfg.block_n), 16))
+    return max(1, min(want, cdiv(max_entries, 8 * cfg.block_n), 32))
 
 
 INDEXER_TUNER = ConfigTuner("indexer_topk", [
     IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=2),
     IndexerConfig(block_t=1, block_n=64, num_warps=4, num_stages=2),
     IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
-    IndexerConfig(block_t=4, block_n=64, num_warps=8, num_stages=2),
 ])
 
 
@@ -204,7 +213,7 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: tor
 def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys, block_table, ratio, block_size,
             topk, scale, out) -> torch.Tensor:
     T, H, DI = q.shape
-    cap = cfg.capacity or max(4 * topk, next_pow2(topk + cfg.block_n))
+    cap = cfg.capacity or max(2 * topk, next_pow2(topk + cfg.block_n))
     if cap < topk + cfg.block_n or cap & (cap - 1):
         raise ValueError(f"capacity={cap}: needs a power of two >= topk + block_n ({topk + cfg.block_n})")
     nsplit = _choose_splits(cfg, T, block_table.shape[1] * block_size // ratio, sm_count(q))
@@ -218,7 +227,5 @@ def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys,
         scale, ratio, block_size,
         H=H, HP=max(next_pow2(H), cdiv(16, block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=block_t, BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    ns_p2 = next_pow2(nsplit)
-    _indexer_merge[(T,)](cand, out, out.stride(0), nsplit, K=topk, NS_P2=ns_p2,
-                         num_warps=4 if ns_p2 * topk <= 2048 else 8)
+    _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     return out

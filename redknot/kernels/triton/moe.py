@@ -72,7 +72,8 @@ def route_by_expert(topk_ids: torch.Tensor, num_experts: int):
     order = torch.sort(flat, stable=True).indices  # [T*k] pair index, grouped by expert
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)  # no host sync (CUDA graphs)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts, 0).to(torch.int32)
     return order // topk_ids.shape[1], inv, offs
 

@@ -95,7 +95,7 @@ def topk_violations(ids: torch.Tensor, scores: torch.Tensor, positions: torch.Te
 
 
 def _indexer_cases(d: Dims):
-    cap = max(4 * d.topk, 1 << (d.topk + 64 - 1).bit_length())  # the selection buffer of the default config
+    cap = max(2 * d.topk, 1 << (d.topk + 64 - 1).bit_length())  # the selection buffer of the default config
     return [
         ("fewer visible than top-k", [1, 7], [3, 2]),
         ("prefill tiles across ragged seqs", [d.topk * d.csa_ratio + 5, 0, 13], [5, 7, 3]),
