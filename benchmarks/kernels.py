@@ -9,7 +9,8 @@ shapes (context < window, lengths not a multiple of the ratio, fewer visible ent
 exact score ties, key splits), output buffers poisoned first; tolerances per dtype.
 Phase 2 (speed): each op at V4 dimensions, prefill chunks and decode steps at contexts 8K → 440K;
 median time (``triton.testing.do_bench``), achieved TFLOP/s and TB/s, fraction of the roofline
-(max(FLOPs / matrix peak, bytes / copy bandwidth) over the time; ceilings measured on an H200), and
+(max(FLOPs / matrix peak, bytes / copy bandwidth) over the time; the H200 ceilings of the project's cost
+model, ``redknot.models.deepseek_v4.cost``; FLOPs counted by its conventions), and
 the speedup over the reference op where the reference is run. A failing case is a FAIL row; the run
 goes on. Results: ``DIR/kernels.json``, ``DIR/kernels.csv``, ``DIR/kernels.txt`` (``$OUT`` if set).
 """
@@ -26,8 +27,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-PEAKS = {"bf16": 796e12, "fp8": 1451e12, "fp32": 51e12}  # H200 matrix ceilings (fp32: non-tensor FMA)
-BANDWIDTH = 4.17e12  # H200 device-to-device copy, bytes read + written per second
+try:  # the project's cost model holds the measured H200 ceilings
+    from redknot.models.deepseek_v4.cost import H200
+    PEAKS = {"bf16": H200.bf16_flops, "fp8": H200.fp8_flops}
+    BANDWIDTH = H200.hbm_bytes_per_s
+except ImportError:
+    PEAKS = {"bf16": 796e12, "fp8": 1451e12}  # H200 bf16 / fp8 matrix products, measured
+    BANDWIDTH = 4.17e12  # H200 device-to-device copy, bytes read + written per second
+PEAKS["fp32"] = 51e12  # FMA (non-tensor) fp32, the datasheet's 67 TFLOP/s derated like bf16's 990 -> 796
 FULL_CONTEXTS = [8192, 32768, 131072, 450560]
 
 
