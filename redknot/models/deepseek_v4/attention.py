@@ -61,6 +61,10 @@ class Attention(nn.Module):
         return st.entries, self.indexer.select(ks, x, c_q, ctx, st.idx_keys)
 
     def forward(self, ks, x: torch.Tensor, ctx: StepContext, st: LayerState) -> torch.Tensor:
+        # Context parallel (redknot.parallel.cp) marks its per-rank step metadata with its plan.
+        cp = getattr(ctx.meta, "context_parallel", None)
+        if cp is not None:
+            return cp.attention(self, ks, x, ctx, st)
         t, cfg = x.shape[0], self.cfg
         cos, sin = ctx.cos_sin(self.rope_kind)
         c_q = self.q_norm(ks, self.wq_a(ks, x))  # [T, q_lora]

@@ -47,6 +47,12 @@ class Compressor(nn.Module):
         """Project this step's rows, emit the entries of every window they close, store the rows."""
         kv = self.wkv(ks, x).float()  # [T, C]
         gate = self.wgate(ks, x).float()
+        self.update_rows(ks, kv, gate, ctx, kv_ring, gate_ring, pool)
+
+    def update_rows(self, ks, kv: torch.Tensor, gate: torch.Tensor, ctx: StepContext, kv_ring: torch.Tensor,
+                    gate_ring: torch.Tensor, pool: torch.Tensor) -> None:
+        """:meth:`update` from already projected rows kv, gate [T, C] fp32 (context parallel gathers
+        them from every rank first)."""
         m, per_block = self.ratio, pool.shape[1]
         made: List[torch.Tensor] = []
         dest: List[torch.Tensor] = []
@@ -60,7 +66,7 @@ class Compressor(nn.Module):
             args = (sp.slot, first, sp.context_len, sp.start, n_fresh)
             pooled = ks.compressor(self._rows(kv_ring, kv, *args), self._rows(gate_ring, gate, *args),
                                    self.ape, m, self.overlap, has_prev)  # [w1-w0, hd] fp32
-            w = torch.arange(w0, w1, device=x.device)
+            w = torch.arange(w0, w1, device=kv.device)
             cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
             made.append(ks.rope(self.norm(ks, pooled), cos, sin))
             dest.append(entry_rows(ctx.meta.block_tables[sp.index], w, per_block))

@@ -70,11 +70,17 @@ class MoE(nn.Module):
         self.gate = Router(f, cfg, hash_layer)
         self.experts = Experts(f, cfg)
         self.shared_experts = SharedExpert(f, cfg)
+        # Expert parallel (redknot.parallel.ep) installs its dispatcher here; None = every expert local.
+        self.dispatcher = None
 
     def forward(self, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, weights = self.gate(ks, x, input_ids)
         ex = self.experts
-        routed = ks.moe(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale, ex.w3_scale)
+        if self.dispatcher is not None:
+            routed = self.dispatcher(ks, x, idx, weights, ex, self.limit)
+        else:
+            routed = ks.moe(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale,
+                            ex.w3_scale)
         return routed + self._shared(ks, x)
 
     def _shared(self, ks, x: torch.Tensor) -> torch.Tensor:
