@@ -3,8 +3,11 @@
 The data is made by RedKnot itself (``redknot.bench.fixtures``, profile
 ``scale``): LongBench's row counts (200 per dataset) and mean context lengths,
 in the LongBench JSONL format. Each suite is prepared through the real command
-line, ``python -m redknot mode=prepare suite=<suite> ...``, first from an empty
-cache (build) and then again (reuse), optionally followed by ``mode=validate``.
+line, ``python -m redknot mode=prepare suite=<suite> ...``: cold (no frozen
+inputs, no tokenized contexts in the cache), then again (reuse of the frozen
+inputs), then with only the frozen inputs removed (the tokenized contexts kept
+from the first prepare, as when a second suite is prepared from the same data),
+optionally followed by ``mode=validate`` (which always tokenizes afresh).
 Everything is written under ``--work`` (default ``outputs/bench-scale``).
 
     python benchmarks/prepare_scale.py                       # 64k and 128k, the suites' own case counts
@@ -64,16 +67,19 @@ def measure(suite: str, data: Path, work: Path, samples: Optional[int], validate
               "hydra.run.dir=" + str(root / "hydra" / "${now:%H-%M-%S-%f}")]
     if samples:
         common.append(f"suite.samples_per_dataset={samples}")
-    before = set((cache / "inputs").glob("*")) if (cache / "inputs").is_dir() else set()
+    shutil.rmtree(cache / "inputs", ignore_errors=True)
+    shutil.rmtree(cache / "tokens", ignore_errors=True)
     build_wall, build_out = _redknot(["mode=prepare", *common], work)
-    created = sorted(set((cache / "inputs").glob("*")) - before)
-    entry = created[0] if created else None
+    (entry,) = sorted((cache / "inputs").glob("*"))
     reuse_wall, reuse_out = _redknot(["mode=prepare", *common], work)
+    disk = _disk_bytes(entry)
+    shutil.rmtree(entry)
+    warm_wall, warm_out = _redknot(["mode=prepare", *common], work)
     row = {"suite": suite, "cases": re.search(r"(\d+) cases of", build_out).group(1),
            "build_wall_s": build_wall, "build_inner_s": _inner_seconds(build_out),
-           "reuse_wall_s": reuse_wall, "reuse_inner_s": _inner_seconds(reuse_out),
-           "disk_mib": _disk_bytes(entry) / 2 ** 20 if entry else float("nan"),
-           "address": entry.name if entry else "(existed before)"}
+           "reuse_wall_s": reuse_wall, "warm_wall_s": warm_wall, "warm_inner_s": _inner_seconds(warm_out),
+           "disk_mib": disk / 2 ** 20, "tokens_mib": _disk_bytes(cache / "tokens") / 2 ** 20,
+           "address": entry.name}
     if validate:
         row["validate_wall_s"] = _redknot(["mode=validate", *common], work)[0]
     return row
@@ -86,22 +92,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-scale"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--validate", action="store_true", help="also time mode=validate")
-    parser.add_argument("--fresh", action="store_true", help="delete the input cache first")
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    if args.fresh:
-        shutil.rmtree(work / "outputs" / "cache" / "inputs", ignore_errors=True)
     data = make_data(work, args.seed)
     print(f"machine: {os.cpu_count()} CPUs visible, {len(os.sched_getaffinity(0))} usable")
+    print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     rows = [measure(suite, data, work, args.samples, args.validate) for suite in args.suites]
-    header = f"{'suite':<6} {'cases':>5} {'prepare s':>10} {'(inner)':>8} {'reuse s':>8} {'(inner)':>8} " \
-             f"{'disk MiB':>9} {'validate s':>10}  address"
-    print(header)
+    print(f"{'suite':<6} {'cases':>5} {'cold s':>8} {'(inner)':>8} {'reuse s':>8} {'warm-tok s':>10} {'(inner)':>8} "
+          f"{'inputs MiB':>10} {'tokens MiB':>10} {'validate s':>10}  address")
     for r in rows:
-        print(f"{r['suite']:<6} {r['cases']:>5} {r['build_wall_s']:>10.1f} {r['build_inner_s'] or 0:>8.1f} "
-              f"{r['reuse_wall_s']:>8.1f} {r['reuse_inner_s'] or 0:>8.1f} {r['disk_mib']:>9.1f} "
-              f"{r.get('validate_wall_s', float('nan')):>10.1f}  {r['address']}")
+        print(f"{r['suite']:<6} {r['cases']:>5} {r['build_wall_s']:>8.1f} {r['build_inner_s'] or 0:>8.1f} "
+              f"{r['reuse_wall_s']:>8.1f} {r['warm_wall_s']:>10.1f} {r['warm_inner_s'] or 0:>8.1f} "
+              f"{r['disk_mib']:>10.1f} {r['tokens_mib']:>10.1f} {r.get('validate_wall_s', float('nan')):>10.1f}  "
+              f"{r['address']}")
+    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 
 
