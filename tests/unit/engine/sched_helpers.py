@@ -7,7 +7,7 @@ the tokens alone, so batched / preempted / chunked runs must equal solo runs.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from redknot.cache import CacheSpec, StateCacheManager, cdiv
 from redknot.config.schema import SchedulerConfig
@@ -28,7 +28,7 @@ def next_token(seq: List[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, block_size: int, wrong_drafts: Optional[Dict[str, int]] = None) -> None:
+    def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.state: Dict[str, List[int]] = {}
         self.steps: List[SchedulerOutput] = []
