@@ -36,6 +36,19 @@ class LLM:
     String prompts are encoded with the model's tokenizer and start with BOS.
     """
 
+    def __new__(cls, *args, **kwargs):
+        # A multi-process layout (a features.parallel size or a launched world above 1) gets the
+        # engine of redknot.parallel, a subclass; one process keeps this class unchanged.
+        features = kwargs.get("features", args[2] if len(args) > 2 else None)
+        if cls is LLM and features is not None:
+            from redknot.parallel.layout import needs_parallel
+
+            if needs_parallel(features.parallel):
+                from redknot.parallel.engine import ParallelLLM
+
+                return super().__new__(ParallelLLM)
+        return super().__new__(cls)
+
     def __init__(self, model: ModelConfig, hardware: HardwareConfig, features: FeaturesConfig,
                  engine: Optional[EngineConfig] = None, kernels: Optional[KernelSet] = None) -> None:
         engine = engine or EngineConfig()

@@ -1,1 +1,33 @@
-"""parallel"""
+"""Multi-process serving on torch.distributed: attention data parallel (DP), MoE expert parallel
+(EP) with load balancing (EPLB), and context parallel (CP) for long prefill.
+
+``LLM(...)`` becomes a :class:`~redknot.parallel.engine.ParallelLLM` when ``features.parallel``
+(or the launcher) asks for more than one process; rank 0 takes the requests and the other ranks
+call :func:`serve`. ``python -m redknot`` does this itself under ``torchrun``
+(:mod:`redknot.parallel.launch`). Names are resolved lazily: importing this package does not
+import torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ParallelLayout": "redknot.parallel.layout",
+    "LaunchEnv": "redknot.parallel.layout",
+    "ExpertPlacement": "redknot.parallel.eplb",
+    "plan_placement": "redknot.parallel.eplb",
+    "ParallelLLM": "redknot.parallel.engine",
+    "ParallelRuntime": "redknot.parallel.runtime",
+    "serve": "redknot.parallel.runtime",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
