@@ -22,7 +22,7 @@ def eos_after(n):
 
 def _workload(llm, rng):
     prompts, params = {}, {}
-    for i in range(14):
+    for i in range(10):
         prompts[f"r{i}"] = [rng.randrange(3, 120000) for _ in range(rng.randrange(3, 50))]
         kind = i % 5
         if kind == 0:
@@ -49,7 +49,7 @@ def test_async_on_off_identical(engines, batch_invariant):
     prompts, params = _workload(sync_llm, rng)
     ref, _ = run_all(sync_llm, prompts, params)
     # Stop strings cut from the synchronous texts, so that they really occur.
-    for rid in ("r4", "r9", "r14"):
+    for rid in ("r4", "r9"):
         if rid in ref and len(ref[rid].text) > 6:
             params[rid] = SamplingParams(max_tokens=16, stop=[ref[rid].text[3:6]])
     ref, _ = run_all(sync_llm, prompts, params)
