@@ -36,11 +36,12 @@ class LLM:
     String prompts are encoded with the model's tokenizer and start with BOS.
     """
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, model: ModelConfig, hardware: HardwareConfig, features: FeaturesConfig,
+                engine: Optional[EngineConfig] = None, kernels: Optional[KernelSet] = None):
         # A multi-process layout (a features.parallel size or a launched world above 1) gets the
         # engine of redknot.parallel, a subclass; one process keeps this class unchanged.
-        features = kwargs.get("features", args[2] if len(args) > 2 else None)
-        if cls is LLM and features is not None:
+        # Same parameters as __init__ (inspect.signature and config building read __new__'s).
+        if cls is LLM:
             from redknot.parallel.layout import needs_parallel
 
             if needs_parallel(features.parallel):
