@@ -108,6 +108,17 @@ class V4Config:
     def layers_of(self, kind: str) -> List[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
 
+    @property
+    def num_trailing_sliding_layers(self) -> int:
+        """Sliding-window-only layers above the last CSA/HCA layer. Their prefix state is only
+        ever read through the window, so compact SWA replay may skip its early rows."""
+        count = 0
+        for kind in reversed(self.layer_types):
+            if kind != SLIDING:
+                break
+            count += 1
+        return count
+
     # ----------------------------------------------------------------- constructors
     @classmethod
     def flash(cls) -> "V4Config":

@@ -39,6 +39,8 @@ class DeepseekV4(nn.Module):
         self.hc_head_scale = f.fp32(1)
         self.head = Linear(f, cfg.vocab_size, d, FLOAT)
         self.mtp = nn.ModuleList(MTPLayer(f, cfg) for _ in range(cfg.num_mtp_layers if with_mtp else 0))
+        # First of the window-only layers at the top of the stack (== num_layers when there are none).
+        self.tail_start = cfg.num_layers - cfg.num_trailing_sliding_layers
         self._rope: Optional[RopeTables] = None
 
     @property
@@ -56,13 +58,28 @@ class DeepseekV4(nn.Module):
 
     @torch.no_grad()
     def forward(self, meta: StepMetadata, state: V4State) -> torch.Tensor:
-        """One step over the state: -> pre-HyperHead streams [T, hc_mult, D]."""
+        """One step over the state: -> pre-HyperHead streams [T, hc_mult, D].
+
+        With ``meta.replay_from`` (compact SWA replay) the window-only top layers compute only
+        the rows at or after it; the other rows' returned streams are not meaningful."""
         ctx = self._context(meta)
         x = self.embed(meta.input_ids)  # [T, D]
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, n, D]
-        for layer, st in zip(self.layers, state.layers):
+        compact = meta.replay_from is not None and self.tail_start < self.cfg.num_layers
+        end = self.tail_start if compact else self.cfg.num_layers
+        for layer, st in zip(self.layers[:end], state.layers[:end]):
             streams = layer(self.ks, streams, ctx, st, meta.input_ids)
-        return streams
+        return self._compact_tail(meta, state, streams) if compact else streams
+
+    def _compact_tail(self, meta: StepMetadata, state: V4State, streams: torch.Tensor) -> torch.Tensor:
+        rows, sub = meta.suffix(meta.replay_from)
+        if sub is None:
+            return streams
+        ctx = self._context(sub)
+        part = streams[rows]  # [R, n, D]
+        for layer, st in zip(self.layers[self.tail_start:], state.layers[self.tail_start:]):
+            part = layer(self.ks, part, ctx, st, sub.input_ids)
+        return streams.index_copy(0, rows, part)
 
     def _head(self, streams: torch.Tensor, fn, base, scale, norm: Norm) -> torch.Tensor:
         cfg = self.cfg
@@ -87,6 +104,8 @@ class DeepseekV4(nn.Module):
         streams = mtp.embed_streams(self.ks, prev_streams, self.embed(next_token_ids))
         streams = mtp(self.ks, streams, ctx, state.mtp[0], meta.input_ids)
         rows = streams[meta.logits_indices]
+        if rows.shape[0] == 0:  # a catch-up step that drafts nothing
+            return streams, torch.empty(0, self.cfg.vocab_size, dtype=torch.float32, device=streams.device)
         logits = self._head(rows, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
         return streams, logits
 

@@ -15,7 +15,7 @@ that rows still needed are never overwritten by up to ``max_backtrack`` tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -36,6 +36,9 @@ class StepMetadata:
     context_lens: List[int]        # tokens already in the state = first position of each sequence
     seq_slot_list: List[int] = field(default_factory=list)  # python copy of seq_slots
     query_start_list: List[int] = field(default_factory=list)  # python copy of query_start_loc[:-1]
+    # Compact SWA replay: per sequence, the first position the window-only top layers compute
+    # (rows below it are never read by a later query); None = every row.
+    replay_from: Optional[List[int]] = None
 
     def __post_init__(self) -> None:
         if not self.seq_slot_list:
@@ -61,6 +64,37 @@ class StepMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def suffix(self, first_positions: Sequence[int]) -> Tuple[torch.Tensor, Optional["StepMetadata"]]:
+        """Rows of each sequence at positions >= ``first_positions[b]``: (their row ids in this
+        step [R], a StepMetadata of just those rows). Sequences with no such row are left out;
+        the metadata is None when no row is left. Its logits rows are each sequence's last row."""
+        rows: List[int] = []
+        keep, counts, ctx = [], [], []
+        for b, (s, n, c) in enumerate(zip(self.query_start_list, self.num_tokens_per_seq, self.context_lens)):
+            skip = min(n, max(0, int(first_positions[b]) - c))
+            if skip == n:
+                continue
+            rows.extend(range(s + skip, s + n))
+            keep.append(b)
+            counts.append(n - skip)
+            ctx.append(c + skip)
+        device = self.input_ids.device
+        idx = torch.tensor(rows, dtype=torch.long, device=device)  # [R]
+        if not rows:
+            return idx, None
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        seqs = torch.tensor(keep, dtype=torch.long, device=device)  # [B']
+        sub = StepMetadata(
+            input_ids=self.input_ids[idx], positions=self.positions[idx],
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_slots=self.seq_slots[seqs], block_tables=self.block_tables[seqs],
+            logits_indices=torch.tensor(starts[1:], dtype=torch.long, device=device) - 1,
+            num_tokens_per_seq=counts, context_lens=ctx, seq_slot_list=[self.seq_slot_list[b] for b in keep],
+            query_start_list=starts[:-1])
+        return idx, sub
 
     @classmethod
     def build(cls, token_ids: Sequence[Sequence[int]], context_lens: Sequence[int], seq_slots: Sequence[int],
