@@ -1,0 +1,86 @@
+"""DSpark: speculative decoding with the MTP layer, for the model runner.
+
+The runner calls ``verify`` (its verifier hook) on steps that feed drafts and
+``after_step`` after every step; ``after_step`` catches the MTP layer up,
+drafts, and hands the confidence-scheduled drafts to the scheduler through
+``ModelRunnerOutput.draft_token_ids``. The scheduler feeds them next step and
+rolls back what verification rejects.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from redknot.spec.drafter import Draft, MTPDrafter
+from redknot.spec.metrics import SpecDecodeStats
+from redknot.spec.replay import CompactReplay
+from redknot.spec.verifier import GREEDY_METHOD, Verifier
+
+# (req_id, position of the first draft, drafts) -> drafts to schedule instead (tests, experiments).
+DraftHook = Callable[[str, int, List[int]], List[int]]
+
+
+class DSpark:
+    """Drafter + verifier + counters of ``features.dspark`` (see the module docstring)."""
+
+    def __init__(self, model, state, sampler, features, max_model_len: int,
+                 replay: Optional[CompactReplay] = None) -> None:
+        cfg = features.dspark
+        method = getattr(features.verification.method, "value", features.verification.method)
+        self.stats = SpecDecodeStats(max_draft=cfg.max_draft)
+        self.drafter = MTPDrafter(model, state, sampler, cfg.max_draft, cfg.confidence_threshold, cfg.varlen,
+                                  greedy_confidence=method == GREEDY_METHOD, max_model_len=max_model_len,
+                                  replay=replay)
+        self.verifier = Verifier(sampler, method, self.stats)
+        self.device = model.device
+        self.draft_hook: Optional[DraftHook] = None
+        self.last_drafts: Dict[str, Draft] = {}
+
+    @classmethod
+    def create(cls, model, state, sampler, features, max_model_len: int,
+               replay: Optional[CompactReplay] = None) -> Optional["DSpark"]:
+        """None when drafting is off (``features.dspark.enabled=false`` or ``max_draft=0``)."""
+        cfg = features.dspark
+        if not cfg.enabled or cfg.max_draft <= 0:
+            return None
+        if not len(model.mtp):
+            raise ValueError("features.dspark.enabled=true but the checkpoint has no MTP layer "
+                             "(num_nextn_predict_layers=0); set features.dspark.enabled=false")
+        if state.layout.max_backtrack < cfg.max_draft:
+            raise ValueError(f"features.dspark.max_draft={cfg.max_draft} but the state rings were sized for "
+                             f"{state.layout.max_backtrack} rolled-back tokens")
+        return cls(model, state, sampler, features, max_model_len, replay)
+
+    def verify(self, batch, logits: torch.Tensor) -> Dict[str, List[int]]:
+        """Accepted drafts + one token per request with logits rows (runner's verifier hook)."""
+        return self.verifier(batch, logits)
+
+    def after_step(self, batch, streams: torch.Tensor, out, step_start: float) -> None:
+        """Count the step, run the MTP, put the next step's drafts into ``out.draft_token_ids``."""
+        t0 = time.perf_counter()
+        requests = batch.inputs.sched.requests
+        if any(sr.num_logits for sr in requests):
+            self.stats.record_step(any(sr.draft_token_ids for sr in requests), t0 - step_start)
+        self._count_decode(batch, out.sampled_token_ids)
+        drafts = self.drafter.propose(batch, streams, out.sampled_token_ids)
+        if self.draft_hook is not None:
+            for req_id, d in drafts.items():
+                d.token_ids = [int(t) for t in self.draft_hook(req_id, d.first_position, list(d.token_ids))]
+        out.draft_token_ids = {r: list(d.token_ids) for r, d in drafts.items() if d.token_ids}
+        self.last_drafts = drafts
+        self.stats.num_drafted = self.drafter.num_drafted
+        self.stats.num_mtp_rows = self.drafter.num_mtp_rows
+        self.stats.num_draft_steps = self.drafter.num_steps
+        self.stats.draft_time_s += time.perf_counter() - t0
+
+    def _count_decode(self, batch, sampled: Dict[str, List[int]]) -> None:
+        """Decode request-steps (the request's last token fed, its first output already out)."""
+        row = 0
+        for sr in batch.inputs.sched.requests:
+            tokens = sampled.get(sr.req_id)
+            if sr.num_logits and tokens and sr.start_pos + 1 == sr.seq_len and batch.rows[row].output_index > 0:
+                self.stats.num_decode_request_steps += 1
+                self.stats.num_decode_tokens += len(tokens)
+            row += sr.num_logits

@@ -1,0 +1,86 @@
+"""Verification of a step that feeds draft tokens: which drafts each request keeps.
+
+Called by the model runner (its ``verifier`` hook) with the step's sampling rows
+and logits. A request scheduled with k drafts owns k+1 consecutive logits rows:
+row i is the target's distribution for the token after draft i (row 0: after
+the request's last real token). Requests of the step without drafts are sampled
+exactly as the runner would sample them.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import torch
+
+from redknot.spec.metrics import SpecDecodeStats
+from redknot.spec.rejection import accept_uniforms, greedy_accept, point_mass, speculative_sample
+
+GREEDY_METHOD = "greedy"
+
+
+class Verifier:
+    """Greedy requests keep the longest prefix of drafts equal to the target's argmax, then the
+    target's token. Sampled requests (``verification.method=rejection``) use speculative sampling
+    against point-mass drafts, which keeps every token distributed exactly as plain sampling
+    would draw it. ``method=greedy`` verifies every request by argmax match and samples only the
+    last token with the request's parameters (fast, but not distribution-preserving for sampled
+    requests)."""
+
+    def __init__(self, sampler, method: str, stats: SpecDecodeStats) -> None:
+        self.sampler = sampler
+        self.method = getattr(method, "value", method)
+        self.stats = stats
+
+    def __call__(self, batch, logits: torch.Tensor) -> Dict[str, List[int]]:
+        """{req_id: accepted drafts + one token} for every request of the step with logits rows."""
+        out: Dict[str, List[int]] = {}
+        plain: List[int] = []
+        row = 0
+        for sr in batch.inputs.sched.requests:
+            n = sr.num_logits
+            if not n:
+                continue
+            if sr.draft_token_ids:
+                out[sr.req_id] = self.verify_request(logits[row:row + n], batch.rows[row:row + n],
+                                                     sr.draft_token_ids)
+            else:
+                plain.append(row)
+            row += n
+        if plain:
+            out.update(self._sample_plain(batch, logits, plain))
+        return out
+
+    def _sample_plain(self, batch, logits: torch.Tensor, rows: List[int]) -> Dict[str, List[int]]:
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        mask = batch.bitmask[idx.to(batch.bitmask.device)] if batch.bitmask is not None else None
+        tokens = self.sampler.sample(logits[idx], [batch.rows[r] for r in rows], mask)
+        return {batch.rows[r].req_id: [tok] for r, tok in zip(rows, tokens)}
+
+    def verify_request(self, logits: torch.Tensor, rows: Sequence, draft_token_ids: Sequence[int]) -> List[int]:
+        """logits [k+1, V] and sampling rows of one request with k drafts -> kept tokens."""
+        k = len(draft_token_ids)
+        if logits.shape[0] != k + 1:
+            raise ValueError(f"request {rows[0].req_id!r}: {k} drafts need {k + 1} logits rows, got {logits.shape[0]}")
+        params = rows[0].params
+        if params.logits_processors or params.structured_output is not None:
+            raise ValueError(f"request {rows[0].req_id!r}: drafts were scheduled for a request with logits "
+                             f"processors or a grammar (they are never drafted)")
+        if params.greedy:
+            tokens = greedy_accept(draft_token_ids, self.sampler.sample(logits, list(rows)))
+        elif self.method == GREEDY_METHOD:
+            targets = logits.argmax(dim=1).tolist()
+            a = len(greedy_accept(draft_token_ids, targets)) - 1
+            tokens = list(draft_token_ids[:a]) + self.sampler.sample(logits[a:a + 1], [rows[a]])
+        else:
+            tokens = self._rejection(logits, rows, draft_token_ids)
+        self.stats.record_verify(k, len(tokens) - 1)
+        return tokens
+
+    def _rejection(self, logits: torch.Tensor, rows: Sequence, draft_token_ids: Sequence[int]) -> List[int]:
+        vocab = logits.shape[1]
+        p = self.sampler.probs(logits, list(rows))  # [k+1, V]
+        q = point_mass(draft_token_ids, vocab, logits.device)  # [k, V]
+        seed = rows[0].seed
+        coins = accept_uniforms(seed, [r.output_index for r in rows[:-1]])
+        noise = torch.stack([self.sampler.noise.exponential(r.seed, r.output_index, vocab) for r in rows])
+        return speculative_sample(p, q, draft_token_ids, coins, noise)
