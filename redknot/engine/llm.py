@@ -66,8 +66,13 @@ class LLM:
         if getattr(features.structured_output.backend, "value", features.structured_output.backend) == "xgrammar":
             self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, [self.tokenizer.eos_id])
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler)
+        # A DSpark step's drafts are needed to schedule the request's next step, so drafting
+        # runs the steps synchronously (the one-step-lag pipeline would schedule without them).
+        async_scheduling = features.async_scheduling and self.runner.speculator is None
+        if features.async_scheduling and not async_scheduling:
+            log.info("features.dspark is on: engine steps run synchronously (async_scheduling is not used)")
         self._core = EngineCore(self.scheduler, self.runner, self._outputs, self.structured,
-                                async_scheduling=features.async_scheduling)
+                                async_scheduling=async_scheduling)
         self._seed_rng = random.Random(engine.seed)
         self._arrivals = itertools.count()
         self._gen_ids = itertools.count()
@@ -106,6 +111,8 @@ class LLM:
         s.peak_memory_bytes = peak_memory_bytes(self.device)
         s.num_cuda_graph_steps = self.runner.num_graph_replays
         s.cuda_graphs = self.runner.cuda_graphs_status
+        if self.runner.speculator is not None:
+            s.spec = self.runner.speculator.stats.snapshot()
         return s
 
     # ------------------------------------------------------------------ batch API

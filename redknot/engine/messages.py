@@ -16,6 +16,11 @@ class ScheduledRequest:
     with ``PLACEHOLDER_TOKEN``. ``num_logits`` trailing rows get logits and are
     sampled (0 for a prefill chunk that does not reach the end of the prompt;
     1 for a plain step; 1 + number of draft tokens for a verify step).
+    ``seq_len`` is the number of tokens known when scheduled (incl. in-flight
+    ones): the length a prefill is heading to (compact SWA replay measures its
+    kept tail from it). ``next_token_id`` is the known token right after this
+    chunk (None when the chunk ends at the last known token); the MTP layer
+    pairs it with the chunk's last row.
     """
     req_id: str
     slot: int
@@ -24,6 +29,8 @@ class ScheduledRequest:
     token_ids: List[int]
     num_logits: int
     draft_token_ids: List[int] = field(default_factory=list)
+    seq_len: int = 0
+    next_token_id: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,9 +72,12 @@ class ModelRunnerOutput:
     verify step the accepted drafts followed by the bonus token. ``errors``
     fails single requests (e.g. a grammar with no allowed token).
     ``logits`` (only when the runner records them) maps req_id to its logits rows.
+    ``draft_token_ids`` (speculative decoding) are the drafts to verify in a
+    request's next step, proposed after this step's tokens.
     """
     step_id: int
     sampled_token_ids: Dict[str, List[int]] = field(default_factory=dict)
+    draft_token_ids: Dict[str, List[int]] = field(default_factory=dict)
     errors: Dict[str, str] = field(default_factory=dict)
     logits: Optional[Dict[str, Any]] = None
     finish_time: float = 0.0

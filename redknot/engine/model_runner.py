@@ -17,6 +17,8 @@ from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4 import StateLayout, V4State, build_model
 from redknot.models.deepseek_v4.build import torch_dtype
 from redknot.sample import Sampler, SamplingRow
+from redknot.spec.dspark import DSpark
+from redknot.spec.replay import CompactReplay
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +80,14 @@ class ModelRunner:
         self.record_logits = False
         # (StepBatch, logits [N, V]) -> {req_id: accepted drafts + bonus token}; set by speculative decoding.
         self.verifier: Optional[Callable[[StepBatch, torch.Tensor], Dict[str, List[int]]]] = None
+        # Speculative decoding and compact SWA replay (redknot.spec); None when off.
+        self.replay = CompactReplay.from_features(features, self.cfg)
+        self.speculator = DSpark.create(self.model, self.state, self.sampler, features, self.max_model_len,
+                                        self.replay)
+        if self.speculator is not None:
+            self.verifier = self.speculator.verify
         self.graphs = None
-        if hardware.cuda_graphs and device.type == "cuda":
+        if hardware.cuda_graphs and device.type == "cuda" and self.speculator is None:
             from redknot.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, max_batch=engine.scheduler.max_num_seqs)
 
@@ -99,8 +107,10 @@ class ModelRunner:
             out.finish_time = time.perf_counter()
             return out
         t0 = time.perf_counter()
-        logits = self._logits(inputs)  # [N, V] fp32
+        streams, logits = self._forward(inputs)  # [T, hc, D] (None after a graph replay), [N, V] fp32
         out.sampled_token_ids = self._sample(batch, logits)
+        if self.speculator is not None:  # MTP catch-up and the next step's drafts
+            self.speculator.after_step(batch, streams, out, t0)
         synchronize(self.device)  # tokens are on the host already; this also covers logits copies
         if self.record_logits:
             out.logits = self._split_logits(inputs, logits.cpu())
@@ -123,18 +133,24 @@ class ModelRunner:
             i += n
         return sampled
 
-    def _logits(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs):
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
-        return self.eager_logits(inputs)
+            return None, self.graphs.run(inputs)
+        return self.eager_forward(inputs)
 
     def eager_logits(self, inputs: StepInputs) -> torch.Tensor:
         """Forward + logits of the step, op by op."""
+        return self.eager_forward(inputs)[1]
+
+    def eager_forward(self, inputs: StepInputs):
+        """-> (pre-head streams [T, hc, D], logits [N, V] fp32) of the step, op by op."""
         meta = inputs.to(self.device)
+        if self.replay is not None:
+            meta.replay_from = self.replay.starts(inputs.sched.requests)
         streams = self.model.forward(meta, self.state)  # [T, hc, D]
         if not inputs.logits_owners:  # a step of prefill chunks only
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(streams[meta.logits_indices])
+            return streams, torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return streams, self.model.compute_logits(streams[meta.logits_indices])
 
     @staticmethod
     def _split_logits(inputs: StepInputs, logits: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -152,7 +168,11 @@ class ModelRunner:
     @property
     def cuda_graphs_status(self) -> str:
         if self.graphs is None:
-            return "off: hardware.cuda_graphs=false" if self.device.type == "cuda" else f"off: {self.device.type}"
+            if self.device.type != "cuda":
+                return f"off: {self.device.type}"
+            if self.speculator is not None:
+                return "off: DSpark drafting reads every step's pre-head streams (steps run eagerly)"
+            return "off: hardware.cuda_graphs=false"
         return self.graphs.status
 
     @property

@@ -53,10 +53,24 @@ class OutputProcessor:
                 continue  # already reported as finished
             if up.new_token_ids and req.times.first_token is None:
                 req.times.first_token = now
-            if detok.add(up.new_token_ids) is not None and not req.is_finished:
-                self.scheduler.finish_request(req.req_id, FinishReason.STOP)
+            self._add_tokens(detok, req, up.new_token_ids)
             outputs.append(self.output(req, now))
         return outputs
+
+    def _add_tokens(self, detok: IncrementalDetokenizer, req: Request, new_token_ids: List[int]) -> None:
+        """Feed tokens one at a time, as plain decoding delivers them: a stop string completed
+        inside a block of accepted draft tokens ends the output at the token that completed it."""
+        for i, tok in enumerate(new_token_ids):
+            if detok.add([tok]) is None:
+                continue
+            extra = len(new_token_ids) - i - 1
+            if extra:
+                del req.output_token_ids[len(req.output_token_ids) - extra:]
+            if req.is_finished:  # a later token of the block (EOS, max_tokens) had finished it
+                req.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish_request(req.req_id, FinishReason.STOP)
+            return
 
     def output(self, req: Request, now: float) -> RequestOutput:
         """The request's output; a finished request is reported once and then forgotten."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from redknot.spec.metrics import SpecDecodeStats
+
 
 @dataclass
 class RequestMetrics:
@@ -53,3 +55,6 @@ class EngineStats:
     cache_blocks_peak_used: int = 0
     execute_time_s: float = 0.0
     step_times_s: List[float] = field(default_factory=list, repr=False)
+    # DSpark counters (acceptance, per-position acceptance, draft/verify times); None when drafting is
+    # off. ``spec.as_metrics()`` gives them as flat numbers for MLflow.
+    spec: Optional[SpecDecodeStats] = None

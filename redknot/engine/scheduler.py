@@ -157,13 +157,16 @@ class Scheduler:
         end = start + n
         num_logits = end - (req.num_tokens + req.num_output_placeholders) + 1
         num_logits = max(0, num_logits)
+        seq_len = known + req.num_output_placeholders
         req.num_computed_tokens = end
         if num_logits:
             req.num_output_placeholders += 1
         return ScheduledRequest(req_id=req.req_id, slot=self.cache.slot(req.req_id),
                                 block_table=self.cache.block_table(req.req_id), start_pos=start,
                                 token_ids=token_ids, num_logits=num_logits,
-                                draft_token_ids=drafts[:max(0, num_logits - 1)])
+                                draft_token_ids=drafts[:max(0, num_logits - 1)],
+                                seq_len=seq_len,
+                                next_token_id=req.token_at(end) if end < known else None)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -193,6 +196,8 @@ class Scheduler:
             tokens = out.sampled_token_ids.get(sr.req_id, [])
             self._rollback_rejected(req, sr, len(tokens))
             updates.append(RequestUpdate(req, self._append_tokens(req, tokens)))
+            if req.status is RequestStatus.RUNNING:
+                req.draft_token_ids = list(out.draft_token_ids.get(sr.req_id, ()))
         return updates
 
     def _rollback_rejected(self, req: Request, sr: ScheduledRequest, num_sampled: int) -> None:
