@@ -1,0 +1,157 @@
+"""Helpers of the DSpark / compact-replay tests: the test models, an engine factory, drivers."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+from redknot.config.schema import (EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig, SchedulerConfig,
+                                   SwaReplayMode, SyntheticModelConfig)
+
+WINDOW = 16
+MAX_DRAFT = 4
+# Every layer type (SWA, CSA m=4, HCA m=8, CSA) at toy width; window 16 so short prompts leave it.
+ARCH = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+            qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, index_n_heads=4, index_head_dim=16,
+            index_topk=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_hash_layers=1,
+            compress_ratios=[0, 4, 8, 4, 0], compress_rate_hca=8, sliding_window=WINDOW,
+            max_position_embeddings=4096)
+# The same with a window-only top layer (compact replay then also skips that layer's early rows).
+ARCH_TAIL = dict(ARCH, compress_ratios=[0, 4, 8, 0, 0])
+
+
+def model_config(arch: Dict, name: str, max_len: int = 512) -> ModelConfig:
+    return ModelConfig(name=name, max_position=max_len, sliding_window=WINDOW,
+                       synthetic=SyntheticModelConfig(seed=0, architecture=dict(arch)))
+
+
+@torch.no_grad()
+def make_mtp_agree(model, eps: float = 0.005, head_scale: float = 6.0) -> None:
+    """Shape a random model so that its MTP layer mostly drafts what the target will emit.
+
+    Attention and MoE outputs are scaled by ``eps`` (they still move the logits, so state
+    bugs still show), which makes the target's next token nearly a function of the current
+    one; the MTP layer is made to compute that same function of its next-token input
+    (identity ``e_proj``, unit ``enorm``, the target's final norm, small ``h_proj``). The head
+    is sharpened so confidences spread over (0, 1).
+    """
+    d = model.cfg.hidden_size
+    for layer in list(model.layers) + list(model.mtp):
+        layer.attn.wo_b.weight.mul_(eps)
+        layer.ffn.experts.w2.mul_(eps)
+        layer.ffn.shared_experts.w2.weight.mul_(eps)
+    for mtp in model.mtp:
+        mtp.h_proj.weight.mul_(eps)
+        mtp.e_proj.weight.copy_(torch.eye(d, dtype=mtp.e_proj.weight.dtype))
+        mtp.enorm.weight.fill_(1.0)
+        mtp.norm.weight.copy_(model.norm.weight)
+    model.head.weight.mul_(head_scale)
+
+
+def features(dspark: bool = True, max_draft: int = MAX_DRAFT, varlen: bool = True, threshold: float = 0.3,
+             compact: bool = False, keep_tokens: int = WINDOW + MAX_DRAFT + 1, batch_invariant: bool = False,
+             method: str = "rejection") -> FeaturesConfig:
+    f = FeaturesConfig(async_scheduling=False)
+    f.dspark.enabled, f.dspark.max_draft, f.dspark.varlen = dspark, max_draft, varlen
+    f.dspark.confidence_threshold = threshold
+    f.verification.method = method
+    f.swa_replay.mode = SwaReplayMode.compact if compact else SwaReplayMode.off
+    f.swa_replay.keep_tokens = keep_tokens
+    f.batch_invariant.enabled = batch_invariant
+    return f
+
+
+class EngineFactory:
+    """LLMs built once per configuration (the model shaped by ``make_mtp_agree`` unless ``agree=False``)."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir = cache_dir
+        self._engines: Dict[tuple, object] = {}
+
+    def __call__(self, *, arch: str = "main", agree: bool = True, budget: int = 256, chunk: int = 64,
+                 max_num_seqs: int = 8, num_cache_blocks: Optional[int] = None, max_len: int = 512, **feat):
+        key = (arch, agree, budget, chunk, max_num_seqs, num_cache_blocks, max_len, tuple(sorted(feat.items())))
+        if key not in self._engines:
+            from redknot.engine import LLM
+            sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                    long_prefill_chunk=chunk, block_size=16, num_cache_blocks=num_cache_blocks)
+            engine = EngineConfig(scheduler=sched, seed=0, cache_dir=self.cache_dir)
+            model = model_config(ARCH if arch == "main" else ARCH_TAIL, f"spec-{arch}", max_len)
+            llm = LLM(model, HardwareConfig(), features(**feat), engine)
+            if agree:
+                make_mtp_agree(llm.runner.model)
+            self._engines[key] = llm
+        return self._engines[key]
+
+    def check_idle(self) -> None:
+        for llm in self._engines.values():
+            assert not llm.has_unfinished_requests()
+            llm.scheduler.check_invariants()
+            llm.scheduler.cache.assert_empty()
+            spec = llm.runner.speculator
+            if spec is not None:
+                spec.draft_hook = None
+
+    def close(self) -> None:
+        for llm in self._engines.values():
+            llm.close()
+
+
+class BlockSpy:
+    """Records what the verifier returned per request and step (the emitted blocks)."""
+
+    def __init__(self, llm) -> None:
+        self.spec = llm.runner.speculator
+        self.blocks: Dict[str, List[List[int]]] = {}
+        self.logits: Dict[str, List[torch.Tensor]] = {}
+        self._real = self.spec.verifier.verify_request
+        self.spec.verifier.verify_request = self._verify_request
+        self._rid = None
+
+    def _verify_request(self, logits, rows, drafts):
+        tokens = self._real(logits, rows, drafts)
+        rid = rows[0].req_id
+        self.blocks.setdefault(rid, []).append(list(tokens))
+        self.logits.setdefault(rid, []).append(logits[:len(tokens)].clone())
+        return tokens
+
+    def close(self) -> None:
+        del self.spec.verifier.verify_request
+
+
+def run_all(llm, prompts: Dict[str, List[int]], params) -> Dict[str, object]:
+    """add_request + step until done -> {req_id: final RequestOutput}."""
+    for rid, prompt in prompts.items():
+        llm.add_request(rid, prompt, params[rid] if isinstance(params, dict) else params)
+    done = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                done[out.req_id] = out
+    return done
+
+
+def record_logits(llm, prompts, params):
+    """Run with the runner recording logits: ({req_id: output}, {req_id: logits row per output token})."""
+    llm.runner.record_logits = True
+    rows: Dict[str, List[torch.Tensor]] = {}
+    real = llm.runner.execute
+
+    def spy(batch):
+        out = real(batch)
+        for rid, lg in (out.logits or {}).items():
+            keep = len(out.sampled_token_ids.get(rid, []))
+            rows.setdefault(rid, []).extend(lg[:keep])
+        return out
+    llm.runner.execute = spy
+    try:
+        done = run_all(llm, prompts, params)
+    finally:
+        llm.runner.record_logits = False
+        del llm.runner.execute
+    return done, {rid: torch.stack(v) for rid, v in rows.items()}
+
+
+def dataclass_replace(obj, **kw):
+    return dataclasses.replace(obj, **kw)
