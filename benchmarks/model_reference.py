@@ -72,10 +72,23 @@ def _ours(cfg, native: str, dtype, device, ids) -> tuple:
     return full, chunked
 
 
+def _hf_bf16_logits(hf, hf_dir: str, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """transformers' own bf16 logits: its bf16 checkpoint load (fp32-kept params stay fp32) when that
+    runs; some releases mix fp32 mHC outputs into bf16 linears there, so fall back to casting the whole
+    model to bf16 (reference §11 pitfall b: also rounds the fp32-kept params, a slightly harsher point)."""
+    from transformers import DeepseekV4ForCausalLM
+    try:
+        model = DeepseekV4ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(device).eval()
+        return model(ids, use_cache=False).logits[0].float()
+    except RuntimeError as exc:
+        log(f"  transformers bf16 load failed ({str(exc).splitlines()[0][:90]}); using a bf16 cast of the fp32 model")
+        import copy
+        return copy.deepcopy(hf).to(device=device, dtype=torch.bfloat16)(ids, use_cache=False).logits[0].float()
+
+
 def parity(device: torch.device) -> list:
     """Rows (comparison, max rel error, mean row error, tolerance, ok, top-1 agreement)."""
     from v4_testutil import PARITY_CONFIG, hf_model, hf_to_native, rel_err
-    from transformers import DeepseekV4ForCausalLM
     from redknot.models.deepseek_v4.writer import write_checkpoint
 
     hf = hf_model(PARITY_CONFIG, seed=0)
@@ -87,8 +100,7 @@ def parity(device: torch.device) -> list:
         hf.save_pretrained(hf_dir)
         with torch.no_grad():
             truth = hf.to(device)(ids.to(device), use_cache=False).logits[0].float()
-            hf_bf16 = DeepseekV4ForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(device).eval()
-            hfb = hf_bf16(ids.to(device), use_cache=False).logits[0].float()
+            hfb = _hf_bf16_logits(hf, hf_dir, ids.to(device), device)
         f32, f32_chunked = _ours(cfg, native, torch.float32, device, ids)
         b16, b16_chunked = _ours(cfg, native, torch.bfloat16, device, ids)
     err32 = max(rel_err(f32, truth), rel_err(f32_chunked, truth))
