@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from redknot.config.modes import ModeBody, ModeUnavailable, load_mode
 from redknot.config.resolve import resolve
 from redknot.config.validate import ConfigError
+from redknot.parallel.launch import front_of_world, worker_body
 
 log = logging.getLogger("redknot")
 _exit_codes: List[int] = []
@@ -29,15 +30,18 @@ def dispatch(cfg: DictConfig, body: Optional[ModeBody] = None) -> int:
     """Resolve ``cfg`` and run its mode's body (``body`` replaces the lookup, for embedding)."""
     try:
         ctx = resolve(cfg)
-        body = body or load_mode(ctx.cfg.mode)
+        worker = worker_body(ctx)  # a rank > 0 under torchrun: serve rank 0's engine, record nothing
+        body = body or (None if worker else load_mode(ctx.cfg.mode))
     except (ConfigError, ModeUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if worker is not None:
+        return int(worker(ctx) or 0)
     if not body.tracked:
         return int(body.fn(ctx) or 0)
     from redknot.tracking import open_tracker
 
-    with open_tracker(ctx) as tracker:
+    with open_tracker(ctx) as tracker, front_of_world(ctx, tracker):
         tracker.exit_code = int(body.fn(ctx, tracker) or 0)
     return tracker.exit_code
 

@@ -125,7 +125,11 @@ class DataParallel:
         self.clock_offset = self._clock_offset()
 
     def _clock_offset(self) -> float:
-        """front perf_counter - this rank's (same host: ~0; other hosts: their clock difference)."""
+        """front perf_counter - this rank's. One host shares one monotonic clock (0); across hosts,
+        rank 0's reading right after a barrier, taken when it arrives (error: one broadcast latency)."""
+        if self.layout.world_size == self.layout.local_world_size:
+            return 0.0
+        dist.barrier(group=self.control)
         box = [time.perf_counter()]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0] - time.perf_counter() if not self.layout.is_front else 0.0

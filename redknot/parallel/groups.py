@@ -83,9 +83,17 @@ def bind_device(hardware: HardwareConfig, env: LaunchEnv) -> torch.device:
     return torch.device(accel.value, env.local_rank)
 
 
-def init_groups(parallel: ParallelConfig, hardware: HardwareConfig,
-                env: Optional[LaunchEnv] = None) -> ParallelGroups:
-    """Check, bind the device, initialise torch.distributed and create this layout's groups."""
+class FrontExited(RuntimeError):
+    """Rank 0 finished without building an engine (e.g. nothing left to run); workers just exit."""
+
+
+def init_groups(parallel: ParallelConfig, hardware: HardwareConfig, env: Optional[LaunchEnv] = None,
+                proceed: bool = True) -> ParallelGroups:
+    """Check, bind the device, initialise torch.distributed and create this layout's groups.
+
+    Right after the control group exists, rank 0 tells the others whether an engine follows:
+    ``proceed=False`` (rank 0 only) releases workers that are waiting for an engine that rank 0
+    will not build; they raise :class:`FrontExited`."""
     if env is None:
         export_slurm_env()
         env = LaunchEnv.from_env()
@@ -100,6 +108,13 @@ def init_groups(parallel: ParallelConfig, hardware: HardwareConfig,
                            f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}")
     control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     groups = ParallelGroups(layout, backend, device, control, created=[control])
+    box = [proceed]
+    dist.broadcast_object_list(box, src=0, group=control)
+    if not box[0]:
+        groups.destroy()
+        if layout.is_front:
+            return groups
+        raise FrontExited(f"rank 0 finished without building an engine; rank {layout.rank} has nothing to serve")
     if layout.cp > 1:
         groups.cp = _member_group(groups, [layout.cp_group_ranks(d) for d in range(layout.dp)])
     if layout.ep > 1:

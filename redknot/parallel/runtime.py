@@ -29,6 +29,8 @@ from redknot.parallel.layout import LaunchEnv, ParallelLayout, export_slurm_env
 
 log = logging.getLogger(__name__)
 
+ACTIVE: List["ParallelRuntime"] = []  # runtimes of this process not yet destroyed (the launcher closes them)
+
 
 def setup_parallel(features: FeaturesConfig, hardware: HardwareConfig) -> Optional["ParallelRuntime"]:
     """None for one process with every parallel size 1; else the runtime of this rank (groups made,
@@ -65,6 +67,7 @@ class ParallelRuntime:
         self.ep_comm = "none"
         self.num_steps = 0
         self._llm = self._core = None
+        ACTIVE.append(self)
 
     @property
     def device(self) -> torch.device:
@@ -193,6 +196,8 @@ class ParallelRuntime:
         """Close the DP loop and destroy this runtime's process groups."""
         self.close()
         self.groups.destroy()
+        if self in ACTIVE:
+            ACTIVE.remove(self)
 
 
 def serve(llm) -> None:
