@@ -42,13 +42,13 @@ def greedy_params(cfg):
 
 
 def run(ctx, tracker) -> int:
-    from redknot.bench.benchmark import BenchmarkRun, RunSetup
+    from redknot.bench.benchmark import BenchmarkRun, EngineStartError, RunSetup
 
     console = _console()
     try:
         return BenchmarkRun(ctx, tracker, RunSetup(build_engine, greedy_params), console).execute()
-    except INPUT_ERRORS as err:
-        console.print(f"[red]error: {err}[/red]")
+    except (*INPUT_ERRORS, EngineStartError) as err:
+        console.print(f"error: {err}", style="red", markup=False)
         return 2
 
 

@@ -53,6 +53,10 @@ def git_sha() -> str:
     return facts["git.sha"] + ("+dirty" if facts.get("git.dirty") == "true" else "")
 
 
+class EngineStartError(RuntimeError):
+    """The engine could not be built (wrong device, missing kernel package, bad checkpoint)."""
+
+
 @dataclass
 class RunSetup:
     """What a benchmark run needs besides the config: how to build the engine and its sampling params."""
@@ -162,7 +166,10 @@ class BenchmarkRun:
         return code
 
     def _run_jobs(self, inputs: FrozenInputs, todo, key: str) -> None:
-        engine = self.setup.make_engine(self.cfg)
+        try:
+            engine = self.setup.make_engine(self.cfg)
+        except Exception as err:  # the engine's own message names the cause; keep it whole
+            raise EngineStartError(f"the engine did not start: {type(err).__name__}: {err}") from err
         runner = Runner(engine, self.setup.make_params(self.cfg), self.cfg.suite.admission_batch_size,
                         self.cfg.features.parallel.dp, self.cfg.suite.request_timeout_s)
         warm = [CaseJob(c, inputs.load_ids(c).tolist()) for c in inputs.cases[:self.cfg.suite.warmup_requests]]

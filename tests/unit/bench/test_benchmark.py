@@ -98,3 +98,18 @@ def test_failed_cases_are_recorded_partial_and_nonzero(tmp_path, cache, tokenize
     assert results["datasets"]["hotpotqa"]["partial"] is True
     assert results["datasets"]["hotpotqa"]["score"] == 100.0  # scored over its one ok case
     assert results["status_counts"] == {"ok": 9, "oom": 1}
+
+
+def test_engine_that_does_not_start_is_reported_with_its_message(tmp_path, cache, monkeypatch, capsys):
+    from redknot.bench import app
+    from redknot.tracking.base import NullTracker
+
+    def refuse(cfg):
+        raise RuntimeError("hardware=sm100 needs accelerator cuda, but this machine has no accelerator")
+
+    monkeypatch.setattr(app, "build_engine", refuse)
+    ctx = make_ctx(tmp_path / "run", cache)
+    assert app.run(ctx, NullTracker()) == 2
+    assert "the engine did not start: RuntimeError: hardware=sm100 needs accelerator cuda" in capsys.readouterr().out
+    results = json.loads((ctx.run_dir / "results.json").read_text())
+    assert results["completed"] == 0 and results["partial"] is True
