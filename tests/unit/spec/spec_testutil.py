@@ -1,8 +1,7 @@
 """Helpers of the DSpark / compact-replay tests: the test models, an engine factory, drivers."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -70,8 +69,11 @@ class EngineFactory:
         self._engines: Dict[tuple, object] = {}
 
     def __call__(self, *, arch: str = "main", agree: bool = True, budget: int = 256, chunk: int = 64,
-                 max_num_seqs: int = 8, num_cache_blocks: Optional[int] = None, max_len: int = 512, **feat):
-        key = (arch, agree, budget, chunk, max_num_seqs, num_cache_blocks, max_len, tuple(sorted(feat.items())))
+                 max_num_seqs: int = 8, num_cache_blocks: Optional[int] = None, max_len: int = 512, tag: str = "",
+                 **feat):
+        """``tag`` tells apart otherwise identical engines (two runs in lockstep)."""
+        key = (arch, agree, budget, chunk, max_num_seqs, num_cache_blocks, max_len, tag,
+               tuple(sorted(feat.items())))
         if key not in self._engines:
             from redknot.engine import LLM
             sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
@@ -153,5 +155,62 @@ def record_logits(llm, prompts, params):
     return done, {rid: torch.stack(v) for rid, v in rows.items()}
 
 
-def dataclass_replace(obj, **kw):
-    return dataclasses.replace(obj, **kw)
+def live_locations(llm, req_id: str) -> Dict[str, Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]]:
+    """Where every piece of a request's state that a later step can read lives, by absolute
+    position: name -> (state tensor, (row index, column index)). That is the SWA ring rows of
+    the last window (all layers and the MTP layer), the compressor rows of the open window (and,
+    CSA, the previous one), and every emitted CSA/HCA entry and indexer key."""
+    from redknot.models.deepseek_v4.config import CSA, HCA
+    runner, cache = llm.runner, llm.scheduler.cache
+    cfg, state, bs = runner.cfg, runner.state, runner.layout.block_size
+    slot, table = cache.slot(req_id), torch.tensor(cache.block_table(req_id), dtype=torch.long)
+    length = llm.scheduler.requests[req_id].num_computed_tokens
+
+    def ring(t, lo):
+        pos = torch.arange(lo, length)
+        return t, (torch.full_like(pos, slot), pos % t.shape[1])
+
+    def entries(pool, m):
+        w = torch.arange(length // m)
+        return pool, (table[w * m // bs], (w * m % bs) // m)
+    swa_lo = max(0, length - cfg.sliding_window + 1)
+    out = {}
+    for i, (kind, st) in enumerate(zip(cfg.layer_types, state.layers)):
+        out[f"layer{i}.swa"] = ring(st.swa, swa_lo)
+        if kind not in (CSA, HCA):
+            continue
+        m = cfg.csa_ratio if kind == CSA else cfg.hca_ratio
+        lo = max(0, m * (length // m) - (m if kind == CSA else 0))
+        names = ("kv_rows", "gate_rows", "idx_kv_rows", "idx_gate_rows") if kind == CSA else ("kv_rows", "gate_rows")
+        for name in names:
+            out[f"layer{i}.{name}"] = ring(getattr(st, name), lo)
+        out[f"layer{i}.entries"] = entries(st.entries, m)
+        if kind == CSA:
+            out[f"layer{i}.idx_keys"] = entries(st.idx_keys, m)
+    for j, st in enumerate(state.mtp):
+        out[f"mtp{j}.swa"] = ring(st.swa, swa_lo)
+    return out
+
+
+def live_state(llm, req_id: str) -> Dict[str, torch.Tensor]:
+    """Copies of the request's readable state (see ``live_locations``) and its length."""
+    out = {name: t[idx].clone() for name, (t, idx) in live_locations(llm, req_id).items()}
+    out["length"] = torch.tensor(llm.scheduler.requests[req_id].num_computed_tokens)
+    return out
+
+
+@torch.no_grad()
+def poison_dead_state(llm, req_id: str) -> int:
+    """Fill with NaN every state value of the engine that ``live_locations`` does not list for
+    ``req_id`` (other slots, rolled-back ring rows, entries of rejected positions, free blocks);
+    a later read of any of them shows up as NaN. Returns how many values were poisoned."""
+    where = live_locations(llm, req_id)
+    saved = {name: t[idx].clone() for name, (t, idx) in where.items()}
+    total = 0
+    for st in llm.runner.state.layers + llm.runner.state.mtp:
+        for t in st.tensors():
+            total += t.numel()
+            t.fill_(float("nan"))
+    for name, (t, idx) in where.items():
+        t[idx] = saved[name]
+    return total - sum(v.numel() for v in saved.values())

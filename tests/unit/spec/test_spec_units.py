@@ -1,0 +1,82 @@
+"""Pure pieces of DSpark and compact replay: verify-length scheduling, draft limits, counters,
+the keep_tokens rule (configuration validation and its documentation)."""
+import pathlib
+
+import pytest
+
+from redknot.spec.metrics import SpecDecodeStats
+from redknot.spec.replay import CompactReplay, required_keep_tokens
+from redknot.spec.schedule import draft_limit, keep_drafting, verify_length
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def test_verify_length_stops_where_the_cumulative_estimate_drops_below_the_threshold():
+    conf = [0.9, 0.8, 0.5, 0.9]  # cumulative 0.9, 0.72, 0.36, 0.324
+    assert verify_length(conf, 0.3, varlen=True) == 4
+    assert verify_length(conf, 0.35, varlen=True) == 3
+    assert verify_length(conf, 0.5, varlen=True) == 2
+    assert verify_length(conf, 0.95, varlen=True) == 0
+    assert verify_length(conf, 0.95, varlen=False) == 4
+    assert verify_length([], 0.3, varlen=True) == 0
+    assert verify_length([1e-9, 1.0], 0.0, varlen=True) == 2  # threshold 0: verify everything
+
+
+def test_keep_drafting_and_limits():
+    assert keep_drafting([0.9], 0.3, True, limit=4)
+    assert not keep_drafting([0.9, 0.2], 0.3, True, limit=4)  # estimate 0.18: further drafts are never verified
+    assert keep_drafting([0.9, 0.2], 0.3, False, limit=4)
+    assert not keep_drafting([0.9] * 4, 0.0, True, limit=4)
+    # 10 outputs after this step, max_tokens 12: the next step may verify 1 draft (+1 token) -> 12
+    assert draft_limit(5, num_outputs_after=10, max_tokens=12, next_position=50, max_model_len=1000) == 1
+    assert draft_limit(5, num_outputs_after=11, max_tokens=12, next_position=50, max_model_len=1000) == 0
+    # last fed position 50 + k must leave room for the sampled token: 50 + k <= 62 - 2
+    assert draft_limit(5, num_outputs_after=1, max_tokens=100, next_position=50, max_model_len=62) == 5
+    assert draft_limit(5, num_outputs_after=1, max_tokens=100, next_position=57, max_model_len=62) == 3
+    assert draft_limit(5, num_outputs_after=1, max_tokens=100, next_position=61, max_model_len=62) == 0
+
+
+def test_spec_decode_stats():
+    s = SpecDecodeStats(max_draft=3)
+    s.record_verify(3, 1)
+    s.record_verify(2, 2)
+    s.record_verify(1, 0)
+    assert (s.num_proposed, s.num_accepted) == (6, 3)
+    assert s.verified_per_position == [3, 2, 1] and s.accepted_per_position == [2, 1, 0]
+    assert s.acceptance_by_position() == [2 / 3, 0.5, 0.0]
+    s.record_step(True, 0.02)
+    s.record_step(True, 0.04)
+    s.record_step(False, 0.01)
+    s.num_decode_request_steps, s.num_decode_tokens = 4, 7
+    m = s.as_metrics()
+    assert m["spec.mean_accept_len"] == 7 / 4 and m["spec.acceptance_rate"] == 0.5
+    assert m["spec.verify_step_ms"] == pytest.approx(30.0) and m["spec.plain_step_ms"] == pytest.approx(10.0)
+    assert m["spec.acceptance.pos1"] == 2 / 3 and "spec.acceptance.pos3" in m
+    snap = s.snapshot()
+    s.record_verify(1, 1)
+    assert snap.verified_per_position == [3, 2, 1]
+
+
+def test_required_keep_tokens():
+    assert required_keep_tokens(128, 5, 0) == 134  # V4-Flash: the MTP layer is the only window-only top layer
+    assert required_keep_tokens(128, 0, 0) == 129
+    assert required_keep_tokens(16, 4, 2) == 16 + 4 + 1 + 2 * 15
+    assert CompactReplay(keep_tokens=21).starts([type("S", (), {"seq_len": n})() for n in (5, 21, 30)]) == [0, 0, 9]
+
+
+def test_configuration_enforces_and_documents_the_keep_tokens_rule():
+    """The rule lives in the configuration validation (one message naming the key, the value and
+    the bound) and beside the key in conf/features/default.yaml."""
+    from redknot.config.rules import swa_replay_window
+    from redknot.config.schema import RedKnotConfig, SwaReplayMode
+    cfg = RedKnotConfig()
+    cfg.features.swa_replay.mode = SwaReplayMode.compact
+    cfg.features.dspark.enabled, cfg.features.dspark.max_draft = True, 5
+    cfg.model.sliding_window = 128
+    cfg.features.swa_replay.keep_tokens = 133
+    (violation,) = swa_replay_window(cfg)
+    assert "features.swa_replay.keep_tokens" in str(violation) and "134" in str(violation)
+    cfg.features.swa_replay.keep_tokens = 134
+    assert swa_replay_window(cfg) == []
+    text = (ROOT / "conf" / "features" / "default.yaml").read_text()
+    assert "keep_tokens >= model.sliding_window + dspark.max_draft + 1" in text
