@@ -16,6 +16,7 @@ Every rank creates every group in the same order (``new_group`` is collective).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import List, Optional, Sequence
@@ -74,6 +75,11 @@ def bind_device(hardware: HardwareConfig, env: LaunchEnv) -> torch.device:
         return torch.device("cpu")
     module = torch.cuda if accel == Accelerator.cuda else getattr(torch, "npu")
     found = module.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if found == 1 and env.local_world_size > 1 and visible and "," not in visible:
+        # The launcher pinned one device per task (Slurm GPU binding): ours is the only one we see.
+        module.set_device(0)
+        return torch.device(accel.value, 0)
     if env.local_world_size > found:
         raise RuntimeError(
             f"features.parallel: this host runs {env.local_world_size} ranks (LOCAL_WORLD_SIZE) but torch sees "

@@ -114,6 +114,8 @@ def export_slurm_env(env: Optional[Mapping[str, str]] = None) -> bool:
         return False
     from submitit.helpers import TorchDistributedEnvironment
 
+    # submitit sets this in the jobs it submits; a plain `srun` task is a Slurm job all the same.
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     return True
 
