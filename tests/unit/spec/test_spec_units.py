@@ -80,3 +80,11 @@ def test_configuration_enforces_and_documents_the_keep_tokens_rule():
     assert swa_replay_window(cfg) == []
     text = (ROOT / "conf" / "features" / "default.yaml").read_text()
     assert "keep_tokens >= model.sliding_window + dspark.max_draft + 1" in text
+
+
+def test_pure_modules_import_without_torch():
+    import subprocess
+    import sys
+    code = ("import sys; import redknot.spec.schedule, redknot.spec.replay, redknot.spec.metrics; "
+            "import redknot.engine.scheduler, redknot.engine.outputs; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
