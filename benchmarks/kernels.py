@@ -46,6 +46,9 @@ def parse_args(argv=None):
     ap.add_argument("--check-budget-s", type=float, default=140.0, help="stop starting new checks after this")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--only", default="", help="comma list of ops to time (default all)")
+    ap.add_argument("--checks", default="", help="comma list of checks to run (default all: "
+                    "sparse_attention,indexer_topk,moe,linear,rms_norm+rope,mhc)")
+    ap.add_argument("--contexts", type=int, nargs="*", default=FULL_CONTEXTS, help="contexts of the timed cases")
     ap.add_argument("--ref-max-context", type=int, default=32768, help="time the reference up to this context")
     return ap.parse_args(argv)
 
@@ -163,7 +166,7 @@ def timed_plan(runner: Runner, d, smoke: bool):
     """(builder, description) pairs, most important first."""
     import kernel_cases as kc
     dev, ref_max = runner.device, runner.args.ref_max_context
-    contexts = [64, 200] if smoke else FULL_CONTEXTS
+    contexts = [64, 200] if smoke else runner.args.contexts
     chunk = 8 if smoke else 4096
     batches = [1, 3] if smoke else [1, 32]
     only = {s for s in runner.args.only.split(",") if s}
@@ -174,7 +177,7 @@ def timed_plan(runner: Runner, d, smoke: bool):
                          f"attention {mode} prefill {ctx}"))
         plan.append(("indexer_topk", lambda c=ctx: kc.indexer_case(d, dev, c, chunk, 1, c <= ref_max),
                      f"indexer prefill {ctx}"))
-    for ctx in (contexts[0], contexts[-2] if smoke else 131072, contexts[-1]):
+    for ctx in dict.fromkeys((contexts[0], contexts[-2] if smoke else 131072, contexts[-1])):
         for b in batches:
             for mode in ("csa", "hca"):
                 plan.append(("sparse_attention", lambda m=mode, c=ctx, b=b: kc.attention_case(
@@ -254,7 +257,11 @@ def main(argv=None) -> int:
         ConfigTuner.enabled = False
         dims_list = [("toy", TOY, [torch.float32])] if args.smoke else \
             [("v4", REAL, [torch.bfloat16]), ("toy", TOY, [torch.float32])]
-        runner.run_checks(ALL_CHECKS, dims_list)
+        wanted = {c for c in args.checks.split(",") if c}
+        unknown = wanted - set(ALL_CHECKS)
+        if unknown:
+            raise SystemExit(f"--checks: unknown {sorted(unknown)}; known: {sorted(ALL_CHECKS)}")
+        runner.run_checks({k: v for k, v in ALL_CHECKS.items() if not wanted or k in wanted}, dims_list)
         ConfigTuner.enabled = True
     dims = TOY if args.smoke else REAL
     runner.log("timing: " + HEADER)

@@ -39,6 +39,7 @@ class AttnConfig:
     num_warps: int = 8
     num_stages: int = 1
     num_splits: int = 0
+    prefetch: bool = False  # compute the next key block's row pointers (top-k id, block table) one block ahead
 
 
 @triton.jit
@@ -110,7 +111,7 @@ def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prop
                      qk_scale, ring_size, window, ratio, block_size, num_topk,
                      H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_N: tl.constexpr, COMP: tl.constexpr, SPLIT: tl.constexpr, HAS_RING: tl.constexpr,
-                     HAS_SINK: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
+                     HAS_SINK: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
     tok = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -143,11 +144,22 @@ def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prop
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     acc_r = tl.zeros([BLOCK_H, RD], tl.float32)
     acc_sw = tl.zeros([BLOCK_H, RD], tl.float32)
+    ptr_nx, valid_nx = _key_rows(k_lo, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
+                                 cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb,
+                                 stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, BLOCK_N,
+                                 COMP, HAS_RING)
     for kb in range(k_lo, k_hi, BLOCK_N):
-        ptr, valid = _key_rows(kb, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
-                               cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb,
-                               stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, BLOCK_N,
-                               COMP, HAS_RING)
+        if PREFETCH:  # the index loads of block kb+BLOCK_N overlap this block's key load and dots
+            ptr, valid = ptr_nx, valid_nx
+            ptr_nx, valid_nx = _key_rows(kb + BLOCK_N, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
+                                         cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb,
+                                         stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, BLOCK_N,
+                                         COMP, HAS_RING)
+        else:
+            ptr, valid = _key_rows(kb, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
+                                   cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb,
+                                   stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, BLOCK_N,
+                                   COMP, HAS_RING)
         k = tl.load(ptr[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -222,6 +234,10 @@ ATTN_TUNER = ConfigTuner("sparse_attention", [
     AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=1),
     AttnConfig(block_h=64, block_n=64, num_warps=8, num_stages=1),
     AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
+    # Gathered keys sit behind one or two dependent index loads (top-k id, block table): Triton pipelines
+    # such a chain only with a stage per indirection level; or the index loads are issued a block ahead.
+    AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=4),
+    AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=2, prefetch=True),
 ])
 
 
@@ -300,7 +316,7 @@ def _launch(cfg: AttnConfig, *, q, kv, token_seq, positions, context_lens, query
         tk.shape[1] if comp == COMP_TOPK else 0,
         H=H, HP=hp, D=D, RD=rd, BLOCK_H=block_h, BLOCK_N=cfg.block_n, COMP=comp, SPLIT=nsplit > 1,
         HAS_RING=ring is not None, HAS_SINK=sink is not None, ROPE=rope, PREC=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit > 1:
         _sparse_attn_merge[(T, n_hblocks)](
             pacc, prope, pml, sink_t, cos, sin, out, out.stride(0), out.stride(1), nsplit,

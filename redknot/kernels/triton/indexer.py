@@ -42,6 +42,7 @@ class IndexerConfig:
     num_stages: int = 2
     num_splits: int = 0
     capacity: int = 0
+    prefetch: bool = False  # load the next key block's block-table entries one iteration ahead
 
 
 @triton.jit
@@ -70,7 +71,7 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
                     stride_qt, stride_qh, stride_wt, stride_kb, stride_ke, stride_bt,
                     scale, ratio, block_size,
                     H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                    BLOCK_N: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
     tile = tl.program_id(0)
     pid_s = tl.program_id(1)
     tok0 = tl.load(tile_tok_ptr + tile)
@@ -99,11 +100,20 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
     buf = buf_ptr + rows[:, None] * CAP  # [BLOCK_T, 1] row bases
     count = tl.zeros([BLOCK_T], tl.int32)
     theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    ents_nx = e_hi - BLOCK_N + tl.arange(0, BLOCK_N)
+    blk_nx = tl.load(bt_row + (ents_nx * ratio) // block_size, mask=(ents_nx >= e_lo) & (n_blocks > 0), other=0)
     for j in range(n_blocks):
         ents = e_hi - (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)  # newest block first
         ok = ents >= e_lo
         first = ents * ratio
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + first // block_size, mask=ok, other=0)
+        if PREFETCH:  # the block-table lookup of block j+1 overlaps block j's loads and dot
+            blk = blk_nx
+            ents_nx = ents - BLOCK_N
+            blk_nx = tl.load(bt_row + (ents_nx * ratio) // block_size, mask=(ents_nx >= e_lo) & (j + 1 < n_blocks),
+                             other=0)
+        else:
+            blk = tl.load(bt_row + first // block_size, mask=ok, other=0)
         krow = blk.to(tl.int64) * stride_kb + ((first % block_size) // ratio).to(tl.int64) * stride_ke
         k = tl.load(keys_ptr + krow[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, DI]
         s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0) * w[:, None]  # [BLOCK_T*H, BLOCK_N]
@@ -179,8 +189,11 @@ def _choose_splits(cfg: IndexerConfig, num_tokens: int, max_entries: int, device
 
 INDEXER_TUNER = ConfigTuner("indexer_topk", [
     IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=2),
-    IndexerConfig(block_t=1, block_n=64, num_warps=4, num_stages=2),
     IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
+    # Deeper software pipelining (Triton pipelines a load whose address comes from another load only when
+    # num_stages leaves a stage per indirection level) / the block-table lookup issued a block ahead.
+    IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=4),
+    IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=2, prefetch=True),
 ])
 
 
@@ -226,6 +239,7 @@ def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), block_table.stride(0),
         scale, ratio, block_size,
         H=H, HP=max(next_pow2(H), cdiv(16, block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=block_t, BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype),
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     return out

@@ -1,11 +1,16 @@
 """Manifold-constrained hyper-connections (mHC) fused per token tile.
 
-``mhc_pre``: one program takes ``BLOCK_T`` tokens' ``n`` streams, accumulates ``Σ z²`` and the
-``(2+n)·n`` mixing logits ``fn · z`` in one pass over the ``n·D`` values (exact fp32 dot; ``fn`` is read
-once per tile), applies the RMS factor, builds pre / post / the Sinkhorn-normalised ``n×n`` comb in
-registers (laid out as ``[BLOCK_T, groups, n]``: group 0 = pre, 1 = post, 2.. = comb rows), then
-re-reads the streams tile to collapse them with ``pre``. ``mhc_head`` is the same without post, comb
-and Sinkhorn. ``mhc_post`` mixes the streams and adds the sub-block output in one pass.
+``mhc_pre`` in two launches. ``_mhc_mix``: a program takes a tile of tokens and a slice of their ``n·D``
+stream values and accumulates ``Σ z²`` and the ``(2+n)·n`` mixing logits ``z · fnᵀ`` (the RMS factor is
+applied afterwards: it is a per-token scalar). For 16-bit streams the dot runs on the tensor cores with
+``fn`` split into three bf16 parts (hi + mid + lo carry its 24 significant bits; the stream values are
+exact in bf16, so the products are exact and only the fp32 accumulation rounds, as in the fp32
+reference); fp32 streams use an exact FMA dot. Few tokens (decode) split the ``n·D`` values over
+programs so the device fills. ``_mhc_finish``: sums the partials in fixed order, builds pre / post / the
+Sinkhorn-normalised ``n×n`` comb in registers (laid out as ``[BLOCK_T, groups, n]``: group 0 = pre,
+1 = post, 2.. = comb rows) and collapses one ``D`` slice of the streams with ``pre``. ``mhc_head`` is
+the same without post, comb and Sinkhorn. ``mhc_post`` mixes the streams and adds the sub-block output
+in one pass.
 """
 from __future__ import annotations
 
@@ -15,53 +20,68 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import cdiv, next_pow2, sm_count
 
 
 @triton.jit
-def _mix_logits(s_ptr, fn_ptr, t0, T, K, stride_st, NMIX: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_K: tl.constexpr, MIX_P2: tl.constexpr):
-    """(fn · z, Σ z²) for the tile's tokens: [BLOCK_T, MIX_P2] and [BLOCK_T] fp32."""
-    toks = t0 + tl.arange(0, BLOCK_T)
+def _mhc_mix(s_ptr, fn_ptr, part_ptr, ssq_ptr, T, K, stride_st, k_chunk, NMIX: tl.constexpr, MIXP: tl.constexpr,
+             BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_FN: tl.constexpr):
+    """Partial ``(z · fnᵀ, Σ z²)`` of a token tile over one slice of the ``n·D`` values.
+
+    ``SPLIT_FN`` (16-bit streams): ``fn = hi + mid + lo`` in bf16 (24 significant bits, i.e. fp32 exactly
+    enough), three tensor-core dots with fp32 accumulation; the stream values are exact in bf16. Else
+    (fp32 streams): one exact FMA dot."""
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    k_lo = tl.program_id(1) * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, K)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, MIX_P2)
-    mix = tl.zeros([BLOCK_T, MIX_P2], tl.float32)
+    offs_m = tl.arange(0, MIXP)
+    mix = tl.zeros([BLOCK_T, MIXP], tl.float32)
     ssq = tl.zeros([BLOCK_T], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
+        kmask = kk < k_hi
         z = tl.load(s_ptr + toks[:, None].to(tl.int64) * stride_st + kk[None, :],
-                    mask=(toks[:, None] < T) & (kk[None, :] < K), other=0.0).to(tl.float32)
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
         f = tl.load(fn_ptr + offs_m[None, :].to(tl.int64) * K + kk[:, None],
-                    mask=(offs_m[None, :] < NMIX) & (kk[:, None] < K), other=0.0)  # [BLOCK_K, MIX_P2]
-        ssq += tl.sum(z * z, 1)
-        mix += tl.dot(z, f, input_precision="ieee")
-    return mix, ssq
+                    mask=(offs_m[None, :] < NMIX) & kmask[:, None], other=0.0)  # [BLOCK_K, MIXP] fp32
+        zf = z.to(tl.float32)
+        ssq += tl.sum(zf * zf, 1)
+        if SPLIT_FN:
+            hi = f.to(tl.bfloat16)
+            rest = f - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            zb = z.to(tl.bfloat16)
+            mix += tl.dot(zb, hi)
+            mix += tl.dot(zb, mid)
+            mix += tl.dot(zb, lo)
+        else:
+            mix += tl.dot(zf, f, input_precision="ieee")
+    row = tl.program_id(1) * T + toks
+    tl.store(part_ptr + row[:, None].to(tl.int64) * MIXP + offs_m[None, :], mix, mask=tmask[:, None])
+    tl.store(ssq_ptr + row, ssq, mask=tmask)
 
 
 @triton.jit
-def _collapse(s_ptr, out_ptr, pre, t0, T, D, stride_st, stride_sn, stride_ot, N: tl.constexpr,
-              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t] = Σ_j pre[t, j] · streams[t, j] for the tile's tokens (pre: [BLOCK_T, N])."""
-    toks = t0 + tl.arange(0, BLOCK_T)
-    offs_n = tl.arange(0, N)
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        m3 = (toks[:, None, None] < T) & (dd[None, None, :] < D)
-        x = tl.load(s_ptr + toks[:, None, None].to(tl.int64) * stride_st + offs_n[None, :, None] * stride_sn
-                    + dd[None, None, :], mask=m3, other=0.0).to(tl.float32)  # [BLOCK_T, N, BLOCK_D]
-        u = tl.sum(pre[:, :, None] * x, 1)
-        tl.store(out_ptr + toks[:, None].to(tl.int64) * stride_ot + dd[None, :], u.to(out_ptr.dtype.element_ty),
-                 mask=(toks[:, None] < T) & (dd[None, :] < D))
-
-
-@triton.jit
-def _mhc_pre(s_ptr, fn_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr, T, D, stride_st, stride_sn,
-             stride_ot, iters, hc_eps, norm_eps, N: tl.constexpr, NMIX: tl.constexpr, G_P2: tl.constexpr,
-             HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    t0 = tl.program_id(0) * BLOCK_T
-    K = N * D
-    mix, ssq = _mix_logits(s_ptr, fn_ptr, t0, T, K, stride_st, NMIX, BLOCK_T, BLOCK_K, G_P2 * N)
-    mix = mix * tl.rsqrt(ssq / K + norm_eps)[:, None]
+def _mhc_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr, T, D, nsplit,
+                stride_st, stride_sn, stride_ot, iters, hc_eps, norm_eps, N: tl.constexpr, NMIX: tl.constexpr,
+                G_P2: tl.constexpr, HEAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Sum the partials (fixed order), RMS factor, pre / post / Sinkhorn comb, and the collapse of one
+    ``BLOCK_D`` slice (every slice recomputes the tiny ``n×n`` mixing; slice 0 stores post and comb)."""
+    MIXP: tl.constexpr = G_P2 * N
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    pid_d = tl.program_id(1)
+    offs_m = tl.arange(0, MIXP)
+    mix = tl.zeros([BLOCK_T, MIXP], tl.float32)
+    ssq = tl.zeros([BLOCK_T], tl.float32)
+    for sp in range(nsplit):
+        row = (sp * T + toks).to(tl.int64)
+        mix += tl.load(part_ptr + row[:, None] * MIXP + offs_m[None, :], mask=tmask[:, None], other=0.0)
+        ssq += tl.load(ssq_ptr + row, mask=tmask, other=0.0)
+    mix = mix * tl.rsqrt(ssq / (N * D) + norm_eps)[:, None]
     x = tl.reshape(mix, [BLOCK_T, G_P2, N])
     g = tl.arange(0, G_P2)[None, :, None]
     col = tl.arange(0, N)[None, None, :]
@@ -70,8 +90,6 @@ def _mhc_pre(s_ptr, fn_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr, T,
     sc = tl.load(scale_ptr + tl.minimum(g, 2))  # scale[0] pre, [1] post, [2] comb
     x = x * sc + base
     pre = tl.sum(tl.where(g == 0, tl.sigmoid(x), 0.0), 1) + hc_eps  # [BLOCK_T, N]
-    toks = t0 + tl.arange(0, BLOCK_T)
-    tmask = toks < T
     if not HEAD:
         post = tl.sum(tl.where(g == 1, 2.0 * tl.sigmoid(x), 0.0), 1)
         is_c = (g >= 2) & (g < 2 + N)
@@ -81,11 +99,19 @@ def _mhc_pre(s_ptr, fn_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr, T,
         for _ in range(iters - 1):
             c = tl.where(is_c, c / (tl.sum(c, 2)[:, :, None] + hc_eps), 0.0)
             c = c / (tl.sum(c, 1)[:, None, :] + hc_eps)
+        first = tmask & (pid_d == 0)
         offs_n = tl.arange(0, N)
-        tl.store(post_ptr + toks[:, None].to(tl.int64) * N + offs_n[None, :], post, mask=tmask[:, None])
+        tl.store(post_ptr + toks[:, None].to(tl.int64) * N + offs_n[None, :], post, mask=first[:, None])
         tl.store(comb_ptr + toks[:, None, None].to(tl.int64) * (N * N) + (g - 2) * N + col, c,
-                 mask=tmask[:, None, None] & is_c)
-    _collapse(s_ptr, out_ptr, pre, t0, T, D, stride_st, stride_sn, stride_ot, N, BLOCK_T, BLOCK_D)
+                 mask=first[:, None, None] & is_c)
+    offs_n = tl.arange(0, N)
+    dd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m3 = tmask[:, None, None] & (dd[None, None, :] < D)
+    xs = tl.load(s_ptr + toks[:, None, None].to(tl.int64) * stride_st + offs_n[None, :, None] * stride_sn
+                 + dd[None, None, :], mask=m3, other=0.0).to(tl.float32)  # [BLOCK_T, N, BLOCK_D]
+    u = tl.sum(pre[:, :, None] * xs, 1)
+    tl.store(out_ptr + toks[:, None].to(tl.int64) * stride_ot + dd[None, :], u.to(out_ptr.dtype.element_ty),
+             mask=tmask[:, None] & (dd[None, :] < D))
 
 
 @triton.jit
@@ -114,15 +140,29 @@ def _launch_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, o
                 torch.empty(T, n, dtype=torch.float32, device=streams.device),  # [T, n]
                 torch.empty(T, n, n, dtype=torch.float32, device=streams.device))  # [T, n, n]
     out, post, comb = outs
-    if T:
-        groups = 1 if head else 2 + n
-        g_p2 = max(next_pow2(groups), cdiv(16, n))  # the mixing dot needs >= 16 columns
-        block_t = 16
-        _mhc_pre[(cdiv(T, block_t),)](
-            s, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), out, post, comb,
-            T, D, s.stride(0), s.stride(1), out.stride(0), iters, hc_eps, norm_eps,
-            N=n, NMIX=groups * n, G_P2=g_p2, HEAD=head, BLOCK_T=block_t, BLOCK_K=64,
-            BLOCK_D=min(256, next_pow2(D)), num_warps=4)
+    if T == 0:
+        return out, post, comb
+    groups = 1 if head else 2 + n
+    g_p2 = max(next_pow2(groups), cdiv(16, n))  # the mixing dot needs >= 16 columns
+    mixp, K = g_p2 * n, n * D
+    split_fn = streams.dtype in (torch.bfloat16, torch.float16)
+    block_t = 16 if T <= 256 or not split_fn else 64
+    block_k = 128 if split_fn else 64
+    tiles = cdiv(T, block_t)
+    k_blocks = cdiv(K, block_k)
+    nsplit = max(1, min(cdiv(2 * sm_count(streams), tiles), k_blocks, 64))  # fill the device at decode sizes
+    k_chunk = cdiv(k_blocks, nsplit) * block_k
+    nsplit = cdiv(K, k_chunk)
+    part = torch.empty(nsplit * T, mixp, dtype=torch.float32, device=streams.device)  # [S*T, MIXP]
+    ssq = torch.empty(nsplit * T, dtype=torch.float32, device=streams.device)  # [S*T]
+    _mhc_mix[(tiles, nsplit)](s, fn.float().contiguous(), part, ssq, T, K, s.stride(0), k_chunk,
+                              NMIX=groups * n, MIXP=mixp, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_FN=split_fn,
+                              num_warps=4)
+    block_d = min(256, next_pow2(D))
+    _mhc_finish[(cdiv(T, 16), cdiv(D, block_d))](
+        s, part, ssq, base.float().contiguous(), scale.float().contiguous(), out, post, comb, T, D, nsplit,
+        s.stride(0), s.stride(1), out.stride(0), iters, hc_eps, norm_eps,
+        N=n, NMIX=groups * n, G_P2=g_p2, HEAD=head, BLOCK_T=16, BLOCK_D=block_d, num_warps=4)
     return out, post, comb
 
 

@@ -5,7 +5,7 @@ import torch
 pytest.importorskip("triton")
 
 from redknot.kernels.triton import fp8, indexer, ops  # noqa: E402
-from redknot.kernels.triton.checks.attention import topk_violations  # noqa: E402
+from redknot.kernels.triton.checks.indexer import topk_violations  # noqa: E402
 from redknot.kernels.triton.checks.common import paged_step  # noqa: E402
 
 

@@ -6,7 +6,8 @@ for one op over shapes that hit its edge cases, poisons the kernel's output buff
 and returns :class:`CheckResult` rows (relative error against a tolerance stated per dtype).
 """
 from redknot.kernels.triton.checks.common import REAL, TOY, CheckResult, Dims
-from redknot.kernels.triton.checks.attention import check_indexer_topk, check_sparse_attention
+from redknot.kernels.triton.checks.attention import check_sparse_attention
+from redknot.kernels.triton.checks.indexer import check_indexer_topk
 from redknot.kernels.triton.checks.dense import check_linear, check_mhc, check_moe, check_norms
 
 ALL_CHECKS = {

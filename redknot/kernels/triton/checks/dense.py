@@ -104,7 +104,7 @@ def check_mhc(d: Dims, device, dtype: torch.dtype, seed: int = 0) -> List[CheckR
     gen = torch.Generator().manual_seed(seed)
     rows: List[CheckResult] = []
     n, dm = d.hc_mult, d.hidden
-    for t in (1, 37):
+    for t in (1, 37, 300):  # 300 > 256: the 64-token tiles of prefill-sized calls
         streams = torch.randn(t, n, dm, generator=gen).to(device=device, dtype=dtype)
         fn = (torch.randn((2 + n) * n, n * dm, generator=gen) * (n * dm) ** -0.5).to(device)
         base = (0.5 * torch.randn((2 + n) * n, generator=gen)).to(device)
