@@ -22,6 +22,7 @@ from redknot.engine.llm import LLM
 from redknot.engine.outputs import EngineStats, RequestOutput
 from redknot.engine.sampling_params import SamplingParams
 from redknot.kernels import KernelSet
+from redknot.models.deepseek_v4.build import EXPERT_ROWS
 from redknot.parallel.runtime import ParallelRuntime, setup_parallel
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,13 @@ class ParallelLLM(LLM):
         if (par.ep > 1 or par.cp > 1) and hardware.cuda_graphs:
             log.info("parallel engine: CUDA graphs off (expert/context parallel exchange run-time sized data)")
             hardware = dataclasses.replace(hardware, cuda_graphs=False)
-        super().__init__(model, hardware, features, engine, kernels)
+        # Expert parallel: the model build allocates and reads only this rank's experts.
+        token = EXPERT_ROWS.set(runtime.expert_rows) if par.ep > 1 else None
+        try:
+            super().__init__(model, hardware, features, engine, kernels)
+        finally:
+            if token is not None:
+                EXPERT_ROWS.reset(token)
         runtime.attach(self, self._core)
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int],

@@ -1,8 +1,10 @@
 """MoE expert parallel: routed experts sharded over an EP group, tokens moved by all-to-all.
 
 Each main-layer ``MoE`` gets a :class:`ExpertDispatcher` (``moe.dispatcher``);
-its ``Experts`` parameters are replaced by this rank's slots of the layer's
-:class:`ExpertPlacement` (``[S, I, D]`` instead of ``[E, I, D]``). A step:
+its ``Experts`` hold only this rank's slots of the layer's :class:`ExpertPlacement`
+(``[S, I, D]`` instead of ``[E, I, D]``; the engine is built with
+``build.EXPERT_ROWS`` set, so only those rows are allocated and read from the
+checkpoint). A step:
 
 1. every (token t, choice j) pair picks one replica of its expert (spread by
    pair index) and so a destination rank; pairs are sent grouped by rank, in
@@ -41,13 +43,6 @@ from redknot.parallel.groups import all_to_all_rows, exchange_counts
 log = logging.getLogger(__name__)
 
 EXPERT_TENSORS = ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")
-
-
-def local_stack(full: Optional[torch.Tensor], experts: Tuple[int, ...]) -> Optional[torch.Tensor]:
-    """Rows ``experts`` of a stacked expert tensor [E, ...] -> [S, ...] (a copy)."""
-    if full is None:
-        return None
-    return full.index_select(0, torch.tensor(experts, dtype=torch.long, device=full.device)).contiguous()
 
 
 def set_expert_tensors(experts: nn.Module, tensors: Dict[str, Optional[torch.Tensor]]) -> None:
@@ -144,7 +139,8 @@ class ExpertParallel:
             placement = uniform_placement(self.num_experts, ep_size, redundant)
             experts = layer.ffn.experts
             mine = placement.rank_experts(ep_rank)
-            set_expert_tensors(experts, {n: local_stack(getattr(experts, n), mine) for n in EXPERT_TENSORS})
+            if experts.logical_ids != mine:  # loaded whole (not through the sharded loader): keep ours
+                experts.keep_only(mine)
             disp = ExpertDispatcher(self, i, experts, placement)
             layer.ffn.dispatcher = disp
             self.dispatchers.append(disp)
@@ -222,6 +218,7 @@ class ExpertParallel:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         set_expert_tensors(ex, {n: fresh.get(n) for n in EXPERT_TENSORS})
+        ex.logical_ids = new.rank_experts(me)
         disp.set_placement(new)
 
     def metrics(self) -> Dict[str, float]:

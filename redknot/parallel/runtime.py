@@ -23,7 +23,7 @@ from redknot.engine.device import peak_memory_bytes
 from redknot.engine.outputs import EngineStats, RequestOutput
 from redknot.parallel.dp import DataParallel
 from redknot.parallel.ep import EplbSettings, ExpertParallel
-from redknot.parallel.eplb import check_sizes
+from redknot.parallel.eplb import check_sizes, uniform_placement
 from redknot.parallel.groups import ParallelGroups, init_groups
 from redknot.parallel.layout import LaunchEnv, ParallelLayout, export_slurm_env
 
@@ -89,6 +89,14 @@ class ParallelRuntime:
         if self.layout.is_front:
             atexit.register(self.close)
         log.info("parallel engine ready: %s, MoE all-to-all: %s", self.layout.describe(), self.ep_comm)
+
+    def expert_rows(self, layer: int, num_experts: int):
+        """The experts this rank keeps in a main layer before any load is known (the model build
+        allocates and loads only these)."""
+        eplb = self.features.parallel.eplb
+        redundant = eplb.num_redundant_experts if eplb.enabled else 0
+        check_sizes(num_experts, self.layout.ep, redundant)
+        return uniform_placement(num_experts, self.layout.ep, redundant).rank_experts(self.layout.ep_rank)
 
     def _install_ep(self, runner, max_tokens: int) -> None:
         eplb = self.features.parallel.eplb

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from contextvars import ContextVar
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -11,6 +12,12 @@ from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.synthetic import ensure_synthetic_checkpoint
 from redknot.models.deepseek_v4.weights import load_checkpoint
+
+
+# Expert parallel (redknot.parallel) sets this around building an engine: (main layer index, number of
+# routed experts) -> the logical experts this process keeps, one stacked row each (repeats: replicas).
+# Only those rows are allocated and read from the checkpoint. Unset: every expert.
+EXPERT_ROWS: ContextVar[Optional[Callable[[int, int], Sequence[int]]]] = ContextVar("expert_rows", default=None)
 
 
 def torch_dtype(name) -> torch.dtype:
@@ -53,6 +60,10 @@ def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = 
     keep = getattr(hardware.weight_format, "value", hardware.weight_format) == "keep"
     net = DeepseekV4(cfg, torch_dtype(hardware.dtype), keep_quantized=keep, device="meta", kernels=kernels,
                      with_mtp=with_mtp and cfg.num_mtp_layers > 0)
+    rows_of = EXPERT_ROWS.get()
+    if rows_of is not None:
+        for i, layer in enumerate(net.layers):
+            layer.ffn.experts.keep_only(rows_of(i, cfg.n_routed_experts))
     net.to_empty(device=device)
     load_checkpoint(net, path, progress=bool(model.path) if progress is None else progress)
     return net.eval()

@@ -2,6 +2,8 @@
 selection-only bias, renormalised weights × routed scale, clamped SwiGLU experts + a shared expert."""
 from __future__ import annotations
 
+from typing import Optional, Sequence, Tuple
+
 import torch
 from torch import nn
 
@@ -48,6 +50,20 @@ class Experts(nn.Module):
                 setattr(self, f"{name}_scale", s)
             else:
                 self.register_parameter(f"{name}_scale", None)
+        # Expert parallel keeps some experts per rank (redknot.parallel): the logical expert of each
+        # row of the stacks. None: row e is expert e (all of them).
+        self.logical_ids: Optional[Tuple[int, ...]] = None
+
+    def keep_only(self, logical_ids: Sequence[int]) -> None:
+        """Restack to these experts, in this order (an id may repeat: a replica). Works before loading
+        (meta tensors: only the shapes change, and the loader then fills just these rows) and after."""
+        current = list(self.logical_ids) if self.logical_ids is not None else list(range(self.w1.shape[0]))
+        rows = torch.tensor([current.index(e) for e in logical_ids], dtype=torch.long, device=self.w1.device)
+        for name in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, nn.Parameter(t.index_select(0, rows), requires_grad=False))
+        self.logical_ids = tuple(int(e) for e in logical_ids)
 
 
 class SharedExpert(nn.Module):

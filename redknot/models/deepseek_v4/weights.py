@@ -133,19 +133,27 @@ class _Target:
         self.param = getattr(module, leaf)
         scale_leaf = "scale" if leaf == "weight" else f"{leaf}_scale"
         self.scale = getattr(module, scale_leaf, None) if spec.fmt in (FP8, FP4) else None
+        # Rows of a stacked expert tensor this expert goes to: none when expert parallel keeps it on
+        # another rank, several for replicas (``Experts.logical_ids``).
+        ids = getattr(module, "logical_ids", None) if spec.expert is not None else None
+        self.rows = [spec.expert] if ids is None else [i for i, e in enumerate(ids) if e == spec.expert]
 
-    def _dst(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.spec.expert is None else t[self.spec.expert]
+    def _dsts(self, t: torch.Tensor) -> List[torch.Tensor]:
+        return [t] if self.spec.expert is None else [t[r] for r in self.rows]
 
     def store(self, weight: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
-        dst = self._dst(self.param)
+        for i, dst in enumerate(self._dsts(self.param)):
+            self._store_one(dst, None if self.scale is None else self._dsts(self.scale)[i], weight, scale)
+
+    def _store_one(self, dst: torch.Tensor, dst_scale: Optional[torch.Tensor], weight: torch.Tensor,
+                   scale: Optional[torch.Tensor]) -> None:
         if self.spec.fmt == INT:
             if weight.numel() and (int(weight.min()) < 0 or int(weight.max()) >= self.num_experts):
                 raise CheckpointError(f"{self.spec.name}: expert ids must be in [0, {self.num_experts})")
             dst.copy_(weight.to(dst.dtype))
-        elif self.scale is not None:  # kept quantised
+        elif dst_scale is not None:  # kept quantised
             dst.copy_(weight.view(dst.dtype))
-            self._dst(self.scale).copy_(_scale_to_float(scale))
+            dst_scale.copy_(_scale_to_float(scale))
         else:
             s = None if scale is None else _scale_to_float(scale)
             dst.copy_(dequantize(weight, s, torch.float32) if s is not None else weight)
@@ -161,7 +169,8 @@ def load_checkpoint(model, path: str, progress: bool = True) -> None:
     scale_of = {s.scale_name: s.name for s in specs if s.scale_name}
     by_file: Dict[str, List[str]] = {}
     for name, file in weight_map.items():
-        if name in targets or name in scale_of:
+        owner = name if name in targets else scale_of.get(name)
+        if owner is not None and targets[owner].rows:  # experts held by other ranks are not read
             by_file.setdefault(file, []).append(name)
     pending: Dict[str, torch.Tensor] = {}  # weights or scales waiting for their partner in a later shard
     with _progress(progress, path, by_file) as advance:
