@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # make_mtp_agree: the tests' agreeing MTP
 
 from redknot.config.resolve import to_typed  # noqa: E402
-from redknot.config.schema import SwaReplayMode, SyntheticModelConfig  # noqa: E402
+from redknot.config.schema import SwaReplayMode  # noqa: E402
 from redknot.engine import LLM, SamplingParams  # noqa: E402
 from redknot.spec.replay import CompactReplay  # noqa: E402
 from spec_testutil import make_mtp_agree  # noqa: E402
@@ -132,6 +132,27 @@ def set_compact(llm: LLM, keep_tokens):
     replay = CompactReplay(keep_tokens=keep_tokens) if keep_tokens else None
     llm.runner.replay = replay
     llm.runner.speculator.drafter.replay = replay
+
+
+def cut_checkpoint(arch: dict, device: torch.device, cache_dir: str) -> str:
+    """The cut's checkpoint in the native layout, with seeded weights made on ``device`` (a GPU makes
+    2.5B values in a second; the CPU path of synthetic models would take minutes), written once."""
+    from redknot.models.deepseek_v4.model import DeepseekV4
+    from redknot.models.deepseek_v4.synthetic import checkpoint_key, randomize_, synthetic_config
+    from redknot.models.deepseek_v4.weights import INDEX_FILE
+    from redknot.models.deepseek_v4.writer import native_tensors, write_checkpoint
+    cfg = synthetic_config(arch, quantize_fp8=False)
+    path = os.path.join(cache_dir, "models", f"bench-cut3-{device.type}-{checkpoint_key(cfg, 0)}")
+    if not os.path.isfile(os.path.join(path, INDEX_FILE)):
+        t0 = time.perf_counter()
+        model = DeepseekV4(cfg, torch.float32, device=device)
+        randomize_(model, seed=0)
+        tmp = path + f".tmp-{os.getpid()}"
+        write_checkpoint(tmp, cfg, native_tensors(cfg, model.state_dict(), float_dtype=torch.bfloat16))
+        del model
+        os.replace(tmp, path)
+        print(f"[cut3] wrote {path} in {time.perf_counter() - t0:.1f}s", flush=True)
+    return path
 
 
 def engine(cfg, model, dspark: bool) -> LLM:
@@ -234,9 +255,11 @@ def main(argv=None) -> int:
     rows = bench_model(cfg, tiny, tiny_w, "tiny", repeat)
     if not args.skip_cut:
         arch = ARCH_CUT_SMOKE if args.smoke else ARCH_CUT
-        cut = dataclasses.replace(cfg.model, name="v4-cut3", path=None, num_layers=None, max_position=8192,
-                                  sliding_window=128, synthetic=SyntheticModelConfig(seed=0, architecture=arch))
         t0 = time.perf_counter()
+        device = torch.device("cuda" if cfg.hardware.accelerator.value == "cuda" else "cpu")
+        path = cut_checkpoint(arch, device, cfg.engine.cache_dir)
+        cut = dataclasses.replace(cfg.model, name="v4-cut3", path=path, tokenizer_path=None, num_layers=None,
+                                  max_position=8192, sliding_window=128, synthetic=None)
         rows += bench_model(cfg, cut, cut_w, "cut3", repeat)
         print(f"[cut3] done in {time.perf_counter() - t0:.1f}s", flush=True)
     print_table(rows)
