@@ -5,8 +5,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from redknot.config.schema import (EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig, SchedulerConfig,
-                                   SwaReplayMode, SyntheticModelConfig)
+from redknot.config.schema import (Accelerator, DType, EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig,
+                                   SchedulerConfig, SwaReplayMode, SyntheticModelConfig)
 
 WINDOW = 16
 MAX_DRAFT = 4
@@ -70,9 +70,9 @@ class EngineFactory:
 
     def __call__(self, *, arch: str = "main", agree: bool = True, budget: int = 256, chunk: int = 64,
                  max_num_seqs: int = 8, num_cache_blocks: Optional[int] = None, max_len: int = 512, tag: str = "",
-                 **feat):
+                 cuda: bool = False, **feat):
         """``tag`` tells apart otherwise identical engines (two runs in lockstep)."""
-        key = (arch, agree, budget, chunk, max_num_seqs, num_cache_blocks, max_len, tag,
+        key = (arch, agree, budget, chunk, max_num_seqs, num_cache_blocks, max_len, tag, cuda,
                tuple(sorted(feat.items())))
         if key not in self._engines:
             from redknot.engine import LLM
@@ -80,7 +80,11 @@ class EngineFactory:
                                     long_prefill_chunk=chunk, block_size=16, num_cache_blocks=num_cache_blocks)
             engine = EngineConfig(scheduler=sched, seed=0, cache_dir=self.cache_dir)
             model = model_config(ARCH if arch == "main" else ARCH_TAIL, f"spec-{arch}", max_len)
-            llm = LLM(model, HardwareConfig(), features(**feat), engine)
+            hardware = HardwareConfig()
+            if cuda:  # float32 on the GPU, so equalities hold to fp32 rounding as on the CPU
+                hardware = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
+                                          kv_cache_dtype=DType.float32, cuda_graphs=False, memory_utilization=0.5)
+            llm = LLM(model, hardware, features(**feat), engine)
             if agree:
                 make_mtp_agree(llm.runner.model)
             self._engines[key] = llm
