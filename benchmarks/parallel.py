@@ -272,12 +272,13 @@ def print_suite(rows: list) -> None:
         ranks = r.get("rank_metrics") or {}
         eplb = [(m.get("eplb.imbalance_before"), m.get("eplb.imbalance_after")) for m in ranks.values()]
         eplb_s = f"{eplb[0][0]:.3f}->{eplb[0][1]:.3f}" if eplb and eplb[0][0] is not None else "-"
-        print(f"{r['layout']:12} {r.get('cases', 0):5} {r.get('wall_s') or 0.0:8.2f} {r.get('ttft_p50_s', 0):9.3f} "
-              f"{r.get('ttft_p90_s', 0):9.3f} {r.get('prefill_tok_s', 0):13.0f} {r.get('decode_tok_s_per_req', 0):16.1f} "
-              f"{eplb_s:>19}  exit {r['code']}")
+        print(f"{r['layout']:12} {r.get('cases', 0):5} {r.get('wall_s') or 0.0:8.2f} "
+              f"{r.get('ttft_p50_s', 0):9.3f} {r.get('ttft_p90_s', 0):9.3f} {r.get('prefill_tok_s', 0):13.0f} "
+              f"{r.get('decode_tok_s_per_req', 0):16.1f} {eplb_s:>19}  exit {r['code']}")
         for rank, m in sorted(ranks.items(), key=lambda kv: int(kv[0])):
-            print(f"    rank {rank}: routed pairs {m.get('ep.routed_pairs', 0):.0f}, prefill {m['prefill_tokens']:.0f}, "
-                  f"decode {m['decode_tokens']:.0f} tokens, execute {m['execute_time_s']:.2f} s")
+            print(f"    rank {rank}: routed pairs {m.get('ep.routed_pairs', 0):.0f}, "
+                  f"prefill {m['prefill_tokens']:.0f}, decode {m['decode_tokens']:.0f} tokens, "
+                  f"execute {m['execute_time_s']:.2f} s")
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,8 @@ def test_slurm_task_variables_become_torchrun_variables(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "")  # recorded, so the variables the export writes are removed afterwards
         monkeypatch.delenv(key)
-    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3",
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_PROCID": "11",
+             "SLURM_LOCALID": "3",
              "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
              "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2"}
     for key, value in slurm.items():

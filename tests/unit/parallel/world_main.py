@@ -21,7 +21,8 @@ from redknot.parallel import serve
 
 def build(spec: dict, sc: dict) -> LLM:
     features = FeaturesConfig(async_scheduling=False)
-    features.dspark.enabled = False
+    features.dspark.enabled = sc.get("dspark", False)
+    features.dspark.confidence_threshold = 0.0  # random MTP weights: draft every step anyway
     features.batch_invariant.enabled = sc["batch_invariant"]
     par = features.parallel
     par.dp, par.ep, par.cp = sc["dp"], sc["ep"], sc["cp"]
@@ -31,7 +32,8 @@ def build(spec: dict, sc: dict) -> LLM:
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=spec["budget"], long_prefill_chunk=spec["chunk"],
                             block_size=16)
     engine = EngineConfig(scheduler=sched, seed=0, cache_dir=spec["cache_dir"])
-    model = ModelConfig(name="parallel-test", max_position=spec["max_len"], sliding_window=spec["arch"]["sliding_window"],
+    model = ModelConfig(name="parallel-test", max_position=spec["max_len"],
+                        sliding_window=spec["arch"]["sliding_window"],
                         synthetic=SyntheticModelConfig(seed=0, architecture=dict(spec["arch"])))
     return LLM(model, HardwareConfig(), features, engine)
 
@@ -109,7 +111,8 @@ def main() -> None:
             entry["owner"] = dict(llm.parallel.dp.router.owner_history)
             entry["peak_active"] = list(llm.parallel.dp.router.peak_active)
             entry["metrics"] = llm.parallel.rank_metrics()
-            entry["stats"] = llm.stats().num_requests_finished
+            stats = llm.stats()
+            entry["stats"] = {"finished": stats.num_requests_finished, "drafts": stats.num_draft_proposed}
         else:
             serve(llm)
         entry["placements"] = [list(p.phys_to_logical) for p in llm.parallel.ep.placements()] if llm.parallel.ep else []
