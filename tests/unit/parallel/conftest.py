@@ -22,11 +22,24 @@ PROMPT_LENGTHS = [70, 12, 45, 90, 23, 5]
 MAX_TOKENS = 5
 
 
-def make_spec(cache_dir: str, scenarios: list, out: str) -> dict:
+def make_spec(cache_dir: str, scenarios: list, out: str, cuda: bool = False) -> dict:
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(3, 120000) for _ in range(n)] for i, n in enumerate(PROMPT_LENGTHS)}
     return dict(arch=ARCH, prompts=prompts, max_tokens=MAX_TOKENS, budget=256, chunk=128, max_len=512,
-                cache_dir=cache_dir, out=out, scenarios=scenarios)
+                cache_dir=cache_dir, out=out, scenarios=scenarios, cuda=cuda)
+
+
+def single_process(spec: dict, invariant: bool):
+    """(outputs, logits rows per request) of the plain one-process engine."""
+    sc = dict(name="ref", dp=1, ep=1, cp=1, batch_invariant=invariant)
+    llm = build(spec, sc)
+    assert type(llm).__name__ == "LLM"  # sizes 1 in one process: the plain engine
+    logits = {}
+    record(llm, logits)
+    try:
+        return drive(llm, sc, spec["prompts"], spec["max_tokens"]), logits
+    finally:
+        llm.close()
 
 
 @pytest.fixture(scope="session")
@@ -41,26 +54,17 @@ def reference(model_cache, tmp_path_factory):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     spec = make_spec(model_cache, [], str(tmp_path_factory.mktemp("ref")))
-    refs = {}
     try:
-        for invariant in (True, False):
-            sc = dict(name="ref", dp=1, ep=1, cp=1, batch_invariant=invariant)
-            llm = build(spec, sc)
-            assert type(llm).__name__ == "LLM"  # sizes 1 in one process: the plain engine
-            logits = {}
-            record(llm, logits)
-            refs[invariant] = (drive(llm, sc, spec["prompts"], spec["max_tokens"]), logits)
-            llm.close()
+        return {invariant: single_process(spec, invariant) for invariant in (True, False)}
     finally:
         torch.set_num_threads(before)
-    return refs
 
 
-def run_world(nproc: int, scenarios: list, cache_dir: str, out: Path, timeout: int = 600) -> list:
+def run_world(nproc: int, scenarios: list, cache_dir: str, out: Path, timeout: int = 600, cuda: bool = False) -> list:
     """Start ``nproc`` ranks of world_main.py under torchrun; -> each rank's results."""
     out.mkdir(parents=True, exist_ok=True)
     spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps(make_spec(cache_dir, scenarios, str(out))))
+    spec_path.write_text(json.dumps(make_spec(cache_dir, scenarios, str(out), cuda)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from redknot.config.schema import (EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig, SchedulerConfig,
-                                   SyntheticModelConfig)
+from redknot.config.schema import (Accelerator, EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig,
+                                   SchedulerConfig, SyntheticModelConfig)
 from redknot.engine import LLM, SamplingParams
 from redknot.parallel import serve
 
@@ -35,7 +35,14 @@ def build(spec: dict, sc: dict) -> LLM:
     model = ModelConfig(name="parallel-test", max_position=spec["max_len"],
                         sliding_window=spec["arch"]["sliding_window"],
                         synthetic=SyntheticModelConfig(seed=0, architecture=dict(spec["arch"])))
-    return LLM(model, HardwareConfig(), features, engine)
+    return LLM(model, hardware_for(spec), features, engine)
+
+
+def hardware_for(spec: dict) -> HardwareConfig:
+    """CPU (gloo), or with ``spec["cuda"]`` one CUDA device per rank (NCCL), reference kernels, fp32."""
+    if not spec.get("cuda"):
+        return HardwareConfig()
+    return HardwareConfig(name="cuda-reference", accelerator=Accelerator.cuda, cuda_graphs=False)
 
 
 def record(llm, store: dict) -> None:
