@@ -1,0 +1,392 @@
+"""Sections of ``benchmarks/e2e_cut.py``: the cut model, a multi-slot driver over its paged state, the
+parity, prefill and decode measurements. Results accumulate in ``Run.results``; ``e2e_report`` prints them."""
+from __future__ import annotations
+
+import gc
+import random
+import time
+import traceback
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from e2e_report import decode_floor, report, save_partial  # noqa: F401  (report: used by e2e_cut)
+from redknot.kernels import KernelSet
+from redknot.models.deepseek_v4.cost import CostModel
+from redknot.models.deepseek_v4.layout import StateLayout
+from redknot.models.deepseek_v4.model import DeepseekV4
+from redknot.models.deepseek_v4.single import SingleSequence
+from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.models.deepseek_v4.synthetic import TINY_ARCHITECTURE, randomize_, synthetic_config
+
+HF_PREFILL_S = {8192: 0.451, 32768: 1.63, 65536: 4.24, 131072: 12.7}  # transformers, same cut (performance.md)
+HF_DECODE_S = {8192: 0.0187}
+SLOT_FIELDS = ("swa", "kv_rows", "gate_rows", "idx_kv_rows", "idx_gate_rows")  # [S, ...] per-sequence storage
+BLOCK_FIELDS = ("entries", "idx_keys")  # [NB, ...] paged storage
+DECODE_WARM, DECODE_TIMED = 2, 5
+
+
+def device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Run:
+    """Arguments, device, clock and collected results of one benchmark run."""
+
+    def __init__(self, args, dev: torch.device):
+        self.args, self.dev = args, dev
+        self.t0 = time.perf_counter()
+        self.results: Dict[str, list] = {k: [] for k in ("tiny", "parity", "prefill", "decode", "ops", "skipped",
+                                                         "errors")}
+        self.logits: Dict[tuple, torch.Tensor] = {}
+        self.results["env"] = [dict(device=device_name(dev), torch=torch.__version__, smoke=bool(args.smoke))]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+    def over_budget(self, what: str) -> bool:
+        if self.elapsed() > self.args.budget_s:
+            self.results["skipped"].append(what)
+            self.log(f"SKIP {what}: time budget ({self.args.budget_s:.0f} s) spent")
+            return True
+        return False
+
+    def section(self, name: str, fn: Callable[[], Optional[int]]) -> int:
+        if self.over_budget(name):
+            return 0
+        self.log(f"== {name}")
+        try:
+            return int(fn() or 0)
+        except Exception as exc:  # one broken section is reported; the others still run
+            traceback.print_exc()
+            self.results["errors"].append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            free(self.dev)
+            return 1
+        finally:
+            save_partial(self)
+
+    def timed(self, fn: Callable[[], object]) -> tuple:
+        sync(self.dev)
+        t = time.perf_counter()
+        out = fn()
+        sync(self.dev)
+        return out, time.perf_counter() - t
+
+
+class OpTimer:
+    """Stands in for a KernelSet and times every registry op call (CUDA events; host clock on the CPU)."""
+
+    def __init__(self, ks: KernelSet, dev: torch.device):
+        self._ks, self._dev = ks, dev
+        self.marks: Dict[str, list] = {}
+
+    def __getattr__(self, op: str):
+        fn = getattr(self._ks, op)
+
+        def timed(*a, **k):
+            if self._dev.type == "cuda":
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                out = fn(*a, **k)
+                e.record()
+            else:
+                s, out, e = time.perf_counter(), fn(*a, **k), time.perf_counter()
+            self.marks.setdefault(op, []).append((s, e))
+            return out
+        return timed
+
+    def totals_ms(self) -> Dict[str, tuple]:
+        sync(self._dev)
+        cuda = self._dev.type == "cuda"
+        return {op: (sum(s.elapsed_time(e) if cuda else (e - s) * 1e3 for s, e in m), len(m))
+                for op, m in self.marks.items()}
+
+
+class CutDriver:
+    """Sequences over one paged state: sequence i uses slot i; ``fork`` copies sequence 0 into the others
+    (shared prefix blocks, private copies of the blocks a decode step may still write, copied slots)."""
+
+    def __init__(self, model: DeepseekV4, num_seqs: int, max_tokens: int, fork_steps: int = 0, block_size: int = 256):
+        cfg = model.cfg
+        self.model = model
+        self.layout = StateLayout.create(cfg, block_size=block_size, kv_bytes=torch.empty((), dtype=model.dtype
+                                                                                          ).element_size())
+        self.fork_reach = max(cfg.ratios) if cfg.ratios else 1
+        self.nb0 = self.layout.blocks_for(max_tokens)
+        per_fork = (self.fork_reach + fork_steps) // block_size + 2  # >= the count of _tail_blocks
+        self.state = V4State.allocate(cfg, self.layout, num_seqs, self.nb0 + (num_seqs - 1) * per_fork,
+                                      model.device, model.dtype)
+        self.tables: List[List[int]] = [list(range(self.nb0))]
+        self.ctx: List[int] = [0]
+
+    def _tail_blocks(self, ctx: int, steps: int) -> tuple:
+        """(first block a step at ctx.. may write: a window closing at ctx+j starts >= ctx - ratio + 1, count)."""
+        bs = self.layout.block_size
+        first = max(0, ctx - self.fork_reach) // bs
+        return first, (max(ctx + steps, 1) - 1) // bs - first + 1
+
+    def meta(self, tokens: Sequence[Sequence[int]], seqs: Sequence[int]) -> StepMetadata:
+        return StepMetadata.build([list(t) for t in tokens], [self.ctx[s] for s in seqs], list(seqs),
+                                  [self.tables[s] for s in seqs], device=self.model.device)
+
+    def run(self, meta: StepMetadata, seqs: Sequence[int]) -> torch.Tensor:
+        """One step; -> fp32 logits of each sequence's last row."""
+        streams = self.model(meta, self.state)
+        for s, n in zip(seqs, meta.num_tokens_per_seq):
+            self.ctx[s] += n
+        return self.model.compute_logits(streams[meta.logits_indices])
+
+    def prefill(self, ids: Sequence[int], chunk: int, on_chunk: Optional[Callable] = None) -> torch.Tensor:
+        logits = None
+        for a in range(0, len(ids), chunk):
+            logits = self.run(self.meta([ids[a:a + chunk]], [0]), [0])
+            if on_chunk is not None:
+                on_chunk(a)
+        return logits
+
+    @torch.no_grad()
+    def fork(self, copies: int, steps: int) -> None:
+        ctx = self.ctx[0]
+        first, count = self._tail_blocks(ctx, steps)
+        src = self.tables[0][first:first + count]
+        nxt = self.nb0
+        for i in range(1, copies + 1):
+            priv = list(range(nxt, nxt + count))
+            nxt += count
+            for st in self.state.layers:
+                for name in BLOCK_FIELDS:
+                    t = getattr(st, name)
+                    if t is not None:
+                        t[priv] = t[src]
+                for name in SLOT_FIELDS:
+                    t = getattr(st, name)
+                    if t is not None:
+                        t[i] = t[0]
+            self.tables.append(self.tables[0][:first] + priv)
+            self.ctx.append(ctx)
+
+
+def cut_model(run: Run, dtype: torch.dtype) -> DeepseekV4:
+    """The 3-layer cut of ``benchmarks/model_reference.py`` with seed-0 synthetic weights (the same draws in
+    every dtype, so the bf16 model is the rounding of the fp32 one)."""
+    from model_reference import cut_config
+    cfg = cut_config(run.args.smoke, 16 if run.args.smoke else 256)
+    if run.args.smoke:  # interpreter-sized: a short top-k list and sliding window
+        cfg = cfg.with_overrides({"index_topk": 16, "sliding_window": 32})
+    model, secs = run.timed(lambda: DeepseekV4(cfg, dtype, device=run.dev, with_mtp=False))
+    _, secs2 = run.timed(lambda: randomize_(model, seed=0))
+    run.log(f"cut model {dtype}: {model.num_parameters() / 1e9:.2f} B parameters, built in {secs + secs2:.1f} s")
+    return model
+
+
+def build_cut(run: Run, dtype: torch.dtype) -> DeepseekV4:
+    model = cut_model(run, dtype)
+    model.set_kernels(KernelSet(default=run.args.backend))
+    n = min(8192, max(run.args.prefill))  # compile, and tune launch shapes on a full-size prefill chunk
+    warm = CutDriver(model, 2, n + 4, fork_steps=2)
+    warm.prefill(random_ids(n, model.cfg.vocab_size, 1), min(run.args.chunk, n))
+    warm.fork(1, 2)
+    warm.run(warm.meta([[5], [6]], [0, 1]), [0, 1])
+    warm.run(warm.meta([[7]], [0]), [0])
+    sync(run.dev)
+    run.log("warm-up done (Triton kernels compiled, launch shapes tuned)")
+    return model
+
+
+def random_ids(n: int, vocab: int, seed: int) -> List[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def tiny_greedy(run: Run) -> int:
+    """Greedy tokens of the tiny fp32 model: Triton kernels on the run's device vs the reference on the CPU
+    (first launch shapes, untuned: this is a correctness check)."""
+    from redknot.kernels.triton._common import ConfigTuner
+    ConfigTuner.enabled = False
+    try:
+        return _tiny_greedy(run)
+    finally:
+        ConfigTuner.enabled = True
+
+
+def _tiny_greedy(run: Run) -> int:
+    cfg = synthetic_config(TINY_ARCHITECTURE, quantize_fp8=False)
+    ref = DeepseekV4(cfg, torch.float32, device="cpu", kernels=KernelSet(), with_mtp=False)
+    randomize_(ref, seed=0)
+    fast = DeepseekV4(cfg, torch.float32, device=run.dev, kernels=KernelSet(default=run.args.backend), with_mtp=False)
+    fast.load_state_dict(ref.state_dict())
+    lengths, new = ((150,), 2) if run.args.smoke else ((300, 517, 700), 8)
+    out = {}
+    for name, model in (("reference", ref), ("triton", fast)):
+        out[name] = [_greedy(model, random_ids(n, cfg.vocab_size, n), new, chunk=128 if i == 1 else n)
+                     for i, n in enumerate(lengths)]
+    equal = out["reference"] == out["triton"]
+    run.results["tiny"].append(dict(prompts=list(lengths), new_tokens=new, equal=equal, **out))
+    run.log(f"tiny greedy: {'equal' if equal else 'DIFFERENT'} ({len(lengths)} prompts x {new} tokens)")
+    return 0 if equal else 1
+
+
+def _greedy(model: DeepseekV4, ids: List[int], new: int, chunk: int) -> List[int]:
+    seq = SingleSequence(model, len(ids) + new, shuffle_blocks=1)
+    for a in range(0, len(ids), chunk):
+        _, logits = seq.step(ids[a:a + chunk])
+    toks = [int(logits[-1].argmax())]
+    for _ in range(new - 1):
+        _, logits = seq.step([toks[-1]])
+        toks.append(int(logits[-1].argmax()))
+    return toks
+
+
+def _rows_logits(run: Run, model: DeepseekV4, ids: List[int]) -> tuple:
+    """One prefill step of ``ids``; -> (fp32 logits of 64 spread rows on the CPU, seconds)."""
+    n = len(ids)
+    rows = sorted({int(round(i * (n - 1) / 63)) for i in range(64)})
+    drv = CutDriver(model, 1, n)
+    meta = StepMetadata.build([ids], [0], [0], [drv.tables[0]], rows, device=run.dev)
+    logits, secs = run.timed(lambda: drv.run(meta, [0]))
+    return logits.cpu(), secs
+
+
+def parity_bf16(run: Run, model: DeepseekV4) -> None:
+    for n in run.args.parity:
+        ids = random_ids(n, model.cfg.vocab_size, n)
+        for name, ks in (("reference", KernelSet()), ("triton", KernelSet(default=run.args.backend))):
+            model.set_kernels(ks)
+            run.logits[(n, name)], secs = _rows_logits(run, model, ids)
+            run.results["parity"].append(dict(n=n, path=name, seconds=secs))
+        model.set_kernels(KernelSet(default=run.args.backend))
+        run.log(f"parity {n}: row error triton vs reference "
+                f"{row_err(run.logits[(n, 'triton')], run.logits[(n, 'reference')]):.2e}")
+        free(run.dev)
+
+
+def parity_truth(run: Run) -> None:
+    if run.dev.type == "cuda":
+        free_b, _ = torch.cuda.mem_get_info(run.dev)
+        need = 4.0 * 21e9 * (0.01 if run.args.smoke else 1.0) + 8 * 2**30  # fp32 cut + activations
+        if free_b < need:
+            raise RuntimeError(f"fp32 truth needs ~{need / 2**30:.0f} GiB free, {free_b / 2**30:.0f} GiB are")
+    model = cut_model(run, torch.float32)
+    model.set_kernels(KernelSet())
+    for n in run.args.parity:
+        if (n, "triton") not in run.logits or run.over_budget(f"fp32 truth {n}"):
+            continue
+        truth, _ = _rows_logits(run, model, random_ids(n, model.cfg.vocab_size, n))
+        ref, fast = run.logits[(n, "reference")], run.logits[(n, "triton")]
+        e_ref, e_fast = row_err(ref, truth), row_err(fast, truth)
+        tol = 1.5 * e_ref + 5e-3
+        run.results["parity"].append(dict(n=n, path="check", row_err_triton_vs_ref=row_err(fast, ref),
+                                          top1_triton_vs_ref=top1(fast, ref), row_err_ref_vs_fp32=e_ref,
+                                          row_err_triton_vs_fp32=e_fast, top1_triton_vs_fp32=top1(fast, truth),
+                                          tol=tol, ok=e_fast <= tol))
+        run.log(f"parity {n}: vs fp32 truth: reference bf16 {e_ref:.2e}, triton bf16 {e_fast:.2e} (tol {tol:.2e})")
+    del model
+    free(run.dev)
+
+
+def row_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of ||a - b|| / ||b||."""
+    a, b = a.double(), b.double()
+    return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).mean())
+
+
+def top1(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.argmax(-1) == b.argmax(-1)).double().mean())
+
+
+def prefill_sweep(run: Run, model: DeepseekV4, decode: bool = True) -> None:
+    """Chunked prefill at each context; at the decode contexts, fork and time decode steps too."""
+    cost = CostModel(model.cfg)
+    bmax = max(run.args.batches)
+    steps = len(run.args.batches) * (DECODE_WARM + DECODE_TIMED + 1)
+    decode_at = set(run.args.decode) if decode else set()
+    for n in run.args.prefill + [c for c in sorted(decode_at) if c not in run.args.prefill]:
+        if run.over_budget(f"prefill {n}"):
+            continue
+        free(run.dev)
+        if run.dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run.dev)
+        decode = n in decode_at
+        drv = CutDriver(model, bmax if decode else 1, n + (steps if decode else 0), fork_steps=steps)
+        ids = random_ids(n, model.cfg.vocab_size, n)
+        chunk_s: List[float] = []
+        mark = [time.perf_counter()]
+
+        def on_chunk(_a):
+            sync(run.dev)
+            now = time.perf_counter()
+            chunk_s.append(now - mark[0])
+            mark[0] = now
+        _, secs = run.timed(lambda: drv.prefill(ids, run.args.chunk, on_chunk))
+        peak = torch.cuda.max_memory_allocated(run.dev) / 2**30 if run.dev.type == "cuda" else float("nan")
+        pre = cost.prefill(n)
+        run.results["prefill"].append(dict(
+            n=n, chunk=run.args.chunk, seconds=secs, tflops=pre.total / secs / 1e12, floor_s=pre.floor_s(),
+            roof=pre.floor_s() / secs, hf_s=HF_PREFILL_S.get(n), speedup=HF_PREFILL_S[n] / secs if n in
+            HF_PREFILL_S else None, peak_gib=peak, first_chunk_s=chunk_s[0], last_chunk_s=chunk_s[-1], in_sweep=
+            n in run.args.prefill))
+        run.log(f"prefill {n}: {secs:.3f} s ({100 * pre.floor_s() / secs:.1f}% of floor), peak {peak:.1f} GiB")
+        if n >= 131072 or n == max(run.args.prefill):
+            _chunk_breakdown(run, drv, ids, n)
+        if decode:
+            drv.fork(bmax - 1, steps)
+            for b in run.args.batches:
+                _decode(run, drv, b, n, cost)
+        del drv
+    free(run.dev)
+
+
+def _chunk_breakdown(run: Run, drv: CutDriver, ids: List[int], n: int) -> None:
+    """Re-run the last chunk (same positions: the state is rewritten with the same values) with op timing."""
+    last = ids[(len(ids) - 1) // run.args.chunk * run.args.chunk:]
+    drv.ctx[0] -= len(last)
+    _timed_step(run, drv, [last], [0], f"prefill chunk {len(last)} at {n}")
+
+
+def _timed_step(run: Run, drv: CutDriver, tokens, seqs, label: str) -> None:
+    model = drv.model
+    ks = model.ks
+    timer = OpTimer(ks, run.dev)
+    model.set_kernels(timer)
+    meta = drv.meta(tokens, seqs)
+    try:
+        _, secs = run.timed(lambda: drv.run(meta, seqs))
+    finally:
+        model.set_kernels(ks)
+    totals = timer.totals_ms()
+    for op, (ms, calls) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        run.results["ops"].append(dict(case=label, op=op, ms=ms, calls=calls, share=ms / (secs * 1e3)))
+    other = secs * 1e3 - sum(ms for ms, _ in totals.values())
+    run.results["ops"].append(dict(case=label, op="(outside ops)", ms=other, calls=0, share=other / (secs * 1e3)))
+
+
+def _decode(run: Run, drv: CutDriver, batch: int, n: int, cost: CostModel) -> None:
+    seqs = list(range(batch))
+    rng = random.Random(batch * 7 + n)
+    times = []
+    for i in range(DECODE_WARM + DECODE_TIMED):
+        meta = drv.meta([[rng.randrange(3, drv.model.cfg.vocab_size)] for _ in seqs], seqs)
+        logits, secs = run.timed(lambda: drv.run(meta, seqs))
+        if i >= DECODE_WARM:
+            times.append(secs)
+    step = sorted(times)[len(times) // 2]
+    floor = decode_floor(cost, n, batch)
+    hf = HF_DECODE_S.get(n) if batch == 1 else None
+    run.results["decode"].append(dict(n=n, batch=batch, step_s=step, floor_s=floor, roof=floor / step, hf_s=hf,
+                                      speedup=hf / step if hf else None, tokens_per_s=batch / step))
+    run.log(f"decode {n} b{batch}: {step * 1e3:.2f} ms/step ({100 * floor / step:.1f}% of floor)")
+    _timed_step(run, drv, [[rng.randrange(3, drv.model.cfg.vocab_size)] for _ in seqs], seqs, f"decode b{batch} at {n}")
