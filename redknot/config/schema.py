@@ -164,7 +164,7 @@ class VerificationConfig:
 @dataclass
 class SwaReplayConfig:
     """SWA bounded replay: SWA-only layers prefill just the last ``keep_tokens`` positions."""
-    mode: SwaReplayMode = SwaReplayMode.off
+    mode: SwaReplayMode = SwaReplayMode.compact
     # Rule: keep_tokens >= model sliding window + features.dspark.max_draft + 1, so that
     # every position a query can still reach after a rollback of a whole draft block is kept.
     keep_tokens: int = 140

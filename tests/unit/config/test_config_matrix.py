@@ -65,7 +65,7 @@ def test_bad_combinations_fail_with_the_expected_message(resolved, overrides, me
 def test_paths_become_absolute_and_the_yaml_is_the_typed_config(resolved, tmp_path):
     from omegaconf import OmegaConf
 
-    ctx = resolved("model=deepseek-v4-flash", "model.path=ckpt/v4", "mode=prepare")
+    ctx = resolved("model=deepseek-v4-flash", "model.path=ckpt/v4", "mode=prepare", "features.swa_replay.mode=off")
     assert ctx.cfg.model.path == str(tmp_path / "ckpt" / "v4")
     assert ctx.cfg.engine.cache_dir == str(tmp_path / "outputs" / "cache")
     assert ctx.cfg.output.root == str(tmp_path / "outputs")

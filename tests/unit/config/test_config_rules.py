@@ -52,7 +52,7 @@ def test_keep_tokens_follows_the_model_window():
 
 
 def test_keep_tokens_unchecked_when_replay_is_off():
-    assert check(features__swa_replay__keep_tokens=10) == []
+    assert check(features__swa_replay__mode=SwaReplayMode.off, features__swa_replay__keep_tokens=10) == []
 
 
 def test_keep_tokens_without_drafting_needs_window_plus_one():
