@@ -248,7 +248,7 @@ def cp_part(args, n: int) -> dict:
     for name, size in (("one_gpu", 1), ("cp", n)):
         out = Path(args.out) / f"cp-{name}"
         out.mkdir(parents=True, exist_ok=True)
-        spec = dict(overrides=[f"features.parallel.cp={size}"], requests=1, context=context, max_tokens=1,
+        spec = dict(overrides=[f"features.parallel.cp={size}", "features.swa_replay.mode=off"], requests=1, context=context, max_tokens=1,
                     step_tokens=context, warmup=True, result=str(out / "result.json"))
         (out / "spec.json").write_text(json.dumps(spec))
         argv = [__file__, "--worker", str(out / "spec.json"), *passthrough(args)]

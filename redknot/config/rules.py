@@ -237,6 +237,21 @@ def scheduler_budget(cfg: RedKnotConfig) -> List[Violation]:
     return []
 
 
+def parallel_features(cfg: RedKnotConfig) -> List[Violation]:
+    par, found = cfg.features.parallel, []
+    if par.cp > 1 and cfg.features.swa_replay.mode == SwaReplayMode.compact:
+        # Context parallel splits a prompt across ranks in zigzag chunks; the compact tail of the
+        # window-only layers would have to live on one rank.
+        found.append(Violation(
+            "features.swa_replay.mode", "compact",
+            f"not supported with features.parallel.cp={par.cp}; set features.swa_replay.mode=off"))
+    if par.eplb.enabled and par.ep == 1:
+        found.append(Violation(
+            "features.parallel.eplb.enabled", True,
+            "expert load balancing needs experts spread over ranks: set features.parallel.ep > 1"))
+    return found
+
+
 def target_of(cfg: RedKnotConfig, key: str) -> Optional[str]:
     return get(cfg, key)._target_
 
@@ -257,5 +272,5 @@ def targets(cfg: RedKnotConfig) -> List[Violation]:
 RULES: List[Rule] = [
     ranges, suite_lists, suite_fits_model, deterministic, batch_invariant_supported,
     swa_replay_window, kernel_backends, hardware_facts, model_source, mode_inputs,
-    scheduler_budget, targets,
+    scheduler_budget, parallel_features, targets,
 ]

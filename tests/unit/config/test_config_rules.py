@@ -170,3 +170,15 @@ def test_require_parallel_layout_raises_with_all_problems():
     with pytest.raises(ConfigError) as err:
         require_parallel_layout(ParallelConfig(dp=3, ep=5), world_size=4)
     assert str(err.value).startswith("parallel layout does not fit the launched world (2 problems):")
+
+
+def test_context_parallel_refuses_compact_replay_and_eplb_needs_expert_parallel():
+    found = check(features__parallel__cp=2, features__swa_replay__mode=SwaReplayMode.compact,
+                  features__parallel__eplb__enabled=True)
+    assert found == [
+        "features.swa_replay.mode=compact: not supported with features.parallel.cp=2; "
+        "set features.swa_replay.mode=off",
+        "features.parallel.eplb.enabled=true: expert load balancing needs experts spread over ranks: "
+        "set features.parallel.ep > 1"]
+    assert check(features__parallel__cp=2, features__swa_replay__mode=SwaReplayMode.off,
+                 features__parallel__ep=2, features__parallel__eplb__enabled=True) == []

@@ -26,6 +26,8 @@ def build(spec: dict, sc: dict) -> LLM:
     features.batch_invariant.enabled = sc["batch_invariant"]
     par = features.parallel
     par.dp, par.ep, par.cp = sc["dp"], sc["ep"], sc["cp"]
+    if par.cp > 1:
+        features.swa_replay.mode = "off"  # context parallel prefills whole prompts on every layer
     par.eplb.enabled = sc.get("eplb", False)
     par.eplb.num_redundant_experts = sc.get("redundant", 0)
     par.eplb.rebalance_interval = sc.get("interval", 1000)
