@@ -7,15 +7,35 @@ import time
 from typing import Any, Dict, Mapping, Optional
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from redknot.config.schema import TrackingConfig
 from redknot.tracking.base import PathLike
 from redknot.tracking.params import (MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VALUE_LENGTH,
                                      batches, fit, flatten, to_text)
-from redknot.tracking.store import ensure_experiment
+from redknot.tracking.store import default_artifact_location, store_lock
 
 PARENT_TAG = "mlflow.parentRunId"
+
+
+def ensure_experiment(uri: str, name: str, artifact_location: Optional[str] = None) -> str:
+    """Create the store (if new) and the experiment (if missing); return the experiment id."""
+    location = default_artifact_location(uri, artifact_location)
+    with store_lock(uri):
+        client = MlflowClient(tracking_uri=uri)
+        for attempt in range(5):
+            experiment = client.get_experiment_by_name(name)
+            if experiment is not None:
+                return experiment.experiment_id
+            try:
+                return client.create_experiment(name, artifact_location=location)
+            except MlflowException as err:
+                # Another process (on a server store) created it between our two calls.
+                if err.error_code != "RESOURCE_ALREADY_EXISTS" or attempt == 4:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+    raise RuntimeError(f"could not create MLflow experiment {name!r} at {uri}")
 
 
 class MlflowTracker:

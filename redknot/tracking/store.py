@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping, Optional
@@ -49,7 +48,7 @@ def default_artifact_location(uri: str, configured: Optional[str]) -> Optional[s
 
 
 @contextmanager
-def _store_lock(uri: str) -> Iterator[None]:
+def store_lock(uri: str) -> Iterator[None]:
     db = sqlite_path(uri)
     if db is None:
         yield
@@ -61,25 +60,3 @@ def _store_lock(uri: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def ensure_experiment(uri: str, name: str, artifact_location: Optional[str] = None) -> str:
-    """Create the store (if new) and the experiment (if missing); return the experiment id."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    location = default_artifact_location(uri, artifact_location)
-    with _store_lock(uri):
-        client = MlflowClient(tracking_uri=uri)
-        for attempt in range(5):
-            experiment = client.get_experiment_by_name(name)
-            if experiment is not None:
-                return experiment.experiment_id
-            try:
-                return client.create_experiment(name, artifact_location=location)
-            except MlflowException as err:
-                # Another process (on a server store) created it between our two calls.
-                if err.error_code != "RESOURCE_ALREADY_EXISTS" or attempt == 4:
-                    raise
-                time.sleep(0.1 * (attempt + 1))
-    raise RuntimeError(f"could not create MLflow experiment {name!r} at {uri}")
