@@ -65,12 +65,16 @@ def main(argv=None) -> int:
     model = parts.build_cut(run, torch.bfloat16)
     if "parity" not in skip:
         run.section("parity", lambda: parts.parity_bf16(run, model))
+        if "truth" not in skip:  # the fp32 cut needs the memory of the bf16 one: rebuilt after (same weights)
+            del model
+            parts.free(dev)
+            run.section("truth", lambda: parts.parity_truth(run))
+            model = parts.cut_model(run, torch.bfloat16)
+            model.set_kernels(parts.KernelSet(default=args.backend))
     if "prefill" not in skip:  # decode contexts are timed right after their own prefill
         run.section("prefill", lambda: parts.prefill_sweep(run, model, decode="decode" not in skip))
     del model
     parts.free(dev)
-    if "parity" not in skip and "truth" not in skip:
-        run.section("truth", lambda: parts.parity_truth(run))
     if "tiny" not in skip:
         status |= run.section("tiny", lambda: parts.tiny_greedy(run))
     status |= parts.report(run)

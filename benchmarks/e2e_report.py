@@ -55,12 +55,13 @@ def tables(res: dict) -> List[str]:
                          f"{100 * p['roof']:6.1f}% {_x(p['hf_s'], '6.2f'):>6} {_x(p['speedup'], '7.1f') + 'x' if p['speedup'] else '—':>8} "
                          f"{p['peak_gib']:8.1f} {1e3 * p['last_chunk_s']:13.1f}")
     if res["decode"]:
-        lines += ["", f"decode step (eager; floor = weights + caches read once at "
+        lines += ["", f"decode step (eager, mean of 8 steps; floor = weights + caches read once at "
                       f"{H200.hbm_bytes_per_s / 1e12:.2f} TB/s)",
-                  f"{'context':>7} {'batch':>5} {'step ms':>8} {'floor ms':>8} {'% roof':>7} {'tok/s':>8} "
-                  f"{'HF ms':>6} {'speedup':>8}"]
+                  f"{'context':>7} {'batch':>5} {'step ms':>8} {'min-max ms':>13} {'floor ms':>8} {'% roof':>7} "
+                  f"{'tok/s':>8} {'HF ms':>6} {'speedup':>8}"]
         for d in res["decode"]:
-            lines.append(f"{d['n']:>7} {d['batch']:>5} {1e3 * d['step_s']:8.2f} {1e3 * d['floor_s']:8.3f} "
+            spread = f"{1e3 * d.get('min_s', d['step_s']):.1f}-{1e3 * d.get('max_s', d['step_s']):.1f}"
+            lines.append(f"{d['n']:>7} {d['batch']:>5} {1e3 * d['step_s']:8.2f} {spread:>13} {1e3 * d['floor_s']:8.3f} "
                          f"{100 * d['roof']:6.1f}% {d['tokens_per_s']:8.0f} {_x(d['hf_s'] and 1e3 * d['hf_s'], '6.1f'):>6} "
                          f"{_x(d['speedup'], '7.1f') + 'x' if d['speedup'] else '—':>8}")
     if res["ops"]:

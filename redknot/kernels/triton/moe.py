@@ -4,13 +4,15 @@ The grouped GEMMs are ``torch._grouped_mm`` (CUTLASS, bf16; measured at 71 % of 
 V4 shapes), fed with rows sorted by expert and the per-expert end offsets. Around them, two Triton
 kernels: the clamped SwiGLU between the GEMMs (one pass over ``[M, 2I]``) and the combine, which sums
 each token's ``k`` expert rows in fixed slot order with their routing weights, so the result does not
-depend on what else is in the batch (no atomics).
+depend on what else is in the batch (no atomics). A stack of one expert (the shared expert, which the
+model runs through the same op) skips the routing: three plain GEMMs and the SwiGLU.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -113,6 +115,10 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(T, D, dtype=x.dtype, device=x.device) if out is None else out
     if T == 0:
         return out
+    if w1.shape[0] == 1 and w1.dtype == x.dtype and w1_scale is None:  # one expert (the shared one): no routing
+        act = swiglu(F.linear(x, w1[0]), F.linear(x, w3[0]), swiglu_limit)  # [T, I]
+        weight = topk_weights.to(torch.float32).sum(dim=1, keepdim=True)  # [T, 1]
+        return out.copy_((F.linear(act, w2[0]).float() * weight).to(out.dtype))
     rows, inv, offs = route_by_expert(topk_ids, w1.shape[0])
     xs = x.index_select(0, rows)  # [T*k, D] sorted by expert
     act = swiglu(grouped_linear(xs, w1, offs, w1_scale), grouped_linear(xs, w3, offs, w3_scale),

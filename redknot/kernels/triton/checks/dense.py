@@ -40,6 +40,13 @@ def check_moe(d: Dims, device, dtype: torch.dtype, seed: int = 0) -> List[CheckR
         out = poisoned((t, dm), dtype, device)
         moe.moe_experts(x, ids, wts, *float_w, 1.0, out=out)
         rows.append(result("moe", f"{case}, poisoned", dtype, out, want))
+    x = torch.randn(37, dm, generator=gen).to(device=device, dtype=dtype)
+    ids = torch.zeros(37, 1, dtype=torch.long, device=device)
+    wts = torch.rand(37, 1, generator=gen).to(device)
+    one = [w[:1] for w in float_w]
+    out = poisoned((37, dm), dtype, device)
+    moe.moe_experts(x, ids, wts, *one, 1.0, out=out)
+    rows.append(result("moe", "1 expert (shared), 37 tokens, poisoned", dtype, out, ref_moe.moe(x, ids, wts, *one, 1.0)))
     if dtype == torch.bfloat16:
         quant = [quantize_fp8_block(w[i]) for w in (w1, w2, w3) for i in range(e)]
         q = [torch.stack([quant[j * e + i][0] for i in range(e)]).to(device) for j in range(3)]
