@@ -199,7 +199,9 @@ def cut_model(run: Run, dtype: torch.dtype) -> DeepseekV4:
 def build_cut(run: Run, dtype: torch.dtype) -> DeepseekV4:
     model = cut_model(run, dtype)
     model.set_kernels(KernelSet(default=run.args.backend))
-    n = min(8192, max(run.args.prefill))  # compile, and tune launch shapes on a full-size prefill chunk
+    # Compile, and tune launch shapes on a full-size prefill chunk; then decode steps of 2 and 1 sequences,
+    # the first at a position that closes a CSA and an HCA window (the compressors' decode-time shapes).
+    n = min(8192, max(run.args.prefill)) - 1
     warm = CutDriver(model, 2, n + 4, fork_steps=2)
     warm.prefill(random_ids(n, model.cfg.vocab_size, 1), min(run.args.chunk, n))
     warm.fork(1, 2)

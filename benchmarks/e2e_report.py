@@ -27,6 +27,10 @@ def _x(v, fmt: str, none: str = "—") -> str:
     return none if v is None else format(v, fmt)
 
 
+def _speedup(v) -> str:
+    return f"{v:7.1f}x" if v else "—"
+
+
 def tables(res: dict) -> List[str]:
     lines = [f"# {res['env'][0]}"]
     for t in res["tiny"]:
@@ -52,7 +56,7 @@ def tables(res: dict) -> List[str]:
                   f"{'HF s':>6} {'speedup':>8} {'peak GiB':>8} {'last chunk ms':>13}"]
         for p in res["prefill"]:
             lines.append(f"{p['n']:>7} {p['chunk']:>6} {p['seconds']:8.3f} {p['tflops']:8.1f} {p['floor_s']:8.3f} "
-                         f"{100 * p['roof']:6.1f}% {_x(p['hf_s'], '6.2f'):>6} {_x(p['speedup'], '7.1f') + 'x' if p['speedup'] else '—':>8} "
+                         f"{100 * p['roof']:6.1f}% {_x(p['hf_s'], '6.2f'):>6} {_speedup(p['speedup']):>8} "
                          f"{p['peak_gib']:8.1f} {1e3 * p['last_chunk_s']:13.1f}")
     if res["decode"]:
         lines += ["", f"decode step (eager, mean of 8 steps; floor = weights + caches read once at "
@@ -63,7 +67,7 @@ def tables(res: dict) -> List[str]:
             spread = f"{1e3 * d.get('min_s', d['step_s']):.1f}-{1e3 * d.get('max_s', d['step_s']):.1f}"
             lines.append(f"{d['n']:>7} {d['batch']:>5} {1e3 * d['step_s']:8.2f} {spread:>13} {1e3 * d['floor_s']:8.3f} "
                          f"{100 * d['roof']:6.1f}% {d['tokens_per_s']:8.0f} {_x(d['hf_s'] and 1e3 * d['hf_s'], '6.1f'):>6} "
-                         f"{_x(d['speedup'], '7.1f') + 'x' if d['speedup'] else '—':>8}")
+                         f"{_speedup(d['speedup']):>8}")
     if res["ops"]:
         lines += ["", "time per registry op in one step (CUDA events; share of the step's wall time)"]
         for case in dict.fromkeys(o["case"] for o in res["ops"]):

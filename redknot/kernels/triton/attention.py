@@ -231,16 +231,14 @@ def _choose_splits(cfg: AttnConfig, num_tokens: int, num_hblocks: int, max_keys:
 
 
 ATTN_TUNER = ConfigTuner("sparse_attention", [
-    AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=1),
-    AttnConfig(block_h=64, block_n=64, num_warps=8, num_stages=1),
     AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=2),
-    # Half the heads per program: a [32, 512] accumulator leaves registers for two programs per SM, so one
-    # program's softmax and loads overlap the other's dots (the [64, 512] one allows a single program).
-    # (Deeper pipelining of the index-load chain and issuing it a block ahead measured no gain on the H200:
-    # 8.9-11.3 ms against 8.9 ms for a CSA chunk of 8192 queries.)
-    AttnConfig(block_h=32, block_n=32, num_warps=4, num_stages=2),
-    AttnConfig(block_h=32, block_n=32, num_warps=8, num_stages=2),
+    AttnConfig(block_h=64, block_n=64, num_warps=8, num_stages=1),
+    AttnConfig(block_h=64, block_n=32, num_warps=8, num_stages=1),
 ])
+# Measured on the H200 (ms; CSA prefill chunk of 8192 queries at 8K / SWA the same / CSA-HCA decode b2):
+# 64/32/8w/2st 8.94 / 1.05 / 0.12; 64/64/8w/1st 12.4 / 1.03 / 0.16; 64/32/8w/1st 9.35 / 1.04 / 0.14.
+# Dropped after measuring: 4 stages (Triton's pipelining of the top-k -> block-table -> key chain) 11.3;
+# index loads issued a block ahead (``prefetch``) 9.18; 32 heads per program, 4 or 8 warps, 15.0 / 14.4.
 
 
 def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torch.Tensor, positions: torch.Tensor,

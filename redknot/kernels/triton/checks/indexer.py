@@ -144,7 +144,8 @@ def _exact_order(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """Ids ``[T, topk]`` by float64 score, equal scores by lower id (-1 padded): the contract's order."""
     order = torch.sort(scores, dim=1, descending=True, stable=True)
     k = min(topk, scores.shape[1])
-    ids = torch.where(torch.isfinite(order.values[:, :k]), order.indices[:, :k], torch.full_like(order.indices[:, :k], -1))
+    top = order.indices[:, :k]
+    ids = torch.where(torch.isfinite(order.values[:, :k]), top, torch.full_like(top, -1))
     if k < topk:
         ids = torch.cat([ids, ids.new_full((ids.shape[0], topk - k), -1)], dim=1)
     return ids
@@ -159,14 +160,15 @@ def _exact_row(case: str, dt: str, got: torch.Tensor, exact: torch.Tensor, note:
 
 def _indexer_poisoned_row(d: Dims, meta, q, w, keys, exact: Optional[torch.Tensor], scores, case, dt) -> CheckResult:
     """Kernel-level call with a forced 2-way entry split, the smallest selection buffer (many compactions),
-    block-table lookups issued a block ahead, heads on the dot's N axis and a poisoned output: every slot
-    written."""
+    block-table lookups issued a block ahead, heads on the dot's M axis (the plain call runs the default,
+    heads on N) and a poisoned output: every slot written."""
     out = torch.full((q.shape[0], d.topk), -7, dtype=torch.long, device=q.device)
     indexer.indexer_topk_paged(q, w, positions=meta.positions, query_start_loc=meta.query_start_loc, keys=keys,
                                block_table=meta.block_tables, ratio=d.csa_ratio,
                                block_size=d.csa_ratio * keys.shape[1], topk=d.topk, scale=d.index_dim ** -0.5,
-                               out=out, config=indexer.IndexerConfig(block_t=1, block_n=16, num_splits=2, prefetch=True, heads_on_n=True,
-                                                                      capacity=1 << (d.topk + 16 - 1).bit_length()))
+                               out=out, config=indexer.IndexerConfig(
+                                   block_t=1, block_n=16, num_splits=2, prefetch=True, heads_on_n=False,
+                                   capacity=1 << (d.topk + 16 - 1).bit_length()))
     unwritten = int((out == -7).sum())
     if exact is not None:
         row = _exact_row(f"2 splits, poisoned: {case}", dt, out, exact, f"{unwritten} unwritten")
