@@ -2,7 +2,7 @@
 batch positions; different seeds give different tokens."""
 import random
 
-from conftest import run_all
+from engine_testutil import run_all
 
 from redknot.engine import SamplingParams
 
