@@ -195,6 +195,13 @@ class BenchmarkRun:
                 progress.update(task, advance=1, last=last)
 
             runner.run(jobs, on_outcome)
+        self._log_engine_counters(engine)
+
+    def _log_engine_counters(self, engine) -> None:
+        """Speculative-decoding counters (acceptance per position, draft/verify step times), warm-up included."""
+        spec = getattr(engine.stats(), "spec", None)
+        if spec is not None:
+            self.tracker.log_metrics(spec.as_metrics())
 
     def _report(self, inputs: FrozenInputs, key: str) -> int:
         records, problems = read_records(self.run_dir / RECORDS_FILE)

@@ -1,8 +1,8 @@
 """End to end: ``python -m redknot`` (smoke suite, tiny model, CPU), then ``mode=validate`` on its run directory.
 
-The default-tier test trims the run (two datasets, one case each, eight new tokens, no warm-up, DSpark
-drafting off: on CPU the drafting path makes each tiny-model prefill several times slower) so the test run
-stays short; the ``slow`` one runs the embedded default exactly as a user types it.
+The default-tier test trims the run (two datasets, one case each, eight new tokens, no warm-up; features
+as configured, DSpark drafting included) so the test run stays short; the ``slow`` one runs the embedded
+default exactly as a user types it.
 """
 import json
 import subprocess
@@ -14,7 +14,7 @@ import pytest
 TRIMMED = ("suite.datasets=[niah_single,hotpotqa]", "~suite.max_new_tokens.niah_multikey",
            "~suite.max_new_tokens.variable_tracking", "~suite.max_new_tokens.triviaqa",
            "suite.max_new_tokens.niah_single=8", "suite.max_new_tokens.hotpotqa=8", "suite.samples_per_dataset=1",
-           "suite.warmup_requests=0", "features.dspark.enabled=false")
+           "suite.warmup_requests=0")
 
 
 def _redknot(cwd: Path, *overrides: str, timeout: int = 1800) -> subprocess.CompletedProcess:
@@ -43,6 +43,7 @@ def _check_run(tmp_path: Path, overrides, num_cases: int) -> None:
     (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert mlrun.info.status == "FINISHED"
     assert mlrun.data.metrics["completed"] == num_cases and "ttft_s.p90" in mlrun.data.metrics
+    assert mlrun.data.metrics["spec.num_plain_steps"] + mlrun.data.metrics["spec.num_verify_steps"] > 0
     assert mlrun.data.params["suite.name"] == "smoke"
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id, "run_dir")}
     assert {"run_dir/records.jsonl", "run_dir/results.json", "run_dir/plots"} <= artifacts
