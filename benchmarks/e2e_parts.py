@@ -318,7 +318,7 @@ def prefill_sweep(run: Run, model: DeepseekV4, decode: bool = True) -> None:
     """Chunked prefill at each context; at the decode contexts, fork and time decode steps too."""
     cost = CostModel(model.cfg)
     bmax = max(run.args.batches)
-    steps = len(run.args.batches) * (DECODE_WARM + DECODE_TIMED + 1)
+    steps = len(run.args.batches) * (2 * (DECODE_WARM + DECODE_TIMED) + 3)  # eager, op-timed and graph steps
     decode_at = set(run.args.decode) if decode else set()
     for n in run.args.prefill + [c for c in sorted(decode_at) if c not in run.args.prefill]:
         if run.over_budget(f"prefill {n}"):
@@ -397,3 +397,41 @@ def _decode(run: Run, drv: CutDriver, batch: int, n: int, cost: CostModel) -> No
                                       speedup=hf / step if hf else None, tokens_per_s=batch / step))
     run.log(f"decode {n} b{batch}: {step * 1e3:.2f} ms/step ({100 * floor / step:.1f}% of floor)")
     _timed_step(run, drv, [[rng.randrange(3, drv.model.cfg.vocab_size)] for _ in seqs], seqs, f"decode b{batch} at {n}")
+    if run.dev.type == "cuda":
+        _graph_decode(run, drv, seqs, rng, run.results["decode"][-1])
+
+
+def _graph_decode(run: Run, drv: CutDriver, seqs: List[int], rng: random.Random, row: dict) -> None:
+    """The same decode steps replayed from one captured CUDA graph (tensor-only metadata in static
+    buffers, as the engine captures them); the first replay is compared with an eager step."""
+    model, vocab = drv.model, drv.model.cfg.vocab_size
+    live = drv.meta([[3] for _ in seqs], seqs)
+    static = StepMetadata(input_ids=live.input_ids.clone(), positions=live.positions.clone(),
+                          query_start_loc=live.query_start_loc, seq_slots=live.seq_slots,
+                          block_tables=live.block_tables.clone(), logits_indices=live.logits_indices,
+                          num_tokens_per_seq=[1] * len(seqs), context_lens=list(live.context_lens), tensor_only=True)
+    forward = lambda: model.compute_logits(model(static, drv.state)[static.logits_indices])  # noqa: E731
+    forward()  # warm-up and launch-shape tuning at the captured shapes (rewrites the same positions)
+    sync(run.dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    graph.replay()
+    eager = model.compute_logits(model(live, drv.state)[live.logits_indices])
+    err = row_err(out, eager)
+    for s in seqs:
+        drv.ctx[s] += 1
+    times = []
+    for i in range(DECODE_WARM + DECODE_TIMED):
+        static.input_ids.copy_(torch.tensor([rng.randrange(3, vocab) for _ in seqs]))
+        static.positions.copy_(torch.tensor([drv.ctx[s] for s in seqs]))
+        _, secs = run.timed(graph.replay)
+        for s in seqs:
+            drv.ctx[s] += 1
+        if i >= DECODE_WARM:
+            times.append(secs)
+    step = sum(times) / len(times)
+    row.update(graph_step_s=step, graph_roof=row["floor_s"] / step, graph_row_err=err)
+    run.log(f"decode {row['n']} b{len(seqs)} in a CUDA graph: {step * 1e3:.2f} ms/step "
+            f"({100 * row['floor_s'] / step:.1f}% of floor; first replay vs eager row err {err:.2e})")
+    del graph

@@ -199,6 +199,8 @@ def hardware_facts(cfg: RedKnotConfig) -> List[Violation]:
     if hw.compute_capability and hw.accelerator != Accelerator.cuda:
         found.append(Violation("hardware.compute_capability", hw.compute_capability,
                                "compute capabilities apply to hardware.accelerator=cuda only"))
+    if hw.cuda_graph_max_len < 1:
+        found.append(Violation("hardware.cuda_graph_max_len", hw.cuda_graph_max_len, "must be >= 1"))
     if hw.cuda_graphs and hw.accelerator != Accelerator.cuda:
         found.append(Violation("hardware.cuda_graphs", True,
                                f"needs hardware.accelerator=cuda (is {hw.accelerator.value})"))

@@ -136,6 +136,9 @@ class HardwareConfig:
     weight_format: WeightFormat = WeightFormat.dequantize
     kv_cache_dtype: DType = DType.float32
     cuda_graphs: bool = False                 # capture decode steps in CUDA graphs
+    # Longest sequence a captured decode step serves (sizes the graphs' block tables); decode
+    # steps with a longer sequence run eagerly.
+    cuda_graph_max_len: int = 131072
     memory_utilization: float = 0.9           # fraction of free device memory the engine may take
     supports_batch_invariant: bool = True
     support: SupportStatus = SupportStatus.supported

@@ -89,7 +89,8 @@ class ModelRunner:
         self.graphs = None
         if hardware.cuda_graphs and device.type == "cuda" and self.speculator is None:
             from redknot.engine.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self, max_batch=engine.scheduler.max_num_seqs)
+            self.graphs = DecodeGraphs(self, max_batch=engine.scheduler.max_num_seqs,
+                                       max_len=min(hardware.cuda_graph_max_len, self.max_model_len))
 
     @property
     def padding_slot(self) -> int:

@@ -5,6 +5,8 @@ Ops that read the state receive the step's ``StepMetadata`` (``meta``) and use
 its python-side ``query_start_list``, ``num_tokens_per_seq``, ``context_lens``,
 ``seq_slot_list`` and its ``block_tables`` tensor. A compressed entry ``w`` of a
 sequence lives in ``pool[block_tables[b, w // E], w % E]`` (E = entries per block).
+A ``meta.tensor_only`` decode step (CUDA-graph capture) is computed from its tensors
+alone, with shapes fixed by the block-table width: same math, batched over sequences.
 """
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor,
     """Lightning indexer: score(t, w) = scale · Σ_h weights[t, h] · ReLU(q[t, h] · K[w]) over the
     entries w < (t+1)//ratio of t's sequence; returns [T, topk] entry ids (best first, ties: lower
     id first), -1 where fewer entries are visible. q [T, IH, ID], weights [T, IH], key_pool [NB, E, ID]."""
+    if getattr(meta, "tensor_only", False):
+        return _indexer_topk_decode(q, weights, key_pool, meta, ratio, topk, scale)
     t_rows = q.shape[0]
     out = torch.full((t_rows, topk), -1, dtype=torch.long, device=q.device)
     per_block = key_pool.shape[1]
@@ -82,6 +86,59 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor,
             best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
             out[rows, :k] = torch.where(best < visible[:, None], best, torch.full_like(best, -1))
     return out
+
+
+def _decode_entry_rows(meta, per_block: int, width: int) -> torch.Tensor:
+    """[B, width] pool rows of entries 0..width-1 of every sequence (one per block-table row)."""
+    w = torch.arange(width, device=meta.block_tables.device)
+    return meta.block_tables[:, w // per_block].long() * per_block + w % per_block
+
+
+def _indexer_topk_decode(q, weights, key_pool, meta, ratio: int, topk: int, scale: float) -> torch.Tensor:
+    """:func:`indexer_topk` of a tensor-only decode step: every entry the block tables can hold is
+    scored and the invisible ones masked, so the shapes do not depend on the positions."""
+    per_block = key_pool.shape[1]
+    width = meta.block_tables.shape[1] * per_block
+    keys = key_pool.flatten(0, 1)[_decode_entry_rows(meta, per_block, width)].float()  # [B, W, ID]
+    scores = torch.relu(torch.einsum("bhd,bwd->bhw", q.float(), keys)) * scale
+    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)  # [B, W]
+    w = torch.arange(width, device=q.device)
+    visible = (meta.positions + 1) // ratio  # [B]
+    scores.masked_fill_(w[None, :] >= visible[:, None], float("-inf"))
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    best = torch.where(best < visible[:, None], best, torch.full_like(best, -1))
+    if best.shape[1] < topk:
+        best = torch.cat([best, best.new_full((best.shape[0], topk - best.shape[1]), -1)], dim=1)
+    return best
+
+
+def _sparse_attention_decode(q, kv, swa_ring, sinks, scale: float, window: int, meta, extra_pool,
+                             extra_idx) -> torch.Tensor:
+    """:func:`sparse_attention` of a tensor-only decode step (row b = sequence b at position p_b)."""
+    t, _h, d = q.shape
+    ring = swa_ring.shape[1]
+    pos = meta.positions
+    kpos = pos[:, None] - (window - 1) + torch.arange(window - 1, device=q.device)  # [B, W-1] earlier rows
+    old = swa_ring.view(-1, d)[meta.seq_slots.long()[:, None] * ring + kpos.remainder(ring)]  # [B, W-1, d]
+    keys = torch.cat([old.float(), kv.float()[:, None]], dim=1)  # [B, W, d] positions p-W+1 .. p
+    visible = torch.cat([kpos >= 0, torch.ones_like(kpos[:, :1], dtype=torch.bool)], dim=1)  # [B, W]
+    qf = q.float()
+    logits = torch.einsum("bhd,bkd->bhk", qf, keys).mul_(scale).masked_fill_(~visible[:, None, :], float("-inf"))
+    parts = [logits]
+    if extra_idx is not None:
+        per_block = extra_pool.shape[1]
+        idx = extra_idx.long()
+        block = meta.block_tables.gather(1, (idx.clamp(min=0) // per_block).to(meta.block_tables.dtype).long())
+        rows = block.long() * per_block + idx.clamp(min=0) % per_block  # [B, K]
+        ext = extra_pool.flatten(0, 1)[rows].float()  # [B, K, d]
+        ext_logits = torch.einsum("bhd,bkd->bhk", qf, ext).mul_(scale)
+        parts.append(ext_logits.masked_fill_((idx < 0)[:, None, :], float("-inf")))
+    parts.append(sinks.float().view(1, -1, 1).expand(t, -1, 1))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+    o = torch.einsum("bhk,bkd->bhd", probs[..., :window], keys)
+    if extra_idx is not None:
+        o = o + torch.einsum("bhk,bkd->bhd", probs[..., window:-1], ext)
+    return o.to(q.dtype)
 
 
 def _window_logits(qt, keys_local, lo, p0, p1, window, scale):
@@ -106,6 +163,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, swa_ring: torch.Tensor, 
     extra_pool [NB, E, d] compressed entries, extra_idx [T, K] logical entry ids per query
     (-1 = none); sinks [H] fp32 logits that only add to the denominator. Returns [T, H, d].
     """
+    if getattr(meta, "tensor_only", False):
+        return _sparse_attention_decode(q, kv, swa_ring, sinks, scale, window, meta, extra_pool, extra_idx)
     out = torch.empty_like(q)
     ring = swa_ring.shape[1]
     sink = sinks.float().view(1, -1, 1)

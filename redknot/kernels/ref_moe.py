@@ -31,6 +31,8 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: 
     in slot order j = 0..k-1 (fp32), so a row's result does not depend on the other rows.
     """
     t, k = topk_idx.shape
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _moe_every_expert(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
@@ -47,3 +49,17 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: 
         y = F.linear(act, _expert_weight(w2, w2_scale, e, x.dtype))
         slots[rows] = y.float() * topk_weight.reshape(-1)[rows, None].float()
     return slots.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _moe_every_expert(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale):
+    """:func:`moe` without a host sync (CUDA-graph capture): every expert runs on every row and
+    each slot keeps the rows that chose it; same per-slot math and slot-order sum."""
+    t, k = topk_idx.shape
+    slots = torch.zeros(t, k, x.shape[1], dtype=torch.float32, device=x.device)  # [T, k, D]
+    for e in range(w1.shape[0]):
+        act = swiglu(F.linear(x, _expert_weight(w1, w1_scale, e, x.dtype)),
+                     F.linear(x, _expert_weight(w3, w3_scale, e, x.dtype)), swiglu_limit)
+        y = F.linear(act, _expert_weight(w2, w2_scale, e, x.dtype)).float()  # [T, D]
+        chosen = (topk_idx == e).unsqueeze(-1)  # [T, k, 1]
+        slots = torch.where(chosen, y.unsqueeze(1) * topk_weight.float().unsqueeze(-1), slots)
+    return slots.sum(dim=1).to(x.dtype)

@@ -204,7 +204,7 @@ class CPStep:
                                  st.idx_keys)
                 idx = attn.indexer.select(ks, x, c_q, ctx, st.idx_keys) if t else None
             elif t:
-                idx = visible_entries(ctx, attn.ratio)
+                idx = visible_entries(ctx, attn.ratio, st.entries.shape[1])
         q = attn.wq_b(ks, c_q).view(t, attn.num_heads, attn.head_dim)  # [T_local, H, hd]
         q = ks.rope(ks.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
         o = q

@@ -17,9 +17,13 @@ from redknot.models.deepseek_v4.state import LayerState
 from redknot.models.deepseek_v4.step import StepContext, write_ring
 
 
-def visible_entries(ctx: StepContext, ratio: int) -> Optional[torch.Tensor]:
-    """[T, max visible] ids of all entries w < (t+1)//ratio of each query (-1 pads), or None."""
-    most = max(sp.end_pos // ratio for sp in ctx.spans)
+def visible_entries(ctx: StepContext, ratio: int, per_block: int) -> Optional[torch.Tensor]:
+    """[T, max visible] ids of all entries w < (t+1)//ratio of each query (-1 pads), or None.
+    A tensor-only step sizes the width by its block tables (``per_block`` entries per block)."""
+    if ctx.meta.tensor_only:
+        most = ctx.meta.block_tables.shape[1] * per_block
+    else:
+        most = max(sp.end_pos // ratio for sp in ctx.spans)
     if most == 0:
         return None
     w = torch.arange(most, device=ctx.meta.positions.device)
@@ -56,7 +60,7 @@ class Attention(nn.Module):
             return None, None
         self.compressor.update(ks, x, ctx, st.kv_rows, st.gate_rows, st.entries)
         if self.indexer is None:
-            return st.entries, visible_entries(ctx, self.ratio)
+            return st.entries, visible_entries(ctx, self.ratio, st.entries.shape[1])
         self.indexer.compressor.update(ks, x, ctx, st.idx_kv_rows, st.idx_gate_rows, st.idx_keys)
         return st.entries, self.indexer.select(ks, x, c_q, ctx, st.idx_keys)
 

@@ -53,6 +53,9 @@ class Compressor(nn.Module):
                     gate_ring: torch.Tensor, pool: torch.Tensor) -> None:
         """:meth:`update` from already projected rows kv, gate [T, C] fp32 (context parallel gathers
         them from every rank first)."""
+        if ctx.meta.tensor_only:
+            self._update_decode(ks, kv, gate, ctx, kv_ring, gate_ring, pool)
+            return
         m, per_block = self.ratio, pool.shape[1]
         made: List[torch.Tensor] = []
         dest: List[torch.Tensor] = []
@@ -74,6 +77,37 @@ class Compressor(nn.Module):
             pool.view(-1, self.head_dim).index_copy_(0, torch.cat(dest), torch.cat(made).to(pool.dtype))
         write_ring(kv_ring, ctx, kv)
         write_ring(gate_ring, ctx, gate)
+
+    def _update_decode(self, ks, kv: torch.Tensor, gate: torch.Tensor, ctx: StepContext, kv_ring: torch.Tensor,
+                       gate_ring: torch.Tensor, pool: torch.Tensor) -> None:
+        """:meth:`update_rows` of a tensor-only decode step (row b = sequence b at position p_b), with
+        shapes that do not depend on the positions (CUDA graphs): store the rows, pool the window
+        ending at p_b (with the window before it when overlapping) for every sequence, and write
+        the entry where p_b closes a window; elsewhere the entry row keeps its value."""
+        write_ring(kv_ring, ctx, kv)
+        write_ring(gate_ring, ctx, gate)
+        meta, m, per_block = ctx.meta, self.ratio, pool.shape[1]
+        pos = meta.positions  # [B]
+        span = 2 * m if self.overlap else m
+        ring, width = kv_ring.shape[1], kv_ring.shape[2]
+        row_pos = pos[:, None] - (span - 1) + torch.arange(span, device=pos.device)  # [B, span]
+        src = (meta.seq_slots.long()[:, None] * ring + row_pos.remainder(ring)).flatten()
+        valid = (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
+        kv_rows = torch.where(valid, kv_ring.view(-1, width)[src], 0.0)  # [B*span, C]
+        gate_rows = torch.where(valid, gate_ring.view(-1, width)[src], float("-inf"))
+        # Without has_prev the op pools window j with window j-1 of the rows: the odd entries are
+        # each sequence's (previous, current) pair; the even ones straddle two sequences.
+        pooled = ks.compressor(kv_rows, gate_rows, self.ape, m, self.overlap, False)
+        if self.overlap:
+            pooled = pooled[1::2]  # [B, hd]
+        closes = (pos + 1) % m == 0  # [B]
+        w = ((pos + 1) // m - 1).clamp(min=0)  # the entry p closes (where it does)
+        cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
+        made = ks.rope(self.norm(ks, pooled), cos, sin)  # [B, hd]
+        block = meta.block_tables.gather(1, (w // per_block)[:, None].long())
+        dest = block.squeeze(1).long() * per_block + w % per_block  # [B]
+        flat = pool.view(-1, self.head_dim)
+        flat.index_copy_(0, dest, torch.where(closes[:, None], made.to(pool.dtype), flat[dest]))
 
 
 class Indexer(nn.Module):

@@ -23,6 +23,9 @@ from redknot.models.deepseek_v4.step import StepContext
 class DeepseekV4(nn.Module):
     """DeepSeek-V4 with native checkpoint parameter names (routed experts stacked per layer)."""
 
+    # A tensor_only decode step reads every per-step value from the metadata tensors (CUDA graphs).
+    supports_cuda_graphs = True
+
     def __init__(self, cfg: V4Config, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
                  device="meta", kernels: Optional[KernelSet] = None, with_mtp: bool = True):
         super().__init__()

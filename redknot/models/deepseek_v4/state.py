@@ -39,6 +39,10 @@ class StepMetadata:
     # Compact SWA replay: per sequence, the first position the window-only top layers compute
     # (rows below it are never read by a later query); None = every row.
     replay_from: Optional[List[int]] = None
+    # A decode step (one new token per sequence) whose per-step values must be read from the
+    # tensors only: the python lists above describe shapes, not this step's values. CUDA-graph
+    # capture sets it, so a replay with fresh tensor contents computes the right step.
+    tensor_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.seq_slot_list:
@@ -53,6 +57,9 @@ class StepMetadata:
         if not (len(self.context_lens) == len(self.seq_slot_list) == b == self.block_tables.shape[0]):
             raise ValueError(f"StepMetadata: {b} sequences but {len(self.context_lens)} context_lens, "
                              f"{len(self.seq_slot_list)} seq_slots, {self.block_tables.shape[0]} block tables")
+        if self.tensor_only and any(n != 1 for n in self.num_tokens_per_seq):
+            raise ValueError("StepMetadata: tensor_only is for decode steps (one new token per sequence), "
+                             f"got num_tokens_per_seq={self.num_tokens_per_seq}")
         if sum(self.num_tokens_per_seq) != self.input_ids.shape[0]:
             raise ValueError(f"StepMetadata: num_tokens_per_seq sums to {sum(self.num_tokens_per_seq)}, "
                              f"input_ids has {self.input_ids.shape[0]} rows")

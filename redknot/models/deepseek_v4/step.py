@@ -48,6 +48,10 @@ class StepContext:
         """(rows of the step, flat ring index slot*ring + pos % ring) for writing this step's rows
         into per-slot rings of length ``ring``; only each sequence's last ``ring`` rows are kept,
         so no ring index is written twice."""
+        if ring not in self._ring_rows and self.meta.tensor_only:  # decode: row b is sequence b's token
+            meta = self.meta
+            rows = torch.arange(meta.positions.shape[0], device=meta.positions.device)
+            self._ring_rows[ring] = (rows, meta.seq_slots.long() * ring + meta.positions % ring)
         if ring not in self._ring_rows:
             rows, dest = [], []
             for sp in self.spans:

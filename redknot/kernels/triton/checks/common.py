@@ -88,6 +88,7 @@ class SimpleMeta:
     context_lens: List[int]
     seq_slot_list: List[int] = field(default_factory=list)
     query_start_list: List[int] = field(default_factory=list)
+    tensor_only: bool = False
 
 
 @dataclass
