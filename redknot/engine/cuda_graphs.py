@@ -123,9 +123,12 @@ class DecodeGraphs:
         step writing the same rows twice is harmless), compare, and return the eager logits."""
         self.checked.add(bs)
         eager = self.runner.eager_logits(inputs)
-        tol = 1e-3 if self.runner.dtype == torch.float32 else 3e-2  # the captured ops may batch differently
-        if not torch.allclose(eager, logits, atol=tol, rtol=tol):
+        # Per-row relative L2 error: a replay that read stale metadata is off by O(1); the captured ops
+        # may batch their math differently from the eager ones (bf16 rounding, the reference MoE).
+        err = ((logits - eager).norm(dim=-1) / eager.norm(dim=-1).clamp(min=1e-30)).max().item()
+        tol = 1e-4 if self.runner.dtype == torch.float32 else 3e-2
+        if not err <= tol:  # also catches NaN
             self.disabled_reason = (f"replay of batch size {bs} disagreed with eager execution "
-                                    f"(max diff {(eager - logits).abs().max().item():.3g}); decode runs eagerly")
+                                    f"(row error {err:.3g} > {tol:g}); decode runs eagerly")
             log.error("cuda graphs: %s", self.disabled_reason)
         return eager

@@ -24,19 +24,27 @@ _CACHE: Dict[int, Tuple[weakref.ref, StepTensors]] = {}
 
 
 def step_tensors(meta) -> StepTensors:
-    """The :class:`StepTensors` of ``meta`` (computed on its first use)."""
+    """The :class:`StepTensors` of ``meta`` (computed on its first use). A ``tensor_only`` step's
+    tensors change in place between uses (CUDA-graph buffers), so its indices are never cached:
+    a captured graph must record their computation."""
+    if getattr(meta, "tensor_only", False):
+        return _compute(meta)
     hit = _CACHE.get(id(meta))
     if hit is not None and hit[0]() is meta:
         return hit[1]
+    st = _compute(meta)
+    if len(_CACHE) > 64:
+        for key in [k for k, (r, _) in _CACHE.items() if r() is None]:
+            del _CACHE[key]
+    _CACHE[id(meta)] = (weakref.ref(meta), st)
+    return st
+
+
+def _compute(meta) -> StepTensors:
     qsl = meta.query_start_loc
     rows = torch.arange(meta.positions.shape[0], device=qsl.device, dtype=qsl.dtype)
     token_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).to(torch.int32)
     starts = qsl[:-1].to(torch.int32)
     last = max(meta.positions.shape[0] - 1, 0)
     ctx = meta.positions.index_select(0, starts.clamp(max=last).long()).to(torch.int32)
-    st = StepTensors(token_seq, ctx, starts)
-    if len(_CACHE) > 64:
-        for key in [k for k, (r, _) in _CACHE.items() if r() is None]:
-            del _CACHE[key]
-    _CACHE[id(meta)] = (weakref.ref(meta), st)
-    return st
+    return StepTensors(token_seq, ctx, starts)

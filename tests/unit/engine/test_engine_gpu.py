@@ -27,8 +27,8 @@ def _llm(model_cfg, cache_dir, cuda_graphs, async_scheduling=False, kernels="ref
 
 @pytest.mark.parametrize("kernels,dtype", [("reference", DType.float32), ("triton", DType.bfloat16)])
 def test_cuda_graph_decode_equals_eager(model_cfg, cache_dir, kernels, dtype):
-    """Prompts up to 300 tokens and 140 new ones: decode crosses the 128-token window and closes
-    CSA (4) and HCA (128) windows inside the captured steps."""
+    """Prompts up to 300 tokens and 140 new ones: decode crosses the 16-token window and closes
+    CSA (4) and HCA (8) windows inside the captured steps."""
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(3, 120000) for _ in range(rng.randrange(4, 300))] for i in range(5)}
     params = SamplingParams(max_tokens=140, ignore_eos=True)
