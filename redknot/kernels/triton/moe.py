@@ -85,12 +85,19 @@ def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
     """Rows of ``a`` grouped by ``offs`` (ends) times their group's ``w[g] [N, K]`` transposed → ``[M, N]``.
 
     e4m3 weights with 128×128 block scales go through the block-scaled Triton GEMM (weights widened in
-    registers); bf16 through ``torch._grouped_mm``; anything else one matmul per non-empty group.
+    registers); bf16 through ``torch._grouped_mm``; anything else one matmul per non-empty group (while a
+    CUDA graph is captured: one per group over all rows, the other groups' rows masked).
     """
     if w.dtype == torch.float8_e4m3fn:
         return block_scaled_mm(a, None, w, w_scale.float(), offs=offs, out_dtype=a.dtype)
     if a.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    if a.is_cuda and torch.cuda.is_current_stream_capturing():  # no host sync: every group, rows masked
+        group = torch.searchsorted(offs, torch.arange(a.shape[0], device=a.device, dtype=offs.dtype), right=True)
+        out = torch.zeros(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+        for g in range(w.shape[0]):
+            out = torch.where((group == g)[:, None], a @ w[g].to(a.dtype).T, out)
+        return out
     out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)  # [M, N]
     start = 0
     for g, end in enumerate(offs.tolist()):

@@ -25,7 +25,8 @@ def _llm(model_cfg, cache_dir, cuda_graphs, async_scheduling=False, kernels="ref
     return LLM(model_cfg, hw, features, engine)
 
 
-@pytest.mark.parametrize("kernels,dtype", [("reference", DType.float32), ("triton", DType.bfloat16)])
+@pytest.mark.parametrize("kernels,dtype", [("reference", DType.float32), ("triton", DType.float32),
+                                          ("triton", DType.bfloat16)])
 def test_cuda_graph_decode_equals_eager(model_cfg, cache_dir, kernels, dtype):
     """Prompts up to 300 tokens and 140 new ones: decode crosses the 16-token window and closes
     CSA (4) and HCA (8) windows inside the captured steps."""
