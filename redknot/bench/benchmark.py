@@ -198,10 +198,16 @@ class BenchmarkRun:
         self._log_engine_counters(engine)
 
     def _log_engine_counters(self, engine) -> None:
-        """Speculative-decoding counters (acceptance per position, draft/verify step times), warm-up included."""
-        spec = getattr(engine.stats(), "spec", None)
+        """Speculative-decoding counters (acceptance per position, draft/verify step times) and the CUDA-graph
+        state (``engine.cuda_graphs`` tag: on with its batch sizes, or off and why), warm-up included."""
+        stats = engine.stats()
+        spec = getattr(stats, "spec", None)
         if spec is not None:
             self.tracker.log_metrics(spec.as_metrics())
+        graphs = getattr(stats, "cuda_graphs", None)
+        if graphs is not None:
+            self.tracker.set_tags({"engine.cuda_graphs": graphs})
+            self.tracker.log_metrics({"engine.cuda_graph_steps": float(stats.num_cuda_graph_steps)})
 
     def _report(self, inputs: FrozenInputs, key: str) -> int:
         records, problems = read_records(self.run_dir / RECORDS_FILE)

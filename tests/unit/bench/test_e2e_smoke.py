@@ -44,6 +44,7 @@ def _check_run(tmp_path: Path, overrides, num_cases: int) -> None:
     assert mlrun.info.status == "FINISHED"
     assert mlrun.data.metrics["completed"] == num_cases and "ttft_s.p90" in mlrun.data.metrics
     assert mlrun.data.metrics["spec.num_plain_steps"] + mlrun.data.metrics["spec.num_verify_steps"] > 0
+    assert mlrun.data.tags["engine.cuda_graphs"] == "off: cpu" and mlrun.data.metrics["engine.cuda_graph_steps"] == 0
     assert mlrun.data.params["suite.name"] == "smoke"
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id, "run_dir")}
     assert {"run_dir/records.jsonl", "run_dir/results.json", "run_dir/plots"} <= artifacts
