@@ -103,7 +103,7 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
     theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     ents_nx = e_hi - BLOCK_N + tl.arange(0, BLOCK_N)
-    blk_nx = tl.load(bt_row + (ents_nx * ratio) // block_size, mask=(ents_nx >= e_lo) & (n_blocks > 0), other=0)
+    blk_nx = tl.load(bt_row + (ents_nx * ratio) // block_size, mask=(ents_nx >= e_lo) & (ents_nx * 0 + n_blocks > 0), other=0)
     for j in range(n_blocks):
         ents = e_hi - (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)  # newest block first
         ok = ents >= e_lo

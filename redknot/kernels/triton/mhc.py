@@ -99,7 +99,7 @@ def _mhc_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, out_ptr, post_ptr
         for _ in range(iters - 1):
             c = tl.where(is_c, c / (tl.sum(c, 2)[:, :, None] + hc_eps), 0.0)
             c = c / (tl.sum(c, 1)[:, None, :] + hc_eps)
-        first = tmask & (pid_d == 0)
+        first = tmask & (tl.zeros_like(toks) + pid_d == 0)  # a tensor test: scalar & tensor masks are not int1 everywhere
         offs_n = tl.arange(0, N)
         tl.store(post_ptr + toks[:, None].to(tl.int64) * N + offs_n[None, :], post, mask=first[:, None])
         tl.store(comb_ptr + toks[:, None, None].to(tl.int64) * (N * N) + (g - 2) * N + col, c,
