@@ -111,7 +111,7 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
         if PREFETCH:  # the block-table lookup of block j+1 overlaps block j's loads and dot
             blk = blk_nx
             ents_nx = ents - BLOCK_N
-            blk_nx = tl.load(bt_row + (ents_nx * ratio) // block_size, mask=(ents_nx >= e_lo) & (j + 1 < n_blocks),
+            blk_nx = tl.load(bt_row + (ents_nx * ratio) // block_size, mask=(ents_nx >= e_lo) & (ents_nx * 0 + j + 1 < n_blocks),
                              other=0)
         else:
             blk = tl.load(bt_row + first // block_size, mask=ok, other=0)
