@@ -18,3 +18,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def one_torch_thread():
+    """One intra-op thread for the rest of the session: the unit tests run tiny GEMMs, for which thread
+    hand-offs cost more than they save (and collapse on an oversubscribed CI machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,7 @@ Torch-free names (schedule, replay, metrics) import without torch.
 """
 from __future__ import annotations
 
-import importlib
+from redknot._lazy import lazy_getattr
 
 _EXPORTS = {
     "DSpark": "redknot.spec.dspark",
@@ -27,11 +27,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -5,7 +5,7 @@ Names are resolved lazily so that torch-free users (the cache manager reading
 """
 from __future__ import annotations
 
-import importlib
+from redknot._lazy import lazy_getattr
 
 _EXPORTS = {
     "V4Config": "redknot.models.deepseek_v4.config",
@@ -21,11 +21,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -3,7 +3,6 @@ per session under tmp, engines cached per configuration, no cache leaks after an
 import dataclasses
 
 import pytest
-import torch
 
 from redknot.config.schema import (EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig, SchedulerConfig,
                                    SyntheticModelConfig)
@@ -19,12 +18,8 @@ MAX_LEN = 1024
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _one_thread():
-    # Tiny GEMMs: one thread is faster, and immune to oversubscribed CI cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

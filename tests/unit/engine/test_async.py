@@ -3,7 +3,7 @@ synchronous stepping over a mixed workload: EOS, stop strings, max_tokens, struc
 import random
 
 import pytest
-from engine_testutil import run_all
+from llm_testutil import run_all
 
 from redknot.engine import SamplingParams
 

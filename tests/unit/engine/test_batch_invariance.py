@@ -3,7 +3,7 @@ positions in batches of 8-32 random requests, under several prefill chunk sizes.
 import random
 
 import torch
-from engine_testutil import run_all
+from llm_testutil import run_all
 
 from redknot.engine import SamplingParams
 

@@ -2,7 +2,7 @@
 batch positions; different seeds give different tokens."""
 import random
 
-from engine_testutil import run_all
+from llm_testutil import run_all
 
 from redknot.engine import SamplingParams
 

@@ -3,7 +3,7 @@ memory, CUDA-graph decode (or its stated reason for staying eager) equal to eage
 import random
 
 import pytest
-from engine_testutil import run_all
+from llm_testutil import run_all
 
 from redknot.config.schema import (Accelerator, DType, EngineConfig, FeaturesConfig, HardwareConfig,
                                    SchedulerConfig)

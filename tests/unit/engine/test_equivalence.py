@@ -3,7 +3,7 @@ preempted-and-resumed = uninterrupted (same tokens; logits equal to fp32 roundin
 import random
 
 import torch
-from engine_testutil import run_all
+from llm_testutil import run_all
 
 from redknot.engine import SamplingParams
 

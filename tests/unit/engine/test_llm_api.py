@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_testutil import run_all
+from llm_testutil import run_all
 
 from redknot.config.schema import Accelerator, FeaturesConfig, HardwareConfig
 from redknot.engine import SamplingParams

@@ -5,7 +5,7 @@ import json
 import re
 
 import jsonschema
-from engine_testutil import run_all
+from llm_testutil import run_all
 
 from redknot.engine import SamplingParams
 

@@ -1,12 +1,8 @@
 """The model tests run many small ops; one intra-op thread avoids thread hand-off costs that
 dominate at these sizes (and collapse under a loaded CI machine)."""
 import pytest
-import torch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)

@@ -1,17 +1,12 @@
 """DSpark / compact replay tests: small synthetic V4 models written once per session under tmp,
 engines cached per configuration, no cache leaks after any test."""
 import pytest
-import torch
 from spec_testutil import EngineFactory
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _one_thread():
-    # Tiny GEMMs: one thread is faster, and immune to oversubscribed CI cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from llm_testutil import run_all as run_requests
 
 from redknot.config.schema import (Accelerator, DType, EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig,
                                    SchedulerConfig, SwaReplayMode, SyntheticModelConfig)
@@ -128,14 +129,7 @@ class BlockSpy:
 
 def run_all(llm, prompts: Dict[str, List[int]], params) -> Dict[str, object]:
     """add_request + step until done -> {req_id: final RequestOutput}."""
-    for rid, prompt in prompts.items():
-        llm.add_request(rid, prompt, params[rid] if isinstance(params, dict) else params)
-    done = {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                done[out.req_id] = out
-    return done
+    return run_requests(llm, prompts, params)[0]
 
 
 def record_logits(llm, prompts, params):

@@ -1,4 +1,5 @@
-"""Helpers shared by the engine tests (a uniquely named module: conftest names clash across test dirs)."""
+"""Helpers shared by the engine and speculative-decoding tests (a uniquely named module in tests/, which is on
+sys.path through its conftest: conftest names clash across test dirs)."""
 
 
 def run_all(llm, prompts, params, record_logits=False):
