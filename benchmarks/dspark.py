@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # make_mtp_agree: the
 from redknot.config.resolve import to_typed  # noqa: E402
 from redknot.config.schema import SwaReplayMode  # noqa: E402
 from redknot.engine import LLM, SamplingParams  # noqa: E402
-from redknot.spec.replay import CompactReplay  # noqa: E402
+from redknot.speculative.replay import CompactReplay  # noqa: E402
 from spec_testutil import make_mtp_agree  # noqa: E402
 
 CONF_DIR = str(ROOT / "conf")

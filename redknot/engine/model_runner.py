@@ -17,8 +17,8 @@ from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4 import StateLayout, V4State, build_model
 from redknot.models.deepseek_v4.build import torch_dtype
 from redknot.sample import Sampler, SamplingRow
-from redknot.spec.dspark import DSpark
-from redknot.spec.replay import CompactReplay
+from redknot.speculative.dspark import DSpark
+from redknot.speculative.replay import CompactReplay
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class ModelRunner:
         self.record_logits = False
         # (StepBatch, logits [N, V]) -> {req_id: accepted drafts + bonus token}; set by speculative decoding.
         self.verifier: Optional[Callable[[StepBatch, torch.Tensor], Dict[str, List[int]]]] = None
-        # Speculative decoding and compact SWA replay (redknot.spec); None when off.
+        # Speculative decoding and compact SWA replay (redknot.speculative); None when off.
         self.replay = CompactReplay.from_features(features, self.cfg)
         self.speculator = DSpark.create(self.model, self.state, self.sampler, features, self.max_model_len,
                                         self.replay)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from redknot.spec.metrics import SpecDecodeStats
+from redknot.speculative.metrics import SpecDecodeStats
 
 
 @dataclass

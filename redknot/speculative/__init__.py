@@ -13,16 +13,16 @@ from __future__ import annotations
 from redknot._lazy import lazy_getattr
 
 _EXPORTS = {
-    "DSpark": "redknot.spec.dspark",
-    "Draft": "redknot.spec.drafter",
-    "MTPDrafter": "redknot.spec.drafter",
-    "Verifier": "redknot.spec.verifier",
-    "CompactReplay": "redknot.spec.replay",
-    "required_keep_tokens": "redknot.spec.replay",
-    "SpecDecodeStats": "redknot.spec.metrics",
-    "verify_length": "redknot.spec.schedule",
-    "speculative_sample": "redknot.spec.rejection",
-    "greedy_accept": "redknot.spec.rejection",
+    "DSpark": "redknot.speculative.dspark",
+    "Draft": "redknot.speculative.drafter",
+    "MTPDrafter": "redknot.speculative.drafter",
+    "Verifier": "redknot.speculative.verifier",
+    "CompactReplay": "redknot.speculative.replay",
+    "required_keep_tokens": "redknot.speculative.replay",
+    "SpecDecodeStats": "redknot.speculative.metrics",
+    "verify_length": "redknot.speculative.schedule",
+    "speculative_sample": "redknot.speculative.rejection",
+    "greedy_accept": "redknot.speculative.rejection",
 }
 
 __all__ = sorted(_EXPORTS)

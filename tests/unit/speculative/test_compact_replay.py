@@ -14,7 +14,7 @@ import torch
 from spec_testutil import MAX_DRAFT, WINDOW, record_logits, run_all
 
 from redknot.engine import SamplingParams
-from redknot.spec.replay import CompactReplay
+from redknot.speculative.replay import CompactReplay
 
 K_MAIN = WINDOW + MAX_DRAFT + 1                 # 21: the configuration rule
 K_TAIL = WINDOW + MAX_DRAFT + 1 + (WINDOW - 1)  # 36: one window-only top layer below the MTP layer

@@ -12,8 +12,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from redknot.spec.metrics import SpecDecodeStats
-from redknot.spec.rejection import accept_uniforms, greedy_accept, point_mass, speculative_sample
+from redknot.speculative.metrics import SpecDecodeStats
+from redknot.speculative.rejection import accept_uniforms, greedy_accept, point_mass, speculative_sample
 
 GREEDY_METHOD = "greedy"
 

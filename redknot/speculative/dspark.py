@@ -13,10 +13,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from redknot.spec.drafter import Draft, MTPDrafter
-from redknot.spec.metrics import SpecDecodeStats
-from redknot.spec.replay import CompactReplay
-from redknot.spec.verifier import GREEDY_METHOD, Verifier
+from redknot.speculative.drafter import Draft, MTPDrafter
+from redknot.speculative.metrics import SpecDecodeStats
+from redknot.speculative.replay import CompactReplay
+from redknot.speculative.verifier import GREEDY_METHOD, Verifier
 
 # (req_id, position of the first draft, drafts) -> drafts to schedule instead (tests, experiments).
 DraftHook = Callable[[str, int, List[int]], List[int]]

@@ -24,8 +24,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from redknot.models.deepseek_v4.state import StepMetadata
-from redknot.spec.replay import CompactReplay
-from redknot.spec.schedule import draft_limit, keep_drafting, verify_length
+from redknot.speculative.replay import CompactReplay
+from redknot.speculative.schedule import draft_limit, keep_drafting, verify_length
 
 
 @dataclass

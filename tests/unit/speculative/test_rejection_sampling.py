@@ -8,9 +8,9 @@ from redknot.engine.messages import ScheduledRequest, SchedulerOutput
 from redknot.engine.model_runner import StepBatch
 from redknot.engine.sampling_params import SamplingParams
 from redknot.sample import Sampler, SamplingRow
-from redknot.spec.metrics import SpecDecodeStats
-from redknot.spec.rejection import greedy_accept, point_mass, speculative_sample
-from redknot.spec.verifier import Verifier
+from redknot.speculative.metrics import SpecDecodeStats
+from redknot.speculative.rejection import greedy_accept, point_mass, speculative_sample
+from redknot.speculative.verifier import Verifier
 
 P_MIN = 1e-3  # fixed seeds make each check deterministic; a correct sampler passes with margin
 

@@ -4,9 +4,9 @@ import pathlib
 
 import pytest
 
-from redknot.spec.metrics import SpecDecodeStats
-from redknot.spec.replay import CompactReplay, required_keep_tokens
-from redknot.spec.schedule import draft_limit, keep_drafting, verify_length
+from redknot.speculative.metrics import SpecDecodeStats
+from redknot.speculative.replay import CompactReplay, required_keep_tokens
+from redknot.speculative.schedule import draft_limit, keep_drafting, verify_length
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -85,6 +85,6 @@ def test_configuration_enforces_and_documents_the_keep_tokens_rule():
 def test_pure_modules_import_without_torch():
     import subprocess
     import sys
-    code = ("import sys; import redknot.spec.schedule, redknot.spec.replay, redknot.spec.metrics; "
+    code = ("import sys; import redknot.speculative.schedule, redknot.speculative.replay, redknot.speculative.metrics; "
             "import redknot.engine.scheduler, redknot.engine.outputs; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
