@@ -33,11 +33,11 @@ BACKENDS: Dict[str, BackendInfo] = {
     "batch_invariant": BackendInfo("redknot.kernels.batch_invariant"),
     "triton": BackendInfo("redknot.kernels.triton", ("triton",), "sm90"),
     "native": BackendInfo("redknot.kernels.native", (), "sm90"),
-    "flash_mla": BackendInfo("redknot.kernels.vendor.sm100", ("flash_mla",), "sm100"),
-    "deep_gemm": BackendInfo("redknot.kernels.vendor.sm100", ("deep_gemm",), "sm100"),
-    "deep_ep": BackendInfo("redknot.kernels.vendor.sm100", ("deep_ep",), "sm100"),
-    "tilelang": BackendInfo("redknot.kernels.vendor.sm100", ("tilelang",), "sm100"),
-    "torch_npu": BackendInfo("redknot.kernels.vendor.ascend", ("torch_npu",), "ascend950"),
+    "flash_mla": BackendInfo("redknot.kernels.bindings.sm100", ("flash_mla",), "sm100"),
+    "deep_gemm": BackendInfo("redknot.kernels.bindings.sm100", ("deep_gemm",), "sm100"),
+    "deep_ep": BackendInfo("redknot.kernels.bindings.sm100", ("deep_ep",), "sm100"),
+    "tilelang": BackendInfo("redknot.kernels.bindings.sm100", ("tilelang",), "sm100"),
+    "torch_npu": BackendInfo("redknot.kernels.bindings.ascend", ("torch_npu",), "ascend950"),
 }
 
 

@@ -25,7 +25,7 @@ def test_missing_vendor_package_names_package_and_extra(backend, package, extra)
 
 
 def test_vendor_wrappers_import_lazily_and_fail_clearly_on_first_use():
-    from redknot.kernels.vendor import ascend, sm100  # importing needs none of the vendor packages
+    from redknot.kernels.bindings import ascend, sm100  # importing needs none of the vendor packages
 
     w = torch.zeros(256, 256).to(torch.float8_e4m3fn)
     with pytest.raises(KernelBackendError, match=r"'deep_gemm'.*\.\[sm100\]"):
@@ -58,9 +58,9 @@ def test_flash_mla_wrapper_builds_the_reference_key_set(tmp_path, monkeypatch):
             return out.to(q.dtype), logits.amax(-1), lse
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    from redknot.kernels import vendor
-    from redknot.kernels.vendor import sm100
-    monkeypatch.setattr(vendor, "_LOADED", {})
+    from redknot.kernels import bindings
+    from redknot.kernels.bindings import sm100
+    monkeypatch.setattr(bindings, "_LOADED", {})
     g = torch.Generator().manual_seed(0)
     h, d, window, per_block = 4, 32, 8, 4
     meta = StepMetadata.build([[0] * 5, [0] * 1, [0] * 3], [0, 19, 9], [2, 0, 1], [[4, 1], [0, 3, 6], [5, 2]])
@@ -78,7 +78,7 @@ def test_flash_mla_wrapper_builds_the_reference_key_set(tmp_path, monkeypatch):
 def test_fast_backends_keep_the_reference_signatures():
     pytest.importorskip("triton")
     import redknot.kernels.triton  # noqa: F401  (registers the triton backend)
-    from redknot.kernels.vendor import ascend, sm100  # noqa: F401
+    from redknot.kernels.bindings import ascend, sm100  # noqa: F401
 
     checked = 0
     for op, impls in registered_ops().items():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from redknot.kernels import reference as ref
 from redknot.kernels.registry import register
-from redknot.kernels.vendor import require
+from redknot.kernels.bindings import require
 
 
 @register("rms_norm", "torch_npu")
