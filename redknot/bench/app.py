@@ -85,7 +85,7 @@ def _print_report(console: Console, report, what: str) -> None:
 
 def validate(ctx, tracker) -> int:
     from redknot.bench.freeze import make_builder
-    from redknot.bench.store import InputStore, address_of, load_entry
+    from redknot.bench.frozen_inputs import InputStore, address_of, load_entry
     from redknot.bench.validate import ValidationReport, validate_inputs, validate_results
 
     cfg, console = ctx.cfg, _console()

@@ -27,7 +27,7 @@ from redknot.bench.records import (FINAL_STATUSES, RECORDS_FILE, RecordWriter, R
                                    read_records)
 from redknot.bench.runner import CaseJob, CaseOutcome, Runner
 from redknot.bench.scoring import score_prediction
-from redknot.bench.store import FrozenInputs
+from redknot.bench.frozen_inputs import FrozenInputs
 
 RUN_META = "bench_run.json"
 MANIFEST_COPY = "inputs_manifest.json"

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from redknot.bench import registry
-from redknot.bench.store import MANIFEST
+from redknot.bench.frozen_inputs import MANIFEST
 from redknot.bench.typed import load_yaml_option
 from redknot.config.schema import Accelerator, HardwareConfig, ModelConfig, SuiteConfig
 

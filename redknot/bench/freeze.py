@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redknot.bench.datasets import SourceReader
-from redknot.bench.store import FrozenInputs, InputStore, address_of
+from redknot.bench.frozen_inputs import FrozenInputs, InputStore, address_of
 from redknot.bench.suite import TOKENS_PER_K, SuiteBuilder, tokenizer_summary
 from redknot.bench.tokcache import TokenCache
 from redknot.bench.tokenizer import load_tokenizer

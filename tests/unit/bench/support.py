@@ -3,7 +3,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from redknot.bench.benchmark import RunSetup
-from redknot.bench.store import FrozenInputs
+from redknot.bench.frozen_inputs import FrozenInputs
 from redknot.config.resolve import RunContext
 from redknot.config.schema import DataConfig, OutputConfig, RedKnotConfig, SuiteConfig, TrackingConfig
 from redknot.engine.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from redknot.bench.freeze import freeze, make_builder
-from redknot.bench.store import MANIFEST
+from redknot.bench.frozen_inputs import MANIFEST
 from redknot.bench.validate import validate_inputs, validate_results
 from redknot.config.schema import DataConfig, ModelConfig
 
@@ -80,7 +80,7 @@ def test_flipping_one_manifest_byte_fails_naming_the_case(suite, frozen, tmp_pat
     at = data.index(needle) + len(b'"row_id": "') + 3
     flipped = data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
     manifest.write_bytes(flipped)
-    from redknot.bench.store import load_entry
+    from redknot.bench.frozen_inputs import load_entry
 
     report = _validate(suite, load_entry(inputs.directory), tmp_path)
     assert not report.ok
@@ -93,7 +93,7 @@ def test_validation_catches_a_manifest_gold_span_that_lies(suite, frozen, tmp_pa
     manifest = json.loads((inputs.directory / MANIFEST).read_text())
     manifest["cases"][2]["gold_spans"] = [[5000, 5010]]
     (inputs.directory / MANIFEST).write_text(json.dumps(manifest))
-    from redknot.bench.store import load_entry
+    from redknot.bench.frozen_inputs import load_entry
 
     report = _validate(suite, load_entry(inputs.directory), tmp_path)
     case_id = inputs.cases[2].case_id
