@@ -22,7 +22,7 @@ def _config_loader(conf_dir: Path) -> Iterator:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    import redknot.config.store  # noqa: F401
+    import redknot.config.schema_store  # noqa: F401
 
     if GlobalHydra.instance().is_initialized():  # inside python -m redknot
         yield GlobalHydra.instance().config_loader()

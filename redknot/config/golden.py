@@ -41,7 +41,7 @@ def render_all(conf_dir: Path = CONF_DIR, only: Optional[List[Tuple[str, str]]] 
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import redknot.config.store  # noqa: F401
+    import redknot.config.schema_store  # noqa: F401
 
     with initialize_config_dir(str(conf_dir), version_base="1.3"):
         for suite, hw in only or pairs():

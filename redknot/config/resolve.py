@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import redknot.config.store  # noqa: F401  (the schema must be in the ConfigStore before any compose)
+import redknot.config.schema_store  # noqa: F401  (the schema must be in the ConfigStore before any compose)
 from redknot.config.legacy import LegacyEnvError, find_legacy, merge_overrides
 from redknot.config.schema import LegacyEnvPolicy, RedKnotConfig
 from redknot.config.validate import ConfigError, Violation, validate

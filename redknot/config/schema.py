@@ -1,7 +1,7 @@
 """The one configuration schema of RedKnot.
 
 Every YAML file under ``conf/`` is validated against these dataclasses (they are
-registered in Hydra's ConfigStore by :mod:`redknot.config.store`). YAML sets
+registered in Hydra's ConfigStore by :mod:`redknot.config.schema_store`). YAML sets
 values only; cross-field rules live in :mod:`redknot.config.validate`.
 
 Only ``redknot/__main__.py`` and :mod:`redknot.config.resolve` see Hydra's

@@ -3,7 +3,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import redknot.config.store  # noqa: F401  (the schema in Hydra's ConfigStore)
+import redknot.config.schema_store  # noqa: F401  (the schema in Hydra's ConfigStore)
 from redknot.config.device import CONF_DIR
 from redknot.parallel.layout import LaunchEnv
 
