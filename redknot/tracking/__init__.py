@@ -21,6 +21,6 @@ def __getattr__(name):
         from redknot.tracking.run import open_tracker
         return open_tracker
     if name == "tracking_uri":
-        from redknot.tracking.store import tracking_uri
+        from redknot.tracking.backend_store import tracking_uri
         return tracking_uri
     raise AttributeError(f"module 'redknot.tracking' has no attribute {name!r}")

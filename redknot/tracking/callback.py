@@ -34,7 +34,7 @@ class MlflowSweepCallback(Callback):
         from redknot.config.schema import TrackingConfig
         from redknot.tracking.facts import all_facts
         from redknot.tracking.mlflow_tracker import MlflowTracker
-        from redknot.tracking.store import tracking_uri
+        from redknot.tracking.backend_store import tracking_uri
 
         tracking = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrackingConfig), config.tracking))
         uri = tracking_uri(tracking.uri, str(config.output.root))

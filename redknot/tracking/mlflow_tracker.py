@@ -14,7 +14,7 @@ from redknot.config.schema import TrackingConfig
 from redknot.tracking.base import PathLike
 from redknot.tracking.params import (MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VALUE_LENGTH,
                                      batches, fit, flatten, to_text)
-from redknot.tracking.store import default_artifact_location, store_lock
+from redknot.tracking.backend_store import default_artifact_location, store_lock
 
 PARENT_TAG = "mlflow.parentRunId"
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, Optional
 from omegaconf import OmegaConf
 
 from redknot.tracking.base import NullTracker
-from redknot.tracking.store import tracking_uri
+from redknot.tracking.backend_store import tracking_uri
 
 log = logging.getLogger(__name__)
 
