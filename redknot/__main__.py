@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from redknot.config.modes import ModeBody, ModeUnavailable, load_mode
 from redknot.config.resolve import resolve
-from redknot.config.validate import ConfigError
+from redknot.config.violations import ConfigError
 from redknot.parallel.launch import front_of_world, worker_body
 
 log = logging.getLogger("redknot")

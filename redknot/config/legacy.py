@@ -14,7 +14,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-from redknot.config.validate import ConfigError, Violation
+from redknot.config.violations import ConfigError, Violation
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

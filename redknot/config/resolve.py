@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 import redknot.config.schema_store  # noqa: F401  (the schema must be in the ConfigStore before any compose)
 from redknot.config.legacy import LegacyEnvError, find_legacy, merge_overrides
 from redknot.config.schema import LegacyEnvPolicy, RedKnotConfig
-from redknot.config.validate import ConfigError, Violation, validate
+from redknot.config.violations import ConfigError, Violation, validate
 
 # Typed fields holding paths, made absolute by the resolver.
 PATH_KEYS = ("output.root", "output.cache_dir", "engine.cache_dir", "model.path", "model.tokenizer_path",

@@ -1,4 +1,4 @@
-"""Cross-field and range rules of the run config (run by :func:`redknot.config.validate.validate`).
+"""Cross-field and range rules of the run config (run by :func:`redknot.config.violations.validate`).
 
 Each rule is a function ``RedKnotConfig -> list[Violation]``; :data:`RULES` lists
 them in the order their messages are reported. Rules are pure: no filesystem, no
@@ -10,7 +10,7 @@ import re
 from typing import Any, Callable, List, Optional, Tuple
 
 from redknot.config.schema import Accelerator, Mode, RedKnotConfig, SwaReplayMode
-from redknot.config.validate import Violation
+from redknot.config.violations import Violation
 from redknot.kernels.registry import BACKENDS
 
 Rule = Callable[[RedKnotConfig], List[Violation]]

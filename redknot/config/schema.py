@@ -2,7 +2,7 @@
 
 Every YAML file under ``conf/`` is validated against these dataclasses (they are
 registered in Hydra's ConfigStore by :mod:`redknot.config.schema_store`). YAML sets
-values only; cross-field rules live in :mod:`redknot.config.validate`.
+values only; cross-field rules live in :mod:`redknot.config.violations`.
 
 Only ``redknot/__main__.py`` and :mod:`redknot.config.resolve` see Hydra's
 ``DictConfig``; everything else receives one of the typed sections below.

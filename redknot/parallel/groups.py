@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from redknot.config.schema import Accelerator, HardwareConfig, ParallelConfig
-from redknot.config.validate import ConfigError, check_parallel_layout
+from redknot.config.violations import ConfigError, check_parallel_layout
 from redknot.parallel.layout import LaunchEnv, ParallelLayout, export_slurm_env
 
 log = logging.getLogger(__name__)

@@ -22,18 +22,18 @@ def test_fields_become_keyword_arguments_for_targets_without_a_section_parameter
 def test_section_is_passed_whole_and_objects_stay_objects(monkeypatch):
     # A redknot target taking the section by name gets the typed dataclass itself, and
     # keyword objects are not turned into DictConfig.
-    import redknot.config.validate as validate_module
+    import redknot.config.violations as violations_module
     from redknot.config.schema import ParallelConfig
 
     seen = {}
 
     def layout(parallel, world_size, marker):
         seen.update(parallel=parallel, marker=marker)
-        return validate_module.check_parallel_layout(parallel, world_size)
+        return violations_module.check_parallel_layout(parallel, world_size)
 
-    monkeypatch.setattr(validate_module, "layout_for_test", layout, raising=False)
+    monkeypatch.setattr(violations_module, "layout_for_test", layout, raising=False)
     section = ParallelConfig(dp=2)
-    section._target_ = "redknot.config.validate.layout_for_test"
+    section._target_ = "redknot.config.violations.layout_for_test"
     marker = object()
     assert build(section, "features.parallel", world_size=2, marker=marker) == []
     assert seen["parallel"] is section and seen["marker"] is marker

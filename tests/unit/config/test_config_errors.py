@@ -3,7 +3,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from config_testutil import compose_cfg
-from redknot.config.validate import ConfigError
+from redknot.config.violations import ConfigError
 
 
 def test_bad_enum_lists_allowed_values():

@@ -2,7 +2,7 @@
 import pytest
 
 from redknot.config.legacy import LEGACY_VARS, LegacyEnvError, find_legacy
-from redknot.config.validate import ConfigError
+from redknot.config.violations import ConfigError
 
 ENV = {"DEEPINFER_ACCELERATOR": "sm100", "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact",
        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "256", "DEEPINFER_ENABLE_MTP_VARLEN": "0"}

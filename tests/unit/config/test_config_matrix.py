@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from redknot.config.device import CONF_DIR
-from redknot.config.validate import ConfigError
+from redknot.config.violations import ConfigError
 
 
 def options(group):

@@ -7,7 +7,7 @@ import pytest
 from config_testutil import typed_with
 from redknot.config.schema import Accelerator, Mode, SwaReplayMode
 from redknot.config.schema import ParallelConfig
-from redknot.config.validate import ConfigError, check_parallel_layout, require_parallel_layout, validate
+from redknot.config.violations import ConfigError, check_parallel_layout, require_parallel_layout, validate
 
 COMPACT = {"features.swa_replay.mode": SwaReplayMode.compact}
 

@@ -3,7 +3,7 @@ groups, engine-start checks with clear messages, the zigzag split, the DP router
 import pytest
 
 from redknot.config.schema import Accelerator, FeaturesConfig, HardwareConfig, ParallelConfig
-from redknot.config.validate import ConfigError
+from redknot.config.violations import ConfigError
 from redknot.engine.outputs import EngineStats
 from redknot.parallel.cp import plan_pieces, zigzag_chunks
 from redknot.parallel.dp import DPRouter, merge_stats
