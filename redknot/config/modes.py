@@ -4,7 +4,7 @@ The bodies live in :mod:`redknot.bench.app` (``run``, ``prepare``, ``validate``,
 ``generate`` take ``(ctx, tracker)``; ``catalog`` takes ``(ctx)``) and are imported
 only when their mode is asked for, so ``mode=catalog`` never loads the engine.
 ``catalog`` prints the harness's details (suites, datasets, models, hardware)
-followed by the option list of every config group (:mod:`redknot.config.catalog`),
+followed by the option list of every config group (:mod:`redknot.config.group_options`),
 so sweeps, feature presets and launchers show too; without the harness, the
 group listing alone, with a summary per option.
 """
@@ -36,7 +36,7 @@ def load_mode(mode: Mode) -> ModeBody:
     mode = Mode(mode)
     fn = getattr(_bodies_module(), mode.value, None)
     if mode == Mode.catalog:
-        from redknot.config.catalog import catalog_with
+        from redknot.config.group_options import catalog_with
 
         fn = catalog_with(fn)
     if fn is None:

@@ -47,7 +47,7 @@ def test_config_error_exits_2_with_every_violation(tmp_path):
 
 
 def test_group_options_are_the_conf_files():
-    from redknot.config.catalog import group_options
+    from redknot.config.group_options import group_options
 
     options = group_options()
     for group in ("model", "hardware", "features", "suite", "sweep"):
@@ -58,7 +58,7 @@ def test_group_options_are_the_conf_files():
 def test_catalog_without_harness_details_summarises_each_option(capsys):
     from types import SimpleNamespace
 
-    from redknot.config.catalog import catalog_with
+    from redknot.config.group_options import catalog_with
 
     assert catalog_with(None)(SimpleNamespace(choices={"hardware": "sm100"})) == 0
     out = capsys.readouterr().out
