@@ -134,7 +134,7 @@ def _run_dir_inputs(run_dir: Path):
 
 def catalog(ctx) -> int:
     from redknot.bench.catalog import show_catalog
-    from redknot.config.device import CONF_DIR
+    from redknot.config.hardware_fit import CONF_DIR
 
     show_catalog(_console(), CONF_DIR, Path(ctx.cfg.output.cache_dir), dict(ctx.choices))
     return 0

@@ -24,7 +24,7 @@ from redknot.config.schema import Accelerator, HardwareConfig, ModelConfig, Suit
 
 def probe_device():
     """This machine's accelerator without torch: ``nvidia-smi`` for CUDA (name, CC), ``npu-smi`` for Ascend."""
-    from redknot.config.device import DeviceFacts
+    from redknot.config.hardware_fit import DeviceFacts
 
     if shutil.which("nvidia-smi"):
         try:
@@ -111,7 +111,7 @@ def models_table(models: Dict[str, ModelConfig], selected: Optional[str]) -> Tab
 
 
 def hardware_table(options: Dict[str, HardwareConfig], facts, selected: Optional[str]) -> Table:
-    from redknot.config.device import fits
+    from redknot.config.hardware_fit import fits
 
     found = f"{facts.accelerator.value} ({facts.name}" + (
         f", {facts.count} x CC {facts.compute_capability}" if facts.compute_capability else "") + ")"

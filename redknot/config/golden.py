@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 
 GOLDEN_DIR = CONF_DIR.parent / "tests" / "golden"
 SUITES = ("smoke", "64k", "128k", "256k", "440k")

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 
 GROUPS = ("model", "hardware", "features", "suite", "sweep", "hydra/launcher")
 
@@ -112,7 +112,7 @@ def catalog_with(details: Optional[Callable[[Any], int]]) -> Callable[[Any], int
 
 
 def _print_device(console) -> None:
-    from redknot.config.device import detect, fitting_options
+    from redknot.config.hardware_fit import detect, fitting_options
 
     facts = detect()
     console.print(f"this machine: {facts.accelerator.value} ({facts.name}); hardware options that fit: "

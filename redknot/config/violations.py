@@ -8,7 +8,7 @@ the override a user would type), its value and the rule it breaks.
 Nothing here touches the filesystem or a device: ``hardware=sm100`` validates on
 a laptop. What only the running engine can know (the device, the world size) is
 checked at engine start with :func:`check_parallel_layout` and
-:mod:`redknot.config.device`.
+:mod:`redknot.config.hardware_fit`.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ CPU_CACHE_BUDGET_BYTES = 512 * 2**20
 def select_device(hardware: HardwareConfig) -> torch.device:
     """Check the machine fits ``hardware`` (error names the device found and the option that
     fits) and return the torch device to use."""
-    from redknot.config.device import check_device
+    from redknot.config.hardware_fit import check_device
 
     check_device(hardware)
     accel = Accelerator(getattr(hardware.accelerator, "value", hardware.accelerator))

@@ -57,7 +57,7 @@ def _cpu_count() -> int:
 
 
 def device_facts() -> Dict[str, str]:
-    from redknot.config.device import describe
+    from redknot.config.hardware_fit import describe
 
     facts = describe()
     tags = {"device.accelerator": facts.accelerator.value, "device.name": facts.name,

@@ -8,7 +8,7 @@ from redknot.bench import fixtures
 from redknot.bench.datasets import SAMPLE_DIR, DataError, SourceReader, parse_rows
 from redknot.bench.registry import get_spec
 from redknot.bench.typed import load_yaml_option
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 from redknot.config.schema import DataConfig, SuiteConfig
 
 

@@ -7,7 +7,7 @@ import textwrap
 from rich.console import Console
 
 from redknot.bench.catalog import show_catalog
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 
 _SCRIPT = textwrap.dedent("""
     import sys

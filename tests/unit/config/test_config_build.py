@@ -1,7 +1,7 @@
 """build(): redknot.* targets only; typed sections passed whole; clear errors."""
 import pytest
 
-from redknot.config.device import DeviceFacts, check_device, fitting_options, load_hardware_options
+from redknot.config.hardware_fit import DeviceFacts, check_device, fitting_options, load_hardware_options
 from redknot.config.instantiate import BuildError, build
 from redknot.config.schema import Accelerator, KernelsConfig, TrackingConfig
 from redknot.kernels import KernelSet

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from redknot.config import golden
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 
 REPO = CONF_DIR.parent
 

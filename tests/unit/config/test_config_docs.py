@@ -1,5 +1,5 @@
 """The README stays in step with conf/ and the legacy-variable table."""
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 from redknot.config.legacy import LEGACY_VARS
 
 README = (CONF_DIR.parent / "README.md").read_text()

@@ -85,7 +85,7 @@ def test_a_typo_in_a_group_file_fails_naming_file_and_key(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from redknot.config.device import CONF_DIR
+    from redknot.config.hardware_fit import CONF_DIR
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 from redknot.config.violations import ConfigError
 
 

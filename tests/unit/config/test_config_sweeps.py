@@ -8,7 +8,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 
 from config_testutil import hydra_context
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 
 SWEEPS = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))
 

@@ -4,7 +4,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 import redknot.config.schema_store  # noqa: F401  (the schema in Hydra's ConfigStore)
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 from redknot.parallel.layout import LaunchEnv
 
 

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 import yaml
 
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 from redknot.tracking import NullTracker, open_tracker, tracking_uri
 from tracking_testutil import client, make_ctx, runs
 

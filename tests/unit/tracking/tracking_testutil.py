@@ -7,7 +7,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 import redknot.config.schema_store  # noqa: F401
-from redknot.config.device import CONF_DIR
+from redknot.config.hardware_fit import CONF_DIR
 from redknot.config.resolve import resolve
 
 APP = Path(__file__).with_name("tracked_app.py")
