@@ -13,7 +13,7 @@ import torch
 from e2e_report import decode_floor, report, save_partial  # noqa: F401  (report: used by e2e_cut)
 from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4.cost import CostModel
-from redknot.models.deepseek_v4.layout import StateLayout
+from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.single import SingleSequence
 from redknot.models.deepseek_v4.state import StepMetadata, V4State

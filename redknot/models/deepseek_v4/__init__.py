@@ -9,7 +9,7 @@ from redknot._lazy import lazy_getattr
 
 _EXPORTS = {
     "V4Config": "redknot.models.deepseek_v4.config",
-    "StateLayout": "redknot.models.deepseek_v4.layout",
+    "StateLayout": "redknot.models.deepseek_v4.state_layout",
     "load_tokenizer": "redknot.models.deepseek_v4.tokenizer",
     "V4Tokenizer": "redknot.models.deepseek_v4.tokenizer",
     "V4State": "redknot.models.deepseek_v4.state",

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from redknot.models.deepseek_v4.config import CSA, HCA, V4Config
-from redknot.models.deepseek_v4.layout import StateLayout
+from redknot.models.deepseek_v4.state_layout import StateLayout
 
 
 @dataclass

@@ -4,7 +4,7 @@ import math
 import torch
 
 from redknot.models.deepseek_v4.config import V4Config
-from redknot.models.deepseek_v4.layout import StateLayout
+from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.params import checkpoint_spec
 

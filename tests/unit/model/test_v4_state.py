@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from redknot.models.deepseek_v4.config import V4Config
-from redknot.models.deepseek_v4.layout import StateLayout
+from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.state import StepMetadata, V4State
 from v4_testutil import PARITY_CONFIG
 

@@ -9,7 +9,7 @@ import torch
 
 from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4.config import V4Config
-from redknot.models.deepseek_v4.layout import StateLayout
+from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.state import StepMetadata, V4State
 from redknot.models.deepseek_v4.synthetic import randomize_
