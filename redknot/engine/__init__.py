@@ -1,10 +1,11 @@
 """The RedKnot engine: LLM facade, scheduler, model runner, sampler glue, typed role messages.
 
-``SamplingParams`` and the output types are pure Python; ``LLM`` (torch) is
-imported on first use so the pure-Python roles stay importable without torch.
+``SamplingParams`` (defined in :mod:`redknot.sample.params`, re-exported here) and the output
+types are pure Python; ``LLM`` (torch) is imported on first use so the pure-Python roles stay
+importable without torch.
 """
 from redknot.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 
 __all__ = ["LLM", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]
 

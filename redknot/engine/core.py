@@ -19,7 +19,7 @@ from redknot.engine.messages import ModelRunnerOutput, SchedulerOutput
 from redknot.engine.model_runner import ModelRunner, StepBatch
 from redknot.engine.output_processor import OutputProcessor
 from redknot.engine.outputs import EngineStats, RequestOutput
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 from redknot.engine.scheduler import RequestUpdate, Scheduler
 from redknot.sample import SamplingRow, StructuredOutputManager
 

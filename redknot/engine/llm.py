@@ -15,7 +15,7 @@ from redknot.engine.model_runner import ModelRunner, engine_kernels
 from redknot.engine.output_processor import OutputProcessor
 from redknot.engine.outputs import EngineStats, RequestOutput
 from redknot.engine.request import FinishReason, Request, RequestTimes
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 from redknot.engine.scheduler import Scheduler
 from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4 import load_tokenizer

@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -6,7 +6,7 @@ from redknot.bench.benchmark import RunSetup
 from redknot.bench.frozen_inputs import FrozenInputs
 from redknot.config.resolve import RunContext
 from redknot.config.schema import DataConfig, OutputConfig, RedKnotConfig, SuiteConfig, TrackingConfig
-from redknot.engine.sampling_params import SamplingParams
+from redknot.engine import SamplingParams
 
 from .fake_engine import FakeLLM, prompt_key
 

@@ -4,7 +4,7 @@ import pytest
 from redknot.bench.freeze import freeze
 from redknot.bench.runner import CaseJob, Runner
 from redknot.config.schema import ModelConfig
-from redknot.engine.sampling_params import SamplingParams
+from redknot.engine import SamplingParams
 
 from .fake_engine import FakeLLM, prompt_key
 from .support import answer_book, smoke_suite

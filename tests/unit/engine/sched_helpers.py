@@ -13,7 +13,7 @@ from redknot.cache import CacheSpec, StateCacheManager, cdiv
 from redknot.config.schema import SchedulerConfig
 from redknot.engine.messages import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
 from redknot.engine.request import Request, RequestTimes
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 from redknot.engine.scheduler import Scheduler
 
 EOS = 1

@@ -11,7 +11,7 @@ def _modules_after_import(stmt: str) -> set:
     return set(out.stdout.split())
 
 
-@pytest.mark.parametrize("module", ["redknot.cache", "redknot.engine.scheduler", "redknot.engine.sampling_params",
+@pytest.mark.parametrize("module", ["redknot.cache", "redknot.engine.scheduler", "redknot.sample.params",
                                     "redknot.engine.messages", "redknot.engine.request"])
 def test_pure_python_roles_do_not_import_torch(module):
     assert "torch" not in _modules_after_import(f"import {module}")

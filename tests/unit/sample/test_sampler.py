@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 from redknot.sample import Sampler, SamplingRow, apply_bitmask
 
 CPU = torch.device("cpu")

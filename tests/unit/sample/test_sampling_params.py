@@ -1,7 +1,7 @@
 """SamplingParams validation names the field, the value and what is allowed."""
 import pytest
 
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 
 
 @pytest.mark.parametrize("kw, field", [

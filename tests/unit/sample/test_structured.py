@@ -6,10 +6,10 @@ import jsonschema
 import pytest
 import torch
 
-from redknot.engine.sampling_params import normalize_structured_output
+from redknot.sample.params import normalize_structured_output
 from redknot.models.deepseek_v4 import load_tokenizer
 from redknot.sample import GrammarError, Sampler, SamplingRow, StructuredOutputManager
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 
 VOCAB = 129280
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

@@ -6,7 +6,7 @@ import torch
 from redknot.engine.inputs import StepInputs
 from redknot.engine.messages import ScheduledRequest, SchedulerOutput
 from redknot.engine.model_runner import StepBatch
-from redknot.engine.sampling_params import SamplingParams
+from redknot.sample.params import SamplingParams
 from redknot.sample import Sampler, SamplingRow
 from redknot.speculative.metrics import SpecDecodeStats
 from redknot.speculative.rejection import greedy_accept, point_mass, speculative_sample
