@@ -13,11 +13,12 @@ import torch
 from e2e_report import decode_floor, report, save_partial  # noqa: F401  (report: used by e2e_cut)
 from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4.cost import CostModel
-from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.single import SingleSequence
-from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.models.deepseek_v4.state import V4State
+from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.synthetic import TINY_ARCHITECTURE, randomize_, synthetic_config
+from redknot.step.metadata import StepMetadata
 
 HF_PREFILL_S = {8192: 0.451, 32768: 1.63, 65536: 4.24, 131072: 12.7}  # transformers, same cut (performance.md)
 HF_DECODE_S = {8192: 0.0187}

@@ -25,9 +25,9 @@ from redknot.bench.freeze import FreezeResult, freeze
 from redknot.bench.measure import request_timings
 from redknot.bench.records import (FINAL_STATUSES, RECORDS_FILE, RecordWriter, RequestRecord, finished_case_ids,
                                    read_records)
+from redknot.bench.frozen_inputs import FrozenInputs
 from redknot.bench.runner import CaseJob, CaseOutcome, Runner
 from redknot.bench.scoring import score_prediction
-from redknot.bench.frozen_inputs import FrozenInputs
 
 RUN_META = "bench_run.json"
 MANIFEST_COPY = "inputs_manifest.json"

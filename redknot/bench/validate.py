@@ -21,10 +21,10 @@ import numpy as np
 
 from redknot.bench.aggregate import aggregate
 from redknot.bench.freeze import progress_callback
+from redknot.bench.frozen_inputs import FrozenInputs, address_of, manifest_sha_mismatch
 from redknot.bench.records import FINAL_STATUSES, RECORDS_FILE, STATUSES, read_records
 from redknot.bench.report import RESULTS_FILE
 from redknot.bench.scoring import score_prediction
-from redknot.bench.frozen_inputs import FrozenInputs, address_of, manifest_sha_mismatch
 from redknot.bench.suite import CaseEntry, SuiteBuilder, ids_sha256
 
 

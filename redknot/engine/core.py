@@ -19,9 +19,9 @@ from redknot.engine.messages import ModelRunnerOutput, SchedulerOutput
 from redknot.engine.model_runner import ModelRunner, StepBatch
 from redknot.engine.output_processor import OutputProcessor
 from redknot.engine.outputs import EngineStats, RequestOutput
-from redknot.sample.params import SamplingParams
 from redknot.engine.scheduler import RequestUpdate, Scheduler
 from redknot.sample import SamplingRow, StructuredOutputManager
+from redknot.sample.params import SamplingParams
 
 _InFlight = Tuple[SchedulerOutput, Future]
 _DISCARDED = SamplingParams()  # sampling parameters for rows whose token nobody will read

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 import torch
 
 from redknot.engine.inputs import StepInputs
-from redknot.models.deepseek_v4.state import StepMetadata
+from redknot.step.metadata import StepMetadata
 
 log = logging.getLogger(__name__)
 

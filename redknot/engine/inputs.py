@@ -8,7 +8,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from redknot.engine.messages import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
-from redknot.models.deepseek_v4.state import StepMetadata
+from redknot.step.metadata import StepMetadata
 
 
 @dataclass

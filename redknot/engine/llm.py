@@ -15,11 +15,11 @@ from redknot.engine.model_runner import ModelRunner, engine_kernels
 from redknot.engine.output_processor import OutputProcessor
 from redknot.engine.outputs import EngineStats, RequestOutput
 from redknot.engine.request import FinishReason, Request, RequestTimes
-from redknot.sample.params import SamplingParams
 from redknot.engine.scheduler import Scheduler
 from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4 import load_tokenizer
 from redknot.sample import GrammarError, StructuredOutputManager
+from redknot.sample.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

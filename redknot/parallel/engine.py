@@ -20,10 +20,10 @@ from typing import List, Optional, Sequence
 from redknot.config.schema import EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig
 from redknot.engine.llm import LLM
 from redknot.engine.outputs import EngineStats, RequestOutput
-from redknot.sample.params import SamplingParams
 from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4.build import EXPERT_ROWS
 from redknot.parallel.runtime import ParallelRuntime, setup_parallel
+from redknot.sample.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from redknot.sample.params import SamplingParams
 from redknot.sample.filters import apply_min_p, apply_temperature, apply_top_k, apply_top_p
 from redknot.sample.noise import NoiseSource
+from redknot.sample.params import SamplingParams
 
 
 @dataclass

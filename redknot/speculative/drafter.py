@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from redknot.models.deepseek_v4.state import StepMetadata
+from redknot.step.metadata import StepMetadata
 from redknot.speculative.replay import CompactReplay
 from redknot.speculative.schedule import draft_limit, keep_drafting, verify_length
 

@@ -41,7 +41,7 @@ def test_fp32_parity_with_transformers_on_cuda(tmp_path):
 
 def test_reference_ops_agree_between_cuda_and_cpu():
     from redknot.kernels import KernelSet
-    from redknot.models.deepseek_v4.state import StepMetadata
+    from redknot.step.metadata import StepMetadata
 
     ks = KernelSet()
     g = torch.Generator().manual_seed(0)

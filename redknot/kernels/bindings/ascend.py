@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from redknot.kernels import reference as ref
-from redknot.kernels.registry import register
 from redknot.kernels.bindings import require
+from redknot.kernels.registry import register
 
 
 @register("rms_norm", "torch_npu")

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from redknot.kernels import ref_attention, ref_moe
 from redknot.kernels import reference as ref
+from redknot.kernels.bindings import require
 from redknot.kernels.registry import register
 from redknot.kernels.step_index import step_tensors
-from redknot.kernels.bindings import require
 
 
 def attention_rows(q, kv, swa_ring, sinks, window: int, meta, extra_pool, extra_idx):

@@ -13,7 +13,6 @@ _EXPORTS = {
     "load_tokenizer": "redknot.models.deepseek_v4.tokenizer",
     "V4Tokenizer": "redknot.models.deepseek_v4.tokenizer",
     "V4State": "redknot.models.deepseek_v4.state",
-    "StepMetadata": "redknot.models.deepseek_v4.state",
     "DeepseekV4": "redknot.models.deepseek_v4.model",
     "SingleSequence": "redknot.models.deepseek_v4.single",
     "build_model": "redknot.models.deepseek_v4.build",

@@ -16,8 +16,9 @@ from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.layers import Embedding, Linear, Norm
 from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
 from redknot.models.deepseek_v4.rope import RopeTables
-from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.models.deepseek_v4.state import V4State
 from redknot.models.deepseek_v4.step import StepContext
+from redknot.step.metadata import StepMetadata
 
 
 class DeepseekV4(nn.Module):

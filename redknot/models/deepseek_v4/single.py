@@ -7,8 +7,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from redknot.models.deepseek_v4.state import V4State
 from redknot.models.deepseek_v4.state_layout import StateLayout
-from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.step.metadata import StepMetadata
 
 
 class SingleSequence:

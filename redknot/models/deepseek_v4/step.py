@@ -7,7 +7,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from redknot.models.deepseek_v4.rope import COMPRESS, MAIN, RopeTables
-from redknot.models.deepseek_v4.state import StepMetadata
+from redknot.step.metadata import StepMetadata
 
 
 @dataclass(frozen=True)

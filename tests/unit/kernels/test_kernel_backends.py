@@ -8,7 +8,7 @@ import torch
 
 from redknot.kernels import KernelBackendError, KernelSet, ref_attention, registered_ops
 from redknot.kernels.registry import _OPS
-from redknot.models.deepseek_v4.state import StepMetadata
+from redknot.step.metadata import StepMetadata
 
 VENDOR = [("flash_mla", "flash_mla", "sm100"), ("deep_gemm", "deep_gemm", "sm100"),
           ("deep_ep", "deep_ep", "sm100"), ("tilelang", "tilelang", "sm100"), ("torch_npu", "torch_npu", "ascend950")]

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from redknot.models.deepseek_v4.single import SingleSequence, full_logits
-from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.step.metadata import StepMetadata
+from redknot.models.deepseek_v4.state import V4State
 from v4_testutil import PARITY_CONFIG, VARIANT_CONFIG, hf_model, native_model_from_hf, rel_err
 
 TOL = 1e-5

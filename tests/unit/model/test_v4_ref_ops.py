@@ -6,7 +6,7 @@ import torch
 
 from redknot.kernels import KernelSet
 from redknot.kernels.ref_quant import quantize_fp4, quantize_fp8_block
-from redknot.models.deepseek_v4.state import StepMetadata
+from redknot.step.metadata import StepMetadata
 
 OPS = {"rms_norm", "linear", "grouped_linear", "rope", "mhc_pre", "mhc_post", "mhc_head", "compressor",
        "indexer_topk", "sparse_attention", "moe", "router_scores"}

@@ -7,7 +7,8 @@ import torch
 
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.state_layout import StateLayout
-from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.step.metadata import StepMetadata
+from redknot.models.deepseek_v4.state import V4State
 from v4_testutil import PARITY_CONFIG
 
 CFG = V4Config.from_hf_dict(PARITY_CONFIG)  # SWA, CSA (m=4), HCA (m=8), CSA + MTP

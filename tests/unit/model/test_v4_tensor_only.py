@@ -11,7 +11,8 @@ from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.model import DeepseekV4
-from redknot.models.deepseek_v4.state import StepMetadata, V4State
+from redknot.step.metadata import StepMetadata
+from redknot.models.deepseek_v4.state import V4State
 from redknot.models.deepseek_v4.synthetic import randomize_
 from v4_testutil import PARITY_CONFIG
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
+
+from redknot.step.metadata import StepMetadata
 
 # Relative (norm-wise) tolerance by the dtype of the operands: fp32 runs exact FMA dots, bf16 rounds
 # operands and outputs to 8 significant bits.
@@ -78,23 +80,9 @@ def poisoned(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
 
 
 @dataclass
-class SimpleMeta:
-    """The ``StepMetadata`` fields the attention ops read (used when the model package is absent)."""
-    positions: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_slots: torch.Tensor
-    block_tables: torch.Tensor
-    num_tokens_per_seq: List[int]
-    context_lens: List[int]
-    seq_slot_list: List[int] = field(default_factory=list)
-    query_start_list: List[int] = field(default_factory=list)
-    tensor_only: bool = False
-
-
-@dataclass
 class PagedStep:
     """One step of ``B`` sequences over a paged state: metadata plus the sizes of its storage."""
-    meta: object
+    meta: StepMetadata
     num_slots: int
     num_blocks: int
     block_size: int
@@ -117,28 +105,8 @@ def paged_step(context_lens: Sequence[int], new_tokens: Sequence[int], block_siz
         tables.append(perm[at:at + n])
         at += n
     slots = torch.randperm(b + 1, generator=generator)[:b].tolist()
-    try:
-        from redknot.models.deepseek_v4.state import StepMetadata
-        meta = StepMetadata.build([[0] * n for n in new_tokens], list(context_lens), slots, tables, device=device)
-    except ImportError:
-        meta = _simple_meta(context_lens, new_tokens, slots, tables, device)
+    meta = StepMetadata.build([[0] * n for n in new_tokens], list(context_lens), slots, tables, device=device)
     return PagedStep(meta, num_slots=b + 1, num_blocks=num_blocks, block_size=block_size)
-
-
-def _simple_meta(context_lens, new_tokens, slots, tables, device) -> SimpleMeta:
-    starts = [0]
-    for n in new_tokens:
-        starts.append(starts[-1] + n)
-    width = max(len(t) for t in tables)
-    bt = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    pos = [c + i for c, n in zip(context_lens, new_tokens) for i in range(n)]
-    return SimpleMeta(positions=torch.tensor(pos, dtype=torch.long, device=device),
-                      query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-                      seq_slots=torch.tensor(slots, dtype=torch.int32, device=device), block_tables=bt.to(device),
-                      num_tokens_per_seq=list(new_tokens), context_lens=list(context_lens), seq_slot_list=list(slots),
-                      query_start_list=starts[:-1])
 
 
 def visible_lists(positions: torch.Tensor, ratio: int) -> Optional[torch.Tensor]:

@@ -1,0 +1,1 @@
+"""The step contract: what one engine step hands to a model family and its kernels."""
