@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from redknot.models.deepseek_v4.attention import visible_entries
-from redknot.models.deepseek_v4.step import StepContext, write_ring
 from redknot.parallel.groups import all_gather_rows
+from redknot.step.context import StepContext, write_ring
 from redknot.step.metadata import StepMetadata
 
 MIN_CHUNK_TOKENS = 8  # a sequence is split only if every zigzag chunk gets at least this many rows

@@ -14,7 +14,7 @@ from redknot.models.deepseek_v4.layers import Linear, Norm
 from redknot.models.deepseek_v4.params import ParamFactory
 from redknot.models.deepseek_v4.rope import rope_kind
 from redknot.models.deepseek_v4.state import LayerState
-from redknot.models.deepseek_v4.step import StepContext, write_ring
+from redknot.step.context import StepContext, write_ring
 
 
 def visible_entries(ctx: StepContext, ratio: int, per_block: int) -> Optional[torch.Tensor]:

@@ -11,7 +11,7 @@ from redknot.models.deepseek_v4.layers import Linear, Norm
 from redknot.models.deepseek_v4.moe import MoE
 from redknot.models.deepseek_v4.params import ParamFactory
 from redknot.models.deepseek_v4.state import LayerState
-from redknot.models.deepseek_v4.step import StepContext
+from redknot.step.context import StepContext
 
 
 class Block(nn.Module):

@@ -11,7 +11,7 @@ from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.layers import Linear, Norm
 from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
 from redknot.models.deepseek_v4.rope import COMPRESS
-from redknot.models.deepseek_v4.step import StepContext, write_ring
+from redknot.step.context import StepContext, write_ring
 
 
 def entry_rows(block_row: torch.Tensor, w: torch.Tensor, per_block: int) -> torch.Tensor:

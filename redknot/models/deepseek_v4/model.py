@@ -17,7 +17,7 @@ from redknot.models.deepseek_v4.layers import Embedding, Linear, Norm
 from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
 from redknot.models.deepseek_v4.rope import RopeTables
 from redknot.models.deepseek_v4.state import V4State
-from redknot.models.deepseek_v4.step import StepContext
+from redknot.step.context import StepContext
 from redknot.step.metadata import StepMetadata
 
 

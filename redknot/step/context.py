@@ -1,13 +1,23 @@
-"""Per-step values every layer needs, derived once from the ``StepMetadata``."""
+"""Per-step values every layer needs, derived once from the ``StepMetadata`` per model forward.
+
+Model-independent: the per-sequence spans of the step, its rotary tables at the
+step's positions (the family's own tables, looked up by kind) and the rows a
+step writes into per-slot rings.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Protocol, Tuple
 
 import torch
 
-from redknot.models.deepseek_v4.rope import COMPRESS, MAIN, RopeTables
 from redknot.step.metadata import StepMetadata
+
+
+class RopeTable(Protocol):
+    """A model's rotary tables: cos/sin [T, r/2] at ``positions`` for a table kind (e.g. "main")."""
+
+    def cos_sin(self, kind: str, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,7 @@ class SeqSpan:
 class StepContext:
     """The step's metadata plus rope tables at its positions and the per-sequence spans."""
 
-    def __init__(self, meta: StepMetadata, rope: RopeTables, compute_dtype: torch.dtype):
+    def __init__(self, meta: StepMetadata, rope: RopeTable, compute_dtype: torch.dtype):
         self.meta = meta
         self.rope = rope
         self.dtype = compute_dtype
@@ -39,7 +49,7 @@ class StepContext:
         self._ring_rows: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, r/2] at the step's positions for the "main" or "compress" table."""
+        """cos/sin [T, r/2] at the step's positions for one of the model's rotary tables."""
         if kind not in self._cos_sin:
             self._cos_sin[kind] = self.rope.cos_sin(kind, self.meta.positions)
         return self._cos_sin[kind]
@@ -70,4 +80,4 @@ def write_ring(ring_tensor: torch.Tensor, ctx: StepContext, values: torch.Tensor
     ring_tensor.view(-1, ring_tensor.shape[-1]).index_copy_(0, dest, values[rows].to(ring_tensor.dtype))
 
 
-__all__ = ["SeqSpan", "StepContext", "write_ring", "MAIN", "COMPRESS"]
+__all__ = ["RopeTable", "SeqSpan", "StepContext", "write_ring"]
