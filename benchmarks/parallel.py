@@ -169,14 +169,14 @@ def worker(args) -> int:
     """One rank of a world started by this script: build the engine, rank 0 drives, the rest serve."""
     import torch
 
-    from redknot.engine import LLM
+    from redknot.engine import build_engine
     from redknot.parallel import serve
 
     spec = json.loads(Path(args.worker).read_text())
     cfg = typed_config(args, spec["overrides"])
     sched = cfg.engine.scheduler
     sched.long_prefill_chunk = sched.max_num_batched_tokens = spec["step_tokens"]
-    llm = LLM(cfg.model, cfg.hardware, cfg.features, cfg.engine)
+    llm = build_engine(cfg.model, cfg.hardware, cfg.features, cfg.engine)
     runtime = getattr(llm, "parallel", None)  # None: the one-GPU baseline (started without torchrun)
     if runtime is not None and runtime.layout.rank != 0:
         serve(llm)

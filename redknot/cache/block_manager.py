@@ -1,8 +1,9 @@
-"""Block manager for V4's decode-time state (pure Python; the tensors live in the model runner).
+"""Block manager for the decode-time state (pure Python; the tensors live in the model runner).
 
-Each running sequence owns one *slot* (its fixed-size SWA and compressor
-rings) and a *block table*: the paged blocks that hold its CSA entries,
-indexer keys and HCA entries, ``block_size`` tokens per block. All state is
+Each running sequence owns one *slot* (its fixed-size storage, e.g. V4's SWA
+and compressor rings) and a *block table*: the paged blocks that hold its
+position-indexed storage (V4: CSA entries, indexer keys and HCA entries),
+``block_size`` tokens per block. All state is
 addressed by absolute position, so a sequence that becomes ``k`` tokens
 shorter (speculative rollback) only gives back the blocks past its new length.
 """

@@ -1,6 +1,6 @@
 """Cache sizing: how many per-sequence slots and paged blocks fit in a memory budget.
 
-Pure Python. The numbers come from the model's ``StateLayout`` (bytes per
+Pure Python. The numbers come from the model family's state layout (bytes per
 block, bytes per slot, tokens per block); the budget comes from the model
 runner (free device memory on a GPU) or from the configuration.
 """
@@ -16,12 +16,12 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """The per-unit costs of V4's decode-time state.
+    """The per-unit costs of a model's decode-time state.
 
-    * a *slot* is one sequence's fixed-size storage: the SWA kv ring of every
-      layer (window + speculative backtrack) and the compressor rings;
-    * a *block* holds ``block_size`` tokens' worth of paged storage: CSA
-      entries, indexer keys and HCA entries for those tokens.
+    * a *slot* is one sequence's fixed-size storage (V4: the SWA kv ring of every
+      layer, window + speculative backtrack, and the compressor rings);
+    * a *block* holds ``block_size`` tokens' worth of paged storage (V4: CSA
+      entries, indexer keys and HCA entries for those tokens).
     """
     block_size: int
     bytes_per_block: int
@@ -35,7 +35,7 @@ class CacheSpec:
 
     @classmethod
     def from_layout(cls, layout: Any) -> "CacheSpec":
-        """Read the three numbers from a model ``StateLayout`` (duck-typed, no import)."""
+        """Read the three numbers from a family's state layout (:class:`redknot.models.family.StateSizes`)."""
         return cls(block_size=int(layout.block_size), bytes_per_block=int(layout.bytes_per_block),
                    bytes_per_slot=int(layout.bytes_per_slot))
 

@@ -7,15 +7,14 @@ rules of the house:
   target that does not import) is an error naming the key, the target and the
   targets RedKnot ships for that key;
 * a part takes its typed config section whole: when the target has a parameter
-  named after the section (``engine`` for ``redknot.engine.LLM``, ``model`` for
-  ``build_model``), the typed section is passed there and ``kwargs`` are passed
-  as they are (objects are never converted to ``DictConfig``). Otherwise the
-  node's fields are the keyword arguments, as in plain Hydra
-  (``KernelSet(default=..., ops=...)``).
+  named after the section (``engine`` for ``redknot.engine.build_engine``), the
+  typed section is passed there and ``kwargs`` are passed as they are (objects
+  are never converted to ``DictConfig``). Otherwise the node's fields are the
+  keyword arguments, as in plain Hydra (``KernelSet(default=..., ops=...)``).
 
 Example: ``build(cfg.engine, "engine", model=cfg.model, hardware=cfg.hardware,
 features=cfg.features, kernels=kernels)`` calls
-``LLM(engine=cfg.engine, model=..., hardware=..., features=..., kernels=...)``.
+``build_engine(engine=cfg.engine, model=..., hardware=..., features=..., kernels=...)``.
 """
 from __future__ import annotations
 

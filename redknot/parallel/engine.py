@@ -1,8 +1,8 @@
 """``ParallelLLM``: the engine of one rank of a multi-process layout.
 
-``LLM(model, hardware, features, ...)`` builds a ``ParallelLLM`` when the layout
+:func:`redknot.engine.build_engine` builds a ``ParallelLLM`` when the layout
 needs more than one process (``features.parallel`` sizes or a launched world
-above 1); with every size 1 in one process it stays the plain ``LLM``. The
+above 1); with every size 1 in one process it builds the plain ``LLM``. The
 parallel engine is the plain one plus :class:`~redknot.parallel.runtime.ParallelRuntime`:
 the process groups are made and the device bound before the engine is built,
 and afterwards the public calls go through the data-parallel step loop (rank 0
@@ -21,7 +21,6 @@ from redknot.config.schema import EngineConfig, FeaturesConfig, HardwareConfig, 
 from redknot.engine.llm import LLM
 from redknot.engine.outputs import EngineStats, RequestOutput
 from redknot.kernels import KernelSet
-from redknot.models.deepseek_v4.build import EXPERT_ROWS
 from redknot.parallel.runtime import ParallelRuntime, setup_parallel
 from redknot.sample.params import SamplingParams
 
@@ -30,6 +29,8 @@ log = logging.getLogger(__name__)
 
 class ParallelLLM(LLM):
     """One rank's engine in a DP x CP (x EP) layout; same API as :class:`LLM` on rank 0."""
+
+    multi_process = True
 
     def __init__(self, model: ModelConfig, hardware: HardwareConfig, features: FeaturesConfig,
                  engine: Optional[EngineConfig] = None, kernels: Optional[KernelSet] = None) -> None:
@@ -45,12 +46,8 @@ class ParallelLLM(LLM):
             log.info("parallel engine: CUDA graphs off (expert/context parallel exchange run-time sized data)")
             hardware = dataclasses.replace(hardware, cuda_graphs=False)
         # Expert parallel: the model build allocates and reads only this rank's experts.
-        token = EXPERT_ROWS.set(runtime.expert_rows) if par.ep > 1 else None
-        try:
-            super().__init__(model, hardware, features, engine, kernels)
-        finally:
-            if token is not None:
-                EXPERT_ROWS.reset(token)
+        super().__init__(model, hardware, features, engine, kernels,
+                         expert_rows=runtime.expert_rows if par.ep > 1 else None)
         runtime.attach(self, self._core)
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int],

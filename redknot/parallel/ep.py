@@ -2,9 +2,10 @@
 
 Each main-layer ``MoE`` gets a :class:`ExpertDispatcher` (``moe.dispatcher``);
 its ``Experts`` hold only this rank's slots of the layer's :class:`ExpertPlacement`
-(``[S, I, D]`` instead of ``[E, I, D]``; the engine is built with
-``build.EXPERT_ROWS`` set, so only those rows are allocated and read from the
-checkpoint). A step:
+(``[S, I, D]`` instead of ``[E, I, D]``; the engine passes the family's
+``build_model`` the rows to keep, so only those are allocated and read from the
+checkpoint). The MoE modules come from the model family
+(:meth:`~redknot.models.family.ModelFamily.expert_layers`). A step:
 
 1. every (token t, choice j) pair picks one replica of its expert (spread by
    pair index) and so a destination rank; pairs are sent grouped by rank, in
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -119,15 +120,17 @@ class EplbSettings:
 
 
 class ExpertParallel:
-    """All MoE layers of one model sharded over this rank's EP group, plus load balancing."""
+    """All MoE layers of one model sharded over this rank's EP group, plus load balancing.
 
-    def __init__(self, model, group: dist.ProcessGroup, ep_rank: int, ep_size: int, eplb: EplbSettings,
-                 device: torch.device):
-        self.model, self.group = model, group
+    ``moe_layers``: the routed-expert module of every main layer (the family's ``expert_layers``)."""
+
+    def __init__(self, model, moe_layers: Sequence[nn.Module], group: dist.ProcessGroup, ep_rank: int, ep_size: int,
+                 eplb: EplbSettings, device: torch.device):
+        self.model, self.moe_layers, self.group = model, list(moe_layers), group
         self.ep_rank, self.ep_size, self.eplb, self.device = ep_rank, ep_size, eplb, device
         cfg = model.cfg
         self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        num_layers = len(model.layers)
+        num_layers = len(self.moe_layers)
         self.load = torch.zeros(num_layers, self.num_experts, dtype=torch.long, device=device)  # window
         self.total_load = torch.zeros_like(self.load)  # since start
         self.num_forwards = 0
@@ -135,14 +138,14 @@ class ExpertParallel:
         self.last_imbalance: Optional[Tuple[float, float]] = None  # (before, after) of the last rebalance
         self.dispatchers: List[ExpertDispatcher] = []
         redundant = eplb.num_redundant if eplb.enabled else 0
-        for i, layer in enumerate(model.layers):
+        for i, moe in enumerate(self.moe_layers):
             placement = uniform_placement(self.num_experts, ep_size, redundant)
-            experts = layer.ffn.experts
+            experts = moe.experts
             mine = placement.rank_experts(ep_rank)
             if experts.logical_ids != mine:  # loaded whole (not through the sharded loader): keep ours
                 experts.keep_only(mine)
             disp = ExpertDispatcher(self, i, experts, placement)
-            layer.ffn.dispatcher = disp
+            moe.dispatcher = disp
             self.dispatchers.append(disp)
 
     # ------------------------------------------------------------------ serving
@@ -159,8 +162,8 @@ class ExpertParallel:
         x = torch.zeros(0, d, dtype=model.dtype, device=self.device)  # [0, D]
         idx = torch.zeros(0, self.top_k, dtype=torch.long, device=self.device)
         w = torch.zeros(0, self.top_k, dtype=torch.float32, device=self.device)
-        for layer, disp in zip(model.layers, self.dispatchers):
-            disp(model.ks, x, idx, w, layer.ffn.experts, layer.ffn.limit)
+        for moe, disp in zip(self.moe_layers, self.dispatchers):
+            disp(model.ks, x, idx, w, moe.experts, moe.limit)
 
     def placements(self) -> List[ExpertPlacement]:
         return [d.placement for d in self.dispatchers]

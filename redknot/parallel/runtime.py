@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from redknot.config.schema import FeaturesConfig, HardwareConfig
+from redknot.config.schema import FeaturesConfig, HardwareConfig, SwaReplayMode
 from redknot.engine.device import peak_memory_bytes
 from redknot.engine.outputs import EngineStats, RequestOutput
 from redknot.parallel.dp import DataParallel
@@ -49,9 +49,9 @@ def _check_features(features: FeaturesConfig) -> None:
     if eplb.enabled and par.ep == 1:
         raise ValueError("features.parallel.eplb.enabled=true: load balancing moves experts between the ranks "
                          "of an expert-parallel group; it needs features.parallel.ep > 1")
-    mode = getattr(features.swa_replay.mode, "value", features.swa_replay.mode)
-    if par.cp > 1 and mode != "off":
-        raise ValueError(f"features.swa_replay.mode={mode}: not supported with context parallel "
+    mode = SwaReplayMode(features.swa_replay.mode)
+    if par.cp > 1 and mode != SwaReplayMode.off:
+        raise ValueError(f"features.swa_replay.mode={mode.value}: not supported with context parallel "
                          f"(features.parallel.cp={par.cp}); use features.swa_replay.mode=off")
 
 
@@ -79,11 +79,15 @@ class ParallelRuntime:
         self._llm, self._core = llm, core
         runner, par = llm.runner, self.features.parallel
         if par.ep > 1:
-            self._install_ep(runner, llm.engine_config.scheduler.max_num_batched_tokens)
+            self._install_ep(llm.family, runner.model, llm.engine_config.scheduler.max_num_batched_tokens)
         if par.cp > 1:
             from redknot.parallel.cp import ContextParallel
 
-            self.cp = ContextParallel(self.groups.cp, self.layout.cp_rank, par.cp)
+            hooks = llm.family.context_parallel()
+            if hooks is None:
+                raise ValueError(f"features.parallel.cp={par.cp}: model family {llm.family.name!r} has no "
+                                 f"context-parallel layers; use features.parallel.cp=1")
+            self.cp = ContextParallel(self.groups.cp, self.layout.cp_rank, par.cp, hooks)
             self.cp.install(runner.model)
         self.dp = DataParallel(self, llm)
         if self.layout.is_front:
@@ -98,13 +102,13 @@ class ParallelRuntime:
         check_sizes(num_experts, self.layout.ep, redundant)
         return uniform_placement(num_experts, self.layout.ep, redundant).rank_experts(self.layout.ep_rank)
 
-    def _install_ep(self, runner, max_tokens: int) -> None:
+    def _install_ep(self, family, model, max_tokens: int) -> None:
         eplb = self.features.parallel.eplb
-        model = runner.model
         redundant = eplb.num_redundant_experts if eplb.enabled else 0
         check_sizes(model.cfg.n_routed_experts, self.layout.ep, redundant)
         settings = EplbSettings(eplb.enabled, redundant, eplb.rebalance_interval)
-        self.ep = ExpertParallel(model, self.groups.ep, self.layout.ep_rank, self.layout.ep, settings, self.device)
+        self.ep = ExpertParallel(model, family.expert_layers(model), self.groups.ep, self.layout.ep_rank,
+                                 self.layout.ep, settings, self.device)
         self.ep_comm = "all_to_all"
         from redknot.parallel.deepep import use_deep_ep
 

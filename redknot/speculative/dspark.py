@@ -9,14 +9,16 @@ rolls back what verification rejects.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
+from redknot.config.schema import VerificationMethod
+from redknot.models.family import MTP
 from redknot.speculative.drafter import Draft, MTPDrafter
 from redknot.speculative.metrics import SpecDecodeStats
 from redknot.speculative.replay import CompactReplay
-from redknot.speculative.verifier import GREEDY_METHOD, Verifier
+from redknot.speculative.verifier import Verifier
 
 # (req_id, position of the first draft, drafts) -> drafts to schedule instead (tests, experiments).
 DraftHook = Callable[[str, int, List[int]], List[int]]
@@ -28,10 +30,10 @@ class DSpark:
     def __init__(self, model, state, sampler, features, max_model_len: int,
                  replay: Optional[CompactReplay] = None) -> None:
         cfg = features.dspark
-        method = getattr(features.verification.method, "value", features.verification.method)
+        method = VerificationMethod(features.verification.method)
         self.stats = SpecDecodeStats(max_draft=cfg.max_draft)
         self.drafter = MTPDrafter(model, state, sampler, cfg.max_draft, cfg.confidence_threshold, cfg.varlen,
-                                  greedy_confidence=method == GREEDY_METHOD, max_model_len=max_model_len,
+                                  greedy_confidence=method == VerificationMethod.greedy, max_model_len=max_model_len,
                                   replay=replay)
         self.verifier = Verifier(sampler, method, self.stats)
         self.device = model.device
@@ -39,13 +41,15 @@ class DSpark:
         self.last_drafts: Dict[str, Draft] = {}
 
     @classmethod
-    def create(cls, model, state, sampler, features, max_model_len: int,
+    def create(cls, draft_models: Mapping[str, Any], state, sampler, features, max_model_len: int,
                replay: Optional[CompactReplay] = None) -> Optional["DSpark"]:
-        """None when drafting is off (``features.dspark.enabled=false`` or ``max_draft=0``)."""
+        """None when drafting is off (``features.dspark.enabled=false`` or ``max_draft=0``).
+        ``draft_models``: the drafters the model family found in the checkpoint, by kind."""
         cfg = features.dspark
-        if not cfg.enabled or cfg.max_draft <= 0:
+        if cfg.effective_max_draft <= 0:
             return None
-        if not len(model.mtp):
+        model = draft_models.get(MTP)
+        if model is None:
             raise ValueError("features.dspark.enabled=true but the checkpoint has no MTP layer "
                              "(num_nextn_predict_layers=0); set features.dspark.enabled=false")
         if state.layout.max_backtrack < cfg.max_draft:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from redknot.config.schema import SwaReplayMode
+
 
 def required_keep_tokens(window: int, max_draft: int, num_trailing_sliding: int) -> int:
     """The smallest ``keep_tokens`` compact replay accepts for this model and draft length."""
@@ -34,12 +36,12 @@ class CompactReplay:
     @classmethod
     def from_features(cls, features, cfg) -> Optional["CompactReplay"]:
         """None unless ``features.swa_replay.mode == compact``; raises ValueError naming
-        ``features.swa_replay.keep_tokens`` when it is too small for this model (``cfg``: V4Config)."""
+        ``features.swa_replay.keep_tokens`` when it is too small for this model (``cfg``: the family's
+        architecture config)."""
         replay = features.swa_replay
-        if getattr(replay.mode, "value", replay.mode) != "compact":
+        if SwaReplayMode(replay.mode) != SwaReplayMode.compact:
             return None
-        dspark = features.dspark
-        max_draft = dspark.max_draft if dspark.enabled else 0
+        max_draft = features.dspark.effective_max_draft
         trailing = cfg.num_trailing_sliding_layers
         need = required_keep_tokens(cfg.sliding_window, max_draft, trailing)
         if replay.keep_tokens < need:

@@ -12,11 +12,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from redknot.config.schema import VerificationMethod
 from redknot.speculative.metrics import SpecDecodeStats
 from redknot.speculative.rejection import accept_uniforms, greedy_accept, point_mass, speculative_sample
-
-GREEDY_METHOD = "greedy"
-
 
 class Verifier:
     """Greedy requests keep the longest prefix of drafts equal to the target's argmax, then the
@@ -26,9 +24,9 @@ class Verifier:
     last token with the request's parameters (fast, but not distribution-preserving for sampled
     requests)."""
 
-    def __init__(self, sampler, method: str, stats: SpecDecodeStats) -> None:
+    def __init__(self, sampler, method: VerificationMethod, stats: SpecDecodeStats) -> None:
         self.sampler = sampler
-        self.method = getattr(method, "value", method)
+        self.method = VerificationMethod(method)
         self.stats = stats
 
     def __call__(self, batch, logits: torch.Tensor) -> Dict[str, List[int]]:
@@ -67,7 +65,7 @@ class Verifier:
                              f"processors or a grammar (they are never drafted)")
         if params.greedy:
             tokens = greedy_accept(draft_token_ids, self.sampler.sample(logits, list(rows)))
-        elif self.method == GREEDY_METHOD:
+        elif self.method == VerificationMethod.greedy:
             targets = logits.argmax(dim=1).tolist()
             a = len(greedy_accept(draft_token_ids, targets)) - 1
             tokens = list(draft_token_ids[:a]) + self.sampler.sample(logits[a:a + 1], [rows[a]])

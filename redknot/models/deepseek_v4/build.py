@@ -2,31 +2,15 @@
 from __future__ import annotations
 
 import os
-from contextvars import ContextVar
-from typing import Callable, Optional, Sequence
-
-import torch
+from typing import Optional
 
 from redknot.kernels import KernelSet
+from redknot.kernels.dtypes import torch_dtype
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.model import DeepseekV4
-from redknot.models.deepseek_v4.synthetic import ensure_synthetic_checkpoint
+from redknot.models.deepseek_v4.synthetic import write_synthetic_checkpoint
 from redknot.models.deepseek_v4.weights import load_checkpoint
-
-
-# Expert parallel (redknot.parallel) sets this around building an engine: (main layer index, number of
-# routed experts) -> the logical experts this process keeps, one stacked row each (repeats: replicas).
-# Only those rows are allocated and read from the checkpoint. Unset: every expert.
-EXPERT_ROWS: ContextVar[Optional[Callable[[int, int], Sequence[int]]]] = ContextVar("expert_rows", default=None)
-
-
-def torch_dtype(name) -> torch.dtype:
-    """``hardware.dtype`` (enum or string) -> torch dtype."""
-    value = getattr(name, "value", name)
-    dtype = getattr(torch, str(value), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"hardware.dtype={value!r}: must be one of float32, bfloat16, float16")
-    return dtype
+from redknot.models.family import ExpertRows
 
 
 def checkpoint_path(model_cfg, cache_dir: str) -> str:
@@ -35,17 +19,18 @@ def checkpoint_path(model_cfg, cache_dir: str) -> str:
         if not os.path.isdir(model_cfg.path):
             raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
         return model_cfg.path
-    syn = model_cfg.synthetic
-    if syn is None:
+    if model_cfg.synthetic is None:
         raise ValueError(f"model {model_cfg.name!r}: model.path is null and model.synthetic is not set; "
                          f"give model.path=/path/to/checkpoint or choose model=tiny")
-    return ensure_synthetic_checkpoint(model_cfg.name, dict(syn.architecture), int(syn.seed),
-                                       bool(syn.quantize_fp8), cache_dir)
+    return write_synthetic_checkpoint(model_cfg, cache_dir)
 
 
 def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = None, device="cpu",
-                with_mtp: bool = True, progress: Optional[bool] = None) -> DeepseekV4:
-    """Load (for ``model.synthetic``: first generate and write) the checkpoint and return the model."""
+                with_mtp: bool = True, progress: Optional[bool] = None,
+                expert_rows: Optional[ExpertRows] = None) -> DeepseekV4:
+    """Load (for ``model.synthetic``: first generate and write) the checkpoint and return the model.
+    With ``expert_rows`` (expert parallel) each main layer allocates and reads only the routed experts
+    it returns, one stacked row each (repeats: replicas); None keeps every expert."""
     path = checkpoint_path(model, cache_dir)
     cfg = V4Config.from_pretrained(path, num_layers=model.num_layers)
     if model.max_position > cfg.max_position_embeddings:
@@ -57,13 +42,12 @@ def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = 
                          f"sliding_window={cfg.sliding_window}")
     if kernels is None:
         kernels = KernelSet(hardware.kernels.default, dict(hardware.kernels.ops))
-    keep = getattr(hardware.weight_format, "value", hardware.weight_format) == "keep"
+    keep = hardware.weight_format == "keep"  # WeightFormat is a str enum: members equal their values
     net = DeepseekV4(cfg, torch_dtype(hardware.dtype), keep_quantized=keep, device="meta", kernels=kernels,
                      with_mtp=with_mtp and cfg.num_mtp_layers > 0)
-    rows_of = EXPERT_ROWS.get()
-    if rows_of is not None:
+    if expert_rows is not None:
         for i, layer in enumerate(net.layers):
-            layer.ffn.experts.keep_only(rows_of(i, cfg.n_routed_experts))
+            layer.ffn.experts.keep_only(expert_rows(i, cfg.n_routed_experts))
     net.to_empty(device=device)
     load_checkpoint(net, path, progress=bool(model.path) if progress is None else progress)
     return net.eval()

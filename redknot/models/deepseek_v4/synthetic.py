@@ -3,7 +3,7 @@
 :func:`randomize_` fills a model with values that exercise every path: unlike a
 training init it randomises sinks, ape, mHC base/scale, norm weights and router
 biases (zeros and ones hide bugs) and gives every token distinct hash experts.
-:func:`ensure_synthetic_checkpoint` writes the checkpoint under
+:func:`write_synthetic_checkpoint` writes the checkpoint ``model.synthetic`` describes under
 ``<cache_dir>/models/<name>-<hash>/`` (temp dir, then rename) so that loading
 takes the same path as a real checkpoint.
 """
@@ -117,3 +117,12 @@ def ensure_synthetic_checkpoint(name: str, architecture: Dict[str, Any], seed: i
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def write_synthetic_checkpoint(model_cfg, cache_dir: str) -> str:
+    """Directory of the checkpoint ``model.synthetic`` describes (``ModelConfig``), written on first use."""
+    syn = model_cfg.synthetic
+    if syn is None:
+        raise ValueError(f"model {model_cfg.name!r}: model.synthetic is not set (no seeded checkpoint to write)")
+    return ensure_synthetic_checkpoint(model_cfg.name, dict(syn.architecture), int(syn.seed), bool(syn.quantize_fp8),
+                                       cache_dir)

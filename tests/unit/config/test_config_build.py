@@ -51,7 +51,7 @@ def test_missing_redknot_target_names_key_and_allowed_targets():
         build({"_target_": "redknot.engine.NoSuchEngine"}, "engine")
     message = str(err.value)
     assert message.startswith("engine._target_=redknot.engine.NoSuchEngine cannot be imported")
-    assert message.endswith("allowed targets for engine: ['redknot.engine.LLM']")
+    assert message.endswith("allowed targets for engine: ['redknot.engine.build_engine']")
 
 
 H200 = DeviceFacts(Accelerator.cuda, 8, "NVIDIA H200", "9.0", "570.86")

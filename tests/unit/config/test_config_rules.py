@@ -131,7 +131,7 @@ def test_duplicate_and_empty_datasets():
 def test_targets_must_stay_inside_redknot(resolved):
     found = violations(resolved, "engine._target_=subprocess.run")
     assert found == ["engine._target_=subprocess.run: targets must be inside the redknot package; known targets "
-                     "for engine: ['redknot.engine.LLM']"]
+                     "for engine: ['redknot.engine.build_engine']"]
 
 
 def test_parallel_sizes_positive():

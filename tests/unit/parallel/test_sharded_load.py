@@ -1,4 +1,4 @@
-"""Expert-parallel loading: with ``build.EXPERT_ROWS`` set, each main layer allocates and reads only
+"""Expert-parallel loading: given ``expert_rows``, each main layer allocates and reads only
 the experts a rank keeps (replicas as repeated rows), bit for bit the rows of a full load; the MTP
 layer keeps every expert."""
 import pytest
@@ -7,7 +7,6 @@ import torch
 from redknot.config.schema import DType, HardwareConfig, ModelConfig, SyntheticModelConfig, WeightFormat
 from redknot.models.deepseek_v4 import build_model
 from redknot.models.deepseek_v4 import weights as weights_module
-from redknot.models.deepseek_v4.build import EXPERT_ROWS
 
 from .conftest import ARCH
 
@@ -19,12 +18,7 @@ def build(cache_dir, quantized: bool, rows=None):
                         synthetic=SyntheticModelConfig(seed=3, architecture=dict(ARCH), quantize_fp8=quantized))
     hardware = HardwareConfig(weight_format=WeightFormat.keep if quantized else WeightFormat.dequantize,
                               dtype=DType.float32)
-    token = EXPERT_ROWS.set(rows) if rows is not None else None
-    try:
-        return build_model(model, hardware, str(cache_dir))
-    finally:
-        if token is not None:
-            EXPERT_ROWS.reset(token)
+    return build_model(model, hardware, str(cache_dir), expert_rows=rows)
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["float", "fp8-kept"])

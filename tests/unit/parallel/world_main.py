@@ -1,7 +1,7 @@
 """One rank of a test world, started by torchrun (``python -m torch.distributed.run``).
 
 Reads a JSON spec (argv[1]) of scenarios; for each one every rank builds the engine
-with that parallel layout (``LLM(...)`` becomes a ``ParallelLLM``), rank 0 drives the
+with that parallel layout (``build_engine`` makes a ``ParallelLLM``), rank 0 drives the
 requests through the public API and the other ranks serve. Each rank records the
 logits rows it computed per request; rank 0 also writes the outputs and the
 per-rank metrics. Results go to ``<out>/rank<r>.pt``.
@@ -15,7 +15,7 @@ import torch
 
 from redknot.config.schema import (Accelerator, EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig,
                                    SchedulerConfig, SyntheticModelConfig)
-from redknot.engine import LLM, SamplingParams
+from redknot.engine import LLM, SamplingParams, build_engine
 from redknot.parallel import serve
 
 
@@ -37,7 +37,7 @@ def build(spec: dict, sc: dict) -> LLM:
     model = ModelConfig(name="parallel-test", max_position=spec["max_len"],
                         sliding_window=spec["arch"]["sliding_window"],
                         synthetic=SyntheticModelConfig(seed=0, architecture=dict(spec["arch"])))
-    return LLM(model, hardware_for(spec), features, engine)
+    return build_engine(model, hardware_for(spec), features, engine)
 
 
 def hardware_for(spec: dict) -> HardwareConfig:
