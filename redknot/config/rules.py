@@ -12,19 +12,9 @@ from typing import Any, Callable, List, Optional, Tuple
 from redknot.config.schema import Accelerator, Mode, RedKnotConfig, SwaReplayMode
 from redknot.config.violations import Violation
 from redknot.kernels.registry import BACKENDS
+from redknot.models.registry import list_families
 
 Rule = Callable[[RedKnotConfig], List[Violation]]
-
-# Kernel backends that only run on one kind of accelerator (the rest run anywhere).
-BACKEND_ACCELERATOR = {
-    "triton": Accelerator.cuda,
-    "native": Accelerator.cuda,
-    "flash_mla": Accelerator.cuda,
-    "deep_gemm": Accelerator.cuda,
-    "deep_ep": Accelerator.cuda,
-    "tilelang": Accelerator.cuda,
-    "torch_npu": Accelerator.npu,
-}
 
 # The parts a run builds from `_target_`, and the targets RedKnot ships for each.
 KNOWN_TARGETS = {
@@ -177,7 +167,7 @@ def kernel_backends(cfg: RedKnotConfig) -> List[Violation]:
         if backend not in BACKENDS:
             found.append(Violation(key, backend, f"unknown kernel backend; known: {sorted(BACKENDS)}"))
             continue
-        needs = BACKEND_ACCELERATOR.get(backend)
+        needs = BACKENDS[backend].accelerator
         if needs is not None and needs != hw.accelerator:
             found.append(Violation(
                 key, backend,
@@ -208,6 +198,9 @@ def hardware_facts(cfg: RedKnotConfig) -> List[Violation]:
 
 def model_source(cfg: RedKnotConfig) -> List[Violation]:
     model, found = cfg.model, []
+    families = [entry.name for entry in list_families()]
+    if model.family not in families:
+        found.append(Violation("model.family", model.family, f"must be a registered model family: {families}"))
     if model.synthetic is None and model.path is None and cfg.mode in (Mode.run, Mode.generate):
         found.append(Violation(
             "model.path", None,

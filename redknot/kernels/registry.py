@@ -16,6 +16,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional
 
+from redknot.config.schema import Accelerator
+
 _OPS: Dict[str, Dict[str, Callable]] = {}
 
 
@@ -24,20 +26,21 @@ class BackendInfo:
     module: str                 # module whose import registers the backend's ops
     packages: tuple = ()        # third-party packages it needs
     extra: Optional[str] = None  # pip extra that installs them
+    accelerator: Optional[Accelerator] = None  # the one accelerator it runs on; None: any
 
 
-# Known backends and where they live. Importing the module registers its ops.
+# Known backends, where they live and what they run on. Importing the module registers its ops.
 BACKENDS: Dict[str, BackendInfo] = {
     "reference": BackendInfo("redknot.kernels.reference"),
     # Shape-independent-of-batch versions of the reference ops (features.batch_invariant).
     "batch_invariant": BackendInfo("redknot.kernels.batch_invariant"),
-    "triton": BackendInfo("redknot.kernels.triton", ("triton",), "sm90"),
-    "native": BackendInfo("redknot.kernels.native", (), "sm90"),
-    "flash_mla": BackendInfo("redknot.kernels.bindings.sm100", ("flash_mla",), "sm100"),
-    "deep_gemm": BackendInfo("redknot.kernels.bindings.sm100", ("deep_gemm",), "sm100"),
-    "deep_ep": BackendInfo("redknot.kernels.bindings.sm100", ("deep_ep",), "sm100"),
-    "tilelang": BackendInfo("redknot.kernels.bindings.sm100", ("tilelang",), "sm100"),
-    "torch_npu": BackendInfo("redknot.kernels.bindings.ascend", ("torch_npu",), "ascend950"),
+    "triton": BackendInfo("redknot.kernels.triton", ("triton",), "sm90", Accelerator.cuda),
+    "native": BackendInfo("redknot.kernels.native", (), "sm90", Accelerator.cuda),
+    "flash_mla": BackendInfo("redknot.kernels.bindings.sm100", ("flash_mla",), "sm100", Accelerator.cuda),
+    "deep_gemm": BackendInfo("redknot.kernels.bindings.sm100", ("deep_gemm",), "sm100", Accelerator.cuda),
+    "deep_ep": BackendInfo("redknot.kernels.bindings.sm100", ("deep_ep",), "sm100", Accelerator.cuda),
+    "tilelang": BackendInfo("redknot.kernels.bindings.sm100", ("tilelang",), "sm100", Accelerator.cuda),
+    "torch_npu": BackendInfo("redknot.kernels.bindings.ascend", ("torch_npu",), "ascend950", Accelerator.npu),
 }
 
 

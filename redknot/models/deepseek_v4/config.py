@@ -17,13 +17,16 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple
 
+from redknot.models.registry import family_entry
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE, MOE = "hash_moe", "moe"
-ARCHITECTURE = "DeepseekV4ForCausalLM"
-MODEL_TYPE = "deepseek_v4"
+# What the family registry says V4 checkpoints declare; written into the config.json of checkpoints made here.
+ENTRY = family_entry("deepseek_v4")
+ARCHITECTURE, MODEL_TYPE = ENTRY.architectures[0], ENTRY.model_types[0]
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from redknot.models.deepseek_v4.config import (
-    ARCHITECTURE, CSA, HASH_MOE, HCA, LAYER_TYPES, MODEL_TYPE, MOE, SLIDING, QuantConfig, YarnScaling)
+    CSA, ENTRY, HASH_MOE, HCA, LAYER_TYPES, MOE, SLIDING, QuantConfig, YarnScaling)
 
 
 def _fail(field: str, value: Any, allowed: str) -> ValueError:
@@ -29,11 +29,11 @@ def _float(d: Dict[str, Any], key: str, default: float) -> float:
 
 def _check_architecture(d: Dict[str, Any]) -> None:
     archs = d.get("architectures")
-    if archs is not None and ARCHITECTURE not in list(archs):
-        raise _fail("architectures", archs, f"this model family loads {ARCHITECTURE!r} only")
+    if archs is not None and not set(archs) & set(ENTRY.architectures):
+        raise _fail("architectures", archs, f"this model family loads {list(ENTRY.architectures)} only")
     mt = d.get("model_type")
-    if mt is not None and mt != MODEL_TYPE:
-        raise _fail("model_type", mt, f"must be {MODEL_TYPE!r}")
+    if mt is not None and mt not in ENTRY.model_types:
+        raise _fail("model_type", mt, f"must be one of {list(ENTRY.model_types)}")
 
 
 def _ratios(d: Dict[str, Any]) -> Tuple[int, int]:

@@ -103,6 +103,11 @@ def test_generate_needs_a_prompt():
     assert check(mode=Mode.generate, prompt="hello") == []
 
 
+def test_model_family_must_be_registered():
+    assert check(model__family="llama") == [
+        "model.family=llama: must be a registered model family: ['deepseek_v4']"]
+
+
 def test_kernel_backend_must_exist_and_match_the_accelerator():
     found = check(hardware__kernels__default="flash_mla", hardware__kernels__ops={"rms_norm": "cutlass"})
     assert found[0] == ("hardware.kernels.default=flash_mla: backend 'flash_mla' runs on accelerator cuda, "
