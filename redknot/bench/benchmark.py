@@ -34,7 +34,8 @@ MANIFEST_COPY = "inputs_manifest.json"
 
 
 def _plain(obj: Any) -> Any:
-    return json.loads(json.dumps(asdict(obj), default=lambda v: getattr(v, "value", str(v))))
+    # Config enums are str enums: JSON writes their values; anything else non-JSON as its str().
+    return json.loads(json.dumps(asdict(obj), default=str))
 
 
 def config_hash(cfg, inputs_address: str) -> str:

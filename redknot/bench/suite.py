@@ -23,7 +23,7 @@ from redknot.bench.datasets import DatasetSource, SourceReader
 from redknot.bench.registry import DatasetSpec
 from redknot.bench.tokcache import TokenCache, context_key
 from redknot.bench.tokenizer import BenchTokenizer
-from redknot.config.schema import SuiteConfig
+from redknot.config.schema import ChatTemplate, SuiteConfig
 
 BUILDER_VERSION = "casebuild-v1"
 TOKENS_PER_K = 1024
@@ -129,7 +129,7 @@ class SuiteBuilder:
             "synthetic": synthetic.SYNTHETIC_VERSION,
             "suite": suite.name, "context_tokens": suite.context_tokens, "tokens_per_k": TOKENS_PER_K,
             "datasets": list(suite.datasets), "samples_per_dataset": suite.samples_per_dataset, "seed": suite.seed,
-            "chat_template": getattr(suite.chat_template, "value", suite.chat_template),
+            "chat_template": ChatTemplate(suite.chat_template).value,
             "max_new_tokens": {name: self.max_new(name) for name, _ in self.specs},
             "tokenizer_sha256": self.tokenizer.sha256,
             "sources": {name: self.source_sha256(name, spec) for name, spec in self.specs},
@@ -157,7 +157,7 @@ class SuiteBuilder:
         return contexts
 
     def _pieces(self, spec: DatasetSpec, question: np.ndarray) -> PromptPieces:
-        before, after = registry.chat_wrapper(getattr(self.suite.chat_template, "value", self.suite.chat_template))
+        before, after = registry.chat_wrapper(ChatTemplate(self.suite.chat_template).value)
         head, middle, tail = spec.template_parts()
         enc = self.tokenizer.encode
         return PromptPieces(prefix=np.concatenate([enc(before), enc(head)]), middle=enc(middle), question=question,

@@ -16,7 +16,7 @@ def select_device(hardware: HardwareConfig) -> torch.device:
     from redknot.config.hardware_fit import check_device
 
     check_device(hardware)
-    accel = Accelerator(getattr(hardware.accelerator, "value", hardware.accelerator))
+    accel = Accelerator(hardware.accelerator)
     if accel == Accelerator.cpu:
         return torch.device("cpu")
     if accel == Accelerator.cuda:

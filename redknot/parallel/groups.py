@@ -54,7 +54,7 @@ class ParallelGroups:
 
 
 def _accelerator(hardware: HardwareConfig) -> Accelerator:
-    return Accelerator(getattr(hardware.accelerator, "value", hardware.accelerator))
+    return Accelerator(hardware.accelerator)
 
 
 def check_world(parallel: ParallelConfig, env: LaunchEnv) -> None:
