@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from redknot.kernels import ref_attention
 from redknot.kernels import reference as ref
-from redknot.kernels.ref_moe import _expert_weight, swiglu
+from redknot.kernels.ref_moe import expert_weight, routed_slots, swiglu
 from redknot.kernels.ref_quant import dequantize
 from redknot.kernels.registry import register
 
@@ -93,23 +93,14 @@ def mhc_head(streams, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.
 def moe(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit: float, w1_scale=None, w2_scale=None,
         w3_scale=None) -> torch.Tensor:
     """Routed experts with tiled expert GEMMs and an in-order combine (see ``reference.moe``)."""
-    t, k = topk_idx.shape
-    flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
-    slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*k, D]
-    start = 0
-    for e, cnt in enumerate(counts):
-        if cnt == 0:
-            continue
-        rows = order[start:start + cnt]
-        start += cnt
-        h = x[rows // k]
-        gate = tiled(F.linear, [h], _expert_weight(w1, w1_scale, e, x.dtype))
-        up = tiled(F.linear, [h], _expert_weight(w3, w3_scale, e, x.dtype))
-        y = tiled(F.linear, [swiglu(gate, up, swiglu_limit)], _expert_weight(w2, w2_scale, e, x.dtype))
-        slots[rows] = y.float() * topk_weight.reshape(-1)[rows, None].float()
-    per_slot = slots.view(t, k, -1)
+    k = topk_idx.shape[1]
+
+    def expert(h: torch.Tensor, e: int) -> torch.Tensor:
+        gate = tiled(F.linear, [h], expert_weight(w1, w1_scale, e, x.dtype))
+        up = tiled(F.linear, [h], expert_weight(w3, w3_scale, e, x.dtype))
+        return tiled(F.linear, [swiglu(gate, up, swiglu_limit)], expert_weight(w2, w2_scale, e, x.dtype))
+
+    per_slot = routed_slots(x, topk_idx, topk_weight, w1.shape[0], expert)  # [T, k, D] fp32
     out = per_slot[:, 0]
     for j in range(1, k):
         out = out + per_slot[:, j]

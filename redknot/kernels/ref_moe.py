@@ -1,7 +1,7 @@
 """Reference routed-experts op of DeepSeek-V4 (reference §5)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +15,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def _expert_weight(w: torch.Tensor, scale: Optional[torch.Tensor], e: int, dtype) -> torch.Tensor:
+def expert_weight(w: torch.Tensor, scale: Optional[torch.Tensor], e: int, dtype) -> torch.Tensor:
+    """Expert ``e``'s matrix of a stacked weight, dequantized to ``dtype``."""
     return dequantize(w[e], None if scale is None else scale[e], dtype)
+
+
+def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, num_experts: int,
+                 expert: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """fp32 [T, k, D]: slot (t, j) holds expert ``topk_idx[t, j]``'s output for token t times its routing
+    weight. Rows are permuted by expert (stable), and ``expert(h, e)`` runs expert e once over exactly
+    the rows that chose it, so a row's slots do not depend on the other rows' values."""
+    t, k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*k, D]
+    start = 0
+    for e, cnt in enumerate(counts):
+        if cnt == 0:
+            continue
+        rows = order[start:start + cnt]
+        start += cnt
+        y = expert(x[rows // k], e)
+        slots[rows] = y.float() * topk_weight.reshape(-1)[rows, None].float()
+    return slots.view(t, k, -1)
 
 
 @register("moe")
@@ -30,25 +52,15 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: 
     expert, each expert runs one GEMM over its rows, and the k contributions of a token are summed
     in slot order j = 0..k-1 (fp32), so a row's result does not depend on the other rows.
     """
-    t, k = topk_idx.shape
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return _moe_every_expert(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
-    flat = topk_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
-    slots = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*k, D]
-    start = 0
-    for e, cnt in enumerate(counts):
-        if cnt == 0:
-            continue
-        rows = order[start:start + cnt]
-        start += cnt
-        h = x[rows // k]
-        act = swiglu(F.linear(h, _expert_weight(w1, w1_scale, e, x.dtype)),
-                     F.linear(h, _expert_weight(w3, w3_scale, e, x.dtype)), swiglu_limit)
-        y = F.linear(act, _expert_weight(w2, w2_scale, e, x.dtype))
-        slots[rows] = y.float() * topk_weight.reshape(-1)[rows, None].float()
-    return slots.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+    def expert(h: torch.Tensor, e: int) -> torch.Tensor:
+        act = swiglu(F.linear(h, expert_weight(w1, w1_scale, e, x.dtype)),
+                     F.linear(h, expert_weight(w3, w3_scale, e, x.dtype)), swiglu_limit)
+        return F.linear(act, expert_weight(w2, w2_scale, e, x.dtype))
+
+    return routed_slots(x, topk_idx, topk_weight, w1.shape[0], expert).sum(dim=1).to(x.dtype)
 
 
 def _moe_every_expert(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale):
@@ -57,9 +69,9 @@ def _moe_every_expert(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_sca
     t, k = topk_idx.shape
     slots = torch.zeros(t, k, x.shape[1], dtype=torch.float32, device=x.device)  # [T, k, D]
     for e in range(w1.shape[0]):
-        act = swiglu(F.linear(x, _expert_weight(w1, w1_scale, e, x.dtype)),
-                     F.linear(x, _expert_weight(w3, w3_scale, e, x.dtype)), swiglu_limit)
-        y = F.linear(act, _expert_weight(w2, w2_scale, e, x.dtype)).float()  # [T, D]
+        act = swiglu(F.linear(x, expert_weight(w1, w1_scale, e, x.dtype)),
+                     F.linear(x, expert_weight(w3, w3_scale, e, x.dtype)), swiglu_limit)
+        y = F.linear(act, expert_weight(w2, w2_scale, e, x.dtype)).float()  # [T, D]
         chosen = (topk_idx == e).unsqueeze(-1)  # [T, k, 1]
         slots = torch.where(chosen, y.unsqueeze(1) * topk_weight.float().unsqueeze(-1), slots)
     return slots.sum(dim=1).to(x.dtype)
