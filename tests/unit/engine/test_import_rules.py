@@ -1,4 +1,6 @@
-"""House rules: scheduler and cache manager never import torch; the engine never imports bench, hydra or mlflow."""
+"""House rules at run time: the pure-Python roles and the model-family seam never import torch.
+
+Which package may import which is checked on the source by tests/unit/test_layering.py."""
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ def _modules_after_import(stmt: str) -> set:
 
 
 @pytest.mark.parametrize("module", ["redknot.cache", "redknot.engine.scheduler", "redknot.sample.params",
-                                    "redknot.engine.messages", "redknot.engine.request"])
+                                    "redknot.engine.messages", "redknot.engine.request", "redknot.models.registry",
+                                    "redknot.models.family", "redknot.models.deepseek_v4.family"])
 def test_pure_python_roles_do_not_import_torch(module):
     assert "torch" not in _modules_after_import(f"import {module}")
