@@ -1,8 +1,8 @@
-"""``mode=catalog``: suites, datasets, models and hardware targets, and what this machine has.
+"""``mode=catalog``: suites, datasets, model families, models and hardware targets, and what this machine has.
 
-Reads only YAML options, the dataset registry and the manifests already in the
-input cache; it imports neither torch nor the engine (the device probe asks
-``nvidia-smi`` / ``npu-smi``).
+Reads only YAML options, the dataset and model-family registries and the
+manifests already in the input cache; it imports neither torch nor the engine
+(the device probe asks ``nvidia-smi`` / ``npu-smi``).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from redknot.bench import registry
 from redknot.bench.frozen_inputs import MANIFEST
 from redknot.bench.typed import load_yaml_option
 from redknot.config.schema import Accelerator, HardwareConfig, ModelConfig, SuiteConfig
+from redknot.models.registry import list_families
 
 
 def probe_device():
@@ -99,13 +100,26 @@ def datasets_table(prepared: List[dict], suites: Dict[str, SuiteConfig]) -> Tabl
     return table
 
 
+def families_table(models: Dict[str, ModelConfig]) -> Table:
+    """Every registered model family and the checkpoints it loads (by their config.json)."""
+    table = Table(title="model families (model.family=NAME; a checkpoint's config.json must declare one of its "
+                        "architectures / model_type)")
+    for column in ("family", "architectures", "model_type", "model options", "description"):
+        table.add_column(column, overflow="fold")
+    for entry in list_families():
+        used = [name for name, model in models.items() if model.family == entry.name]
+        table.add_row(entry.name, ", ".join(entry.architectures), ", ".join(entry.model_types), ", ".join(used) or "-",
+                      escape(entry.description))
+    return table
+
+
 def models_table(models: Dict[str, ModelConfig], selected: Optional[str]) -> Table:
     table = Table(title="models (model=NAME)")
-    for column in ("model", "support", "max positions", "checkpoint", "description"):
+    for column in ("model", "family", "support", "max positions", "checkpoint", "description"):
         table.add_column(column, overflow="fold")
     for name, model in models.items():
         source = model.path or ("synthetic (seeded weights)" if model.synthetic else "set model.path")
-        table.add_row(("*" if name == selected else " ") + f" {name}", model.support.value,
+        table.add_row(("*" if name == selected else " ") + f" {name}", model.family, model.support.value,
                       f"{model.max_position:,}", source, escape(model.description))
     return table
 
@@ -130,6 +144,8 @@ def show_catalog(console: Console, conf_dir: Path, cache_dir: Path, choices: Dic
     prepared = prepared_manifests(cache_dir)
     console.print(suites_table(suites, prepared, choices.get("suite")))
     console.print(datasets_table(prepared, suites))
-    console.print(models_table(_options(conf_dir, "model", ModelConfig), choices.get("model")))
+    models = _options(conf_dir, "model", ModelConfig)
+    console.print(families_table(models))
+    console.print(models_table(models, choices.get("model")))
     console.print(hardware_table(_options(conf_dir, "hardware", HardwareConfig), probe_device(),
                                  choices.get("hardware")))

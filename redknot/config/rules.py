@@ -148,7 +148,7 @@ def swa_replay_window(cfg: RedKnotConfig) -> List[Violation]:
         return []
     # The kept tail must cover the window after a rollback of a whole draft block;
     # with drafting off nothing is rolled back and the window plus one suffices.
-    max_draft = dspark.max_draft if dspark.enabled else 0
+    max_draft = dspark.effective_max_draft
     need = cfg.model.sliding_window + max_draft + 1
     if replay.keep_tokens >= need:
         return []

@@ -49,7 +49,7 @@ def test_validate_without_prepared_inputs_exits_nonzero(tmp_path):
     assert app.validate(ctx, NullTracker()) == 1
 
 
-def test_catalog_lists_suites_datasets_models_and_hardware(tmp_path):
+def test_catalog_lists_suites_datasets_families_models_and_hardware(tmp_path):
     console = Console(record=True, width=200)
     show_catalog(console, CONF_DIR, tmp_path / "cache", {"suite": "smoke", "hardware": "cpu"})
     text = console.export_text()
@@ -57,7 +57,11 @@ def test_catalog_lists_suites_datasets_models_and_hardware(tmp_path):
                      "answer passage sits in", "tiny", "deepseek-v4-flash", "sm100", "ascend950", "runs here"):
         assert expected in text, expected
     rows = [line for line in text.splitlines() if line.startswith("│")]
-    hardware_rows = {row.split("│")[1].strip(" *"): row for row in rows}
+    first_cells = {row.split("│")[1].strip(" *"): row for row in rows}
+    family = [cell.strip() for cell in first_cells["deepseek_v4"].split("│")[1:-1]]
+    assert family[1:3] == ["DeepseekV4ForCausalLM", "deepseek_v4"]
+    assert {"tiny", "deepseek-v4-flash"} <= set(family[3].split(", "))
+    hardware_rows = first_cells
     assert hardware_rows["sm100"].rstrip("│ ").endswith("no")
     assert hardware_rows["cpu"].rstrip("│ ").endswith("yes")
 

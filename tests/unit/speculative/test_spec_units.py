@@ -82,6 +82,19 @@ def test_configuration_enforces_and_documents_the_keep_tokens_rule():
     assert "keep_tokens >= model.sliding_window + dspark.max_draft + 1" in text
 
 
+def test_effective_draft_length_and_a_checkpoint_without_drafter():
+    from redknot.config.schema import DSparkConfig, FeaturesConfig
+    from redknot.speculative.dspark import DSpark
+
+    assert DSparkConfig(max_draft=3).effective_max_draft == 3
+    assert DSparkConfig(enabled=False, max_draft=3).effective_max_draft == 0
+    features = FeaturesConfig()
+    with pytest.raises(ValueError, match="features.dspark.enabled=true but the checkpoint has no MTP layer"):
+        DSpark.create({}, None, None, features, max_model_len=64)  # the family found no drafter
+    features.dspark.enabled = False
+    assert DSpark.create({}, None, None, features, max_model_len=64) is None
+
+
 def test_pure_modules_import_without_torch():
     import subprocess
     import sys
