@@ -1,5 +1,8 @@
 """DeepSeek-V4 (V4-Flash) in PyTorch: config, model math, state, checkpoint I/O, tiny model.
 
+The engine reaches it through :data:`redknot.models.deepseek_v4.family.FAMILY` (registered as
+``deepseek_v4`` in :mod:`redknot.models.registry`).
+
 Names are resolved lazily so that torch-free users (the cache manager reading
 :class:`StateLayout`, the catalog reading :class:`V4Config`) never import torch.
 """
