@@ -3,8 +3,8 @@
 The engine reaches it through :data:`redknot.models.deepseek_v4.family.FAMILY` (registered as
 ``deepseek_v4`` in :mod:`redknot.models.registry`).
 
-Names are resolved lazily so that torch-free users (the cache manager reading
-:class:`StateLayout`, the catalog reading :class:`V4Config`) never import torch.
+Names are resolved lazily so that torch-free users (the family's state layout and
+config parser, :class:`StateLayout` and :class:`V4Config`) never import torch.
 """
 from __future__ import annotations
 
