@@ -65,11 +65,33 @@ def exit_code() -> int:
     return next((c for c in _exit_codes if c), 0)
 
 
+def check_command_line(argv: List[str]) -> Optional[int]:
+    """Run :func:`redknot.config.precheck.precheck` on ``argv``: an exit code (2) when the command
+    line is refused, else None (legacy overrides for ``--cfg`` are appended to ``argv``)."""
+    from redknot.config.device import CONF_DIR
+    from redknot.config.precheck import precheck
+
+    result = precheck(argv[1:], CONF_DIR)
+    if result is None:
+        return None
+    if result.legacy_stop:
+        print(result.legacy_stop, file=sys.stderr)
+        return 2
+    if result.violations:
+        print(f"error: {ConfigError(result.violations)}", file=sys.stderr)
+        return 2
+    argv.extend(result.extra_overrides)
+    return None
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> int:
     return run_job(cfg)
 
 
 if __name__ == "__main__":
+    refused = check_command_line(sys.argv)
+    if refused is not None:
+        sys.exit(refused)
     main()
     sys.exit(exit_code())

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-TRIMMED = ("suite.datasets=[niah_single,hotpotqa]", "~suite.max_new_tokens.niah_multikey",
-           "~suite.max_new_tokens.variable_tracking", "~suite.max_new_tokens.triviaqa",
-           "suite.max_new_tokens.niah_single=8", "suite.max_new_tokens.hotpotqa=8", "suite.samples_per_dataset=1",
+TRIMMED = ("suite.datasets=[niah_single,hotpotqa]", "suite.default_max_new_tokens=8", "suite.samples_per_dataset=1",
            "suite.warmup_requests=0")
 
 

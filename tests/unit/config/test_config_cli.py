@@ -24,7 +24,7 @@ def test_cfg_job_resolve_prints_the_composed_config_on_cpu():
 
 
 def test_catalog_lists_every_group_option_and_legacy_stop(tmp_path):
-    out = run_cli("mode=catalog", f"output.root={tmp_path}")
+    out = run_cli("mode=catalog", f"output.root={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     for group in ("model", "hardware", "features", "suite", "sweep"):
         for path in (CONF_DIR / group).glob("*.yaml"):
@@ -33,7 +33,8 @@ def test_catalog_lists_every_group_option_and_legacy_stop(tmp_path):
     run_dirs = list(tmp_path.glob("*/*"))
     assert len(run_dirs) == 1 and len(run_dirs[0].name) == len("10-28-14-464400")
 
-    stopped = run_cli("mode=catalog", f"output.root={tmp_path}", env={"DEEPINFER_USE_NEXTN_DECODE": "0"})
+    stopped = run_cli("mode=catalog", f"output.root={tmp_path}", env={"DEEPINFER_USE_NEXTN_DECODE": "0"},
+                      cwd=tmp_path)
     assert stopped.returncode == 2
     assert "DEEPINFER_USE_NEXTN_DECODE=0  ->  features.dspark.enabled=false" in stopped.stderr
     assert f"python -m redknot mode=catalog output.root={tmp_path} features.dspark.enabled=false" in stopped.stderr
@@ -41,7 +42,7 @@ def test_catalog_lists_every_group_option_and_legacy_stop(tmp_path):
 
 
 def test_config_error_exits_2_with_every_violation(tmp_path):
-    out = run_cli("mode=catalog", f"output.root={tmp_path}", "features.deterministic=true")
+    out = run_cli("mode=catalog", f"output.root={tmp_path}", "features.deterministic=true", cwd=tmp_path)
     assert out.returncode == 2
     assert "invalid configuration (2 problems)" in out.stderr
 
@@ -50,7 +51,7 @@ def test_group_options_are_the_conf_files():
     from redknot.config.catalog import group_options
 
     options = group_options()
-    for group in ("model", "hardware", "features", "suite", "sweep"):
+    for group in ("model", "hardware", "features", "suite", "sweep", "compare"):
         assert options[group] == sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
     assert {"basic", "slurm", "ray_cluster"} <= set(options["hydra/launcher"])
 
