@@ -37,12 +37,24 @@ def dispatch(cfg: DictConfig, body: Optional[ModeBody] = None) -> int:
         return 2
     if worker is not None:
         return int(worker(ctx) or 0)
+    for key, note in sorted(ctx.effective.items()):
+        log.warning("%s is effectively %s", key, note)
     if not body.tracked:
         return int(body.fn(ctx) or 0)
     from redknot.tracking import open_tracker
+    from redknot.tracking.store import TrackingUnavailable
 
-    with open_tracker(ctx) as tracker, front_of_world(ctx, tracker):
-        tracker.exit_code = int(body.fn(ctx, tracker) or 0)
+    try:
+        with open_tracker(ctx) as tracker, front_of_world(ctx, tracker):
+            tracker.exit_code = int(body.fn(ctx, tracker) or 0)
+    except TrackingUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a read-only or full output directory: say which, keep what was written
+        where = f" {err.filename}" if getattr(err, "filename", None) else ""
+        print(f"error: cannot write{where}: {err.strerror or err}; everything written before this point is "
+              f"kept in {ctx.run_dir}", file=sys.stderr)
+        return 1
     return tracker.exit_code
 
 
