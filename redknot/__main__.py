@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 import hydra
@@ -61,13 +62,23 @@ def dispatch(cfg: DictConfig, body: Optional[ModeBody] = None) -> int:
 def run_job(cfg: DictConfig, body: Optional[ModeBody] = None) -> int:
     """One Hydra job: :func:`dispatch`, its exit code kept for the process exit.
     In a sweep an exception fails this job only (its MLflow run is already FAILED)."""
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    error = None
     try:
         code = dispatch(cfg, body)
-    except Exception:
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
+    except Exception as err:
+        if not multirun:
             raise
-        log.exception("job %s failed", HydraConfig.get().job.num)
-        code = 1
+        log.exception("job %s failed", hydra_cfg.job.num)
+        code, error = 1, f"{type(err).__name__}: {err}"
+    if multirun:  # the sweep callback counts every job, also one refused before it opened a run
+        from redknot.config.sweep_files import record_job_exit
+
+        try:
+            record_job_exit(Path(hydra_cfg.sweep.dir).resolve(), int(hydra_cfg.job.num), code, error)
+        except OSError as err:
+            log.warning("could not record the exit code of job %s: %s", hydra_cfg.job.num, err)
     _exit_codes.append(code)
     return code
 

@@ -31,6 +31,7 @@ from redknot.bench.records import (FINAL_STATUSES, RECORDS_FILE, RecordWriter, R
                                    read_records)
 from redknot.bench.runner import CaseJob, CaseOutcome, Runner
 from redknot.bench.store import FrozenInputs
+from redknot.config.sweep_files import SWEEP_RESUME_FILE
 
 RUN_META = "bench_run.json"
 MANIFEST_COPY = "inputs_manifest.json"
@@ -240,9 +241,6 @@ class BenchmarkRun:
         if not self.cfg.tracking.log_run_dir:
             self.tracker.log_artifacts(self.run_dir, "run_dir")
         return 0 if not results["partial"] else 1
-
-
-SWEEP_RESUME_FILE = "sweep_resume.json"  # written by the sweep callback into a sweep that resumes another
 
 
 def _previous_meta(run_dir: Path) -> dict:

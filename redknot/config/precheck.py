@@ -134,23 +134,39 @@ def _outside(path: str, base: Path) -> bool:
 
 
 def output_path_violations(cfg, base: Path, multirun: bool) -> List[Violation]:
-    """Output paths outside ``base`` (the directory the run starts from) without ``output.allow_outside_cwd``."""
+    """Output paths outside ``base`` (the directory the run starts from) without ``output.allow_outside_cwd``,
+    and output paths that cannot be created or written."""
     from omegaconf import OmegaConf
 
-    if OmegaConf.select(cfg, "output.allow_outside_cwd", default=False):
-        return []
-    keys = ["output.root", "output.cache_dir"]
-    keys.append("hydra.sweep.dir" if multirun else "hydra.run.dir")
+    allow = bool(OmegaConf.select(cfg, "output.allow_outside_cwd", default=False))
+    keys = ["output.root", "output.cache_dir", "hydra.sweep.dir" if multirun else "hydra.run.dir"]
     found, refused = [], []
     for key in keys:
         value = OmegaConf.select(cfg, key, default=None)
         if value is None or any(not _outside(str(value), Path(parent)) for parent in refused):
             continue  # inside a path already reported
-        if _outside(str(value), base):
-            refused.append(str(_norm(base / str(value))))
-            found.append(Violation(key, value, f"lies outside the directory the run starts from ({base}); "
-                                              f"add output.allow_outside_cwd=true to write there"))
+        full = _norm(base / Path(str(value)).expanduser())
+        problem = None
+        if not allow and _outside(str(value), base):
+            problem = (f"lies outside the directory the run starts from ({base}); add output.allow_outside_cwd=true "
+                       f"to write there")
+        problem = problem or _unwritable(full)
+        if problem:
+            refused.append(str(full))
+            found.append(Violation(key, value, problem))
     return found
+
+
+def _unwritable(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be created or written (its nearest existing ancestor decides), else None."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"cannot be created: {probe} is a file, not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"cannot be written: {probe} is read-only for this user"
+    return None
 
 
 def _rules(cfg) -> List[Violation]:
