@@ -85,7 +85,7 @@ RANGES: List[Tuple[str, Tuple[Callable[[Any], bool], str]]] = [
     ("engine.scheduler.num_cache_blocks", _optional_at_least(1)),
     ("generate.max_tokens", _at_least(1)),
     ("generate.temperature", _at_least(0.0)),
-    ("tracking.request_timeout_s", (lambda v: v > 0, "must be > 0")),
+    ("tracking.request_timeout_s", _at_least(1)),
     ("tracking.max_retries", _at_least(0)),
     ("tracking.flush_timeout_s", _at_least(0.0)),
     ("compare.max_accuracy_drop", _at_least(0.0)),

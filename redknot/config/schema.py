@@ -321,7 +321,7 @@ class TrackingConfig:
     log_run_dir: bool = True         # copy the Hydra run directory into the run's artifacts at the end
     # A tracking store that is down never stops a benchmark: the store is probed at start (a run
     # fails fast when it is unreachable) and every later call runs off the benchmark's path.
-    request_timeout_s: float = 5.0   # per HTTP request to a tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT)
+    request_timeout_s: int = 5       # per HTTP request to a tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT, s)
     max_retries: int = 0             # HTTP retries per request (MLFLOW_HTTP_REQUEST_MAX_RETRIES)
     flush_timeout_s: float = 30.0    # at the end of a run, how long to wait for a store that went down
 

@@ -92,7 +92,7 @@ def http_settings(tracking) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in _HTTP_ENV}
     for name, key in _HTTP_ENV.items():
         value = getattr(tracking, key)
-        os.environ[name] = str(int(value) if key == "max_retries" else value)
+        os.environ[name] = str(max(int(value), 0 if key == "max_retries" else 1))  # MLflow reads integers
     try:
         yield
     finally:
