@@ -103,7 +103,7 @@ def check_command_line(argv: List[str]) -> Optional[int]:
     if result.violations:
         print(f"error: {ConfigError(result.violations)}", file=sys.stderr)
         return 2
-    argv.extend(result.extra_overrides)
+    argv[1:1] = result.extra_overrides  # before any flag (argparse takes overrides only there)
     return None
 
 

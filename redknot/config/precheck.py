@@ -60,7 +60,7 @@ def _message(err: BaseException) -> str:
     keep = [line for line in lines if not line.strip().startswith((
         "Config search path", "provider=", "full_key:", "object_type=", "reference_type=", "Error merging override",
         "Set the environment variable HYDRA_FULL_ERROR"))]
-    return " ".join(line.strip() for line in keep[:8]) or type(err).__name__
+    return " ".join(line.strip() for line in keep[:40]) or type(err).__name__
 
 
 def _compose(overrides: List[str]):

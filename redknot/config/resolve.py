@@ -84,7 +84,7 @@ def resolve(cfg: DictConfig, *, run_dir: Optional[os.PathLike] = None, overrides
     for arm in arms.values():
         _absolutize(arm, base)
     choices = _choices(hydra_cfg)
-    suite_changes = derive_suite_name(typed, choices.get("suite"))
+    suite_changes = derive_suite_name(typed, choices.get("suite") or typed.suite.name)
     for arm in arms.values():
         arm.suite = typed.suite
 
