@@ -106,3 +106,25 @@ def test_a_run_whose_process_was_killed_is_closed_at_the_next_start(tmp_path):
         pass
     (killed,) = [r for r in runs(tmp_path) if r.info.run_name == "killed"]
     assert killed.info.status == "KILLED" and "is gone; marked KILLED" in killed.data.tags["redknot.stale"]
+
+
+def test_an_unwritable_store_is_refused_at_start(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    ctx = make_ctx(tmp_path, "mode=prepare", f"tracking.uri=sqlite:///{blocker}/mlflow.db")
+    with pytest.raises(TrackingUnavailable) as err:
+        with open_tracker(ctx):
+            pass
+    assert f"tracking.uri=sqlite:///{blocker}/mlflow.db: the MLflow store cannot be used" in str(err.value)
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_keeps_what_was_written(tmp_path):
+    from tracking_testutil import start_app
+
+    proc = start_app(f"output.root={tmp_path}", "seed=97", cwd=tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "records.jsonl: No space left on device; everything written before this point is kept in" in out
+    assert "Traceback" not in out
+    (body,) = tmp_path.glob("*/*/body.txt")
+    assert body.read_text() == "seed=97\n"
