@@ -83,6 +83,8 @@ def finish(ctx, tracker, console: Console, code: int) -> int:
     except OSError as err:
         console.print(f"could not write {REPORT_FILE} into {ctx.run_dir}: {err}", style="red", markup=False)
         path = None
-    console.print(f"run directory: {ctx.run_dir}" + (f" (report: {path.name})" if path else ""), markup=False)
-    console.print(tracking_location(ctx, tracker), markup=False)
+    # Never wrapped: scripts take the run directory and the run id from the last two lines.
+    console.print(f"run directory: {ctx.run_dir}" + (f" (report: {path.name})" if path else ""), markup=False,
+                  soft_wrap=True)
+    console.print(tracking_location(ctx, tracker), markup=False, soft_wrap=True)
     return code
