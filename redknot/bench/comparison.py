@@ -75,7 +75,8 @@ def comparison_markdown(summary: dict) -> str:
              f"- quality gate: **{'PASSED' if verdict['passed'] else 'FAILED'}** — {verdict['rule']}; "
              f"{verdict['reason']}",
              f"- complete: {summary['complete']}", "", "## Per case", "",
-             "| case | role | TTFT baseline s (p50/p95) | TTFT candidate s (p50/p95) | speed-up | score b/c | same output |",
+             "| case | role | TTFT baseline s (p50/p95) | TTFT candidate s (p50/p95) | speed-up | score b/c "
+             "| same output |",
              "|---|---|---|---|---|---|---|"]
     for row in summary["cases"]:
         b, c = row["baseline"], row["candidate"]

@@ -40,7 +40,8 @@ def _setup(tokenizer, inputs, engines, candidate_wrong=()):
             engine = FakeLLM(tokenizer, lambda ids: book[prompt_key(ids)])
         else:
             wrong = {prompt_key(inputs.load_ids(c)) for c in inputs.cases if c.case_id in candidate_wrong}
-            engine = FastPrefill(tokenizer, lambda ids: "no idea" if prompt_key(ids) in wrong else book[prompt_key(ids)])
+            engine = FastPrefill(tokenizer,
+                                 lambda ids: "no idea" if prompt_key(ids) in wrong else book[prompt_key(ids)])
         engines[cfg.features.swa_replay.mode.value] = engine
         return engine
 
