@@ -199,3 +199,25 @@ def test_the_default_run_says_what_its_numbers_mean(tmp_path, tokenizer, capsys)
     assert not (ctx.run_dir / "plots" / "score_per_dataset.png").exists()
     assert not (ctx.run_dir / "plots" / "ttft_vs_context.png").exists()  # one prompt length: one column of points
     assert (ctx.run_dir / "plots" / "ttft_per_case.png").is_file()
+
+
+def test_a_long_suite_without_data_says_how_to_get_it_and_a_synthetic_one_needs_none(tmp_path, capsys):
+    from redknot.bench import app
+    from redknot.bench.freeze import freeze
+    from redknot.bench.typed import load_yaml_option
+    from redknot.config.schema import ModelConfig, SuiteConfig
+    from redknot.tracking.base import NullTracker
+
+    from .support import make_ctx, squash
+
+    cache = tmp_path / "outputs" / "cache"
+    suite = load_yaml_option(CONF_DIR / "suite" / "128k.yaml", SuiteConfig)
+    assert app.prepare(make_ctx(tmp_path / "run", cache, suite), NullTracker()) == 2
+    out = squash(capsys.readouterr().out)
+    for hint in ("suite.data.download=true", "suite.data.dir=DIR", "suite=ruler_64k or ruler_128k"):
+        assert squash(hint) in out, hint
+    ruler = load_yaml_option(CONF_DIR / "suite" / "ruler_64k.yaml", SuiteConfig)
+    ruler.samples_per_dataset = 1  # one case per task keeps the test short; the suite's own count is 5
+    inputs = freeze(ruler, ModelConfig(), cache).inputs
+    assert [c.num_tokens for c in inputs.cases] == [65536] * 4
+    assert {c.dataset for c in inputs.cases} == {"niah_single", "niah_multikey", "niah_multivalue", "variable_tracking"}
