@@ -28,6 +28,7 @@ from redknot.bench import report
 from redknot.bench.aggregate import aggregate, tracked_metrics
 from redknot.bench.benchmark import EngineStartError, RunSetup, config_hash, git_sha
 from redknot.bench.cases import CaseExecutor, RecordContext, build_record
+from redknot.bench.notes import run_notes
 from redknot.bench.comparison import comparison_markdown, gate, pair_rows, print_comparison
 from redknot.bench.preflight import Prepared, prepare_run
 from redknot.bench.records import RECORDS_FILE, RecordWriter, read_records
@@ -191,6 +192,8 @@ class Comparison:
         (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         (self.run_dir / COMPARISON_FILE).write_text(comparison_markdown(summary), encoding="utf-8")
         print_comparison(self.console, summary)
+        for note in run_notes(self.ctx, base.results)[:2]:  # what the numbers mean (weights, device)
+            self.console.print(f"note: {note}", style="yellow", markup=False)
         self._track(summary)
         for arm in self.arms:
             ok = complete and arm.results["completed"] == arm.results["total"]
