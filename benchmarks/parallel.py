@@ -204,7 +204,7 @@ def suite_part(args, n: int) -> list:
             data = [f"suite.data.dir={args.data}"] if args.data else []
             small = ["suite.samples_per_dataset=1", "suite.warmup_requests=0"] if args.smoke else []
             argv = ["-m", "redknot", f"suite={args.suite}", *data, *small, *base_overrides(args),
-                    *cli_model_overrides(args), *extra, f"output.root={out}"]
+                    *cli_model_overrides(args), *extra, f"output.root={out}", "output.allow_outside_cwd=true"]
             code = torchrun(n, argv)
             rows.append(dict(layout=name, code=code, **read_suite_run(out)))
             continue

@@ -10,10 +10,14 @@ One module per role:
 * ``suite``      — every case of a suite (+ manifest entries); ``tokenizer`` / ``tokcache`` feed it
 * ``store`` / ``freeze`` — the content-addressed frozen-input store and ``mode=prepare``
 * ``validate``   — re-derive inputs bit for bit; check a results directory against its manifest
-* ``runner``     — admission (per data-parallel rank) and stepping through the public engine API
+* ``integrity``  — hash checks of a frozen-input entry on every reuse; ``release`` — release suites and
+  ``RELEASE_SUITES.json``; ``preflight`` — everything done before an engine starts
+* ``runner``     — admission (per data-parallel rank) and stepping through the public engine API;
+  ``cases`` — one case at a time: hot-TTFT repetitions, the scored run, its record
 * ``measure`` / ``scoring`` / ``records`` / ``aggregate`` / ``report`` — timings, scores, JSONL records,
-  results, table + JSON + CSV + plots
-* ``benchmark``  — one resumable ``mode=run``; ``catalog`` — ``mode=catalog``; ``app`` — the mode bodies
+  results, table + JSON + CSV + plots; ``notes`` — what the numbers mean; ``runlog`` — ``report.md``
+* ``benchmark``  — one resumable ``mode=run``; ``compare`` / ``comparison`` — ``mode=compare`` and its
+  pages; ``catalog`` — ``mode=catalog``; ``app`` — the mode bodies
 
 ``prepare``, ``validate`` and ``catalog`` never import torch or the engine.
 """

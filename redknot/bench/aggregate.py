@@ -3,7 +3,10 @@
 Scores are averaged over ``ok`` records only; ``completed``/``total`` say how
 many of the manifest's cases that is, and ``partial`` is true whenever a case
 has no ``ok`` record (not run yet, or failed). The overall score is the mean of
-the dataset scores, as LongBench reports it.
+the dataset scores, as LongBench reports it. Presentation (long-answer) cases
+count for coverage but never for a score: they are listed under
+``presentation``. Hot TTFT (``suite.measured_repeats``): ``ttft_hot_s`` pools
+every measured repetition of every case (p50/p95).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from redknot.bench.records import latest_by_case
 from redknot.bench.scoring import dataset_score
 from redknot.bench.suite import CaseEntry
 
-LATENCY_PERCENTILES = (50, 90, 99)
+LATENCY_PERCENTILES = (50, 90, 95, 99)
 
 
 def latency_stats(values: Sequence[float]) -> Dict[str, Optional[float]]:
@@ -53,19 +56,33 @@ def _dataset_block(name: str, cases: List[CaseEntry], latest: Dict[str, dict]) -
     return block
 
 
+def _presentation(cases: Sequence[CaseEntry], latest: Dict[str, dict]) -> List[dict]:
+    out = []
+    for case in cases:
+        record = latest.get(case.case_id, {})
+        out.append({"case_id": case.case_id, "dataset": case.dataset, "question": case.question,
+                    "answers": list(case.answers), "status": record.get("status", "not run"),
+                    "prediction": record.get("prediction_raw"), "completion_tokens": record.get("completion_tokens"),
+                    "ttft_s": record.get("ttft_s"), "ttft_p95_s": record.get("ttft_p95_s"),
+                    "reference_score": record.get("score")})
+    return out
+
+
 def aggregate(records: Iterable[dict], cases: Sequence[CaseEntry]) -> dict:
     """The results of a run (see the module docstring); records of cases not in ``cases`` are ignored."""
     wanted = {c.case_id for c in cases}
     latest = {cid: r for cid, r in latest_by_case(records).items() if cid in wanted}
     by_dataset: Dict[str, List[CaseEntry]] = {}
     for case in cases:
-        by_dataset.setdefault(case.dataset, []).append(case)
+        if getattr(case, "role", "short") != "presentation":
+            by_dataset.setdefault(case.dataset, []).append(case)
     datasets = {name: _dataset_block(name, group, latest) for name, group in by_dataset.items()}
     ok = [r for r in latest.values() if r["status"] == "ok"]
     scored = [d["score"] for d in datasets.values() if d["score"] is not None]
     proposed = sum(r.get("draft_proposed", 0) for r in ok)
     accepted = sum(r.get("draft_accepted", 0) for r in ok)
     peaks = [r["peak_memory_bytes"] for r in latest.values() if r.get("peak_memory_bytes") is not None]
+    repeats = [t for r in ok for t in r.get("ttft_repeats_s") or ()]
     return {
         "total": len(cases),
         "completed": len(ok),
@@ -82,6 +99,9 @@ def aggregate(records: Iterable[dict], cases: Sequence[CaseEntry]) -> dict:
         "accept_len": _mean(r.get("accept_len") for r in ok),
         "draft_acceptance_rate": accepted / proposed if proposed else None,
         "peak_memory_bytes": max(peaks) if peaks else None,
+        "draft_proposed": proposed,
+        "ttft_hot_s": latency_stats(repeats),
+        "presentation": _presentation([c for c in cases if getattr(c, "role", "short") == "presentation"], latest),
     }
 
 
@@ -94,9 +114,12 @@ def tracked_metrics(results: dict) -> Dict[str, float]:
         "accept_len.mean": results["accept_len"], "draft_acceptance_rate": results["draft_acceptance_rate"],
         "peak_memory_bytes": results["peak_memory_bytes"],
     }
-    for stat in ("mean", "p50", "p90", "p99"):
+    for stat in ("mean", "p50", "p90", "p95", "p99"):
         out[f"ttft_s.{stat}"] = results["ttft_s"][stat]
         out[f"e2e_s.{stat}"] = results["e2e_s"][stat]
+    hot = results.get("ttft_hot_s") or {}
+    if hot.get("count"):
+        out["ttft_hot_s.p50"], out["ttft_hot_s.p95"] = hot["p50"], hot["p95"]
     for name, block in results["datasets"].items():
         out[f"score.{name}"] = block["score"]
         out[f"completed.{name}"] = block["completed"]

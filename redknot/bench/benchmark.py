@@ -3,8 +3,11 @@
 Resume: runs are keyed by a *config hash* (model, hardware, features, engine
 and suite sections plus the frozen-input address). ``<cache_dir>/runs/<hash>.json``
 points at the latest run directory of that config; when that run did not finish
-every case, a new run copies its final records and runs only the rest. A run
-that finished is never resumed: running the same config again measures again.
+every case, a new run copies its final records and runs only the rest, and its
+MLflow run is linked to the one it resumes (``bench.resumed_from_run_id``). A run
+that finished is not resumed: running the same config again measures again,
+except inside a sweep that resumes an interrupted one, where a finished job is
+reported from its records without starting an engine.
 """
 from __future__ import annotations
 
@@ -21,13 +24,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from redknot.bench import report
 from redknot.bench.aggregate import aggregate, tracked_metrics
-from redknot.bench.freeze import FreezeResult, freeze
-from redknot.bench.measure import request_timings
+from redknot.bench.notes import run_notes
+from redknot.bench.cases import CaseExecutor, RecordContext, build_record, is_hot
+from redknot.bench.preflight import Prepared, prepare_run
 from redknot.bench.records import (FINAL_STATUSES, RECORDS_FILE, RecordWriter, RequestRecord, finished_case_ids,
                                    read_records)
 from redknot.bench.frozen_inputs import FrozenInputs
 from redknot.bench.runner import CaseJob, CaseOutcome, Runner
 from redknot.bench.scoring import score_prediction
+from redknot.config.sweep_files import SWEEP_RESUME_FILE
 
 RUN_META = "bench_run.json"
 MANIFEST_COPY = "inputs_manifest.json"
@@ -55,7 +60,7 @@ def git_sha() -> str:
 
 
 class EngineStartError(RuntimeError):
-    """The engine could not be built (wrong device, missing kernel package, bad checkpoint)."""
+    """The engine could not be built (wrong device, missing kernel package, bad checkpoint); no case ran."""
 
 
 @dataclass
@@ -73,9 +78,10 @@ class ResumeIndex:
 
     def previous(self, key: str) -> Optional[Path]:
         path = self.root / f"{key}.json"
-        if not path.is_file():
-            return None
-        run_dir = Path(json.loads(path.read_text())["run_dir"])
+        try:
+            run_dir = Path(json.loads(path.read_text())["run_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no pointer, or a damaged one: nothing to resume
         return run_dir if (run_dir / RECORDS_FILE).is_file() else None
 
     def point(self, key: str, run_dir: Path) -> None:
@@ -94,8 +100,15 @@ class BenchmarkRun:
         self.console = console or Console()
         self.run_dir = Path(ctx.run_dir)
         self.cache_dir = Path(self.cfg.output.cache_dir)
+        self.engine_started = False
+        self.resumed_from: Optional[dict] = None
 
     # ------------------------------------------------------------------ setup
+
+    def _reuse_finished(self) -> bool:
+        """Inside a sweep that resumes an interrupted one, a finished job is reported, not measured again."""
+        sweep_dir = getattr(self.ctx, "sweep_dir", None)
+        return sweep_dir is not None and (Path(sweep_dir) / SWEEP_RESUME_FILE).is_file()
 
     def _resume(self, key: str, inputs: FrozenInputs) -> List[dict]:
         index = ResumeIndex(self.cache_dir)
@@ -105,89 +118,85 @@ class BenchmarkRun:
             return read_records(self.run_dir / RECORDS_FILE)[0]
         records, _ = read_records(previous / RECORDS_FILE)
         done = finished_case_ids(records) & {c.case_id for c in inputs.cases}
-        if len(done) >= len(inputs.cases):
+        if len(done) >= len(inputs.cases) and not self._reuse_finished():
             return []
         carried = [r for r in records if r.get("status") in FINAL_STATUSES and r.get("case_id") in done]
         with RecordWriter(self.run_dir / RECORDS_FILE) as writer:
             for record in carried:
                 writer.write(RequestRecord(**record))
+        self.resumed_from = _previous_meta(previous)
         self.console.print(f"resuming {previous}: {len(done)}/{len(inputs.cases)} cases already finished")
         return carried
 
-    def _write_meta(self, key: str, frozen: FreezeResult) -> None:
-        meta = {"config_hash": key, "inputs_address": frozen.inputs.address,
-                "inputs_dir": str(frozen.inputs.directory), "suite": _plain(self.cfg.suite),
-                "model": _plain(self.cfg.model), "git_sha": git_sha(), "started_unix": time.time()}
+    def _link_resumed(self) -> None:
+        previous = self.resumed_from or {}
+        tags = {"bench.resumed_from_dir": previous.get("run_dir")}
+        run_id = previous.get("mlflow_run_id")
+        if run_id:
+            tags["bench.resumed_from_run_id"] = run_id
+            mark = getattr(self.tracker, "close_stale", None)
+            if mark is not None:
+                mark(run_id, f"resumed by run {self.tracker.run_id} in {self.run_dir}")
+        self.tracker.set_tags({k: v for k, v in tags.items() if v})
+
+    def _write_meta(self, key: str, prepared: Prepared) -> None:
+        inputs = prepared.inputs
+        meta = {"config_hash": key, "inputs_address": inputs.address, "inputs_dir": str(inputs.directory),
+                "suite": _plain(self.cfg.suite), "model": _plain(self.cfg.model), "git_sha": git_sha(),
+                "started_unix": time.time(), "run_dir": str(self.run_dir),
+                "mlflow_run_id": getattr(self.tracker, "run_id", None),
+                "release_manifest": str(prepared.release_manifest) if prepared.release_manifest else None}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / RUN_META).write_text(json.dumps(meta, indent=2) + "\n")
-        shutil.copyfile(frozen.inputs.directory / "manifest.json", self.run_dir / MANIFEST_COPY)
-
-    # ------------------------------------------------------------------ records
-
-    def _record(self, outcome: CaseOutcome, key: str, address: str, sha: str) -> RequestRecord:
-        entry, out = outcome.entry, outcome.output
-        timings = request_timings(getattr(out, "metrics", None))
-        raw = out.text if out is not None else ""
-        record = RequestRecord(
-            case_id=entry.case_id, dataset=entry.dataset, row_id=entry.row_id, suite=self.cfg.suite.name,
-            status=outcome.status, prompt_tokens=entry.num_tokens, max_new_tokens=entry.max_new_tokens,
-            ids_sha256=entry.ids_sha256, inputs_address=address, config_hash=key, git_sha=sha,
-            completion_tokens=len(out.token_ids) if out is not None else 0,
-            finish_reason=getattr(out, "finish_reason", None), error=outcome.error, dp_rank=outcome.dp_rank,
-            ttft_s=timings.ttft_s, e2e_s=timings.e2e_s, queue_s=timings.queue_s,
-            prefill_tok_s=timings.prefill_tok_s, decode_tok_s=timings.decode_tok_s,
-            draft_proposed=timings.draft_proposed, draft_accepted=timings.draft_accepted,
-            accept_len=timings.accept_len, peak_memory_bytes=outcome.peak_memory_bytes, prediction_raw=raw,
-            metric=entry.metric, finished_unix=time.time())
-        metrics = getattr(out, "metrics", None)
-        if metrics is not None and metrics.num_prompt_tokens:
-            record.prompt_tokens = int(metrics.num_prompt_tokens)  # what the engine saw; validate compares
-        if outcome.status == "ok":
-            scored = score_prediction(raw, entry.answers, entry.metric, entry.first_line_only)
-            record.prediction, record.score, record.scores = scored.prediction, scored.primary, scored.metrics
-        return record
+        shutil.copyfile(inputs.directory / "manifest.json", self.run_dir / MANIFEST_COPY)
 
     # ------------------------------------------------------------------ run
 
     def execute(self) -> int:
-        frozen = freeze(self.cfg.suite, self.cfg.model, self.cache_dir, console=self.console)
-        inputs = frozen.inputs
-        self.console.print(f"inputs {inputs.address}: {len(inputs.cases)} cases of {self.cfg.suite.context_tokens} "
-                           f"tokens ({'reused' if frozen.reused else 'built'} in {frozen.seconds:.1f} s)")
+        prepared = prepare_run(self.cfg, self.console)  # inputs checked and read before any engine starts
+        inputs = prepared.inputs
         key = config_hash(self.cfg, inputs.address)
-        self._write_meta(key, frozen)
+        self._write_meta(key, prepared)
         self.tracker.set_tags({"bench.config_hash": key, "bench.inputs_address": inputs.address})
         done = finished_case_ids(self._resume(key, inputs))
-        jobs = [c for c in inputs.cases if c.case_id not in done]
+        if self.resumed_from is not None:
+            self._link_resumed()
+        jobs = [job for job in prepared.jobs if job.entry.case_id not in done]
         try:
             if jobs:
-                self._run_jobs(inputs, jobs, key)
+                self._run_jobs(prepared, jobs, key)
         finally:
             code = self._report(inputs, key)
         return code
 
-    def _run_jobs(self, inputs: FrozenInputs, todo, key: str) -> None:
+    def _start_engine(self):
         try:
             engine = self.setup.make_engine(self.cfg)
         except Exception as err:  # the engine's own message names the cause; keep it whole
             raise EngineStartError(f"the engine did not start: {type(err).__name__}: {err}") from err
-        runner = Runner(engine, self.setup.make_params(self.cfg), self.cfg.suite.admission_batch_size,
-                        self.cfg.features.parallel.dp, self.cfg.suite.request_timeout_s)
-        warm = [CaseJob(c, inputs.load_ids(c).tolist()) for c in inputs.cases[:self.cfg.suite.warmup_requests]]
+        self.engine_started = True
+        return engine
+
+    def _run_jobs(self, prepared: Prepared, todo: List[CaseJob], key: str) -> None:
+        engine = self._start_engine()
+        suite = self.cfg.suite
+        params = self.setup.make_params(self.cfg)
+        runner = Runner(engine, params, suite.admission_batch_size, self.cfg.features.parallel.dp,
+                        suite.request_timeout_s)
+        warm = prepared.jobs[:suite.warmup_requests]
         if warm:
             self.console.print(f"warm-up: {len(warm)} request(s), not recorded")
             runner.warmup(warm)
-        jobs = [CaseJob(c, inputs.load_ids(c).tolist()) for c in todo]
-        sha, address = git_sha(), inputs.address
+        context = RecordContext(suite.name, key, prepared.inputs.address, git_sha())
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[last]}"))
         with RecordWriter(self.run_dir / RECORDS_FILE) as writer, \
                 Progress(*columns, console=self.console) as progress:
-            task = progress.add_task(f"suite {self.cfg.suite.name}", total=len(jobs), last="")
+            task = progress.add_task(f"suite {suite.name}", total=len(todo), last="")
             count = [0]
 
-            def on_outcome(outcome: CaseOutcome) -> None:
-                record = self._record(outcome, key, address, sha)
+            def on_outcome(outcome: CaseOutcome, ttfts: Optional[List[float]] = None) -> None:
+                record = build_record(outcome, context, ttfts)
                 writer.write(record)
                 count[0] += 1
                 if record.ttft_s is not None:
@@ -195,7 +204,12 @@ class BenchmarkRun:
                 last = f"{record.case_id} {record.status}" + (f" ttft {record.ttft_s:.3f}s" if record.ttft_s else "")
                 progress.update(task, advance=1, last=last)
 
-            runner.run(jobs, on_outcome)
+            if is_hot(suite):
+                executor = CaseExecutor(engine, params, suite, suite.request_timeout_s)
+                for job in todo:
+                    on_outcome(*executor.run(job))
+            else:
+                runner.run(todo, on_outcome)
         self._log_engine_counters(engine)
 
     def _log_engine_counters(self, engine) -> None:
@@ -216,13 +230,25 @@ class BenchmarkRun:
             self.console.print(f"[red]{problem}[/red]")
         results = aggregate(records, inputs.cases)
         results.update({"suite": self.cfg.suite.name, "context_tokens": self.cfg.suite.context_tokens,
-                        "inputs_address": inputs.address, "config_hash": key})
+                        "inputs_address": inputs.address, "config_hash": key,
+                        "engine_started": self.engine_started or bool(records),
+                        "suite_changes": dict(getattr(self.ctx, "suite_changes", {}) or {}),
+                        "peak_host_memory_bytes": report.peak_host_memory_bytes()})
         report.write_results(self.run_dir, results)
         report.write_summary_csv(self.run_dir, results)
         report.write_plots(self.run_dir, records, results)
-        report.print_summary(self.console, results)
+        report.print_summary(self.console, results, run_notes(self.ctx, results, records), records)
         self.tracker.log_metrics(tracked_metrics(results))
         self.tracker.set_tags({"bench.partial": str(results["partial"]).lower()})
         if not self.cfg.tracking.log_run_dir:
             self.tracker.log_artifacts(self.run_dir, "run_dir")
         return 0 if not results["partial"] else 1
+
+
+def _previous_meta(run_dir: Path) -> dict:
+    try:
+        meta = json.loads((run_dir / RUN_META).read_text())
+    except (OSError, ValueError):
+        meta = {}
+    meta.setdefault("run_dir", str(run_dir))
+    return meta

@@ -66,6 +66,10 @@ def suites_table(suites: Dict[str, SuiteConfig], prepared: List[dict], selected:
     for name, suite in suites.items():
         per = suite.samples_per_dataset
         cases = f"{per} x {len(suite.datasets)} = {per * len(suite.datasets)}" if per > 0 else "all rows"
+        if suite.presentation_cases:
+            cases += f" + {suite.presentation_cases} presentation"
+        if suite.warmup_repeats or suite.measured_repeats > 1:
+            cases += f"; hot TTFT {suite.warmup_repeats}+{suite.measured_repeats}"
         ready = [f"{h['address']} ({h['num_cases']} cases)" for h in prepared if h.get("suite") == suite.name]
         mark = "*" if name == selected else " "
         table.add_row(f"{mark} {name}", f"{suite.context_tokens:,} ({suite.context_tokens // 1024}K)",

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from redknot.bench.datasets import SourceReader
 from redknot.bench.frozen_inputs import FrozenInputs, InputStore, address_of
+from redknot.bench.integrity import InputsError, entry_problems
 from redknot.bench.suite import TOKENS_PER_K, SuiteBuilder, tokenizer_summary
 from redknot.bench.tokcache import TokenCache
 from redknot.bench.tokenizer import load_tokenizer
@@ -29,7 +30,7 @@ class FreezeResult:
     reused: bool
     seconds: float
     disk_bytes: int
-
+    repaired: List[str] = field(default_factory=list)  # problems of a damaged entry that was rebuilt
 
 def make_builder(suite: SuiteConfig, model: ModelConfig, cache_dir: Path, reuse_tokens: bool = False) -> SuiteBuilder:
     """A builder for ``suite``; ``reuse_tokens`` lets it read/write tokenized contexts under the cache (prepare)."""
@@ -74,16 +75,33 @@ def progress_callback(console: Optional[Console]) -> Iterator:
 
 
 def freeze(suite: SuiteConfig, model: ModelConfig, cache_dir: Path, console: Optional[Console] = None,
-           builder: Optional[SuiteBuilder] = None) -> FreezeResult:
-    """Return the suite's frozen inputs, building and storing them first if the address is new."""
+           builder: Optional[SuiteBuilder] = None, repair: bool = True) -> FreezeResult:
+    """Return the suite's frozen inputs, building and storing them first if the address is new.
+
+    A stored entry is checked before reuse (:func:`redknot.bench.integrity.entry_problems`): a
+    damaged one is set aside and rebuilt, or with ``repair=False`` refused with an
+    :class:`InputsError` naming every damaged file.
+    """
     started = time.perf_counter()
     builder = builder or make_builder(suite, model, cache_dir, reuse_tokens=True)
     store = InputStore(Path(cache_dir))
     key = builder.key()
     address = address_of(key)
-    if store.exists(address):
-        inputs = store.load(address)
-        return FreezeResult(inputs, True, time.perf_counter() - started, store.disk_bytes(address))
+    repaired: List[str] = []
+    if store.path(address).exists():
+        problems = entry_problems(store.path(address))
+        if not problems:
+            inputs = store.load(address)
+            return FreezeResult(inputs, True, time.perf_counter() - started, store.disk_bytes(address))
+        if not repair:
+            raise InputsError(f"frozen inputs of suite {suite.name} at {store.path(address)} are damaged:\n  - "
+                              + "\n  - ".join(problems) + f"\nrerun mode=prepare suite={suite.name} to rebuild them")
+        aside = store.set_aside(address)
+        repaired = problems + [f"the damaged entry was moved to {aside} and rebuilt"]
+        if console is not None:
+            console.print(f"frozen inputs at {store.path(address)} failed their check; rebuilding:", style="yellow")
+            for line in repaired:
+                console.print(f"  - {line}", markup=False)
     with progress_callback(console) as progress:
         inputs = store.write(address, manifest_header(builder, key), builder.build(progress))
-    return FreezeResult(inputs, False, time.perf_counter() - started, store.disk_bytes(address))
+    return FreezeResult(inputs, False, time.perf_counter() - started, store.disk_bytes(address), repaired)

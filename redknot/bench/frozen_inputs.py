@@ -101,14 +101,27 @@ class InputStore:
     def load(self, address: str) -> FrozenInputs:
         return load_entry(self.path(address))
 
+    def set_aside(self, address: str) -> Path:
+        """Move a damaged entry out of the way (kept for inspection) so that it can be rebuilt."""
+        target = self.root / ".damaged" / f"{address}-{int(time.time())}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(self.path(address), target)
+        return target
+
     def disk_bytes(self, address: str) -> int:
         return sum(p.stat().st_size for p in self.path(address).rglob("*") if p.is_file())
 
 
 def load_entry(directory: Path) -> FrozenInputs:
-    """Read one store entry (no integrity checks; :mod:`redknot.bench.validate` does those)."""
-    manifest = json.loads((Path(directory) / MANIFEST).read_text(encoding="utf-8"))
-    cases = [CaseEntry.from_json(obj) for obj in manifest.pop("cases")]
+    """Read one store entry (integrity: :mod:`redknot.bench.integrity` on reuse, :mod:`redknot.bench.validate`
+    in full); an unreadable manifest raises ``InputsError`` naming it."""
+    from redknot.bench.integrity import InputsError, read_manifest
+
+    manifest = read_manifest(Path(directory) / MANIFEST)
+    try:
+        cases = [CaseEntry.from_json(obj) for obj in manifest.pop("cases")]
+    except (TypeError, KeyError, ValueError) as err:
+        raise InputsError(f"{Path(directory) / MANIFEST}: a case entry does not fit ({err})") from None
     return FrozenInputs(directory=Path(directory), header=manifest, cases=cases)
 
 

@@ -11,7 +11,8 @@ All times come from ``RequestOutput.metrics`` (engine-side
 * decode tok/s = (output tokens − 1) / (finish − first token);
 * acceptance length = (output tokens − 1) / decode steps, where each decode or
   verify step emits its accepted draft tokens plus one, so
-  decode steps = output tokens − 1 − accepted drafts.
+  decode steps = output tokens − 1 − accepted drafts; None when nothing was
+  drafted (1.00 would read as "every draft rejected").
 """
 from __future__ import annotations
 
@@ -61,5 +62,5 @@ def request_timings(metrics) -> Timings:
         decode_tok_s=_rate(decode_tokens, decode_time),
         draft_proposed=int(metrics.num_draft_proposed or 0),
         draft_accepted=accepted,
-        accept_len=decode_tokens / decode_steps if decode_steps > 0 else None,
+        accept_len=decode_tokens / decode_steps if decode_steps > 0 and metrics.num_draft_proposed else None,
     )

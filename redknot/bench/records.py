@@ -45,7 +45,11 @@ class RequestRecord:
     draft_proposed: int = 0
     draft_accepted: int = 0
     accept_len: Optional[float] = None
-    peak_memory_bytes: Optional[int] = None
+    peak_memory_bytes: Optional[int] = None       # device memory; None where the device has no counter (CPU)
+    role: str = "short"                           # "presentation": long-answer case, not in the accuracy aggregate
+    arm: Optional[str] = None                     # mode=compare: which arm ran it
+    ttft_repeats_s: List[float] = field(default_factory=list)  # hot TTFT: every measured repetition
+    ttft_p95_s: Optional[float] = None            # hot TTFT p95 (ttft_s is then the p50)
     prediction_raw: str = ""
     prediction: str = ""
     metric: str = ""

@@ -9,7 +9,7 @@ token ids (never strings).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # Bump when a template, the chat wrappers or the separators below change: the
 # version is part of every frozen-input address, so old inputs are never reused.
@@ -122,12 +122,13 @@ def get_spec(name: str) -> DatasetSpec:
     return spec
 
 
-def max_new_tokens(name: str, per_dataset: Dict[str, int], default: int) -> int:
-    """``suite.max_new_tokens[name]`` (the name as written in the suite or its canonical form), else ``default``."""
+def max_new_tokens(name: str, per_dataset: Dict[str, int], default: Optional[int] = None) -> int:
+    """``suite.max_new_tokens[name]`` (the name as written in the suite or its canonical form), else
+    ``default`` (``suite.default_max_new_tokens``), else the dataset's own generation length."""
     for key in (name, canonical_name(name)):
         if key in per_dataset:
             return int(per_dataset[key])
-    return int(default)
+    return int(default) if default is not None else get_spec(name).max_new
 
 
 def chat_wrapper(chat_template: str) -> Tuple[str, str]:

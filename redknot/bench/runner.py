@@ -27,9 +27,10 @@ MAX_IDLE_STEPS = 1000  # steps in a row without output while the engine says not
 
 @dataclass
 class CaseJob:
-    """One case to run: its manifest entry and prompt ids."""
+    """One case to run: its manifest entry and prompt ids (``repeat`` tells repetitions of a case apart)."""
     entry: CaseEntry
     prompt_ids: List[int]
+    repeat: str = ""
 
 
 @dataclass
@@ -56,9 +57,10 @@ def _is_oom(message: str) -> bool:
 
 
 def _peak_memory(llm) -> Optional[int]:
+    """The engine's peak device memory; None where the device keeps no such counter (0 on CPU)."""
     stats = llm.stats()
     value = getattr(stats, "peak_memory_bytes", None)
-    return int(value) if value is not None else None
+    return int(value) if value else None
 
 
 class Runner:
@@ -88,14 +90,16 @@ class Runner:
             self._prefix = "case"
         return len(done)
 
-    def run(self, jobs: Sequence[CaseJob], on_outcome: Callable[[CaseOutcome], None]) -> None:
-        """Run every job; ``on_outcome`` is called once per job as soon as it ends."""
-        self._loop(list(jobs), on_outcome, None)
+    def run(self, jobs: Sequence[CaseJob], on_outcome: Callable[[CaseOutcome], None],
+            max_tokens: Optional[int] = None) -> None:
+        """Run every job; ``on_outcome`` is called once per job as soon as it ends (``max_tokens``
+        replaces each case's generation length, e.g. 1 for a TTFT-only repetition)."""
+        self._loop(list(jobs), on_outcome, max_tokens)
 
     # ------------------------------------------------------------------ loop
 
     def _req_id(self, job: CaseJob) -> str:
-        return f"{self._prefix}:{job.entry.case_id}"
+        return f"{self._prefix}:{job.entry.case_id}{job.repeat}"
 
     def _free_rank(self, active: Dict[str, _Active]) -> Optional[int]:
         load = [0] * self.dp_size

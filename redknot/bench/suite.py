@@ -54,6 +54,7 @@ class CaseEntry:
     depths: Tuple[float, ...]
     distractors: Tuple[str, ...]
     num_filler_blocks: int
+    role: str = "short"  # "short": scored into the accuracy aggregate; "presentation": long answer, shown only
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -111,12 +112,28 @@ class SuiteBuilder:
                             "positive number of cases")
         return self.suite.samples_per_dataset
 
+    def presentation_rows(self) -> List[Tuple[str, DatasetSpec, int]]:
+        """(dataset, spec, row index) of each presentation case: the datasets in turn, rows after the
+        short-answer ones (case k of dataset d is row samples_per_dataset + k)."""
+        out, seen = [], {}
+        for i in range(max(self.suite.presentation_cases, 0)):
+            name, spec = self.specs[i % len(self.specs)]
+            out.append((name, spec, max(self.suite.samples_per_dataset, 0) + seen.get(name, 0)))
+            seen[name] = seen.get(name, 0) + 1
+        return out
+
+    def synthetic_rows(self, name: str, spec: DatasetSpec) -> List:
+        """The generated rows of a synthetic task: short-answer rows, then any presentation rows
+        (each row depends on its index only, so the first ones never change)."""
+        extra = sum(1 for d, _, _ in self.presentation_rows() if d == name)
+        return synthetic.generate_rows(spec.name, self.num_synthetic() + extra, self.suite.seed)
+
     def max_new(self, name: str) -> int:
         return registry.max_new_tokens(name, dict(self.suite.max_new_tokens), self.suite.default_max_new_tokens)
 
     def source_sha256(self, name: str, spec: DatasetSpec) -> str:
         if spec.kind == "synthetic":
-            rows = synthetic.generate_rows(spec.name, self.num_synthetic(), self.suite.seed)
+            rows = self.synthetic_rows(name, spec)
             blob = json.dumps([asdict(r) for r in rows] + synthetic.filler_sentences(self.suite.seed))
             return hashlib.sha256(blob.encode()).hexdigest()
         return self.reader.sha256(name)
@@ -133,6 +150,9 @@ class SuiteBuilder:
             "max_new_tokens": {name: self.max_new(name) for name, _ in self.specs},
             "tokenizer_sha256": self.tokenizer.sha256,
             "sources": {name: self.source_sha256(name, spec) for name, spec in self.specs},
+            **({"presentation": {"cases": suite.presentation_cases,
+                                 "max_new_tokens": suite.presentation_max_new_tokens}}
+               if suite.presentation_cases > 0 else {}),
         }
 
     # ------------------------------------------------------------------ tokens
@@ -166,12 +186,22 @@ class SuiteBuilder:
     # ------------------------------------------------------------------ cases
 
     def build(self, progress: Optional[Progress] = None) -> Iterator[Tuple[CaseEntry, np.ndarray]]:
-        """Every case of the suite, dataset by dataset, in a fixed order."""
+        """Every case of the suite in a fixed order: the short-answer cases dataset by dataset, then
+        the presentation cases."""
+        wanted = {}
+        for name, _, index in self.presentation_rows():
+            wanted.setdefault(name, []).append(index)
+        later = []
         for name, spec in self.specs:
-            if spec.kind == "synthetic":
-                yield from self._build_synthetic(name, spec, progress)
-            else:
-                yield from self._build_longbench(name, spec, self.reader.load(name), progress)
+            built = (self._build_synthetic(name, spec, progress) if spec.kind == "synthetic" else
+                     self._build_longbench(name, spec, self.reader.load(name), progress, wanted.get(name, [])))
+            for entry, ids in built:
+                if entry.role == "presentation":
+                    later.append((entry, ids))
+                else:
+                    yield entry, ids
+        order = {(name, index): i for i, (name, _, index) in enumerate(self.presentation_rows())}
+        yield from sorted(later, key=lambda item: order[(item[0].dataset, item[0].row_index)])
 
     def _note_stats(self, name: str, source_rows: int, gold_lengths: List[int], truncated: int) -> None:
         self.stats[name] = {
@@ -181,24 +211,31 @@ class SuiteBuilder:
 
     def _entry(self, name: str, spec: DatasetSpec, index: int, row_id: str, source: str, sha: str, question: str,
                answers: Sequence[str], built: BuiltCase, distractors: Tuple[str, ...]) -> CaseEntry:
+        presentation = index >= max(self.suite.samples_per_dataset, 0) and self.suite.samples_per_dataset > 0
+        role = "presentation" if presentation else "short"
+        max_new = self.suite.presentation_max_new_tokens if presentation else self.max_new(name)
         return CaseEntry(
             case_id=f"{name}-{index:04d}", dataset=name, kind=spec.kind, row_index=index, row_id=row_id,
             source=source, source_sha256=sha, question=question, answers=tuple(answers), metric=spec.metric,
-            first_line_only=spec.first_line_only, max_new_tokens=self.max_new(name),
+            first_line_only=spec.first_line_only, max_new_tokens=max_new,
             num_tokens=int(len(built.input_ids)), ids_sha256=ids_sha256(built.input_ids),
             gold_spans=built.gold_spans, gold_truncated=built.gold_truncated, depths=built.depths,
-            distractors=distractors, num_filler_blocks=len(built.filler_keys))
+            distractors=distractors, num_filler_blocks=len(built.filler_keys), role=role)
 
-    def _build_longbench(self, name: str, spec: DatasetSpec, source: DatasetSource,
-                         progress: Optional[Progress]) -> Iterator[Tuple[CaseEntry, np.ndarray]]:
+    def _build_longbench(self, name: str, spec: DatasetSpec, source: DatasetSource, progress: Optional[Progress],
+                         presentation: Sequence[int] = ()) -> Iterator[Tuple[CaseEntry, np.ndarray]]:
         rows = source.rows
-        selected = rows[:self.num_rows(len(rows))]
+        missing = [i for i in presentation if i >= len(rows)]
+        if missing:
+            raise CaseError(f"{name} from {self.reader.description}: suite.presentation_cases needs row {missing[0]} "
+                            f"but the file has {len(rows)} rows")
+        selected = list(rows[:self.num_rows(len(rows))]) + [rows[i] for i in presentation]
         contexts = self._contexts(source, f"tokenize {name}", progress)
         questions = self.tokenizer.encode_batch([row.input for row in selected])
         sep = self.tokenizer.encode(registry.PASSAGE_SEPARATOR)
         by_id = {row.row_id: row.index for row in rows}
         truncated = 0
-        for row, question in zip(selected, questions):
+        for count, (row, question) in enumerate(zip(selected, questions), start=1):
             order = distractor_order(self.suite.seed, name, row.row_id, [r.row_id for r in rows if r is not row])
             filler = ((other, contexts[by_id[other]]) for other in order)
             try:
@@ -206,15 +243,14 @@ class SuiteBuilder:
                                    [gold_depth(self.suite.seed, name, row.row_id)], filler, sep,
                                    self.suite.context_tokens)
             except CaseError as err:
-                hint = ("; point suite.data.dir / suite.data.archive at the full LongBench data or lower "
-                        "suite.context_tokens") if "filler runs out" in str(err) else ""
+                hint = data_hint(self.reader) if "filler runs out" in str(err) else ""
                 raise CaseError(f"{name} row {row.index} (_id {row.row_id}) from {self.reader.description}: "
                                 f"{err}{hint}") from None
             truncated += built.gold_truncated
             yield self._entry(name, spec, row.index, row.row_id, source.origin, source.sha256, row.input,
                               row.answers, built, built.filler_keys), built.input_ids
             if progress:
-                progress(f"build {name}", row.index + 1, len(selected))
+                progress(f"build {name}", count, len(selected))
         self._note_stats(name, len(rows), [len(contexts[row.index]) for row in selected], truncated)
 
     def _pool(self, progress: Optional[Progress]) -> List[np.ndarray]:
@@ -226,7 +262,7 @@ class SuiteBuilder:
     def _build_synthetic(self, name: str, spec: DatasetSpec,
                          progress: Optional[Progress]) -> Iterator[Tuple[CaseEntry, np.ndarray]]:
         pool = self._pool(progress)
-        rows = synthetic.generate_rows(spec.name, self.num_synthetic(), self.suite.seed)
+        rows = self.synthetic_rows(name, spec)
         sha = self.source_sha256(name, spec)
         empty = np.zeros(0, dtype=np.uint32)
         gold_lengths = []
@@ -242,6 +278,16 @@ class SuiteBuilder:
             if progress:
                 progress(f"build {name}", row.index + 1, len(rows))
         self._note_stats(name, len(rows), gold_lengths, 0)
+
+
+def data_hint(reader: SourceReader) -> str:
+    """How to get enough LongBench data (appended to a "filler runs out" error)."""
+    sample = "the LongBench-format sample bundled with redknot is sized for the smoke suites; " \
+        if reader.description.startswith("the packaged") else ""
+    return (f"; {sample}get the LongBench data with suite.data.download=true (mode=prepare fetches "
+            f"THUDM/LongBench's data.zip once into output.cache_dir), or point suite.data.dir=DIR (one "
+            f"<dataset>.jsonl per set) or suite.data.archive=data.zip at a copy; suite=ruler_64k or ruler_128k "
+            f"(synthetic tasks) needs no download; or lower suite.context_tokens")
 
 
 def tokenizer_summary(tokenizer: BenchTokenizer) -> dict:

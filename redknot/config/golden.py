@@ -17,7 +17,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from redknot.config.hardware_fit import CONF_DIR
 
 GOLDEN_DIR = CONF_DIR.parent / "tests" / "golden"
-SUITES = ("smoke", "64k", "128k", "256k", "440k")
+SUITES = tuple(sorted(p.stem for p in (CONF_DIR / "suite").glob("*.yaml")))
 HARDWARE = ("cpu", "sm90-port", "sm100", "ascend950")
 UPDATE_COMMAND = "python -m redknot.config.golden --update"
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from redknot.config.hardware_fit import CONF_DIR
 
-GROUPS = ("model", "hardware", "features", "suite", "sweep", "hydra/launcher")
+GROUPS = ("model", "hardware", "features", "suite", "sweep", "compare", "hydra/launcher")
 
 
 @contextmanager

@@ -23,7 +23,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 import redknot.config.schema_store  # noqa: F401  (the schema must be in the ConfigStore before any compose)
 from redknot.config.legacy import LegacyEnvError, find_legacy, merge_overrides
-from redknot.config.schema import LegacyEnvPolicy, RedKnotConfig
+from redknot.config.effective import derive_suite_name, effective_values, outside_cwd
+from redknot.config.schema import LegacyEnvPolicy, Mode, RedKnotConfig
 from redknot.config.violations import ConfigError, Violation, validate
 
 # Typed fields holding paths, made absolute by the resolver.
@@ -42,6 +43,12 @@ class RunContext:
     choices: Dict[str, str] = field(default_factory=dict)  # group -> option, e.g. {"suite": "128k"}
     sweep_dir: Optional[Path] = None      # set for the jobs of a multirun
     job_num: Optional[int] = None
+    # Values that differ from what the config says (e.g. max_draft without drafting), key -> note.
+    effective: Dict[str, str] = field(default_factory=dict)
+    # suite keys overridden from the suite option's YAML (the suite name is derived from them).
+    suite_changes: Dict[str, Any] = field(default_factory=dict)
+    # mode=compare: the two arms' configs, {name: typed config}, baseline first.
+    arms: Dict[str, RedKnotConfig] = field(default_factory=dict)
 
 
 def resolve(cfg: DictConfig, *, run_dir: Optional[os.PathLike] = None, overrides: Optional[List[str]] = None,
@@ -64,10 +71,22 @@ def resolve(cfg: DictConfig, *, run_dir: Optional[os.PathLike] = None, overrides
         overrides = merged
 
     typed = to_typed(cfg)
-    violations = validate(typed)
+    violations = validate(typed) + outside_cwd(typed, base)
+    arms: Dict[str, RedKnotConfig] = {}
+    if typed.mode == Mode.compare and not violations:
+        from redknot.config.arms import resolve_arms
+
+        arms, arm_violations = resolve_arms(cfg, typed, overrides, hydra_cfg)
+        violations += arm_violations
     if violations:
         raise ConfigError(violations)
     _absolutize(typed, base)
+    for arm in arms.values():
+        _absolutize(arm, base)
+    choices = _choices(hydra_cfg)
+    suite_changes = derive_suite_name(typed, choices.get("suite") or typed.suite.name)
+    for arm in arms.values():
+        arm.suite = typed.suite
 
     if run_dir is None:
         if hydra_cfg is None:
@@ -76,8 +95,9 @@ def resolve(cfg: DictConfig, *, run_dir: Optional[os.PathLike] = None, overrides
     sweep_dir, job_num = _sweep(hydra_cfg)
     return RunContext(
         cfg=typed, run_dir=Path(run_dir).resolve(), overrides=list(overrides), legacy_translation=translation,
-        config_yaml=OmegaConf.to_yaml(OmegaConf.structured(typed)), choices=_choices(hydra_cfg),
-        sweep_dir=sweep_dir, job_num=job_num)
+        config_yaml=OmegaConf.to_yaml(OmegaConf.structured(typed)), choices=choices,
+        sweep_dir=sweep_dir, job_num=job_num, effective=effective_values(typed), suite_changes=suite_changes,
+        arms=arms)
 
 
 def to_typed(cfg: DictConfig) -> RedKnotConfig:

@@ -6,6 +6,7 @@ device, no imports of the engine.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -59,8 +60,12 @@ RANGES: List[Tuple[str, Tuple[Callable[[Any], bool], str]]] = [
     ("suite.context_tokens", _at_least(1)),
     ("suite.samples_per_dataset", _at_least(1)),
     ("suite.admission_batch_size", _at_least(1)),
-    ("suite.default_max_new_tokens", _at_least(1)),
+    ("suite.default_max_new_tokens", _optional_at_least(1)),
+    ("suite.presentation_cases", _at_least(0)),
+    ("suite.presentation_max_new_tokens", _at_least(1)),
     ("suite.warmup_requests", _at_least(0)),
+    ("suite.warmup_repeats", _at_least(0)),
+    ("suite.measured_repeats", _at_least(1)),
     ("suite.request_timeout_s", (lambda v: v > 0, "must be > 0")),
     ("engine.scheduler.max_num_seqs", _at_least(1)),
     ("engine.scheduler.max_num_batched_tokens", _at_least(1)),
@@ -69,6 +74,10 @@ RANGES: List[Tuple[str, Tuple[Callable[[Any], bool], str]]] = [
     ("engine.scheduler.num_cache_blocks", _optional_at_least(1)),
     ("generate.max_tokens", _at_least(1)),
     ("generate.temperature", _at_least(0.0)),
+    ("tracking.request_timeout_s", _at_least(1)),
+    ("tracking.max_retries", _at_least(0)),
+    ("tracking.flush_timeout_s", _at_least(0.0)),
+    ("compare.max_accuracy_drop", _at_least(0.0)),
 ]
 
 
@@ -86,28 +95,44 @@ def ranges(cfg: RedKnotConfig) -> List[Violation]:
 
 
 def suite_lists(cfg: RedKnotConfig) -> List[Violation]:
+    from redknot.bench import registry  # the dataset table (pure data)
+
     suite, found = cfg.suite, []
     if not suite.datasets:
         found.append(Violation("suite.datasets", suite.datasets, "must name at least one dataset"))
     duplicates = sorted({d for d in suite.datasets if suite.datasets.count(d) > 1})
     if duplicates:
         found.append(Violation("suite.datasets", suite.datasets, f"lists {duplicates} more than once"))
-    extra = sorted(set(suite.max_new_tokens) - set(suite.datasets))
-    if extra:
-        found.append(Violation(
-            "suite.max_new_tokens", suite.max_new_tokens,
-            f"has entries {extra} for datasets not in suite.datasets {suite.datasets} (a misspelt name "
-            f"would silently fall back to suite.default_max_new_tokens)"))
+    known = ", ".join(sorted(registry.DATASETS))
+    unknown = [d for d in suite.datasets if registry.canonical_name(d) not in registry.DATASETS]
+    if unknown:
+        found.append(Violation("suite.datasets", suite.datasets, f"unknown datasets {unknown}; known: {known}"))
+    # Entries for datasets the suite does not run are allowed (suite.datasets=[...] is one override);
+    # an entry naming no dataset at all is a misspelling that would otherwise be ignored.
+    misspelt = sorted(k for k in suite.max_new_tokens if registry.canonical_name(k) not in registry.DATASETS)
+    if misspelt:
+        found.append(Violation("suite.max_new_tokens", suite.max_new_tokens,
+                               f"has entries {misspelt} that name no dataset; known: {known}"))
     for name, tokens in suite.max_new_tokens.items():
         if tokens < 1:
             found.append(Violation(f"suite.max_new_tokens.{name}", tokens, "must be >= 1"))
     return found
 
 
+def largest_max_new(suite) -> int:
+    """The longest generation any case of ``suite`` asks for (short-answer and presentation cases)."""
+    from redknot.bench import registry
+
+    lengths = [registry.max_new_tokens(d, dict(suite.max_new_tokens), suite.default_max_new_tokens)
+               for d in suite.datasets if registry.canonical_name(d) in registry.DATASETS]
+    if suite.presentation_cases > 0:
+        lengths.append(suite.presentation_max_new_tokens)
+    return max(lengths, default=1)
+
+
 def suite_fits_model(cfg: RedKnotConfig) -> List[Violation]:
     suite = cfg.suite
-    per_dataset = [suite.max_new_tokens.get(d, suite.default_max_new_tokens) for d in suite.datasets]
-    max_new = max(per_dataset, default=suite.default_max_new_tokens)
+    max_new = largest_max_new(suite)
     total = suite.context_tokens + max_new
     if total <= cfg.model.max_position:
         return []
@@ -219,16 +244,44 @@ def model_source(cfg: RedKnotConfig) -> List[Violation]:
 def mode_inputs(cfg: RedKnotConfig) -> List[Violation]:
     if cfg.mode == Mode.generate and not cfg.prompt:
         return [Violation("prompt", cfg.prompt, 'mode=generate needs prompt="..."')]
+    if cfg.mode == Mode.compare:
+        arms = cfg.compare
+        if list(arms.baseline) == list(arms.candidate):
+            return [Violation("compare.candidate", arms.candidate,
+                              f"must differ from compare.baseline ({arms.baseline}): mode=compare runs two "
+                              f"configs, e.g. compare.baseline=[features.swa_replay.mode=off] "
+                              f"compare.candidate=[features.swa_replay.mode=compact]")]
+        if arms.baseline_name == arms.candidate_name:
+            return [Violation("compare.candidate_name", arms.candidate_name, "must differ from compare.baseline_name")]
     return []
+
+
+# Compression ratios of the released V4 checkpoints (CSA 4, HCA 128); a synthetic architecture may set its own.
+FAMILY_COMPRESS_RATIOS = {"deepseek_v4": (4, 128)}
+
+
+def compress_ratios(cfg: RedKnotConfig) -> Tuple[int, ...]:
+    arch = cfg.model.synthetic.architecture if cfg.model.synthetic is not None else {}
+    ratios = arch.get("compress_ratios")
+    if isinstance(ratios, (list, tuple)):
+        return tuple(sorted({int(r) for r in ratios if int(r) > 0}))
+    return FAMILY_COMPRESS_RATIOS.get(cfg.model.family, ())
 
 
 def scheduler_budget(cfg: RedKnotConfig) -> List[Violation]:
-    sched = cfg.engine.scheduler
+    sched, found = cfg.engine.scheduler, []
     if sched.long_prefill_chunk > sched.max_num_batched_tokens:
-        return [Violation(
+        found.append(Violation(
             "engine.scheduler.long_prefill_chunk", sched.long_prefill_chunk,
-            f"must be <= engine.scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens})")]
-    return []
+            f"must be <= engine.scheduler.max_num_batched_tokens ({sched.max_num_batched_tokens})"))
+    ratios = compress_ratios(cfg)
+    if sched.block_size >= 1 and any(sched.block_size % r for r in ratios):
+        step = math.lcm(*ratios)
+        found.append(Violation(
+            "engine.scheduler.block_size", sched.block_size,
+            f"must be a multiple of every compress ratio {list(ratios)} of model={cfg.model.name} "
+            f"(e.g. {max(step, sched.block_size // step * step)} or {(sched.block_size // step + 1) * step})"))
+    return found
 
 
 def parallel_features(cfg: RedKnotConfig) -> List[Violation]:

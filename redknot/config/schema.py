@@ -21,6 +21,7 @@ class Mode(str, Enum):
     catalog = "catalog"    # list suites, datasets, models, hardware targets
     validate = "validate"  # re-derive frozen inputs / check a results directory
     generate = "generate"  # offline inference on one prompt
+    compare = "compare"    # a baseline and a candidate config on the same frozen inputs, interleaved per case
 
 
 class LegacyEnvPolicy(str, Enum):
@@ -72,6 +73,12 @@ class StructuredOutputBackend(str, Enum):
     """Grammar engine for structured outputs."""
     xgrammar = "xgrammar"
     none = "none"
+
+
+class CompareInterleave(str, Enum):
+    """How ``mode=compare`` schedules its two arms (``compare.interleave``)."""
+    per_case = "per_case"  # both engines loaded; each case runs on both arms before the next case
+    per_arm = "per_arm"    # one engine at a time: every case on the baseline, then on the candidate
 
 
 class ChatTemplate(str, Enum):
@@ -256,19 +263,50 @@ class DataConfig:
 
 @dataclass
 class SuiteConfig:
-    """A benchmark suite: exact prompt length, datasets, case counts, generation lengths."""
+    """A benchmark suite: exact prompt length, datasets, case counts, generation lengths.
+
+    Cases run in a fixed order: ``samples_per_dataset`` short-answer cases per dataset, then
+    ``presentation_cases`` long-answer cases (rows after the short-answer ones, datasets in turn)
+    that generate ``presentation_max_new_tokens`` tokens and are excluded from the accuracy aggregate.
+    Hot TTFT: each case runs ``warmup_repeats`` unmeasured and ``measured_repeats`` measured times.
+    """
     name: str = "smoke"
     context_tokens: int = 2048               # exact prompt length in target-tokenizer tokens
     datasets: List[str] = field(default_factory=lambda: ["hotpotqa"])
     samples_per_dataset: int = 2
+    presentation_cases: int = 0              # long-answer cases after the short-answer ones (not in accuracy)
+    presentation_max_new_tokens: int = 30
     admission_batch_size: int = 1            # active requests per data-parallel rank at most
-    max_new_tokens: Dict[str, int] = field(default_factory=dict)  # per dataset; missing = default_max_new_tokens
-    default_max_new_tokens: int = 32
+    # Per-dataset generation lengths; a dataset without an entry uses default_max_new_tokens, and
+    # when that is null its own LongBench length (``mode=catalog`` lists them).
+    max_new_tokens: Dict[str, int] = field(default_factory=dict)
+    default_max_new_tokens: Optional[int] = None
     seed: int = 0
     chat_template: ChatTemplate = ChatTemplate.non_thinking
-    warmup_requests: int = 1
+    warmup_requests: int = 1                 # whole requests run once before the suite, not recorded
+    warmup_repeats: int = 0                  # hot TTFT: unmeasured repetitions of each case first
+    measured_repeats: int = 1                # hot TTFT: measured repetitions of each case (p50/p95)
+    release: bool = False                    # freeze into RELEASE_SUITES.json; validated before the engine starts
     request_timeout_s: float = 3600.0
     data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
+class CompareConfig:
+    """``mode=compare``: two arms on the same frozen inputs, interleaved per case.
+
+    Each arm is a list of overrides applied to the run's config (``features.swa_replay.mode=off``,
+    ``model=tiny``); the quality gate fails the comparison when the candidate's short-answer
+    accuracy is more than ``max_accuracy_drop`` points (0-100 scale) below the baseline's.
+    """
+    baseline: List[str] = field(default_factory=list)
+    candidate: List[str] = field(default_factory=list)
+    baseline_name: str = "baseline"
+    candidate_name: str = "candidate"
+    max_accuracy_drop: float = 1.0
+    # per_case: both engines loaded, each case runs on both arms (which goes first alternates per
+    # case); per_arm: one engine at a time (a model that fits the device only once).
+    interleave: CompareInterleave = CompareInterleave.per_case
 
 
 # --------------------------------------------------------------------------- run level
@@ -286,6 +324,11 @@ class TrackingConfig:
     # (<store dir>/mlflow-artifacts), the server's default for a tracking server.
     artifact_location: Optional[str] = None
     log_run_dir: bool = True         # copy the Hydra run directory into the run's artifacts at the end
+    # A tracking store that is down never stops a benchmark: the store is probed at start (a run
+    # fails fast when it is unreachable) and every later call runs off the benchmark's path.
+    request_timeout_s: int = 5       # per HTTP request to a tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT, s)
+    max_retries: int = 0             # HTTP retries per request (MLFLOW_HTTP_REQUEST_MAX_RETRIES)
+    flush_timeout_s: float = 30.0    # at the end of a run, how long to wait for a store that went down
 
 
 @dataclass
@@ -293,6 +336,9 @@ class OutputConfig:
     """Where runs, caches and the default MLflow store are written."""
     root: str = "outputs"
     cache_dir: str = "${output.root}/cache"
+    # Output paths (output.root, output.cache_dir, hydra.run.dir, hydra.sweep.dir) must lie inside the
+    # directory the run starts from unless this is true.
+    allow_outside_cwd: bool = False
 
 
 @dataclass
@@ -312,6 +358,7 @@ class RedKnotConfig:
     run_dir: Optional[str] = None   # mode=validate: the run directory to check
     prompt: Optional[str] = None    # mode=generate
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)

@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
 
 
+def _check_prompts(prompts) -> None:
+    """Refuse what ``generate`` would misread: bytes (a sequence of ints, taken for token ids), None, scalars."""
+    def bad(p) -> bool:
+        return isinstance(p, (bytes, bytearray, memoryview)) or p is None or not isinstance(p, (str, Sequence))
+
+    if bad(prompts) or (not isinstance(prompts, str) and any(bad(p) for p in prompts if not isinstance(p, int))):
+        shown = prompts if bad(prompts) else next(p for p in prompts if not isinstance(p, int) and bad(p))
+        raise TypeError(f"generate: prompts must be a string, a list of token ids, or a list of those; got "
+                        f"{type(shown).__name__}" + (" (decode bytes to str first, e.g. data.decode('utf-8'))"
+                                                     if isinstance(shown, (bytes, bytearray, memoryview)) else ""))
+
+
 class LLM:
     """The inference engine of one process.
 
@@ -120,6 +132,7 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> List[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        _check_prompts(prompts)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):

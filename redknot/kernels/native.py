@@ -13,6 +13,7 @@ otherwise. A machine without a CUDA build of PyTorch, a CUDA toolkit or a C++ co
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -28,17 +29,32 @@ ROW_BYTES, NOPE, ROPE, TILE = 584, 448, 64, 64
 _MODULES: Dict[str, ModuleType] = {}
 
 
+def _nvcc() -> Optional[str]:
+    """nvcc on PATH, else under the CUDA home torch found (a CUDA runtime without the toolkit has none)."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    candidate = Path(home) / "bin" / "nvcc" if home else None
+    return str(candidate) if candidate is not None and candidate.is_file() else None
+
+
 def missing_toolchain() -> List[str]:
-    """What this machine lacks to build the CUDA sources (empty when it can)."""
+    """What this machine lacks to build the CUDA sources (empty when it can). The CUDA wheel of PyTorch
+    that pip installs by default ships the CUDA runtime but neither nvcc nor, on a CPU machine, a GPU."""
     missing = []
     if torch.version.cuda is None:
         missing.append(f"a CUDA build of PyTorch (this one, {torch.__version__}, is CPU-only)")
-    from torch.utils import cpp_extension
-
-    if cpp_extension.CUDA_HOME is None:
-        missing.append("the CUDA toolkit (nvcc; set CUDA_HOME if it is installed)")
+    if _nvcc() is None:
+        missing.append("the CUDA toolkit's compiler nvcc (not on PATH, not under CUDA_HOME; install the CUDA "
+                       "toolkit or set CUDA_HOME)")
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         missing.append("a C++ compiler (c++, g++ or clang++ on PATH)")
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        missing.append("a visible CUDA GPU to build for (or TORCH_CUDA_ARCH_LIST naming the architectures, "
+                       "e.g. '9.0')")
     return missing
 
 

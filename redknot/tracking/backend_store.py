@@ -60,3 +60,51 @@ def store_lock(uri: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking store cannot be used at the start of a run; nothing has been measured yet."""
+
+
+FILE_STORE_ENV = "MLFLOW_ALLOW_FILE_STORE"
+_HTTP_ENV = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "request_timeout_s", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "max_retries"}
+
+
+def is_file_store(uri: str) -> bool:
+    """``file:`` URIs and plain paths (MLflow's file store); not databases or servers."""
+    return uri.startswith("file:") or (":" not in uri.split("/", 1)[0] and not uri.startswith("databricks"))
+
+
+def check_uri(uri: str, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse, with the way out named, a store MLflow itself would refuse later (the file store)."""
+    environ = os.environ if environ is None else environ
+    if is_file_store(uri) and str(environ.get(FILE_STORE_ENV, "")).lower() not in ("1", "true", "yes"):
+        raise TrackingUnavailable(
+            f"tracking.uri={uri}: MLflow 3 keeps its file store in maintenance mode and refuses it unless "
+            f"{FILE_STORE_ENV}=true is exported; use a database store instead (tracking.uri=sqlite:///path/mlflow.db, "
+            f"the default), or export {FILE_STORE_ENV}=true to keep the file store")
+
+
+@contextmanager
+def http_settings(tracking) -> Iterator[None]:
+    """MLflow's HTTP timeout and retries set from ``tracking`` for the run, restored afterwards
+    (MLflow's own default retries a dead server for minutes)."""
+    saved = {name: os.environ.get(name) for name in _HTTP_ENV}
+    for name, key in _HTTP_ENV.items():
+        value = getattr(tracking, key)
+        os.environ[name] = str(max(int(value), 0 if key == "max_retries" else 1))  # MLflow reads integers
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def describe_failure(uri: str, err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"tracking.uri={uri}: the MLflow store cannot be used ({type(err).__name__}: {text[:300]}); start "
+            f"the tracking server or fix the path, point tracking.uri elsewhere, or run with "
+            f"tracking.enabled=false (nothing has been measured yet)")

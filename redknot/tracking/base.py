@@ -56,3 +56,12 @@ class NullTracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         pass
+
+    def child(self, run_name: str, tags: Optional[Mapping[str, Any]] = None) -> "NullTracker":
+        return NullTracker()
+
+    def close_stale(self, run_id: str, reason: str) -> None:
+        pass
+
+    degraded = False
+    incomplete = False

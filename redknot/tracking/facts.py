@@ -35,6 +35,28 @@ def _git(repo: Path, *args: str) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def torch_version() -> Optional[str]:
+    """torch's own version string, local build tag included (``2.13.0+cu130``): the wheel's metadata
+    on PyPI says only ``2.13.0`` for the CUDA build, which hides which build a result came from.
+    Read from ``torch/version.py`` without importing torch when it is not loaded yet."""
+    if "torch" in sys.modules:
+        return str(sys.modules["torch"].__version__)
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / "version.py"
+        try:
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.startswith("__version__"):
+                    return line.split("=", 1)[1].strip().strip("'\"")
+        except OSError:
+            continue
+    return None
+
+
 def versions() -> Dict[str, str]:
     found = {"version.python": platform.python_version()}
     for name in PACKAGES:
@@ -42,6 +64,9 @@ def versions() -> Dict[str, str]:
             found[f"version.{name}"] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
+    torch_full = torch_version()
+    if torch_full and "version.torch" in found:
+        found["version.torch"] = torch_full
     return found
 
 

@@ -49,6 +49,7 @@ class MlflowTracker:
 
     def __init__(self, tracking: TrackingConfig, uri: str, run_name: Optional[str] = None,
                  parent_run_id: Optional[str] = None):
+        self.tracking = tracking
         self.uri = uri
         # The store must be created under ensure_experiment's lock: a client touches it on construction.
         self.experiment_id = ensure_experiment(uri, tracking.experiment, tracking.artifact_location)
@@ -59,13 +60,30 @@ class MlflowTracker:
         self.exit_code = 0
 
     def start(self, tags: Optional[Mapping[str, Any]] = None) -> str:
+        """Create the run; it carries this process's identity so that a later start can tell a run
+        whose process died (SIGKILL) from one still running (:mod:`redknot.tracking.stale`)."""
+        from redknot.tracking.stale import process_tags
+
         run = self.client.create_run(self.experiment_id, run_name=self.run_name)
         self.run_id = run.info.run_id
-        tags = dict(tags or {})
+        tags = {**dict(tags or {}), **process_tags()}
         if self.parent_run_id:
             tags[PARENT_TAG] = self.parent_run_id
         self.set_tags(tags)
         return self.run_id
+
+    def child(self, run_name: str, tags: Optional[Mapping[str, Any]] = None) -> "MlflowTracker":
+        """A started child run of this one (``mode=compare``: one per arm)."""
+        child = MlflowTracker(self.tracking, self.uri, run_name=run_name, parent_run_id=self.run_id)
+        child.start(tags)
+        return child
+
+    def close_stale(self, run_id: str, reason: str) -> None:
+        """Mark ``run_id`` KILLED if it is still RUNNING (a run whose process is gone), saying why."""
+        run = self.client.get_run(run_id)
+        if run.info.status == "RUNNING":
+            self.client.set_tag(run_id, "redknot.stale", reason)
+            self.client.set_terminated(run_id, "KILLED")
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         fitted = fit(flatten(params))
@@ -81,8 +99,9 @@ class MlflowTracker:
         if notes:
             self.set_tags(notes)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
-        now = int(time.time() * 1000)
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None,
+                    timestamp_ms: Optional[int] = None) -> None:
+        now = timestamp_ms or int(time.time() * 1000)
         for batch in batches(dict(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step or 0)
                                                         for k, v in batch.items()])

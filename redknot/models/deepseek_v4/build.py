@@ -1,6 +1,8 @@
 """``build_model``: the one way a V4 model is made from the typed config sections."""
 from __future__ import annotations
 
+import json
+import logging
 import os
 from typing import Optional
 
@@ -11,6 +13,8 @@ from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.synthetic import write_synthetic_checkpoint
 from redknot.models.deepseek_v4.weights import load_checkpoint
 from redknot.models.family import ExpertRows
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_path(model_cfg, cache_dir: str) -> str:
@@ -25,6 +29,21 @@ def checkpoint_path(model_cfg, cache_dir: str) -> str:
     return write_synthetic_checkpoint(model_cfg, cache_dir)
 
 
+def _with_inferred_quantization(cfg: V4Config, path: str, num_layers: Optional[int]) -> V4Config:
+    """config.json without ``quantization_config`` but FP8 tensors with scales: take the format from the tensors."""
+    from redknot.models.deepseek_v4.weights import infer_quantization
+
+    quant = infer_quantization(path)
+    if quant is None:
+        return cfg
+    log.warning("%s/config.json has no quantization_config, but its tensors are FP8 e4m3 with .scale "
+                "siblings: loading it as quantization_config=%s", path, quant)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    parsed = V4Config.from_hf_dict({**raw, "quantization_config": quant})
+    return parsed.cut(num_layers) if num_layers is not None else parsed
+
+
 def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = None, device="cpu",
                 with_mtp: bool = True, progress: Optional[bool] = None,
                 expert_rows: Optional[ExpertRows] = None) -> DeepseekV4:
@@ -33,6 +52,8 @@ def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = 
     it returns, one stacked row each (repeats: replicas); None keeps every expert."""
     path = checkpoint_path(model, cache_dir)
     cfg = V4Config.from_pretrained(path, num_layers=model.num_layers)
+    if cfg.quant is None:
+        cfg = _with_inferred_quantization(cfg, path, model.num_layers)
     if model.max_position > cfg.max_position_embeddings:
         raise ValueError(f"model.max_position={model.max_position} exceeds the checkpoint's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")

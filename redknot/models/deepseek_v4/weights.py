@@ -51,9 +51,64 @@ def read_weight_map(path: str) -> Dict[str, str]:
         return {k: os.path.join(path, v) for k, v in wm.items()}
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
-        with safe_open(single, framework="pt") as f:
+        with _open_shard(single) as f:
             return {k: single for k in f.keys()}
     raise FileNotFoundError(f"checkpoint {path!r} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+class _open_shard:
+    """``safe_open`` whose failures (a truncated or corrupt shard) name the file."""
+
+    def __init__(self, file: str, device: str = "cpu"):
+        self.file, self.device, self.handle = file, device, None
+
+    def __enter__(self):
+        try:
+            self.handle = safe_open(self.file, framework="pt", device=self.device)
+            return _Shard(self.handle.__enter__(), self.file)
+        except CheckpointError:
+            raise
+        except Exception as err:  # safetensors' SafetensorError, OSError
+            raise CheckpointError(f"shard {self.file} cannot be read ({type(err).__name__}: {err}); the file is "
+                                  f"truncated or corrupt: download it again") from None
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc) if self.handle is not None else False
+
+
+class _Shard:
+    """A shard handle whose tensor reads name the file and tensor when they fail (data cut short)."""
+
+    def __init__(self, handle, file: str):
+        self.handle, self.file = handle, file
+
+    def keys(self):
+        return self.handle.keys()
+
+    def get_slice(self, name: str):
+        return self.handle.get_slice(name)
+
+    def get_tensor(self, name: str):
+        try:
+            return self.handle.get_tensor(name)
+        except Exception as err:
+            raise CheckpointError(f"shard {self.file}: tensor {name} cannot be read ({type(err).__name__}: {err}); "
+                                  f"the file is truncated or corrupt: download it again") from None
+
+
+def infer_quantization(path: str) -> Optional[dict]:
+    """A ``quantization_config`` for a checkpoint whose config.json has none but whose tensors are FP8
+    (e4m3) with ``.scale`` siblings, as the released checkpoints store them; None otherwise."""
+    weight_map = read_weight_map(path)
+    found = _headers(weight_map)
+    fp8 = [n for n, (_, dtype) in found.items()
+           if dtype == "F8_E4M3" and n.endswith(".weight") and n[:-len("weight")] + "scale" in found]
+    if not fp8:
+        return None
+    experts = [n for n in found if ".experts." in n and n.endswith(".weight") and n[:-len("weight")] + "scale" in found]
+    fp4 = any(found[n][1] in ("I8", "U8") for n in experts)
+    return {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+            "activation_scheme": "dynamic", "expert_dtype": "fp4" if fp4 else "fp8"}
 
 
 def _expectations(specs: List[TensorSpec]) -> Dict[str, _Expect]:
@@ -82,7 +137,7 @@ def _headers(weight_map: Dict[str, str]) -> Dict[str, Tuple[Tuple[int, ...], str
     for file, names in by_file.items():
         if not os.path.isfile(file):
             raise CheckpointError(f"shard {file} named by the index does not exist")
-        with safe_open(file, framework="pt") as f:
+        with _open_shard(file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
@@ -175,7 +230,7 @@ def load_checkpoint(model, path: str, progress: bool = True) -> None:
     pending: Dict[str, torch.Tensor] = {}  # weights or scales waiting for their partner in a later shard
     with _progress(progress, path, by_file) as advance:
         for file in sorted(by_file):
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with _open_shard(file) as f:
                 for name in sorted(by_file[file]):
                     _load_one(f, name, targets, scale_of, pending, model.device)
             advance(file)

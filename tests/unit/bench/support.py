@@ -48,3 +48,10 @@ def engine_setup(tokenizer, book: Dict[str, str], engines: List[FakeLLM], **fake
 
     return RunSetup(make_engine=make_engine, make_params=lambda cfg: lambda n: SamplingParams(max_tokens=n))
 
+
+
+def squash(text: str) -> str:
+    """Text without any whitespace: console output wraps long lines (paths too) wherever it likes."""
+    import re
+
+    return re.sub(r"\s+", "", text)

@@ -53,8 +53,9 @@ def test_full_run_records_scores_and_report(tmp_path, cache, tokenizer):
     assert results["ttft_s"]["p50"] == pytest.approx(2048 * 1e-5)
     rows = list(csv.DictReader(open(run_dir / "summary.csv")))
     assert [r["dataset"] for r in rows][-1] == "overall" and len(rows) == 6
-    assert (run_dir / "plots" / "ttft_vs_context.png").stat().st_size > 1000
-    assert (run_dir / "plots" / "score_per_dataset.png").stat().st_size > 1000
+    # every prompt has the same length: a TTFT-vs-context scatter would be one column of points
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["score_per_dataset.png", "ttft_per_case.png"]
+    assert (run_dir / "plots" / "ttft_per_case.png").stat().st_size > 1000
     # warm-up ran first on the engine and left no record
     assert engines[0].active_log[0] == ["warmup:niah_single-0000"]
     assert all(not r["case_id"].startswith("warmup") for r in records)
@@ -113,3 +114,65 @@ def test_engine_that_does_not_start_is_reported_with_its_message(tmp_path, cache
     assert "the engine did not start: RuntimeError: hardware=sm100 needs accelerator cuda" in capsys.readouterr().out
     results = json.loads((ctx.run_dir / "results.json").read_text())
     assert results["completed"] == 0 and results["partial"] is True
+
+
+def test_a_resumed_run_is_linked_to_the_run_it_resumes(tmp_path, cache, tokenizer):
+    import mlflow
+
+    from redknot.config.schema import TrackingConfig
+    from redknot.tracking import open_tracker
+
+    book = _book(cache)
+    uri = f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}"
+    run_ids = []
+    for name, fake in (("first", {"interrupt_after": 4}), ("second", {})):
+        ctx = make_ctx(tmp_path / name, cache)
+        ctx.cfg.tracking = TrackingConfig(enabled=True, uri=uri, experiment="resume")
+        ctx.run_dir.mkdir(parents=True)
+        try:
+            with open_tracker(ctx) as tracker:
+                run_ids.append(tracker.run_id)
+                tracker.exit_code = BenchmarkRun(ctx, tracker, engine_setup(tokenizer, book, [], **fake)).execute()
+        except KeyboardInterrupt:
+            pass
+    second = mlflow.tracking.MlflowClient(uri).get_run(run_ids[1])
+    assert second.data.tags["bench.resumed_from_run_id"] == run_ids[0]
+    assert second.data.tags["bench.resumed_from_dir"] == str(tmp_path / "first")
+
+
+def test_a_resumed_sweep_reports_a_finished_job_without_an_engine(tmp_path, cache, tokenizer):
+    from redknot.config.sweep_files import SWEEP_RESUME_FILE
+
+    book = _book(cache)
+    code, first_dir = _run(tmp_path, cache, "first", tokenizer, book)
+    assert code == 0
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / SWEEP_RESUME_FILE).write_text("{}")
+    engines = []
+    ctx = make_ctx(sweep / "0", cache)
+    ctx.sweep_dir = sweep
+    from redknot.tracking.base import NullTracker
+
+    assert BenchmarkRun(ctx, NullTracker(), engine_setup(tokenizer, book, engines)).execute() == 0
+    assert engines == []  # nothing was measured again
+    assert _scores(ctx.run_dir)[0] == _scores(first_dir)[0]
+    # outside a resumed sweep, the same finished config is measured again
+    code, again = _run(tmp_path, cache, "again", tokenizer, book)
+    assert code == 0 and len(_scores(again)[1]) == 10
+
+
+def test_an_engine_that_does_not_start_does_not_suggest_resuming(tmp_path, cache, monkeypatch, capsys):
+    from redknot.bench import app
+    from redknot.config.schema import HardwareConfig
+    from redknot.config.hardware_fit import load_hardware_options
+    from redknot.tracking.base import NullTracker
+
+    ctx = make_ctx(tmp_path / "run", cache)
+    ctx.cfg.hardware = load_hardware_options()["sm100"]  # this CPU machine has no B200
+    assert isinstance(ctx.cfg.hardware, HardwareConfig)
+    assert app.run(ctx, NullTracker()) == 2
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "rerun" not in out and "the engine did not start, so no case ran" in out
+    assert "hardware=sm100 needs accelerator cuda" in out and "hardware=cpu" in out
+    assert "pip install" not in out  # the device is the problem, not a missing kernel package

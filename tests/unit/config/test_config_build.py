@@ -85,3 +85,38 @@ def test_every_op_a_hardware_target_names_is_a_registered_op():
     known = set(registered_ops())
     for name, hardware in load_hardware_options().items():
         assert set(hardware.kernels.ops) <= known, (name, sorted(set(hardware.kernels.ops) - known))
+
+
+def test_drafting_off_records_the_effective_draft_length(resolved):
+    ctx = resolved("features.dspark.enabled=false")
+    assert ctx.cfg.features.dspark.max_draft == 5  # the config keeps what it says ...
+    assert ctx.effective["features.dspark.max_draft"].startswith("0 (features.dspark.enabled=false")
+    assert resolved().effective == {}
+
+
+def test_an_overridden_suite_gets_a_derived_name_and_records_the_difference(resolved):
+    ctx = resolved("suite.context_tokens=1024", "suite.datasets=[niah_single]")
+    assert ctx.cfg.suite.name.startswith("smoke~") and ctx.suite_changes == {
+        "context_tokens": 1024, "datasets": ["niah_single"]}
+    again = resolved("suite.datasets=[niah_single]", "suite.context_tokens=1024")
+    assert again.cfg.suite.name == ctx.cfg.suite.name  # the same changes, the same name
+    assert resolved("suite.request_timeout_s=5").cfg.suite.name == "smoke"  # not a change of what is measured
+    assert resolved("suite=64k").cfg.suite.name == "64k" and resolved("suite=64k").suite_changes == {}
+    assert resolved("suite.context_tokens=1024", "suite.name=short").cfg.suite.name == "short"
+
+
+def test_compare_arms_are_composed_and_validated_together(resolved):
+    ctx = resolved("+compare=swa_replay")
+    assert list(ctx.arms) == ["replay_off", "replay_compact"]
+    assert ctx.arms["replay_off"].features.swa_replay.mode.value == "off"
+    assert ctx.arms["replay_compact"].features.swa_replay.mode.value == "compact"
+    import pytest
+
+    from redknot.config.violations import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        resolved("mode=compare", "compare.baseline=[\"features.swa_replay.keep_tokens=3\"]",
+                 "compare.candidate=[\"features.dspark.max_draft=-1\"]")
+    text = str(err.value)
+    assert "compare.baseline=" in text and "keep_tokens=3: must be >=" in text
+    assert "compare.candidate=" in text and "max_draft=-1: must be >= 0" in text

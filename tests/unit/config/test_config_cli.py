@@ -24,7 +24,7 @@ def test_cfg_job_resolve_prints_the_composed_config_on_cpu():
 
 
 def test_catalog_lists_every_group_option_and_legacy_stop(tmp_path):
-    out = run_cli("mode=catalog", f"output.root={tmp_path}")
+    out = run_cli("mode=catalog", f"output.root={tmp_path}", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     for group in ("model", "hardware", "features", "suite", "sweep"):
         for path in (CONF_DIR / group).glob("*.yaml"):
@@ -33,7 +33,8 @@ def test_catalog_lists_every_group_option_and_legacy_stop(tmp_path):
     run_dirs = list(tmp_path.glob("*/*"))
     assert len(run_dirs) == 1 and len(run_dirs[0].name) == len("10-28-14-464400")
 
-    stopped = run_cli("mode=catalog", f"output.root={tmp_path}", env={"DEEPINFER_USE_NEXTN_DECODE": "0"})
+    stopped = run_cli("mode=catalog", f"output.root={tmp_path}", env={"DEEPINFER_USE_NEXTN_DECODE": "0"},
+                      cwd=tmp_path)
     assert stopped.returncode == 2
     assert "DEEPINFER_USE_NEXTN_DECODE=0  ->  features.dspark.enabled=false" in stopped.stderr
     assert f"python -m redknot mode=catalog output.root={tmp_path} features.dspark.enabled=false" in stopped.stderr
@@ -41,7 +42,7 @@ def test_catalog_lists_every_group_option_and_legacy_stop(tmp_path):
 
 
 def test_config_error_exits_2_with_every_violation(tmp_path):
-    out = run_cli("mode=catalog", f"output.root={tmp_path}", "features.deterministic=true")
+    out = run_cli("mode=catalog", f"output.root={tmp_path}", "features.deterministic=true", cwd=tmp_path)
     assert out.returncode == 2
     assert "invalid configuration (2 problems)" in out.stderr
 
@@ -50,7 +51,7 @@ def test_group_options_are_the_conf_files():
     from redknot.config.group_options import group_options
 
     options = group_options()
-    for group in ("model", "hardware", "features", "suite", "sweep"):
+    for group in ("model", "hardware", "features", "suite", "sweep", "compare"):
         assert options[group] == sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
     assert {"basic", "slurm", "ray_cluster"} <= set(options["hydra/launcher"])
 
@@ -65,3 +66,48 @@ def test_catalog_without_harness_details_summarises_each_option(capsys):
     assert "* sm100" in out and "[planned] Blackwell B200/GB200" in out
     assert "450560 tokens x 10 per dataset" in out
     assert "hardware options that fit: cpu" in out  # this CPU-only machine
+
+
+def test_every_composition_problem_is_reported_at_once_with_exit_2(tmp_path):
+    out = run_cli("suite=nope", "features.swa_replay.mode=full", "suite.context_tokens=lots",
+                  "engine.scheduler.block_size=257", cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "invalid configuration (4 problems)" in out.stderr  # three overrides, and a rule the rest break
+    assert "suite=nope: In 'config': Could not find 'suite/nope'" in out.stderr and "smoke" in out.stderr
+    assert "features.swa_replay.mode=full: Invalid value 'full', expected one of [off, compact]" in out.stderr
+    assert "suite.context_tokens=lots" in out.stderr and "Traceback" not in out.stderr
+    # the overrides that compose are still checked against the rules, in the same message
+    rules = run_cli("engine.scheduler.block_size=257", "features.deterministic=true", cwd=tmp_path)
+    assert rules.returncode == 2 and "invalid configuration (3 problems)" in rules.stderr
+    assert "engine.scheduler.block_size=257: must be a multiple of every compress ratio [4, 128]" in rules.stderr
+    sweep = run_cli("-m", "mode=catalog", "suite=smoke,nope", cwd=tmp_path)
+    assert sweep.returncode == 2 and "suite=smoke,nope: suite=nope: In 'config'" in sweep.stderr
+    assert not list(tmp_path.iterdir())  # nothing was written
+
+
+def test_output_paths_outside_the_start_directory_need_a_flag(tmp_path):
+    out = run_cli("output.root=/", cwd=tmp_path)
+    assert out.returncode == 2 and "output.root=/: lies outside the directory the run starts from" in out.stderr
+    assert "output.allow_outside_cwd=true" in out.stderr
+    target = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    hydra_dir = run_cli("mode=catalog", f"hydra.run.dir={target}", "tracking.enabled=false", cwd=tmp_path)
+    assert hydra_dir.returncode == 2 and f"hydra.run.dir={target}: lies outside" in hydra_dir.stderr
+    assert not target.exists()
+    allowed = run_cli("mode=catalog", f"hydra.run.dir={target}", "output.allow_outside_cwd=true",
+                      "tracking.enabled=false", cwd=tmp_path)
+    assert allowed.returncode == 0 and target.is_dir()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    unwritable = run_cli("mode=catalog", f"output.root={blocked}/out", cwd=tmp_path)
+    assert unwritable.returncode == 2 and f"cannot be created: {blocked} is a file" in unwritable.stderr
+
+
+def test_cfg_job_applies_or_refuses_legacy_variables(tmp_path):
+    legacy = {"DEEPINFER_USE_NEXTN_DECODE": "0"}
+    stopped = run_cli("--cfg", "job", env=legacy, cwd=tmp_path)
+    assert stopped.returncode == 2 and stopped.stdout == ""
+    assert "DEEPINFER_USE_NEXTN_DECODE=0  ->  features.dspark.enabled=false" in stopped.stderr
+    translated = run_cli("legacy_env=translate", "--cfg", "job", env=legacy, cwd=tmp_path)
+    assert translated.returncode == 0
+    dspark = translated.stdout.split("dspark:", 1)[1].split("\n")[1]
+    assert dspark.strip() == "enabled: false"

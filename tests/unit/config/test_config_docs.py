@@ -14,7 +14,7 @@ def test_every_legacy_variable_has_a_row_naming_its_override_keys():
 
 
 def test_every_group_option_is_documented():
-    for group in ("model", "hardware", "features", "suite", "sweep"):
+    for group in ("model", "hardware", "features", "suite", "sweep", "compare"):
         for path in (CONF_DIR / group).glob("*.yaml"):
             assert f"`{path.stem}`" in README, (group, path.stem)
     for path in (CONF_DIR / "hydra" / "launcher").glob("*.yaml"):

@@ -18,7 +18,7 @@ def test_bad_enum_lists_allowed_values():
 def test_bad_mode_lists_every_mode():
     with pytest.raises(ConfigCompositionException) as err:
         compose_cfg("mode=serve")
-    assert "[run, prepare, catalog, validate, generate]" in str(err.value.__cause__)
+    assert "[run, prepare, catalog, validate, generate, compare]" in str(err.value.__cause__)
 
 
 def test_unknown_key_fails_while_composing():

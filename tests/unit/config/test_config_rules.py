@@ -89,6 +89,12 @@ def test_suite_plus_generation_must_fit_model_positions():
     # a dataset without an entry uses default_max_new_tokens
     assert len(check(model__max_position=2100, suite__default_max_new_tokens=100,
                      suite__datasets=["hotpotqa", "musique"], suite__max_new_tokens={"hotpotqa": 32})) == 1
+    # ... and with that null, the dataset's own LongBench length (narrativeqa: 128)
+    assert check(model__max_position=2048 + 128, suite__datasets=["hotpotqa", "narrativeqa"]) == []
+    assert len(check(model__max_position=2048 + 127, suite__datasets=["hotpotqa", "narrativeqa"])) == 1
+    # presentation cases generate presentation_max_new_tokens
+    assert len(check(model__max_position=2048 + 40, suite__presentation_cases=5,
+                     suite__presentation_max_new_tokens=41)) == 1
 
 
 def test_real_model_needs_a_path_to_run_but_not_to_prepare(resolved):
@@ -122,9 +128,29 @@ def test_cuda_only_hardware_facts():
         'hardware.compute_capability=["sm90"]: entry \'sm90\' must look like \'9.0\' or \'10.\' (a major.minor prefix)']
 
 
-def test_max_new_tokens_entries_must_name_suite_datasets(resolved):
+def test_max_new_tokens_entries_must_name_datasets(resolved):
     found = violations(resolved, "+suite.max_new_tokens.hotpot_qa=64")
-    assert len(found) == 1 and "has entries ['hotpot_qa'] for datasets not in suite.datasets" in found[0]
+    assert len(found) == 1 and "has entries ['hotpot_qa'] that name no dataset" in found[0]
+
+
+def test_dataset_list_is_one_override_and_lengths_come_from_the_registry(resolved):
+    # An entry for a dataset the suite does not run is allowed: suite.datasets=[...] is one override.
+    ctx = resolved("suite=64k", "suite.datasets=[multifieldqa_en,hotpotqa]", "+suite.max_new_tokens.narrativeqa=99",
+                   "mode=prepare")
+    from redknot.bench import registry
+
+    suite = ctx.cfg.suite
+    got = {d: registry.max_new_tokens(d, suite.max_new_tokens, suite.default_max_new_tokens) for d in suite.datasets}
+    assert got == {"multifieldqa_en": 64, "hotpotqa": 32}  # LongBench's lengths
+    assert violations(resolved, "suite.datasets=[hotpotqa,no_such_set]")[0].startswith(
+        "suite.datasets=[\"hotpotqa\", \"no_such_set\"]: unknown datasets ['no_such_set']")
+
+
+def test_block_size_must_be_a_multiple_of_the_compress_ratios(resolved):
+    found = violations(resolved, "engine.scheduler.block_size=257")
+    assert found == ["engine.scheduler.block_size=257: must be a multiple of every compress ratio [4, 128] of "
+                     "model=tiny (e.g. 256 or 384)"]
+    assert violations(resolved, "engine.scheduler.block_size=384") == []
 
 
 def test_duplicate_and_empty_datasets():

@@ -105,3 +105,21 @@ def test_offline_inference_example_runs(tmp_path):
     assert len(lines) == 4 and "EngineStats(" in lines[-1]
     assert "[stop," in lines[2] or "[length," in lines[2]
     assert any((tmp_path / "cache").iterdir())  # the synthetic model went under output.root
+
+
+def test_generate_refuses_bytes_and_none_naming_the_type(engines):
+    llm = engines()
+    with pytest.raises(TypeError, match=r"got bytes \(decode bytes to str first"):
+        llm.generate(b"Capital of France?", SamplingParams(max_tokens=1))
+    with pytest.raises(TypeError, match="got NoneType"):
+        llm.generate(None, SamplingParams(max_tokens=1))
+    with pytest.raises(TypeError, match="got bytes"):
+        llm.generate(["fine", b"not fine"], SamplingParams(max_tokens=1))
+    assert not llm.has_unfinished_requests()  # nothing was queued
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_sampling_params_refuse_non_finite_numbers(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        SamplingParams(**{field: value})

@@ -25,11 +25,11 @@ def test_two_by_two_multirun_gives_one_parent_and_four_children(tmp_path):
     assert out.count("RuntimeError: seed=98 plays a crashing job") == 2
     assert [a.path for a in client(tmp_path).list_artifacts(parent.info.run_id, "config")] == \
         ["config/multirun.yaml"]
-    # Hydra wrote only under output.root: the sweep dir (microsecond timestamp) and the store.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow-artifacts", "mlflow.db", "mlflow.db.lock",
-                                                          "multirun"]
+    # Hydra wrote only under output.root: the sweep dir (microsecond timestamp), the store and the sweep registry.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mlflow-artifacts", "mlflow.db",
+                                                          "mlflow.db.lock", "multirun"]
     (sweep_dir,) = tmp_path.glob("multirun/*/*")
-    assert sorted(p.name for p in sweep_dir.iterdir()) == ["0", "1", "2", "3", "mlflow_parent_run.json",
+    assert sorted(p.name for p in sweep_dir.iterdir()) == ["0", "1", "2", "3", "jobs", "mlflow_parent_run.json",
                                                            "multirun.yaml"]
 
 
@@ -45,3 +45,18 @@ def test_eight_parallel_runs_on_a_fresh_store_lose_nothing(tmp_path):
     for run in found:
         assert run.data.metrics["job.seed"] == float(run.data.params["seed"])
     assert len({r.data.tags["run_dir"] for r in found}) == 8
+
+
+def test_a_job_refused_before_its_run_opened_fails_the_sweep(tmp_path):
+    # suite.samples_per_dataset=0 breaks a rule: that job never opens an MLflow run, yet the parent counts it.
+    proc = start_app("-m", f"output.root={tmp_path}", "seed=1", "suite.samples_per_dataset=1,0", cwd=tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out
+    assert "suite.samples_per_dataset=0: must be >= 1" in out
+    found = runs(tmp_path)
+    (parent,) = [r for r in found if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in found if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 1 and children[0].info.status == "FINISHED"
+    assert parent.info.status == "FAILED"
+    assert parent.data.tags["sweep.jobs"] == "2" and parent.data.tags["sweep.children_failed"] == "1"
+    assert parent.data.tags["sweep.jobs_without_run"] == "1"

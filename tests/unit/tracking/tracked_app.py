@@ -23,6 +23,10 @@ def record(ctx, tracker) -> int:
     (ctx.run_dir / "body.txt").write_text(f"seed={cfg.seed}\n")
     if cfg.seed == 98:
         raise RuntimeError("seed=98 plays a crashing job")
+    if cfg.seed == 97:  # plays a full disk under the records file
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device", str(ctx.run_dir / "records.jsonl"))
     return int(cfg.seed == 99)  # seed=99 plays a job that reports failure
 
 
