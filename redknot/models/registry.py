@@ -48,6 +48,10 @@ FAMILIES: Tuple[FamilyEntry, ...] = (
     FamilyEntry("deepseek_v4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",),
                 "redknot.models.deepseek_v4.family",
                 "DeepSeek-V4-Flash: SWA + CSA/HCA compressed attention, mHC, MoE, one classic MTP layer"),
+    FamilyEntry("deepseek_v41", ("DeepseekV41ForCausalLM",), ("deepseek_v41", "deepseek_v41_text"),
+                "redknot.models.deepseek_v41.family",
+                "DeepSeek-V4.1-Flash: shared compressed caches (ratio 2/1 sources), two-level indexer, "
+                "Engram hash memory, lagged mHC, MXFP4 experts, DSpark draft stages"),
 )
 
 CONFIG_FILE = "config.json"
