@@ -1,0 +1,72 @@
+"""DeepSeek-V4.1-Flash as a model family (:class:`redknot.models.family.ModelFamily`).
+
+Torch-free at import: each method imports the part of the V4.1 code it needs. The
+config, schema, checkpoint reader/writer, cost model and memory plan live here
+(``config``, ``checkpoint``, ``weights``, ``writer``, ``cost``); the forward pass,
+its paged state and the model builder live in ``model`` / ``state`` /
+``state_layout``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from redknot.models.family import ExpertRows, ModelFamily
+from redknot.models.registry import family_entry
+
+DSPARK = "dspark"   # the DSpark draft stages (mtp.*) the checkpoint carries
+
+
+class DeepseekV41Family(ModelFamily):
+    """V4.1-Flash: shared compressed caches in their trained byte formats, Engram, DSpark stages."""
+
+    def parse_config(self, source: Union[str, os.PathLike, Mapping[str, Any]]):
+        from redknot.models.deepseek_v41.config import V41Config
+
+        if isinstance(source, Mapping):
+            return V41Config.from_dict(dict(source))
+        return V41Config.from_pretrained(os.fspath(source))
+
+    def state_layout(self, cfg, *, block_size: int, max_backtrack: int, kv_bytes: int):
+        from redknot.models.deepseek_v41.state_layout import create_state_layout
+
+        return create_state_layout(cfg, block_size=block_size, max_backtrack=max_backtrack, kv_bytes=kv_bytes)
+
+    def allocate_state(self, cfg, layout, *, num_slots: int, num_blocks: int, device, dtype):
+        from redknot.models.deepseek_v41.state import allocate_state
+
+        return allocate_state(cfg, layout, num_slots=num_slots, num_blocks=num_blocks, device=device, dtype=dtype)
+
+    def build_model(self, model_cfg, hardware, cache_dir: str, *, kernels=None, device="cpu",
+                    expert_rows: Optional[ExpertRows] = None):
+        from redknot.models.deepseek_v41.model import build_v41_model
+
+        return build_v41_model(model_cfg, hardware, cache_dir, kernels=kernels, device=device,
+                               expert_rows=expert_rows)
+
+    def load_tokenizer(self, model_cfg=None):
+        # V4.1 ships the V4 vocabulary (129,280 entries, same special-token ids); the token map
+        # check (engram_compressed_vocab_size) is what ties a tokenizer to a checkpoint.
+        from redknot.models.deepseek_v4.tokenizer import load_tokenizer
+
+        return load_tokenizer(model_cfg)
+
+    def cost_model(self, cfg):
+        from redknot.models.deepseek_v41.cost import CostModel
+
+        return CostModel(cfg)
+
+    def write_synthetic_checkpoint(self, model_cfg, cache_dir: str) -> str:
+        from redknot.models.deepseek_v41.writer import write_synthetic_checkpoint
+
+        return write_synthetic_checkpoint(model_cfg, cache_dir)
+
+    def draft_models(self, model) -> Mapping[str, Any]:
+        draft = getattr(model, "dspark", None)
+        return {DSPARK: draft} if draft is not None else {}
+
+    def expert_layers(self, model) -> Sequence[Any]:
+        return [layer.ffn for layer in model.layers]
+
+
+FAMILY = DeepseekV41Family(family_entry("deepseek_v41"))
