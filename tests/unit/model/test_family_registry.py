@@ -34,14 +34,16 @@ def test_a_checkpoint_is_recognised_by_architectures_and_model_type():
     with pytest.raises(FamilyError) as err:
         detect_family({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     assert ("architectures=['LlamaForCausalLM'], model_type='llama': no registered model family loads it "
-            "(accepted: deepseek_v4: architectures ['DeepseekV4ForCausalLM'], model_type ['deepseek_v4'])") in str(err.value)
+            "(accepted: deepseek_v4: architectures ['DeepseekV4ForCausalLM'], model_type ['deepseek_v4']; "
+            "deepseek_v41: architectures ['DeepseekV41ForCausalLM'], model_type ['deepseek_v41', "
+            "'deepseek_v41_text'])") in str(err.value)
     with pytest.raises(FamilyError):  # every field it states must match
         detect_family({"architectures": ["DeepseekV4ForCausalLM"], "model_type": "llama"})
 
 
 def test_unknown_model_family_names_the_known_ones():
     with pytest.raises(FamilyError, match=r"model.family='llama': not a registered model family; known families: "
-                                          r"\['deepseek_v4'\]"):
+                                          r"\['deepseek_v4', 'deepseek_v41'\]"):
         family_for(ModelConfig(family="llama"))
 
 
