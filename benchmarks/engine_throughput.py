@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     engines = []
     for name, feat, graphs in variants:
         features = dataclasses.replace(cfg.features, **feat)
-        features.dspark = dataclasses.replace(features.dspark, enabled=False)
+        features.dspark = dataclasses.replace(features.dspark, method="none")
         hardware = cfg.hardware if graphs is None else dataclasses.replace(cfg.hardware, cuda_graphs=graphs)
         engines.append((name, LLM(cfg.model, hardware, features, cfg.engine)))
     best = {}

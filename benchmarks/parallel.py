@@ -105,7 +105,7 @@ def typed_config(args, extra=()):
     cfg.model = dataclasses.replace(cfg.model, sliding_window=128, max_position=1048576,
                                     synthetic=SyntheticModelConfig(seed=0, architecture=cut_architecture(args)))
     cfg.engine.cache_dir = str(Path(args.out) / "cache")
-    cfg.features.dspark.enabled = False
+    cfg.features.dspark.method = "none"
     return cfg
 
 

@@ -14,6 +14,8 @@ from typing import List
 
 from rich.console import Console
 
+from redknot.config.schema import DraftMethod, DraftSampling, VerificationMode
+
 REPORT_FILE = "report.md"
 
 
@@ -36,8 +38,9 @@ def key_choices(cfg) -> List[str]:
         + (f"; hot TTFT {s.warmup_repeats} warm-up + {s.measured_repeats} measured per case"
            if s.warmup_repeats or s.measured_repeats > 1 else "")
         + f"; admission {s.admission_batch_size}/rank",
-        f"features: dspark {'on' if f.dspark.enabled else 'off'} (max_draft {f.dspark.max_draft}, varlen "
-        f"{f.dspark.varlen}), swa_replay {f.swa_replay.mode.value} (keep {f.swa_replay.keep_tokens}), async "
+        f"features: dspark {DraftMethod(f.dspark.method).value if f.dspark.enabled else 'none'} (max_draft "
+        f"{f.dspark.max_draft}, {DraftSampling(f.dspark.draft_sampling).value} drafts, {VerificationMode(f.dspark.verification).value} verification, "
+        f"adaptive {f.dspark.adaptive}), swa_replay {f.swa_replay.mode.value} (keep {f.swa_replay.keep_tokens}), async "
         f"{f.async_scheduling}, batch_invariant {f.batch_invariant.enabled}, deterministic {f.deterministic}, "
         f"parallel dp={f.parallel.dp} ep={f.parallel.ep} cp={f.parallel.cp}",
         f"engine: block_size {sched.block_size}, max_num_seqs {sched.max_num_seqs}, "

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from redknot.config.schema import RedKnotConfig, SuiteConfig
+from redknot.config.schema import BudgetSource, RedKnotConfig, SuiteConfig
 from redknot.config.violations import Violation, format_value
 
 # Suite keys that do not change what is measured (where data is read from, how long to wait).
@@ -30,8 +30,12 @@ def effective_values(cfg: RedKnotConfig) -> Dict[str, str]:
     dspark = cfg.features.dspark
     if not dspark.enabled and dspark.max_draft > 0:
         found["features.dspark.max_draft"] = (
-            f"0 (features.dspark.enabled=false: nothing is drafted; the configured {dspark.max_draft} has "
+            f"0 (features.dspark.method=none: nothing is drafted; the configured {dspark.max_draft} has "
             f"no effect)")
+    if dspark.enabled and not dspark.adaptive and dspark.budget != BudgetSource.profile:
+        found["features.dspark.budget"] = (
+            f"unused (features.dspark.adaptive=false: every request verifies up to max_draft drafts; "
+            f"budget={BudgetSource(dspark.budget).value} has no effect)")
     return found
 
 

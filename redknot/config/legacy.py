@@ -63,6 +63,24 @@ def _int(key: str) -> Callable[[str], List[str]]:
     return convert
 
 
+def _nextn(raw: str) -> List[str]:
+    # UNCONFIRMED meaning (reference dspark.md §4.6): a switch, or the draft count (its default, 5, is
+    # the DSpark block size). A switch turns drafting on/off; a count N >= 1 also caps the drafts verified.
+    value = raw.strip().lower()
+    if value in _FALSE:
+        return ["features.dspark.method=none"]
+    if value in _TRUE - {"1"}:
+        return ["features.dspark.method=auto"]
+    try:
+        count = int(value)
+    except ValueError:
+        raise LegacyValueError(f"expected one of {sorted(_TRUE | _FALSE)} or a draft count >= 0") from None
+    if count < 0:
+        raise LegacyValueError("expected a draft count >= 0")
+    return ["features.dspark.method=auto", f"features.dspark.max_draft={count}"] if count else \
+        ["features.dspark.method=none"]
+
+
 def _model_dir(raw: str) -> List[str]:
     # The old variable pointed at a V4-Flash checkpoint; model.path takes it over.
     return ["model=deepseek-v4-flash", f"model.path={raw.strip()}"]
@@ -82,10 +100,10 @@ LEGACY_VARS: Tuple[LegacyVar, ...] = (
               "hardware=cpu|sm90-port|sm100|ascend950", _choice("hardware", ACCELERATORS)),
     LegacyVar("DEEPINFER_HF_MODEL_DIR", "checkpoint directory",
               "model=deepseek-v4-flash model.path=DIR", _model_dir),
-    LegacyVar("DEEPINFER_ENABLE_MTP_VARLEN", "variable-length draft verification",
-              "features.dspark.varlen=true|false", _bool("features.dspark.varlen")),
-    LegacyVar("DEEPINFER_USE_NEXTN_DECODE", "MTP (next-n) speculative decoding",
-              "features.dspark.enabled=true|false", _bool("features.dspark.enabled")),
+    LegacyVar("DEEPINFER_ENABLE_MTP_VARLEN", "variable-length (confidence-scheduled) draft verification",
+              "features.dspark.adaptive=true|false", _bool("features.dspark.adaptive")),
+    LegacyVar("DEEPINFER_USE_NEXTN_DECODE", "next-n speculative decoding (on/off, or the draft count)",
+              "features.dspark.method=auto|none features.dspark.max_draft=N", _nextn),
     LegacyVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "SWA bounded replay of the prefill",
               "features.swa_replay.mode=off|compact", _choice("features.swa_replay.mode", TRUNCATION_MODES)),
     LegacyVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "tokens kept by bounded replay",
@@ -93,6 +111,27 @@ LEGACY_VARS: Tuple[LegacyVar, ...] = (
     LegacyVar("DEEPINFER_BATCH_INVARIANT", "batch-invariant kernels",
               "features.batch_invariant.enabled=true|false", _bool("features.batch_invariant.enabled")),
 )
+
+
+# Config keys that were replaced: old key -> what to write instead. Composing or resolving a config
+# that still uses one fails with this message rather than a bare "unknown key".
+RENAMED_KEYS: Dict[str, str] = {
+    "features.dspark.enabled": "replaced by features.dspark.method=auto|dspark|mtp|none "
+                               "(enabled=false -> method=none; enabled=true -> method=auto)",
+    "features.dspark.varlen": "replaced by features.dspark.adaptive=true|false "
+                              "(confidence-scheduled verify lengths)",
+    "features.dspark.confidence_threshold": "replaced by confidence scheduling: features.dspark.adaptive=true "
+                                            "with features.dspark.budget=profile|file|fixed",
+    "features.verification": "replaced by features.dspark.verification=token|block (greedy requests are "
+                             "always verified by argmax match)",
+    "features.verification.method": "replaced by features.dspark.verification=token|block (greedy requests "
+                                    "are always verified by argmax match)",
+}
+
+
+def renamed_key(key: str) -> Optional[str]:
+    """The message for a replaced config key (``features.dspark.enabled``), or None."""
+    return RENAMED_KEYS.get(key.lstrip("+~"))
 
 
 @dataclass(frozen=True)

@@ -111,8 +111,11 @@ def _compose_each(overrides: List[str], multirun: bool) -> Tuple[List[str], List
             except Exception as err:
                 problems.append(f"{value}: {_message(err)}" if len(values) > 1 else _message(err))
         if problems:
+            from redknot.config.legacy import renamed_key
+
             key, _, value = override.partition("=")
-            bad.append(Violation(key, value, "; ".join(problems)))
+            renamed = renamed_key(key)
+            bad.append(Violation(key, value, renamed if renamed else "; ".join(problems)))
         elif not multirun or values == [override]:
             good.append(override)
         elif values:

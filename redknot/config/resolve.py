@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import redknot.config.schema_store  # noqa: F401  (the schema must be in the ConfigStore before any compose)
-from redknot.config.legacy import LegacyEnvError, find_legacy, merge_overrides
+from redknot.config.legacy import LegacyEnvError, find_legacy, merge_overrides, renamed_key
 from redknot.config.effective import derive_suite_name, effective_values, outside_cwd
 from redknot.config.schema import LegacyEnvPolicy, Mode, RedKnotConfig
 from redknot.config.violations import ConfigError, Violation, validate
@@ -123,7 +123,8 @@ def unknown_keys(node: Mapping[str, Any], cls: type, prefix: str = "") -> List[V
     found = []
     for key, value in node.items():
         if key not in names:
-            found.append(Violation(f"{prefix}{key}", value,
+            renamed = renamed_key(f"{prefix}{key}")
+            found.append(Violation(f"{prefix}{key}", value, renamed or
                                    f"unknown key; {cls.__name__} has: {', '.join(sorted(names))}"))
             continue
         sub = _dataclass_in(hints[key])

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Any, Callable, List, Optional, Tuple
 
-from redknot.config.schema import Accelerator, Mode, RedKnotConfig, SwaReplayMode
+from redknot.config.schema import Accelerator, BudgetSource, DraftMethod, Mode, RedKnotConfig, SwaReplayMode
 from redknot.config.violations import Violation
 from redknot.kernels.registry import BACKENDS
 from redknot.models.registry import list_families
@@ -53,7 +53,7 @@ RANGES: List[Tuple[str, Tuple[Callable[[Any], bool], str]]] = [
     ("model.num_layers", _optional_at_least(1)),
     ("hardware.memory_utilization", _between(0.0, 1.0, open_low=True)),
     ("features.dspark.max_draft", _at_least(0)),
-    ("features.dspark.confidence_threshold", _between(0.0, 1.0)),
+    ("features.dspark.budget_tokens", _at_least(0)),
     ("features.swa_replay.keep_tokens", _at_least(1)),
     ("features.parallel.eplb.num_redundant_experts", _at_least(0)),
     ("features.parallel.eplb.rebalance_interval", _at_least(1)),
@@ -150,11 +150,40 @@ def deterministic(cfg: RedKnotConfig) -> List[Violation]:
         found.append(Violation(
             "features.batch_invariant.enabled", False,
             "features.deterministic=true needs features.batch_invariant.enabled=true"))
-    if features.dspark.enabled and features.dspark.varlen:
+    if features.dspark.enabled and features.dspark.adaptive:
         found.append(Violation(
-            "features.dspark.varlen", True,
-            "features.deterministic=true needs features.dspark.varlen=false (a request's verify length "
-            "would depend on the rest of the batch)"))
+            "features.dspark.adaptive", True,
+            "features.deterministic=true needs features.dspark.adaptive=false (the verify budget comes from "
+            "timings, and a request's verify length from the rest of the batch)"))
+    return found
+
+
+# The largest draft block any supported checkpoint trains (DSpark dspark_block_size); the engine checks
+# max_draft against the loaded checkpoint's own block size at start.
+MAX_TRAINED_BLOCK = 5
+
+
+def dspark_options(cfg: RedKnotConfig) -> List[Violation]:
+    """``features.dspark``: the verify cap, staleness and the budget source's inputs."""
+    d, found = cfg.features.dspark, []
+    if d.max_draft > MAX_TRAINED_BLOCK and DraftMethod(d.method) != DraftMethod.none:
+        found.append(Violation(
+            "features.dspark.max_draft", d.max_draft,
+            f"must be <= {MAX_TRAINED_BLOCK}, the draft block size the DSpark checkpoints are trained with "
+            f"(drafting always runs the trained block; max_draft only caps how many drafts are verified)"))
+    if d.staleness not in (1, 2):
+        found.append(Violation("features.dspark.staleness", d.staleness,
+                               "must be 1 (budget from last step's confidences) or 2 (two steps old)"))
+    if not (d.enabled and d.adaptive):
+        return found
+    budget = BudgetSource(d.budget)
+    if budget == BudgetSource.file and not d.budget_file:
+        found.append(Violation("features.dspark.budget_file", d.budget_file,
+                               "features.dspark.budget=file needs features.dspark.budget_file=/path/to/costs.json"))
+    if budget == BudgetSource.fixed and d.budget_tokens < 1:
+        found.append(Violation("features.dspark.budget_tokens", d.budget_tokens,
+                               "features.dspark.budget=fixed needs features.dspark.budget_tokens >= 1 "
+                               "(drafts verified per step over the whole batch)"))
     return found
 
 
@@ -177,7 +206,8 @@ def swa_replay_window(cfg: RedKnotConfig) -> List[Violation]:
     need = cfg.model.sliding_window + max_draft + 1
     if replay.keep_tokens >= need:
         return []
-    draft = f"({max_draft})" if dspark.enabled else "(0: features.dspark.enabled=false)"
+    off = DraftMethod(dspark.method) == DraftMethod.none
+    draft = "(0: features.dspark.method=none)" if off else f"({max_draft})"
     return [Violation(
         "features.swa_replay.keep_tokens", replay.keep_tokens,
         f"must be >= model.sliding_window ({cfg.model.sliding_window}) + features.dspark.max_draft "
@@ -317,7 +347,7 @@ def targets(cfg: RedKnotConfig) -> List[Violation]:
 
 
 RULES: List[Rule] = [
-    ranges, suite_lists, suite_fits_model, deterministic, batch_invariant_supported,
+    ranges, suite_lists, suite_fits_model, deterministic, dspark_options, batch_invariant_supported,
     swa_replay_window, kernel_backends, hardware_facts, model_source, mode_inputs,
     scheduler_budget, parallel_features, targets,
 ]

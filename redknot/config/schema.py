@@ -63,10 +63,32 @@ class SwaReplayMode(str, Enum):
     compact = "compact"
 
 
-class VerificationMethod(str, Enum):
-    """How drafted tokens are verified."""
-    rejection = "rejection"  # greedy requests: longest matching prefix; sampled: rejection sampling
-    greedy = "greedy"        # every request verified as greedy (sampling params ignored for drafts)
+class DraftMethod(str, Enum):
+    """Which drafter speculative decoding uses (``features.dspark.method``)."""
+    auto = "auto"      # from the checkpoint: DSpark stages -> dspark, a classic MTP layer -> mtp, neither -> none
+    dspark = "dspark"  # the DSpark draft stages (V4-Flash-0731, V4.1-Flash): one block per step
+    mtp = "mtp"        # the classic MTP layer (the June V4-Flash), chained drafts
+    none = "none"      # plain decoding
+
+
+class DraftSampling(str, Enum):
+    """How draft tokens are picked (``features.dspark.draft_sampling``)."""
+    greedy = "greedy"                # argmax; the draft distribution q is the point mass on it
+    probabilistic = "probabilistic"  # sampled from q (Markov-corrected, request temperature/top-k/top-p)
+
+
+class VerificationMode(str, Enum):
+    """How sampled requests verify drafts (``features.dspark.verification``); greedy requests
+    always keep the longest prefix equal to the target's argmax."""
+    token = "token"  # token-wise rejection sampling, residual max(p - q, 0)
+    block = "block"  # block verification (Sun et al.): a later success can rescue an earlier draft
+
+
+class BudgetSource(str, Enum):
+    """Where the verify-cost table of confidence scheduling comes from (``features.dspark.budget``)."""
+    profile = "profile"  # timed at engine start over the batch shapes decode steps use
+    file = "file"        # a JSON cost table (features.dspark.budget_file)
+    fixed = "fixed"      # no cost model: verify features.dspark.budget_tokens drafts per step, best first
 
 
 class StructuredOutputBackend(str, Enum):
@@ -157,23 +179,32 @@ class HardwareConfig:
 
 @dataclass
 class DSparkConfig:
-    """DSpark: MTP drafting with confidence-scheduled (optionally variable-length) verification."""
-    enabled: bool = True
-    max_draft: int = 5            # draft tokens per step at most (0 = plain decoding)
-    varlen: bool = True           # requests in one batch verify different lengths
-    confidence_threshold: float = 0.3  # stop drafting where the cumulative acceptance estimate drops below
+    """Speculative decoding: the drafter, draft sampling, verification and confidence scheduling.
+
+    The DSpark stages always draft their trained block size; ``max_draft`` caps how many of
+    those drafts a request verifies per step (and sizes the rollback the state allows).
+    """
+    method: DraftMethod = DraftMethod.auto
+    max_draft: int = 5            # drafts verified per request and step at most (0 = plain decoding)
+    draft_sampling: DraftSampling = DraftSampling.greedy
+    verification: VerificationMode = VerificationMode.token
+    adaptive: bool = True         # confidence-scheduled verify lengths (global top-B); false: verify max_draft
+    budget: BudgetSource = BudgetSource.profile
+    budget_file: Optional[str] = None  # budget=file: JSON {"verify_ms": {tokens: ms}, "draft_ms": {requests: ms}}
+    budget_tokens: int = 0        # budget=fixed: drafts verified per step over the whole batch (>= 1)
+    staleness: int = 2            # steps the confidences sizing the budget lag behind (1: vLLM, 2: paper, SGLang)
+    sts_path: Optional[str] = None  # per-position confidence temperatures (JSON); null = identity
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a drafter may run (``method`` is not ``none`` and ``max_draft`` > 0)."""
+        return DraftMethod(self.method) != DraftMethod.none and self.max_draft > 0
 
     @property
     def effective_max_draft(self) -> int:
-        """Draft tokens per step in effect: ``max_draft`` when drafting is on, else 0 (sizes the
+        """Drafts per step in effect: ``max_draft`` when drafting is on, else 0 (sizes the
         rollback the state must allow, and the SWA replay margin)."""
         return self.max_draft if self.enabled else 0
-
-
-@dataclass
-class VerificationConfig:
-    """Verification of drafted tokens."""
-    method: VerificationMethod = VerificationMethod.rejection
 
 
 @dataclass
@@ -218,7 +249,6 @@ class ParallelConfig:
 class FeaturesConfig:
     """Engine feature toggles (``conf/features/``)."""
     dspark: DSparkConfig = field(default_factory=DSparkConfig)
-    verification: VerificationConfig = field(default_factory=VerificationConfig)
     swa_replay: SwaReplayConfig = field(default_factory=SwaReplayConfig)
     async_scheduling: bool = True
     batch_invariant: BatchInvariantConfig = field(default_factory=BatchInvariantConfig)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from redknot.config.schema import VerificationMethod
+from redknot.config.schema import DraftMethod, VerificationMode
 from redknot.models.family import MTP
 from redknot.speculative.drafter import Draft, MTPDrafter
 from redknot.speculative.metrics import SpecDecodeStats
@@ -30,12 +30,10 @@ class DSpark:
     def __init__(self, model, state, sampler, features, max_model_len: int,
                  replay: Optional[CompactReplay] = None) -> None:
         cfg = features.dspark
-        method = VerificationMethod(features.verification.method)
         self.stats = SpecDecodeStats(max_draft=cfg.max_draft)
-        self.drafter = MTPDrafter(model, state, sampler, cfg.max_draft, cfg.confidence_threshold, cfg.varlen,
-                                  greedy_confidence=method == VerificationMethod.greedy, max_model_len=max_model_len,
-                                  replay=replay)
-        self.verifier = Verifier(sampler, method, self.stats)
+        self.drafter = MTPDrafter(model, state, sampler, cfg.max_draft, 0.0, False,
+                                  greedy_confidence=False, max_model_len=max_model_len, replay=replay)
+        self.verifier = Verifier(sampler, VerificationMode(cfg.verification), self.stats)
         self.device = model.device
         self.draft_hook: Optional[DraftHook] = None
         self.last_drafts: Dict[str, Draft] = {}
@@ -43,15 +41,21 @@ class DSpark:
     @classmethod
     def create(cls, draft_models: Mapping[str, Any], state, sampler, features, max_model_len: int,
                replay: Optional[CompactReplay] = None) -> Optional["DSpark"]:
-        """None when drafting is off (``features.dspark.enabled=false`` or ``max_draft=0``).
-        ``draft_models``: the drafters the model family found in the checkpoint, by kind."""
+        """None when drafting is off (``features.dspark.method=none`` or ``max_draft=0``, or ``auto``
+        on a checkpoint without a drafter). ``draft_models``: the drafters the model family found in
+        the checkpoint, by kind."""
         cfg = features.dspark
         if cfg.effective_max_draft <= 0:
             return None
-        model = draft_models.get(MTP)
+        method = DraftMethod(cfg.method)
+        if method == DraftMethod.auto and not draft_models:
+            return None
+        model = draft_models.get(MTP) if method in (DraftMethod.auto, DraftMethod.mtp) else None
         if model is None:
-            raise ValueError("features.dspark.enabled=true but the checkpoint has no MTP layer "
-                             "(num_nextn_predict_layers=0); set features.dspark.enabled=false")
+            what = ("no DSpark draft stages (mtp.0.main_proj, mtp.2.markov_head, ...)" if method == DraftMethod.dspark
+                    else "no MTP layer (num_nextn_predict_layers=0)")
+            raise ValueError(f"features.dspark.method={method.value} but the checkpoint has {what}; "
+                             f"set features.dspark.method=auto or none")
         if state.layout.max_backtrack < cfg.max_draft:
             raise ValueError(f"features.dspark.max_draft={cfg.max_draft} but the state rings were sized for "
                              f"{state.layout.max_backtrack} rolled-back tokens")

@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from redknot.config.schema import VerificationMethod
+from redknot.config.schema import VerificationMode
 from redknot.speculative.metrics import SpecDecodeStats
 from redknot.speculative.rejection import accept_uniforms, greedy_accept, point_mass, speculative_sample
 
@@ -24,9 +24,9 @@ class Verifier:
     last token with the request's parameters (fast, but not distribution-preserving for sampled
     requests)."""
 
-    def __init__(self, sampler, method: VerificationMethod, stats: SpecDecodeStats) -> None:
+    def __init__(self, sampler, method: VerificationMode, stats: SpecDecodeStats) -> None:
         self.sampler = sampler
-        self.method = VerificationMethod(method)
+        self.method = VerificationMode(method)
         self.stats = stats
 
     def __call__(self, batch, logits: torch.Tensor) -> Dict[str, List[int]]:
@@ -65,10 +65,6 @@ class Verifier:
                              f"processors or a grammar (they are never drafted)")
         if params.greedy:
             tokens = greedy_accept(draft_token_ids, self.sampler.sample(logits, list(rows)))
-        elif self.method == VerificationMethod.greedy:
-            targets = logits.argmax(dim=1).tolist()
-            a = len(greedy_accept(draft_token_ids, targets)) - 1
-            tokens = list(draft_token_ids[:a]) + self.sampler.sample(logits[a:a + 1], [rows[a]])
         else:
             tokens = self._rejection(logits, rows, draft_token_ids)
         self.stats.record_verify(k, len(tokens) - 1)

@@ -28,7 +28,7 @@ def _llm(tmp_path, accelerator, kernels):
                         kv_cache_dtype=DType.float32, cuda_graphs=False, memory_utilization=0.3,
                         kernels=KernelsConfig(default=kernels))
     features = FeaturesConfig(async_scheduling=False)
-    features.dspark.enabled = False
+    features.dspark.method = "none"
     engine = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96, block_size=16),
                           cache_dir=str(tmp_path))
     return LLM(model, hw, features, engine)

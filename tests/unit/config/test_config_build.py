@@ -88,9 +88,9 @@ def test_every_op_a_hardware_target_names_is_a_registered_op():
 
 
 def test_drafting_off_records_the_effective_draft_length(resolved):
-    ctx = resolved("features.dspark.enabled=false")
+    ctx = resolved("features.dspark.method=none")
     assert ctx.cfg.features.dspark.max_draft == 5  # the config keeps what it says ...
-    assert ctx.effective["features.dspark.max_draft"].startswith("0 (features.dspark.enabled=false")
+    assert ctx.effective["features.dspark.max_draft"].startswith("0 (features.dspark.method=none")
     assert resolved().effective == {}
 
 

@@ -36,8 +36,8 @@ def test_catalog_lists_every_group_option_and_legacy_stop(tmp_path):
     stopped = run_cli("mode=catalog", f"output.root={tmp_path}", env={"DEEPINFER_USE_NEXTN_DECODE": "0"},
                       cwd=tmp_path)
     assert stopped.returncode == 2
-    assert "DEEPINFER_USE_NEXTN_DECODE=0  ->  features.dspark.enabled=false" in stopped.stderr
-    assert f"python -m redknot mode=catalog output.root={tmp_path} features.dspark.enabled=false" in stopped.stderr
+    assert "DEEPINFER_USE_NEXTN_DECODE=0  ->  features.dspark.method=none" in stopped.stderr
+    assert f"python -m redknot mode=catalog output.root={tmp_path} features.dspark.method=none" in stopped.stderr
     assert stopped.stdout == ""
 
 
@@ -106,8 +106,8 @@ def test_cfg_job_applies_or_refuses_legacy_variables(tmp_path):
     legacy = {"DEEPINFER_USE_NEXTN_DECODE": "0"}
     stopped = run_cli("--cfg", "job", env=legacy, cwd=tmp_path)
     assert stopped.returncode == 2 and stopped.stdout == ""
-    assert "DEEPINFER_USE_NEXTN_DECODE=0  ->  features.dspark.enabled=false" in stopped.stderr
+    assert "DEEPINFER_USE_NEXTN_DECODE=0  ->  features.dspark.method=none" in stopped.stderr
     translated = run_cli("legacy_env=translate", "--cfg", "job", env=legacy, cwd=tmp_path)
     assert translated.returncode == 0
     dspark = translated.stdout.split("dspark:", 1)[1].split("\n")[1]
-    assert dspark.strip() == "enabled: false"
+    assert dspark.strip() == "method: none"

@@ -65,7 +65,7 @@ def test_two_cross_field_violations_reported_together(resolved):
     assert message.startswith("invalid configuration (2 problems):")
     assert ("features.swa_replay.keep_tokens=120: must be >= model.sliding_window (128) + "
             "features.dspark.max_draft (5) + 1 = 134 when features.swa_replay.mode=compact") in message
-    assert ("features.dspark.varlen=true: features.deterministic=true needs features.dspark.varlen=false"
+    assert ("features.dspark.adaptive=true: features.deterministic=true needs features.dspark.adaptive=false"
             in message)
     assert len(err.value.violations) == 2
 
@@ -73,9 +73,9 @@ def test_two_cross_field_violations_reported_together(resolved):
 def test_range_and_cross_field_violations_in_one_message(resolved):
     with pytest.raises(ConfigError) as err:
         resolved("hardware=ascend950", "features.batch_invariant.enabled=true",
-                 "features.dspark.confidence_threshold=1.5", "suite.admission_batch_size=0")
+                 "features.dspark.budget_tokens=-1", "suite.admission_batch_size=0")
     keys = [v.key for v in err.value.violations]
-    assert keys == ["features.dspark.confidence_threshold", "suite.admission_batch_size",
+    assert keys == ["features.dspark.budget_tokens", "suite.admission_batch_size",
                     "features.batch_invariant.enabled"]
     assert "hardware=ascend950 has no batch-invariant kernels" in str(err.value)
 

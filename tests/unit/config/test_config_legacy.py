@@ -21,7 +21,7 @@ def test_stop_prints_every_variable_and_the_equivalent_command(resolved):
     message = str(err.value)
     assert "DEEPINFER_ACCELERATOR=sm100" in message and "->  hardware=sm100" in message
     assert "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=256" in message and "features.swa_replay.keep_tokens=256" in message
-    assert ("python -m redknot suite=64k hardware=sm100 features.dspark.varlen=false "
+    assert ("python -m redknot suite=64k hardware=sm100 features.dspark.adaptive=false "
             "features.swa_replay.mode=compact features.swa_replay.keep_tokens=256") in message
     assert "legacy_env=translate" in message
 
@@ -31,11 +31,11 @@ def test_translate_applies_the_overrides_and_records_them(resolved):
     cfg = ctx.cfg
     assert cfg.hardware.name == "sm100" and cfg.hardware.kernels.ops["sparse_attention"] == "flash_mla"
     assert cfg.features.swa_replay.mode.value == "compact" and cfg.features.swa_replay.keep_tokens == 256
-    assert cfg.features.dspark.varlen is False
+    assert cfg.features.dspark.adaptive is False
     assert cfg.suite.name == "64k"
     assert ctx.legacy_translation == {
         "DEEPINFER_ACCELERATOR": "hardware=sm100",
-        "DEEPINFER_ENABLE_MTP_VARLEN": "features.dspark.varlen=false",
+        "DEEPINFER_ENABLE_MTP_VARLEN": "features.dspark.adaptive=false",
         "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "features.swa_replay.mode=compact",
         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "features.swa_replay.keep_tokens=256"}
     assert "hardware=sm100" in ctx.overrides

@@ -52,7 +52,11 @@ BAD = [
     (("hardware=cpu", "hardware.kernels.default=torch_npu"), "backend 'torch_npu' runs on accelerator npu"),
     (("hardware=sm100", "hardware.accelerator=cpu"), "hardware.kernels.default=triton: backend 'triton' runs on"),
     (("hardware=ascend950", "features.batch_invariant.enabled=true"), "has no batch-invariant kernels"),
-    (("features=deterministic", "features.dspark.varlen=true"), "needs features.dspark.varlen=false"),
+    (("features=deterministic", "features.dspark.adaptive=true"), "needs features.dspark.adaptive=false"),
+    (("features.dspark.max_draft=7",), "features.dspark.max_draft=7: must be <= 5, the draft block size"),
+    (("features.dspark.budget=file",), "features.dspark.budget=file needs features.dspark.budget_file="),
+    (("features.dspark.budget=fixed",), "features.dspark.budget=fixed needs features.dspark.budget_tokens >= 1"),
+    (("features.dspark.staleness=3",), "features.dspark.staleness=3: must be 1"),
 ]
 
 

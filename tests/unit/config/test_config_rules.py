@@ -31,8 +31,8 @@ def test_default_config_is_valid(resolved):
     assert validate(ctx.cfg) == []
 
 
-@pytest.mark.parametrize("keep, max_draft, ok", [(134, 5, True), (133, 5, False), (140, 12, False),
-                                                 (141, 12, True), (129, 0, True), (128, 0, False)])
+@pytest.mark.parametrize("keep, max_draft, ok", [(134, 5, True), (133, 5, False), (131, 3, False),
+                                                 (132, 3, True), (129, 0, True), (128, 0, False)])
 def test_keep_tokens_covers_window_plus_draft(keep, max_draft, ok):
     found = check(features__swa_replay__mode=SwaReplayMode.compact, features__swa_replay__keep_tokens=keep,
                   features__dspark__max_draft=max_draft)
@@ -57,9 +57,9 @@ def test_keep_tokens_unchecked_when_replay_is_off():
 
 def test_keep_tokens_without_drafting_needs_window_plus_one():
     found = check(features__swa_replay__mode=SwaReplayMode.compact, features__swa_replay__keep_tokens=128,
-                  features__dspark__enabled=False)
+                  features__dspark__method="none")
     assert found == ["features.swa_replay.keep_tokens=128: must be >= model.sliding_window (128) + "
-                     "features.dspark.max_draft (0: features.dspark.enabled=false) + 1 = 129 when "
+                     "features.dspark.max_draft (0: features.dspark.method=none) + 1 = 129 when "
                      "features.swa_replay.mode=compact"]
 
 
@@ -67,9 +67,9 @@ def test_deterministic_needs_batch_invariance_and_fixed_verify_length(resolved):
     found = check(features__deterministic=True)
     assert len(found) == 2
     assert found[0].startswith("features.batch_invariant.enabled=false: features.deterministic=true needs")
-    assert found[1].startswith("features.dspark.varlen=true: features.deterministic=true needs")
+    assert found[1].startswith("features.dspark.adaptive=true: features.deterministic=true needs")
     assert check(features__deterministic=True, features__batch_invariant__enabled=True,
-                 features__dspark__enabled=False) == []
+                 features__dspark__method="none") == []
     assert violations(resolved, "features=deterministic") == []
 
 

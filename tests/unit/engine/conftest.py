@@ -48,7 +48,7 @@ class EngineFactory:
             from redknot.engine import LLM
             features = FeaturesConfig(async_scheduling=async_scheduling, deterministic=deterministic)
             features.batch_invariant.enabled = batch_invariant
-            features.dspark.enabled = False
+            features.dspark.method = "none"
             sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                     long_prefill_chunk=chunk, block_size=block_size,
                                     num_cache_blocks=num_cache_blocks)

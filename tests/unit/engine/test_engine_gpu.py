@@ -19,7 +19,7 @@ def _llm(model_cfg, cache_dir, cuda_graphs, async_scheduling=False, kernels="ref
                         cuda_graphs=cuda_graphs, memory_utilization=0.5, cuda_graph_max_len=4096,
                         kernels=KernelsConfig(default=kernels))
     features = FeaturesConfig(async_scheduling=async_scheduling)
-    features.dspark.enabled = False
+    features.dspark.method = "none"
     engine = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, block_size=16),
                           cache_dir=cache_dir)
     return LLM(model_cfg, hw, features, engine)

@@ -25,7 +25,7 @@ def _llm(cache_dir, kernels):
     hw = HardwareConfig(name=f"cpu-{kernels}", accelerator=Accelerator.cpu, dtype=DType.float32,
                         kv_cache_dtype=DType.float32, cuda_graphs=False, kernels=KernelsConfig(default=kernels))
     features = FeaturesConfig(async_scheduling=False)
-    features.dspark.enabled = False
+    features.dspark.method = "none"
     engine = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96, block_size=16),
                           cache_dir=str(cache_dir))
     return LLM(model, hw, features, engine)

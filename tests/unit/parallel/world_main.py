@@ -21,8 +21,8 @@ from redknot.parallel import serve
 
 def build(spec: dict, sc: dict) -> LLM:
     features = FeaturesConfig(async_scheduling=False)
-    features.dspark.enabled = sc.get("dspark", False)
-    features.dspark.confidence_threshold = 0.0  # random MTP weights: draft every step anyway
+    features.dspark.method = "mtp" if sc.get("dspark", False) else "none"
+    features.dspark.adaptive = False  # random MTP weights: verify every draft anyway
     features.batch_invariant.enabled = sc["batch_invariant"]
     par = features.parallel
     par.dp, par.ep, par.cp = sc["dp"], sc["ep"], sc["cp"]

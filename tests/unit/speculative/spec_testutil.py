@@ -49,13 +49,15 @@ def make_mtp_agree(model, eps: float = 0.005, head_scale: float = 6.0) -> None:
     model.head.weight.mul_(head_scale)
 
 
-def features(dspark: bool = True, max_draft: int = MAX_DRAFT, varlen: bool = True, threshold: float = 0.3,
-             compact: bool = False, keep_tokens: int = WINDOW + MAX_DRAFT + 1, batch_invariant: bool = False,
-             method: str = "rejection") -> FeaturesConfig:
+def features(dspark: bool = True, max_draft: int = MAX_DRAFT, adaptive: bool = False, compact: bool = False,
+             keep_tokens: int = WINDOW + MAX_DRAFT + 1, batch_invariant: bool = False, verification: str = "token",
+             budget: str = "fixed", budget_tokens: int = 6, method: str = "auto",
+             draft_sampling: str = "greedy") -> FeaturesConfig:
     f = FeaturesConfig(async_scheduling=False)
-    f.dspark.enabled, f.dspark.max_draft, f.dspark.varlen = dspark, max_draft, varlen
-    f.dspark.confidence_threshold = threshold
-    f.verification.method = method
+    f.dspark.method = method if dspark else "none"
+    f.dspark.max_draft, f.dspark.adaptive = max_draft, adaptive
+    f.dspark.verification, f.dspark.draft_sampling = verification, draft_sampling
+    f.dspark.budget, f.dspark.budget_tokens = budget, budget_tokens
     f.swa_replay.mode = SwaReplayMode.compact if compact else SwaReplayMode.off
     f.swa_replay.keep_tokens = keep_tokens
     f.batch_invariant.enabled = batch_invariant

@@ -5,6 +5,8 @@ import copy
 import random
 import re
 
+import pytest
+
 from spec_testutil import MAX_DRAFT, run_all
 
 from redknot.engine import SamplingParams
@@ -48,7 +50,7 @@ def test_grammar_requests_are_never_drafted(engines):
 
 
 def test_counters_reach_engine_stats_and_request_metrics(engines):
-    on = engines(threshold=0.0)  # verify every draft: all positions get counted
+    on = engines(adaptive=False)  # verify every draft: all positions get counted
     before = copy.deepcopy(on.stats())
     outs = run_all(on, _prompts(2, 3), SamplingParams(max_tokens=16, ignore_eos=True))
     after = copy.deepcopy(on.stats())
@@ -77,6 +79,7 @@ def test_drafting_runs_steps_synchronously(engines):
     assert on._core._executor is None
 
 
+@pytest.mark.xfail(strict=True, reason="confidence scheduling (features.dspark.budget) is not wired yet")
 def test_random_weights_draft_but_verify_almost_nothing(engines):
     """With random weights the MTP's confidences are tiny: confidence scheduling verifies no drafts
     (each step is a plain step plus the drafter's work); fixed-length verification still verifies
@@ -87,7 +90,7 @@ def test_random_weights_draft_but_verify_almost_nothing(engines):
     outs = run_all(varlen, prompts, params)
     assert all(o.metrics.num_draft_proposed == 0 for o in outs.values())
     assert varlen.stats().spec.num_drafted > 0
-    fixed = engines(agree=False, varlen=False)
+    fixed = engines(agree=False, adaptive=False)
     ref = run_all(engines(agree=False, dspark=False), prompts, params)
     outs = run_all(fixed, prompts, params)
     assert all(outs[r].token_ids == ref[r].token_ids for r in prompts)

@@ -44,7 +44,7 @@ def test_single_requests_equal_plain_decoding(engines):
 def test_mixed_length_batch_equals_plain_decoding(engines, varlen):
     prompts = _prompts(1, 6, lo=2, hi=70)
     ref, ref_lg = record_logits(engines(dspark=False), prompts, GREEDY)
-    on = engines(varlen=varlen)
+    on = engines(adaptive=varlen)
     before = on.stats().spec
     got, got_lg = record_logits(on, prompts, GREEDY)
     _compare(ref, ref_lg, got, got_lg)
@@ -109,7 +109,7 @@ def _mid_block_index(on, prompt, params):
 
 
 def test_eos_inside_an_accepted_block(engines):
-    off, on = engines(dspark=False), engines(varlen=False)
+    off, on = engines(dspark=False), engines(adaptive=False)
     prompt = _prompts(4, 1, lo=20, hi=21)["r4-0"]
     tokens, i = _mid_block_index(on, prompt, GREEDY)
     params = SamplingParams(max_tokens=24, stop_token_ids=[tokens[i]])
@@ -127,7 +127,7 @@ def test_eos_inside_an_accepted_block(engines):
 
 
 def test_stop_string_inside_an_accepted_block(engines):
-    off, on = engines(dspark=False), engines(varlen=False)
+    off, on = engines(dspark=False), engines(adaptive=False)
     prompt = _prompts(5, 1, lo=20, hi=21)["r5-0"]
     tokens, i = _mid_block_index(on, prompt, GREEDY)
     tok = on.tokenizer
@@ -167,7 +167,7 @@ def test_max_tokens_reached_mid_block(engines):
 
 def test_drafts_respect_max_tokens_and_model_length(engines):
     """The drafter never proposes drafts whose verify step could pass max_tokens or the model length."""
-    on = engines(varlen=False, max_len=40)
+    on = engines(adaptive=False, max_len=40)
     scheduled = []
     real = on.runner.execute
 

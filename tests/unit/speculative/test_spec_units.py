@@ -71,7 +71,7 @@ def test_configuration_enforces_and_documents_the_keep_tokens_rule():
     from redknot.config.schema import RedKnotConfig, SwaReplayMode
     cfg = RedKnotConfig()
     cfg.features.swa_replay.mode = SwaReplayMode.compact
-    cfg.features.dspark.enabled, cfg.features.dspark.max_draft = True, 5
+    cfg.features.dspark.method, cfg.features.dspark.max_draft = "auto", 5
     cfg.model.sliding_window = 128
     cfg.features.swa_replay.keep_tokens = 133
     (violation,) = swa_replay_window(cfg)
@@ -87,11 +87,17 @@ def test_effective_draft_length_and_a_checkpoint_without_drafter():
     from redknot.speculative.dspark import DSpark
 
     assert DSparkConfig(max_draft=3).effective_max_draft == 3
-    assert DSparkConfig(enabled=False, max_draft=3).effective_max_draft == 0
+    assert DSparkConfig(method="none", max_draft=3).effective_max_draft == 0
+    assert DSparkConfig(method="mtp", max_draft=0).effective_max_draft == 0
+    with pytest.raises(AttributeError):  # the old switch is derived now; setting it is an error, not a no-op
+        DSparkConfig().enabled = False
     features = FeaturesConfig()
-    with pytest.raises(ValueError, match="features.dspark.enabled=true but the checkpoint has no MTP layer"):
-        DSpark.create({}, None, None, features, max_model_len=64)  # the family found no drafter
-    features.dspark.enabled = False
+    assert DSpark.create({}, None, None, features, max_model_len=64) is None  # auto: no drafter, plain decoding
+    for method in ("mtp", "dspark"):
+        features.dspark.method = method
+        with pytest.raises(ValueError, match=f"features.dspark.method={method} but the checkpoint has no"):
+            DSpark.create({}, None, None, features, max_model_len=64)  # the family found no drafter
+    features.dspark.method = "none"
     assert DSpark.create({}, None, None, features, max_model_len=64) is None
 
 
