@@ -1,0 +1,270 @@
+"""V4.1 attention on the paged incremental state (reference §3.5, §5.2, §5.3).
+
+Every layer: low-rank q without a per-head norm, one K=V latent with interleaved RoPE on
+its last dims (the layer's own table: θ 10000 on ratio-0 layers, θ 160000 + YaRN on the
+others), a window ring in FP8, per-head sinks, grouped output. kv sources (ratio 1 or
+2) also compress and publish index keys computed from the *pre-RoPE* latent; index
+sources score those keys (layer 20 publishes candidate blocks, 24/28/32/36 re-index
+inside them) and publish the top-k, which the layers above reuse until the next source.
+
+Cross-layer sharing is per step through :class:`Slots` (rows of this step). Cache reads
+return exactly the grid values the reference computes (the state stores the byte
+formats of :mod:`redknot.kernels.mx_formats`), so chunk boundaries are invisible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41.ref_math import (
+    Numerics, Weights, acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, rms_norm, topk_ids)
+from redknot.models.deepseek_v41.state import V41State
+
+ROW_CHUNK = 256  # query rows scored / attended at once (bounds [rows, candidates, dim] temporaries)
+
+
+@dataclass
+class Span:
+    """Rows [start, start+n) of the step: one sequence at positions ctx..ctx+n-1; its window
+    starts at ``floor`` (bounded replay's tail layers) and its block table is ``blocks``."""
+    start: int
+    n: int
+    ctx: int
+    slot: int
+    blocks: torch.Tensor      # [max_blocks] int64
+    floor: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.ctx + self.n
+
+
+@dataclass
+class Slots:
+    """What the latest sources of this forward published, per row of the step."""
+    topk: Optional[torch.Tensor] = None           # [T, K] entry ids of the latest index source (-1: none)
+    candidates: Optional[torch.Tensor] = None     # [T, n_max] bool, from the candidate source
+    record: Dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> topk (inspection)
+
+    def rows(self, idx: torch.Tensor) -> "Slots":
+        return Slots(None if self.topk is None else self.topk[idx],
+                     None if self.candidates is None else self.candidates[idx], self.record)
+
+
+def _page_index(span: Span, entry: torch.Tensor, ratio: int, block_size: int) -> torch.Tensor:
+    """Flat page rows of entries ``entry`` of one sequence (entry j lives in the block of position j*r)."""
+    per = block_size // ratio
+    pos = entry * ratio
+    return span.blocks[pos // block_size] * per + (pos % block_size) // ratio
+
+
+def sparse_attend(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """q [N, H, D] over its own candidate rows kv [N, M, D] (valid [N, M]) plus a per-head sink
+    (unscaled logit in the denominator only): -> [N, H, D] in the accumulation dtype."""
+    a = sink.dtype
+    z = torch.einsum("nhd,nmd->nhm", q.to(a), kv.to(a)) * scale
+    z = z.masked_fill(~valid[:, None, :], float("-inf"))
+    s = sink[None, :, None].expand(q.shape[0], -1, 1)
+    m = torch.maximum(z.amax(-1, keepdim=True), s)
+    e = torch.exp(z - m)
+    return torch.einsum("nhm,nmd->nhd", e, kv.to(a)) / (e.sum(-1, keepdim=True) + torch.exp(s - m))
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block: int) -> torch.Tensor:
+    """Layer 20's candidate mask (§3.5(d)): blocks of ``block`` entries scored by their max, the
+    block of the newest visible entry pinned, the best ``n_blocks`` finite blocks kept -> [N, n] bool."""
+    rows, n = scores.shape
+    nblk = -(-n // block)
+    pad = F.pad(scores, (0, nblk * block - n), value=float("-inf"))
+    bscore = pad.view(rows, nblk, block).amax(-1)                               # [N, nblk]
+    blk = torch.arange(nblk, device=scores.device)
+    pinned = (visible[:, None] > 0) & (blk[None, :] == ((visible - 1).clamp(min=0) // block)[:, None])
+    bscore = bscore.masked_fill(pinned, float("inf"))
+    chosen = topk_ids(bscore, min(n_blocks, nblk))
+    keep = torch.zeros_like(bscore, dtype=torch.bool).scatter_(1, chosen, True) & (bscore > float("-inf"))
+    return keep.repeat_interleave(block, dim=1)[:, :n]
+
+
+class AttentionLayer:
+    """One layer's attention over the step (weights by native name under ``layers.L.attn``)."""
+
+    def __init__(self, cfg, w: Weights, layer: int, inv_freq: torch.Tensor, num: Numerics, index_keys: str):
+        self.cfg, self.w, self.layer, self.inv, self.num = cfg, w, layer, inv_freq, num
+        self.p = f"layers.{layer}.attn"
+        self.ratio = cfg.compress_ratios[layer]
+        self.kv_source = cfg.kv_source_of(layer)
+        self.index_keys = index_keys
+
+    # ------------------------------------------------------------------ whole layer
+    def __call__(self, u: torch.Tensor, pos: torch.Tensor, spans: List[Span], state: V41State,
+                 slots: Slots) -> torch.Tensor:
+        cfg, w, num, p = self.cfg, self.w, self.num, self.p
+        t = u.shape[0]
+        qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
+        q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), pos, self.inv)
+        kv = rms_norm(linear(u, w, f"{p}.wkv.weight", num), w.float(f"{p}.kv_norm.weight"), cfg.norm_eps)
+        kv = apply_rope(kv, pos, self.inv)
+        if cfg.is_kv_source(self.layer):
+            for sp in spans:
+                self._compress(u[sp.start:sp.start + sp.n], sp, state)
+        if cfg.is_index_source(self.layer):
+            self._index(u, qr, pos, spans, state, slots)
+        o = torch.empty(t, cfg.n_heads, cfg.head_dim, dtype=num.acc, device=u.device)
+        for sp in spans:
+            self._attend(q, kv, sp, state, slots, o)
+        o = apply_rope(o.to(num.dtype), pos, self.inv, inverse=True)
+        g = cfg.o_groups
+        wo_a = w.dense(f"{p}.wo_a.weight", num.dtype).view(g, cfg.o_lora_rank, -1)
+        z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
+        return linear(z, w, f"{p}.wo_b.weight", num)
+
+    # ------------------------------------------------------------------ window + sparse attention
+    def _window_rows(self, kv: torch.Tensor, sp: Span, state: V41State):
+        """(kv rows [L, Dh] on the grid, their positions [L]) a chunk's window reads: ring rows
+        of positions max(floor, ctx-W+1)..ctx-1, then the chunk's rows; the ring is updated."""
+        ring = state.windows[self.layer]
+        size = ring.shape[1]
+        dev = kv.device
+        lo = max(sp.floor, sp.ctx - self.cfg.window_size + 1, 0)
+        old_pos = torch.arange(lo, sp.ctx, device=dev)
+        old = mx.unpack_window_rows(ring[sp.slot, old_pos % size], self.num.dtype)
+        packed = mx.pack_window_rows(kv[sp.start:sp.start + sp.n])                  # [n, bytes]
+        new = mx.unpack_window_rows(packed, self.num.dtype)
+        keep = min(sp.n, size)
+        new_pos = torch.arange(sp.ctx, sp.end, device=dev)
+        ring[sp.slot, new_pos[-keep:] % size] = packed[-keep:]
+        return torch.cat([old, new]), torch.cat([old_pos, new_pos])
+
+    def _attend(self, q, kv, sp: Span, state: V41State, slots: Slots, out: torch.Tensor) -> None:
+        cfg = self.cfg
+        rows, rpos = self._window_rows(kv, sp, state)
+        dev = q.device
+        win = cfg.window_size
+        entries = None
+        if self.ratio:
+            src = state.sources[self.kv_source]
+            n_ent = sp.end // self.ratio
+            if n_ent:
+                idx = _page_index(sp, torch.arange(n_ent, device=dev), self.ratio, state.layout.block_size)
+                entries = mx.unpack_compressed_entries(src.entries.view(-1, src.entries.shape[-1])[idx],
+                                                       self.num.dtype)          # [n_ent, Dh]
+        sink = self.w.float(f"{self.p}.attn_sink")
+        first_local = rpos.shape[0] - sp.n                                      # local index of position ctx
+        for r0 in range(0, sp.n, ROW_CHUNK):
+            r1 = min(sp.n, r0 + ROW_CHUNK)
+            p = torch.arange(sp.ctx + r0, sp.ctx + r1, device=dev)               # [R]
+            loc = (first_local + r0 + torch.arange(r1 - r0, device=dev))[:, None] - torch.arange(win, device=dev)
+            lpos = p[:, None] - torch.arange(win, device=dev)                     # [R, W]
+            valid = (lpos >= max(sp.floor, 0)) & (loc >= 0)
+            cand = rows[loc.clamp(min=0)]                                         # [R, W, Dh]
+            if entries is not None:
+                sel = slots.topk[sp.start + r0:sp.start + r1]                    # [R, K]
+                cand = torch.cat([cand, entries[sel.clamp(min=0)]], dim=1)
+                valid = torch.cat([valid, sel >= 0], dim=1)
+            qs = q[sp.start + r0:sp.start + r1]
+            out[sp.start + r0:sp.start + r1] = sparse_attend(qs, cand, valid, sink, cfg.head_dim ** -0.5)
+
+    # ------------------------------------------------------------------ compressor (kv sources)
+    def _compress(self, u: torch.Tensor, sp: Span, state: V41State) -> None:
+        cfg, w, num, p = self.cfg, self.w, self.num, self.p
+        src = state.sources[self.layer]
+        r = self.ratio
+        dev = u.device
+        if r == 1:
+            latent = rms_norm(plain_linear(u, w, f"{p}.compressor.wkv.weight", num.dtype),
+                              w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
+            first = sp.ctx
+        else:
+            a = acc_dtype(num.dtype)
+            kv_a = plain_linear(u.to(a), w, f"{p}.compressor.wkv.weight", a)   # [n, Dh]
+            gate = plain_linear(u.to(a), w, f"{p}.compressor.wgate.weight", a)
+            ring = src.kv_rows.shape[1]
+            first = sp.ctx // r                                                  # first group completing here
+            last = sp.end // r                                                   # one past the last
+            if last <= first:
+                latent = None
+            else:
+                gpos = (torch.arange(first, last, device=dev)[:, None] * r + torch.arange(r, device=dev))  # [G, r]
+                in_chunk = gpos >= sp.ctx
+                li = (gpos - sp.ctx).clamp(min=0)
+                ka = torch.where(in_chunk[..., None], kv_a[li], src.kv_rows[sp.slot, gpos % ring].to(a))
+                ga = torch.where(in_chunk[..., None], gate[li], src.gate_rows[sp.slot, gpos % ring].to(a))
+                pooled = (ka * torch.softmax(ga, dim=1)).sum(1)
+                latent = rms_norm(pooled.to(num.dtype), w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
+            keep = min(sp.n, ring)
+            npos = torch.arange(sp.end - keep, sp.end, device=dev)
+            src.kv_rows[sp.slot, npos % ring] = kv_a[-keep:]
+            src.gate_rows[sp.slot, npos % ring] = gate[-keep:]
+            if latent is None:
+                return
+        ent = torch.arange(first, first + latent.shape[0], device=dev)
+        epos = ent * r
+        keys = rms_norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype),
+                        w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
+        dest = _page_index(sp, ent, r, state.layout.block_size)
+        src.keys.view(-1, src.keys.shape[-1])[dest] = mx.pack_index_keys(apply_rope(keys, epos, self.inv))
+        src.entries.view(-1, src.entries.shape[-1])[dest] = mx.pack_compressed_entries(
+            apply_rope(latent, epos, self.inv))
+
+    # ------------------------------------------------------------------ indexer (index sources)
+    def _keys(self, layer: int, sp: Span, n: int, state: V41State) -> torch.Tensor:
+        src = state.sources[layer]
+        idx = _page_index(sp, torch.arange(n, device=src.keys.device), src.ratio, state.layout.block_size)
+        return mx.unpack_index_keys(src.keys.view(-1, src.keys.shape[-1])[idx], self.num.dtype)
+
+    def _scores(self, q: torch.Tensor, keys: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        a = wts.dtype
+        dots = torch.einsum("nhd,sd->nsh", q.to(a), keys.to(a))
+        if self.num.act_quant:  # the reference's bf16 score arithmetic
+            r = bf16_round(bf16_round(F.relu(bf16_round(dots))) * bf16_round(wts)[:, None, :])
+            return bf16_round(r.sum(-1))
+        return (F.relu(dots) * wts[:, None, :]).sum(-1)
+
+    def _index(self, u, qr, pos, spans: List[Span], state: V41State, slots: Slots) -> None:
+        cfg, w, num = self.cfg, self.w, self.num
+        p = f"{self.p}.indexer"
+        t = u.shape[0]
+        dev = u.device
+        q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        q = index_qdq(apply_rope(q, pos, self.inv))
+        wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
+            * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        r = self.ratio
+        n_max = max(sp.end // r for sp in spans)
+        topk = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=dev)
+        is_cand = cfg.is_candidate_source(self.layer)
+        cand_all = torch.zeros(t, n_max, dtype=torch.bool, device=dev) if is_cand else None
+        last_src = max(cfg.kv_source_layers)
+        for sp in spans:
+            n = sp.end // r
+            if n == 0:
+                continue
+            keys = self._keys(self.kv_source, sp, n, state)
+            shipped = (self.index_keys == "shipped" and sp.n == 1 and r == 2 and cfg.is_kv_source(self.layer)
+                       and (sp.ctx + 1) % r != 0 and last_src != self.layer)
+            if shipped:  # the shipped reference scores the last published keys (§5.2)
+                keys = self._keys(last_src, sp, n, state)
+            for r0 in range(0, sp.n, ROW_CHUNK):
+                r1 = min(sp.n, r0 + ROW_CHUNK)
+                rows = slice(sp.start + r0, sp.start + r1)
+                sc = self._scores(q[rows], keys, wts[rows])                       # [R, n]
+                visible = (pos[rows] + 1) // r
+                sc = sc.masked_fill(torch.arange(n, device=dev)[None, :] >= visible[:, None], float("-inf"))
+                if is_cand:
+                    cand = candidate_blocks(sc, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+                    cand_all[rows, :n] = cand
+                elif cfg.reads_candidates(self.layer):
+                    sc = sc.masked_fill(~slots.candidates[rows, :n], float("-inf"))
+                k = min(cfg.index_topk, n)
+                sel = topk_ids(sc, k)
+                sel = torch.where(sc.gather(1, sel) > float("-inf"), sel, torch.full_like(sel, -1))
+                topk[rows, :k] = sel
+        slots.topk = topk
+        slots.record[self.layer] = topk
+        if is_cand:
+            slots.candidates = cand_all

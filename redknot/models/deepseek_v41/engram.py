@@ -1,0 +1,50 @@
+"""Engram of V4.1 (reference §3.2): table lookup of hashed n-grams and the signed-sqrt gate.
+
+Runs on the full hc stream before the layer's block. Row ids come from
+:class:`redknot.models.deepseek_v41.engram_hash.EngramHasher` (exact int64); the
+table rows are FP8 e4m3 with one E8M0 scale per 32 columns of a row; ``wkv``'s
+output is split keys first (one key per stream) and one value shared by the streams.
+"""
+from __future__ import annotations
+
+import torch
+
+from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41.ref_math import Numerics, Weights, linear
+
+
+def table_rows(w: Weights, prefix: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantised table rows ids [T, n] -> [T, n, head_dim] (e4m3 · 2^(e8m0 - 127) per 32 columns)."""
+    table = w.raw(f"{prefix}.embed.weight")
+    scale = w.raw(f"{prefix}.embed.scale")
+    flat = ids.reshape(-1)
+    rows = mx.dequant_fp8_groups(table.view(torch.uint8)[flat], scale.view(torch.uint8)[flat],
+                                mx.MX_GROUP, dtype)                   # [T*n, hd]
+    return rows.view(*ids.shape, -1)
+
+
+def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk: torch.Tensor,
+                eps: float, token_mask=None) -> torch.Tensor:
+    """h [T, hc, D] + gate·value, gate per (token, stream) = σ(signed-sqrt(normalised dot))."""
+    a = key.dtype
+    hf = h.to(a)
+    d = h.shape[-1]
+    dot = (hf * qk.unsqueeze(0) * key).sum(-1)                              # [T, hc]
+    dot = dot * torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps) * d ** -0.5
+    gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+    if token_mask is not None:
+        gate = gate * token_mask.to(a).unsqueeze(-1)
+    return (hf + gate.unsqueeze(-1) * value.unsqueeze(1)).to(h.dtype)
+
+
+def engram_forward(h: torch.Tensor, ids: torch.Tensor, w: Weights, layer: int, num: Numerics, eps: float,
+                   token_mask=None) -> torch.Tensor:
+    """Apply layer ``layer``'s Engram to h [T, hc, D] given its row ids [T, n_cols]."""
+    prefix = f"layers.{layer}.engram"
+    t, hc, d = h.shape
+    rows = table_rows(w, prefix, ids, num.dtype).reshape(t, -1)             # [T, n_cols*hd]
+    kv = linear(rows, w, f"{prefix}.wkv.weight", num).to(num.acc)           # [T, (hc+1)*D]
+    key = kv[:, :hc * d].view(t, hc, d)                                     # keys first
+    value = kv[:, hc * d:]
+    qk = w.float(f"{prefix}.q_weight") * w.float(f"{prefix}.k_weight")      # [hc, D]
+    return engram_gate(h, key, value, qk, eps, token_mask)

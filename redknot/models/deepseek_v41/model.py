@@ -1,0 +1,150 @@
+"""DeepSeek-V4.1 on the engine's step contract (:class:`redknot.models.family.ServingModel`).
+
+``forward(meta, state)`` runs one engine step (prefill chunks and decode tokens of
+several sequences, concatenated) over the paged :class:`V41State` and returns the
+pre-head rows ``hc_pre(h, pre_last)`` [T, D]; ``compute_logits`` applies the final
+norm and the fp32 head (§3.4, §3.8). Per layer: Engram on the hc stream (layers in
+``engram_layer_ids``), then the lagged-mHC block (attention, MoE).
+
+Bounded replay (``features.swa_replay.mode=compact``, ``meta.replay_from``): layers up
+to the last kv source (layer 20 of V4.1-Flash; its compressor and index keys included)
+run on every row; the layers above run only on each sequence's rows at or after
+``replay_from``, and their windows start there (§5.5: an approximation, measured by
+``benchmarks/v41_bounded_replay.py``). ``replay_from=None`` runs every layer on every
+row: exactly the reference.
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+
+from redknot.models.deepseek_v41.attention import AttentionLayer, Slots, Span
+from redknot.models.deepseek_v41.engram import engram_forward
+from redknot.models.deepseek_v41.engram_hash import EngramHasher, EngramLayout
+from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
+from redknot.models.deepseek_v41.moe import moe_forward
+from redknot.models.deepseek_v41.ref_math import (
+    INDEX_KEYS, Numerics, Weights, check_choice, layer_rope, rms_norm)
+from redknot.models.deepseek_v41.state import V41State
+from redknot.step.metadata import StepMetadata
+
+log = logging.getLogger(__name__)
+
+
+class DeepseekV41:
+    """The V4.1 backbone over native checkpoint tensors (:class:`Weights`)."""
+
+    supports_cuda_graphs = False  # steps read python-side spans (block tables, ring rows)
+
+    def __init__(self, cfg, weights: Weights, token_map: Optional[torch.Tensor], pad_c: int,
+                 numerics: Numerics, index_keys: str = "owner", device="cpu"):
+        check_choice("model.index_keys", index_keys, INDEX_KEYS)
+        self.cfg, self.w, self.num = cfg, weights, numerics
+        self.dtype = numerics.dtype
+        self._device = torch.device(device)
+        self.index_keys = index_keys
+        self.attn = [AttentionLayer(cfg, weights, i, layer_rope(cfg, cfg.compress_ratios[i]).to(self._device),
+                                    numerics, index_keys) for i in range(cfg.n_layers)]
+        self.hasher = None
+        self.token_map = None
+        if cfg.engram_layer_ids:
+            if token_map is None:
+                raise ValueError("an Engram model needs the token map of its tokenizer")
+            self.token_map = token_map.to(self._device, torch.long)
+            self.hasher = EngramHasher(EngramLayout.create(cfg, pad_c), device=self._device)
+        # First layer bounded replay computes on the tail only: above the last kv source.
+        self.split = max(cfg.kv_source_layers) + 1 if cfg.kv_source_layers else 0
+        self.dspark = None          # drafting for V4.1 is not built yet (features.dspark refuses it)
+        self.last_slots: Optional[Slots] = None   # the selections of the last forward (inspection)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def forward(self, meta: StepMetadata, state: V41State) -> torch.Tensor:
+        """One step -> pre-head rows [T, D] (rows below ``replay_from`` are not meaningful)."""
+        cfg = self.cfg
+        spans = self._spans(meta)
+        pos = meta.positions
+        hashes = self._hashes(meta.input_ids, spans, state)                  # [T, L, cols] | None
+        e = self.w.dense("embed.weight", self.dtype)[meta.input_ids]
+        h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()           # [T, hc, D]
+        pre = one_hot_pre(h.shape[0], cfg.hc_mult, self.dtype, h.device)
+        slots = Slots()
+        compact = meta.replay_from is not None and self.split < cfg.n_layers
+        h, pre = self._layers(range(self.split if compact else cfg.n_layers), h, pre, pos, spans, state,
+                              slots, hashes)
+        self.last_slots = slots
+        x = hc_collapse(h, pre)
+        if not compact:
+            return x
+        rows, tail = self._tail(meta, spans)
+        if not tail:
+            return x
+        part = self._layers(range(self.split, cfg.n_layers), h[rows], pre[rows], pos[rows], tail, state,
+                            slots.rows(rows), None if hashes is None else hashes[rows])
+        return x.index_copy(0, rows, hc_collapse(*part))
+
+    @torch.no_grad()
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-head rows [N, D] -> logits [N, vocab] (fp32; fp64 for an fp64 model)."""
+        acc = self.num.acc
+        y = rms_norm(x, self.w.float("norm.weight"), self.cfg.norm_eps).to(acc)
+        return y @ self.w.dense("head.weight", acc).t()
+
+    # ------------------------------------------------------------------ parts
+    def _spans(self, meta: StepMetadata) -> List[Span]:
+        return [Span(s, n, c, slot, meta.block_tables[b].long())
+                for b, (s, n, c, slot) in enumerate(zip(meta.query_start_list, meta.num_tokens_per_seq,
+                                                        meta.context_lens, meta.seq_slot_list))]
+
+    def _tail(self, meta: StepMetadata, spans: List[Span]) -> Tuple[torch.Tensor, List[Span]]:
+        """Rows at or after each sequence's ``replay_from`` and their spans (window floor there)."""
+        rows, tail, at = [], [], 0
+        for sp, first in zip(spans, meta.replay_from):
+            skip = min(sp.n, max(0, int(first) - sp.ctx))
+            if skip == sp.n:
+                continue
+            rows.extend(range(sp.start + skip, sp.start + sp.n))
+            tail.append(Span(at, sp.n - skip, sp.ctx + skip, sp.slot, sp.blocks, floor=int(first)))
+            at += sp.n - skip
+        return torch.tensor(rows, dtype=torch.long, device=meta.positions.device), tail
+
+    def _hashes(self, ids: torch.Tensor, spans: List[Span], state: V41State) -> Optional[torch.Tensor]:
+        """Engram row ids of the step; the look-back of each sequence comes from its id ring."""
+        if self.hasher is None:
+            return None
+        lb = self.hasher.layout.lookback
+        ring = state.engram_ids.shape[1]
+        out = []
+        for sp in spans:
+            comp = self.token_map[ids[sp.start:sp.start + sp.n]]
+            prev_pos = torch.arange(sp.ctx - lb, sp.ctx, device=ids.device)
+            prev = state.engram_ids[sp.slot, prev_pos % ring]                    # positions < 0 are blocked
+            out.append(self.hasher.hash(torch.cat([prev, comp])[None], sp.ctx)[0])
+            keep = min(sp.n, ring)
+            new_pos = torch.arange(sp.end - keep, sp.end, device=ids.device)
+            state.engram_ids[sp.slot, new_pos % ring] = comp[-keep:]
+        return torch.cat(out)
+
+    def _layers(self, layers, h, pre, pos, spans, state, slots, hashes):
+        cfg, w, num = self.cfg, self.w, self.num
+        for i in layers:
+            p = f"layers.{i}"
+            if cfg.is_engram(i):
+                h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
+            mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+            pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
+                                          w.float(f"{p}.hc_attn_scale"), *mix)
+            u = rms_norm(hc_collapse(h, pre), w.float(f"{p}.attn_norm.weight"), cfg.norm_eps)
+            h = hc_expand(self.attn[i](u, pos, spans, state, slots), h, post_a, c_a)
+            pre_f, post_f, c_f = hc_mixes(h, w.float(f"{p}.hc_ffn_fn"), w.float(f"{p}.hc_ffn_base"),
+                                          w.float(f"{p}.hc_ffn_scale"), *mix)
+            u = rms_norm(hc_collapse(h, pre_a), w.float(f"{p}.ffn_norm.weight"), cfg.norm_eps)
+            h = hc_expand(moe_forward(u, w, i, cfg, num), h, post_f, c_f)
+            pre = pre_f
+        return h, pre
