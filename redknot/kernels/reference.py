@@ -123,3 +123,4 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # The remaining ops live in their own modules; importing them registers them.
 from redknot.kernels import ref_attention as _ref_attention  # noqa: E402,F401
 from redknot.kernels import ref_moe as _ref_moe  # noqa: E402,F401
+from redknot.kernels import ref_v41 as _ref_v41  # noqa: E402,F401

@@ -1,0 +1,108 @@
+"""Sparse attention with sinks reading the V4.1 byte caches directly (§3.5(e)).
+
+A program owns one query token and ``BLOCK_H`` of its heads. It walks the token's window indices and
+then its compressed indices in blocks of ``BLOCK_N``, gathers those rows as bytes (window: e4m3 + E8M0
+per 32, 528 B; compressed: packed e2m1 + e4m3 per 16, 288 B), decodes them to bf16 in registers
+(exactly: every stored value is representable in bf16), and runs an online softmax: scores in fp32,
+probabilities cast to bf16 for the PV product, denominator in fp32, as the reference kernel does. The
+running maximum starts at the sink logit, so the sink term ``e^{sink}`` joins the denominator at the
+end and a row with no valid index returns 0.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import LOG2E, cdiv
+from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
+
+
+@triton.jit
+def _window_keys(cache_ptr, idx, ok, stride_c, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    base = cache_ptr + idx.to(tl.int64)[:, None] * stride_c
+    q = tl.load(base + tl.arange(0, D)[None, :], mask=ok[:, None], other=0)
+    v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    sb = tl.load(base + D + tl.arange(0, D // 32)[None, :], mask=ok[:, None], other=127)
+    v = tl.reshape(tl.reshape(v, (BLOCK_N, D // 32, 32)) * e8m0_decode(sb)[:, :, None], (BLOCK_N, D))
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _compressed_keys(cache_ptr, idx, ok, stride_c, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    base = cache_ptr + idx.to(tl.int64)[:, None] * stride_c
+    p = tl.load(base + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), (BLOCK_N, D))
+    v = e2m1_value(codes)
+    s8 = tl.load(base + D // 2 + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0)
+    s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    v = tl.reshape(tl.reshape(v, (BLOCK_N, D // 16, 16)) * s[:, :, None], (BLOCK_N, D))
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _softmax_step(q, kv, ok, m, l, acc, qk_scale):
+    z = tl.dot(q, tl.trans(kv)) * qk_scale  # [BH, BN], log2 units
+    z = tl.where(ok[None, :], z, float("-inf"))
+    m_new = tl.maximum(m, tl.max(z, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(z - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), kv)
+    return m_new, l, acc
+
+
+@triton.jit
+def _sparse_attn_mx(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_ptr, H, NW, NC,
+                    stride_qt, stride_qh, stride_w, stride_wi, stride_c, stride_ci, stride_ot, stride_oh, qk_scale,
+                    HAS_COMP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hmask[:, None], other=0.0)
+    q = q.to(tl.bfloat16)
+    m = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634  # sink, log2 units
+    sink = m
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for j0 in range(0, NW, BLOCK_N):
+        js = j0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(widx_ptr + t * stride_wi + js, mask=js < NW, other=-1)
+        ok = idx >= 0
+        kv = _window_keys(win_ptr, tl.where(ok, idx, 0), ok, stride_w, D, BLOCK_N)
+        m, l, acc = _softmax_step(q, kv, ok, m, l, acc, qk_scale)
+    if HAS_COMP:
+        for j0 in range(0, NC, BLOCK_N):
+            js = j0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(cidx_ptr + t * stride_ci + js, mask=js < NC, other=-1)
+            ok = idx >= 0
+            kv = _compressed_keys(comp_ptr, tl.where(ok, idx, 0), ok, stride_c, D, BLOCK_N)
+            m, l, acc = _softmax_step(q, kv, ok, m, l, acc, qk_scale)
+    denom = l + tl.exp2(sink - m)
+    o = acc / denom[:, None]
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hmask[:, None])
+
+
+def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,
+                        sinks: torch.Tensor, scale: float, comp_cache: Optional[torch.Tensor] = None,
+                        comp_idx: Optional[torch.Tensor] = None, block_h: int = 16, block_n: int = 32,
+                        num_warps: int = 8) -> torch.Tensor:
+    """See ``ref_v41.sparse_attention_mx``; q [T, H, D] (D a power of two), int32/int64 indices."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
+    widx = window_idx.contiguous()
+    cidx = comp_idx.contiguous() if has_comp else widx
+    ccache = comp_cache if has_comp else window_cache
+    _sparse_attn_mx[(T, cdiv(H, block_h))](
+        q, window_cache, widx, ccache, cidx, sinks.float().contiguous(), out, H, widx.shape[1],
+        cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
+        ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
+        HAS_COMP=has_comp, D=D, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps)
+    return out

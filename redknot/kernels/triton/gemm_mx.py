@@ -1,0 +1,223 @@
+"""FP8 tensor-core GEMMs over the V4.1 weight formats, activation quantisation fused in front.
+
+One kernel, three uses:
+* ``linear_mx``: bf16 rows x e4m3 weight [N, K] with E8M0 scales per b×b tile (V4.1 b = 32, V4 b = 128).
+* MoE first GEMM: token rows gathered by expert (no copy), times MXFP4 W1 and W3 of the row's expert; the
+  epilogue applies the clamped SwiGLU and the routing weight, rounds to bf16 and re-quantises the result
+  to FP8 per 32 columns, so the second GEMM reads 1 byte per element.
+* MoE second GEMM: those FP8 rows times MXFP4 W2.
+
+The K loop steps over one 32-wide activation group: the bf16 tile is quantised in registers (E8M0 scale
+from the group amax, as ``mx_formats``), FP4 weight nibbles are expanded to e4m3 bytes in registers
+(every e2m1 value is exact in e4m3), one FP8 MMA runs, and its fp32 result is scaled by
+``a_scale · w_scale`` and accumulated in K order, the reference's block-wise summation (§3.0).
+Grouped launches use a device-side tile map (no host sync, CUDA-graph safe).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
+from redknot.kernels.triton.fp8 import _tile_map
+from redknot.kernels.triton.moe import route_by_expert
+from redknot.kernels.triton.quant_mx import e2m1_to_e4m3_bits, e8m0_decode, e8m0_exponent, pow2
+
+
+@triton.jit
+def _load_a(a_ptr, sa_ptr, arow, rmask, kk, stride_am, stride_sam, kb, A_FP8: tl.constexpr):
+    """A tile [BM, 32] as e4m3 and its per-row scale [BM] (quantised here when A is bf16)."""
+    if A_FP8:
+        a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
+        sa = e8m0_decode(tl.load(sa_ptr + arow * stride_sam + kb, mask=rmask, other=127))
+    else:
+        x = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        e = e8m0_exponent(tl.max(tl.abs(x), 1), 448.0, 1e-4)
+        a = tl.minimum(tl.maximum(x * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
+        sa = pow2(e)
+    return a, sa
+
+
+@triton.jit
+def _load_b(b_ptr, sb_ptr, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4: tl.constexpr, WB: tl.constexpr):
+    """W tile [BN, 32] as e4m3 and its per-column scale [BN]."""
+    if W_FP4:
+        half = (kb * 16 + tl.arange(0, 16))
+        p = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_bn + half[None, :], mask=cmask[:, None], other=0)
+        p = p.to(tl.int32)
+        codes = tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), (p.shape[0], 32))
+        b = e2m1_to_e4m3_bits(codes).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        sb = e8m0_decode(tl.load(sb_ptr + cols.to(tl.int64) * stride_sbn + kb, mask=cmask, other=127))
+    else:
+        b = tl.load(b_ptr + cols[:, None].to(tl.int64) * stride_bn + kk[None, :], mask=cmask[:, None], other=0.0)
+        sb = e8m0_decode(tl.load(sb_ptr + (cols // WB).to(tl.int64) * stride_sbn + (kb * 32) // WB,
+                                 mask=cmask, other=127))
+    return b, sb
+
+
+@triton.jit
+def _mx_gemm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, wt_ptr, c_ptr, sc_ptr,
+             tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K,
+             stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_cm, stride_scm, limit,
+             A_FP8: tl.constexpr, W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr,
+             GROUPED: tl.constexpr, SWIGLU: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUPED:
+        grp = tl.load(tile_group_ptr + pid_m)
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+    else:
+        grp = 0
+        row0 = pid_m * BLOCK_M
+        row_end = tl.load(tile_end_ptr)
+    if grp >= 0:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        if GATHER:
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            arow = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        bg = b_ptr + grp.to(tl.int64) * stride_bg
+        sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kb in range(0, K // 32):
+            kk = kb * 32 + tl.arange(0, 32)
+            a, sa = _load_a(a_ptr, sa_ptr, arow, rmask, kk, stride_am, stride_sam, kb, A_FP8)
+            b, sb = _load_b(bg, sbg, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4, WB)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+            if SWIGLU:
+                b3g = b3_ptr + grp.to(tl.int64) * stride_bg
+                sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
+                b3, sb3 = _load_b(b3g, sb3g, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4, WB)
+                acc3 += tl.dot(a, tl.trans(b3)) * (sa[:, None] * sb3[None, :])
+        out_rows = rows.to(tl.int64)
+        if SWIGLU:
+            g = tl.minimum(acc.to(tl.bfloat16).to(tl.float32), limit)
+            u = tl.minimum(tl.maximum(acc3.to(tl.bfloat16).to(tl.float32), -limit), limit)
+            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
+            act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+            ag = tl.reshape(act, (BLOCK_M, BLOCK_N // 32, 32))
+            e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
+            q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
+            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            tl.store(c_ptr + out_rows[:, None] * stride_cm + cols[None, :], q, mask=rmask[:, None] & cmask[None, :])
+            gs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            tl.store(sc_ptr + out_rows[:, None] * stride_scm + gs[None, :], (e + 127).to(tl.uint8),
+                     mask=rmask[:, None] & (gs[None, :] * 32 < N))
+        else:
+            tl.store(c_ptr + out_rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & cmask[None, :])
+
+
+@dataclass(frozen=True)
+class MxGemmConfig:
+    block_m: int = 64
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+MX_GEMM_TUNER = ConfigTuner("mx_gemm", [
+    MxGemmConfig(64, 128, 4, 4), MxGemmConfig(128, 128, 8, 4), MxGemmConfig(128, 64, 4, 4),
+    MxGemmConfig(64, 64, 4, 4), MxGemmConfig(64, 32, 4, 4), MxGemmConfig(128, 256, 8, 3),
+])
+
+
+def _launch(a, sa, b, sb, out, *, rowid=None, offs=None, b3=None, sb3=None, wt=None, out_scale=None,
+            limit: float = 0.0, w_fp4: bool, wb: int = 32, config: Optional[MxGemmConfig] = None):
+    M, N = out.shape
+    K = a.shape[1]
+    if K % 32:
+        raise ValueError(f"mx GEMM: K={K} must be a multiple of 32")
+    grouped = offs is not None
+    swiglu = b3 is not None
+    if config is None:
+        key = (min(next_pow2(M), 16384), N, K, grouped, swiglu, w_fp4, wb, sa is not None)
+        config = MX_GEMM_TUNER.pick(key, lambda cfg: _launch(
+            a, sa, b, sb, out, rowid=rowid, offs=offs, b3=b3, sb3=sb3, wt=wt, out_scale=out_scale, limit=limit,
+            w_fp4=w_fp4, wb=wb, config=cfg), out.device)
+    bm, bn = config.block_m, config.block_n
+    if M == 0:
+        return out
+    b3d = b if grouped else b.unsqueeze(0)
+    sb3d = sb if grouped else sb.unsqueeze(0)
+    if grouped:
+        tg, tr, te, n_tiles = _tile_map(offs, bm, M)
+    else:
+        n_tiles = cdiv(M, bm)
+        te = torch.full((1,), M, dtype=torch.int32, device=a.device)
+        tg = tr = te
+    dummy = te
+    _mx_gemm[(n_tiles, cdiv(N, bn))](
+        a, sa if sa is not None else dummy, rowid if rowid is not None else dummy, b3d, sb3d,
+        b3 if swiglu else b3d, sb3 if swiglu else sb3d, wt if wt is not None else dummy, out,
+        out_scale if out_scale is not None else dummy, tg, tr, te, N, K,
+        a.stride(0), sa.stride(0) if sa is not None else 0, b3d.stride(0), b3d.stride(1), sb3d.stride(0),
+        sb3d.stride(1), out.stride(0), out_scale.stride(0) if out_scale is not None else 0, float(limit),
+        A_FP8=sa is not None, W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, SWIGLU=swiglu,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = 32,
+              act_group: int = 32, config: Optional[MxGemmConfig] = None) -> torch.Tensor:
+    """x [..., K] bf16 · Wᵀ (e4m3 [N, K], E8M0 [ceil(N/b), ceil(K/b)]) with per-32 FP8 activations."""
+    if act_group != 32:
+        raise ValueError(f"linear_mx: act_group={act_group}: the Triton kernel quantises activations per 32")
+    if block % 32:
+        raise ValueError(f"linear_mx: block={block} must be a multiple of 32")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x2, None, weight, weight_scale.view(torch.uint8), out, w_fp4=False, wb=block, config=config)
+    return out.view(*lead, weight.shape[0])
+
+
+@triton.jit
+def _combine(y_ptr, inv_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in range(K):  # slot order j = 0..k-1, fp32
+        r = tl.load(inv_ptr + tok * K + j).to(tl.int64)
+        acc += tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_mx(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
+           w1_scale: torch.Tensor, w3: torch.Tensor, w3_scale: torch.Tensor, w2: torch.Tensor,
+           w2_scale: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+    """Routed experts with MXFP4 weights (see ``ref_v41.moe_mx``): route on device, fused W1/W3 GEMM with
+    SwiGLU + FP8 re-quantisation, W2 GEMM, fixed-order combine. Three kernels, no host sync."""
+    T, k = topk_idx.shape
+    E, inter = w1.shape[0], w1.shape[1]
+    D = w2.shape[1]
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    rows, inv, offs = route_by_expert(topk_idx, E)  # sorted pair -> token row; pair -> sorted position
+    order = torch.empty_like(inv)
+    order[inv] = torch.arange(inv.numel(), device=inv.device)
+    wt = topk_weight.reshape(-1).float()[order].contiguous()  # routing weight per sorted pair
+    M = T * k
+    act_q = torch.empty(M, inter, dtype=torch.float8_e4m3fn, device=x.device)
+    act_s = torch.empty(M, inter // 32, dtype=torch.uint8, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    _launch(x, None, w1, w1_scale, act_q, rowid=rows.to(torch.int32), offs=offs, b3=w3, sb3=w3_scale, wt=wt,
+            out_scale=act_s, limit=swiglu_limit, w_fp4=True)
+    y = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
+    _launch(act_q, act_s, w2, w2_scale, y, offs=offs, w_fp4=True)
+    bd = min(1024, next_pow2(D))
+    _combine[(T, cdiv(D, bd))](y, inv, out, D, y.stride(0), out.stride(0), K=k, BLOCK_D=bd, num_warps=4)
+    return out

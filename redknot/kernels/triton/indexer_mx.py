@@ -1,0 +1,152 @@
+"""Two-level V4.1 indexer over FP4 index keys (68-byte rows: packed e2m1 + E8M0 per 32), §3.5(d).
+
+``I[t, s] = Σ_h w[t, h] · relu(q[t, h] · k[s])`` is computed by a Triton kernel that decodes key
+bytes in registers (``BLOCK_T`` tokens share each key block: one tensor-core dot of
+``[BLOCK_T·Hi, Di] x [Di, BLOCK_N]``) and writes fp32 scores for a chunk of tokens; ``torch.topk``
+selects from the chunk. Three uses:
+
+* ``indexer_topk_mx`` without candidates: every visible entry competes (index sources 2/8/14/20).
+* ``indexer_topk_mx`` with candidate blocks: only the ``NB·bs`` entries of the token's candidate blocks
+  are scored (a gathered launch), so layers 24/28/32/36 never score the whole cache.
+* ``indexer_candidates_mx``: the kernel reduces each block of ``bs`` entries to its max in registers and
+  writes only block scores (``N/bs`` per token); the newest visible block is pinned, top blocks kept.
+
+Token chunks bound the scratch to ``max_scratch_bytes``; the selection itself is torch's top-k.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.ref_v41 import _select
+from redknot.kernels.triton._common import cdiv
+from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
+
+MAX_SCRATCH_BYTES = 1 << 30
+
+
+@triton.jit
+def _index_keys(key_ptr, ent, ok, stride_k, DI: tl.constexpr, BLOCK_N: tl.constexpr):
+    base = key_ptr + ent.to(tl.int64)[:, None] * stride_k
+    p = tl.load(base + tl.arange(0, DI // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    v = e2m1_value(tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), (BLOCK_N, DI)))
+    sb = tl.load(base + DI // 2 + tl.arange(0, DI // 32)[None, :], mask=ok[:, None], other=127)
+    v = tl.reshape(tl.reshape(v, (BLOCK_N, DI // 32, 32)) * e8m0_decode(sb)[:, :, None], (BLOCK_N, DI))
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _index_scores(q_ptr, w_ptr, key_ptr, vis_ptr, cand_ptr, out_ptr, T, N, NCOLS,
+                  stride_qt, stride_qh, stride_wt, stride_k, stride_ct, stride_ot,
+                  HI: tl.constexpr, DI: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAND: tl.constexpr, BS: tl.constexpr, BLOCKMAX: tl.constexpr, BF16: tl.constexpr):
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = toks < T
+    t64 = toks.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if CAND:  # BLOCK_T == 1: this token's candidate entries
+        blk = tl.load(cand_ptr + t64 * stride_ct + cols // BS, mask=cols < NCOLS, other=-1)  # [BN]
+        ent = blk * BS + cols % BS
+        ok = (blk >= 0) & (ent < N)
+    else:
+        ent = cols
+        ok = cols < N
+    keys = _index_keys(key_ptr, tl.where(ok, ent, 0), ok, stride_k, DI, BLOCK_N)  # [BN, DI]
+    hs = tl.arange(0, HI)
+    q = tl.load(q_ptr + t64[:, None, None] * stride_qt + hs[None, :, None] * stride_qh +
+                tl.arange(0, DI)[None, None, :], mask=tmask[:, None, None], other=0.0).to(tl.bfloat16)
+    d = tl.dot(tl.reshape(q, (BLOCK_T * HI, DI)), tl.trans(keys))  # [BT*HI, BN] fp32
+    w = tl.load(w_ptr + t64[:, None] * stride_wt + hs[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+    d = tl.reshape(d, (BLOCK_T, HI, BLOCK_N))
+    if BF16:
+        d = d.to(tl.bfloat16).to(tl.float32)
+        w = w.to(tl.bfloat16).to(tl.float32)
+        s = tl.sum((tl.maximum(d, 0.0) * w[:, :, None]).to(tl.bfloat16).to(tl.float32), 1)
+        s = s.to(tl.bfloat16).to(tl.float32)
+    else:
+        s = tl.sum(tl.maximum(d, 0.0) * w[:, :, None], 1)  # [BT, BN]
+    vis = tl.load(vis_ptr + toks, mask=tmask, other=0)
+    s = tl.where(ok[None, :] & (ent[None, :] < vis[:, None]), s, float("-inf"))
+    if BLOCKMAX:
+        bm = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // BS, BS)), 2)
+        bcols = tl.program_id(1) * (BLOCK_N // BS) + tl.arange(0, BLOCK_N // BS)
+        tl.store(out_ptr + t64[:, None] * stride_ot + bcols[None, :], bm,
+                 mask=tmask[:, None] & (bcols[None, :] < NCOLS))
+    else:
+        tl.store(out_ptr + t64[:, None] * stride_ot + cols[None, :], s,
+                 mask=tmask[:, None] & (cols[None, :] < NCOLS))
+
+
+def _scores(q, weights, keys, visible, ncols, cand=None, bs=8, blockmax=False, bf16=False,
+            block_t: int = 2, block_n: int = 128) -> torch.Tensor:
+    T, HI, DI = q.shape
+    n = keys.shape[0]
+    out = torch.empty(T, ncols, dtype=torch.float32, device=q.device)
+    if T == 0 or ncols == 0:
+        return out.fill_(float("-inf"))
+    bt = 1 if cand is not None else block_t
+    width = n if cand is None else ncols
+    _index_scores[(cdiv(T, bt), cdiv(width, block_n))](
+        q, weights, keys, visible, cand if cand is not None else visible, out, T, n, ncols,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand.stride(0) if cand is not None else 0,
+        out.stride(0), HI=HI, DI=DI, BLOCK_T=bt, BLOCK_N=block_n, CAND=cand is not None, BS=bs,
+        BLOCKMAX=blockmax, BF16=bf16, num_warps=4)
+    return out
+
+
+def _chunks(t: int, per_token_bytes: int, limit: int):
+    step = max(1, min(t, limit // max(per_token_bytes, 1)))
+    return [(t0, min(t, t0 + step)) for t0 in range(0, t, step)]
+
+
+def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor,
+                    topk: int, cand_blocks: Optional[torch.Tensor] = None, block_size: int = 8,
+                    bf16_scores: bool = False, max_scratch_bytes: int = MAX_SCRATCH_BYTES) -> torch.Tensor:
+    """See ``ref_v41.indexer_topk_mx``."""
+    q, weights = q.contiguous(), weights.contiguous()
+    visible = visible.to(torch.int32).contiguous()
+    n = index_keys.shape[0]
+    out = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
+    if cand_blocks is None:
+        for t0, t1 in _chunks(q.shape[0], 4 * n, max_scratch_bytes):
+            s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
+            out[t0:t1] = _select(s, topk)
+        return out
+    cand = cand_blocks.to(torch.int32).contiguous()
+    ncols = cand.shape[1] * block_size
+    for t0, t1 in _chunks(q.shape[0], 4 * ncols, max_scratch_bytes):
+        s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], ncols, cand=cand[t0:t1], bs=block_size,
+                    bf16=bf16_scores)
+        pos = _select(s, topk)  # positions in the candidate list
+        c = cand[t0:t1].long()
+        ent = c.gather(1, (pos.clamp(min=0) // block_size).long()) * block_size + pos.clamp(min=0) % block_size
+        ent = torch.where(pos >= 0, ent, torch.full_like(ent, torch.iinfo(torch.int32).max))
+        ent = torch.sort(ent, dim=-1).values
+        out[t0:t1] = torch.where(ent == torch.iinfo(torch.int32).max, -1, ent).to(torch.int32)
+    return out
+
+
+def indexer_candidates_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
+                          visible: torch.Tensor, num_blocks: int = 2048, block_size: int = 8,
+                          bf16_scores: bool = False, max_scratch_bytes: int = MAX_SCRATCH_BYTES) -> torch.Tensor:
+    """See ``ref_v41.indexer_candidates_mx``."""
+    q, weights = q.contiguous(), weights.contiguous()
+    visible = visible.to(torch.int32).contiguous()
+    n = index_keys.shape[0]
+    nb = cdiv(n, block_size)
+    out = torch.empty(q.shape[0], num_blocks, dtype=torch.int32, device=q.device)
+    if 128 % block_size:
+        raise ValueError(f"indexer_candidates_mx: block_size={block_size} must divide 128")
+    for t0, t1 in _chunks(q.shape[0], 4 * nb, max_scratch_bytes):
+        s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], nb, bs=block_size, blockmax=True,
+                    bf16=bf16_scores)
+        vis = visible[t0:t1].long()
+        newest = ((vis - 1) // block_size).clamp(min=0, max=max(nb - 1, 0))
+        pin = torch.where(vis > 0, torch.full_like(vis, 1).float() * float("inf"),
+                          s.gather(1, newest[:, None]).squeeze(1))
+        s.scatter_(1, newest[:, None], pin[:, None])
+        out[t0:t1] = _select(s, num_blocks)
+    return out
