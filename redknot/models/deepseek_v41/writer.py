@@ -1,0 +1,181 @@
+"""Write a native DeepSeek-V4.1 checkpoint (the layout :mod:`weights` reads).
+
+Used for ``model=tiny-v41`` and by tests. Values are given in logical (float) form per
+native name; :func:`native_tensors` stores them as the released checkpoint does:
+dense linears FP8 e4m3 with one E8M0 scale per ``weight_block_size`` tile, routed
+experts MXFP4 (packed I8, low nibble = even element, E8M0 per 32), Engram tables FP8
+with per-row E8M0 per 32 columns, norms and other plain weights BF16, ``hc_*`` /
+``attn_sink`` / gate biases F32. Without ``quantization_config`` every linear is BF16.
+
+:func:`synthetic_tensors` makes the values from a seed (each tensor from its own
+generator, seeded by the name, so the values do not depend on the order or the shard
+split); unlike a training init it randomises sinks, mHC base/scale, norm weights and
+router biases (zeros and ones hide bugs).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, F32, FP4, FP8, TensorSpec, checkpoint_spec
+from redknot.models.deepseek_v41.config import V41Config, V41Quant
+from redknot.models.deepseek_v41.weights import INDEX_FILE
+
+FORMAT_VERSION = 1
+EMBED_STD = 0.12
+_NEAR_ONE = ("norm.weight", "_scale", "q_weight", "k_weight")      # 1 + 0.1·N(0,1)
+_HALF_NORMAL = ("attn_sink", "_base", "gate.bias", "gate.bias_vl")  # 0.5·N(0,1)
+_UNIT = ("engram.embed.weight",)                                    # N(0,1): table rows
+_EMBED = ("embed.weight",)                                          # EMBED_STD·N(0,1)
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def synthetic_value(spec: TensorSpec, seed: int) -> torch.Tensor:
+    """The float32 value of one tensor of the seeded synthetic checkpoint."""
+    r = torch.randn(spec.shape, generator=_generator(seed, spec.name), dtype=torch.float32)
+    name = spec.name
+    if name.endswith(_UNIT):
+        return r
+    if name.endswith(_EMBED):
+        return EMBED_STD * r
+    if name.endswith(_NEAR_ONE):
+        return 1.0 + 0.1 * r
+    if name.endswith(_HALF_NORMAL) or len(spec.shape) == 1:
+        return 0.5 * r
+    return r / spec.shape[-1] ** 0.5
+
+
+def synthetic_tensors(cfg: V41Config, seed: int, include_draft: bool = True) -> Iterator[Tuple[TensorSpec, torch.Tensor]]:
+    for spec in checkpoint_spec(cfg, include_draft=include_draft):
+        yield spec, synthetic_value(spec, seed)
+
+
+def store(spec: TensorSpec, value: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+    """The stored tensor(s) of one logical value: the weight, and its scale when quantised."""
+    value = value.detach().cpu()
+    if tuple(value.shape) != spec.shape:
+        raise ValueError(f"{spec.name}: value has shape {list(value.shape)}, the schema says {list(spec.shape)}")
+    if spec.kind == FP8:
+        q, s = mx.quant_fp8_blocks(value.float(), spec.block[0])
+        return [(spec.name, q), (spec.scale_name, s.view(torch.float8_e8m0fnu))]
+    if spec.kind == FP4:
+        q, s = mx.quant_mxfp4(value.float())
+        return [(spec.name, q.view(torch.int8)), (spec.scale_name, s.view(torch.float8_e8m0fnu))]
+    if spec.kind == ENGRAM:
+        q, s = mx.quant_fp8_groups(value.float(), mx.MX_GROUP, mx.E4M3_MAX * 2.0 ** -126)
+        return [(spec.name, q.contiguous()), (spec.scale_name, s.contiguous().view(torch.float8_e8m0fnu))]
+    if spec.kind == F32:
+        return [(spec.name, value.float().contiguous())]
+    assert spec.kind == BF16
+    return [(spec.name, value.to(torch.bfloat16).contiguous())]
+
+
+def native_tensors(items: Iterable[Tuple[TensorSpec, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+    for spec, value in items:
+        yield from store(spec, value)
+
+
+def write_checkpoint(out_dir: str, cfg: V41Config, tensors: Iterable[Tuple[str, torch.Tensor]],
+                     max_shard_bytes: int = 1 << 30, tokenizer_file: Optional[str] = None) -> List[str]:
+    """Shards ``model-0000i-of-0000N.safetensors``, the index, ``config.json`` (the released
+    nested layout) and, when given, a copy of ``tokenizer.json``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    groups: List[List[str]] = []
+    current: Dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal current, size
+        if current:
+            save_file(current, os.path.join(out_dir, f"model-{len(groups) + 1:05d}.partial"), metadata={"format": "pt"})
+            groups.append(list(current))
+        current, size = {}, 0
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+        current[name] = t
+        size += nbytes
+        total += nbytes
+    flush()
+    weight_map, files = {}, []
+    for i, names in enumerate(groups):
+        final = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        os.replace(os.path.join(out_dir, f"model-{i + 1:05d}.partial"), os.path.join(out_dir, final))
+        files.append(final)
+        weight_map.update({k: final for k in names})
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.to_hf_dict(), f, indent=1)
+    if tokenizer_file:
+        shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
+    return files
+
+
+# ---------------------------------------------------------------------------- the synthetic model
+def synthetic_config(architecture: Mapping[str, Any], quantize_fp8: bool) -> V41Config:
+    """V4.1-Flash with ``architecture`` keys (flat reference or released names) overridden;
+    the native FP8/MXFP4 layout when ``quantize_fp8``, else BF16 linears."""
+    from dataclasses import replace
+
+    cfg = V41Config.flash().with_overrides(dict(architecture)) if architecture else V41Config.flash()
+    return replace(cfg, quant=(cfg.quant or V41Quant()) if quantize_fp8 else None)
+
+
+def checkpoint_key(cfg: V41Config, seed: int) -> str:
+    blob = json.dumps({"config": cfg.to_hf_dict(), "seed": seed, "format": FORMAT_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def ensure_synthetic_checkpoint(name: str, architecture: Mapping[str, Any], seed: int, quantize_fp8: bool,
+                                cache_dir: str, max_shard_bytes: int = 64 << 20) -> str:
+    """Directory of the seeded checkpoint under ``<cache_dir>/models/``, written on first use
+    (temporary directory, then rename)."""
+    from redknot.models.deepseek_v41.weights import checkpoint_tokenizer_file
+
+    cfg = synthetic_config(architecture, quantize_fp8)
+    root = os.path.join(cache_dir, "models")
+    final = os.path.join(root, f"{name}-{checkpoint_key(cfg, seed)}")
+    if os.path.isfile(os.path.join(final, INDEX_FILE)):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-")
+    try:
+        write_checkpoint(tmp, cfg, native_tensors(synthetic_tensors(cfg, seed)), max_shard_bytes=max_shard_bytes,
+                         tokenizer_file=checkpoint_tokenizer_file(None, None))
+        with open(os.path.join(tmp, "synthetic.json"), "w", encoding="utf-8") as f:
+            json.dump({"name": name, "seed": seed, "architecture": dict(architecture), "quantize_fp8": quantize_fp8,
+                       "format": FORMAT_VERSION}, f, indent=1)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isfile(os.path.join(final, INDEX_FILE)):  # not a concurrent writer's result
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_synthetic_checkpoint(model_cfg, cache_dir: str) -> str:
+    """Directory of the checkpoint ``model.synthetic`` describes, written on first use."""
+    syn = model_cfg.synthetic
+    if syn is None:
+        raise ValueError(f"model {model_cfg.name!r}: model.synthetic is not set (no seeded checkpoint to write)")
+    return ensure_synthetic_checkpoint(model_cfg.name, dict(syn.architecture), int(syn.seed), bool(syn.quantize_fp8),
+                                       cache_dir)
