@@ -89,11 +89,29 @@ class ReferenceV41:
         self.token_map = token_map.long()
         self.index_keys = index_keys
         self.hasher = EngramHasher(EngramLayout.create(cfg, pad_c)) if cfg.engram_layer_ids else None
+        self._published: Optional[torch.Tensor] = None   # last kv source's keys of the previous pass
 
     # --------------------------------------------------------------- driver (§3.4)
     @torch.no_grad()
     def forward(self, ids: Sequence[int], decode_from: Optional[int] = None,
                 replay_from: Optional[int] = None) -> RefOutput:
+        """Logits of every row. With ``index_keys="shipped"`` and ``decode_from``, the decode rows'
+        ratio-2 owners read the last kv source's keys of the *previous* step; those keys come from
+        later layers of earlier rows, so the one-shot pass is repeated with the keys of the pass
+        before until they stop changing (pass k is exact for rows < decode_from + k)."""
+        self._published = None
+        if self.index_keys != "shipped" or decode_from is None or not self.cfg.kv_source_layers:
+            return self._forward(ids, decode_from, replay_from)
+        last = max(self.cfg.kv_source_layers)
+        for _ in range(len(ids) - decode_from + 1):
+            out = self._forward(ids, decode_from, replay_from)
+            keys = self.slots["all_keys"][last]
+            if self._published is not None and torch.equal(keys, self._published):
+                break
+            self._published = keys
+        return out
+
+    def _forward(self, ids, decode_from, replay_from) -> RefOutput:
         cfg, w, dt = self.cfg, self.w, self.num.dtype
         ids_t = torch.tensor(list(ids), dtype=torch.long)
         s = ids_t.shape[0]
@@ -241,7 +259,7 @@ class ReferenceV41:
         width = keys.shape[0]
         scores = self._scores(q, keys, wts)
         if self.index_keys == "shipped" and decode_from is not None and ratio == 2 and cfg.is_kv_source(layer):
-            last = self.slots["all_keys"].get(max(cfg.kv_source_layers))
+            last = self._published
             quirk = (pos >= decode_from) & ((pos + 1) % ratio != 0)
             if last is not None and bool(quirk.any()):
                 alt = self._scores(q, last[:width], wts)

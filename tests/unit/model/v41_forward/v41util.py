@@ -99,7 +99,7 @@ class Seq:
                  slot: int = 1, num_slots: int = 3, seed: int = 0):
         self.model = model
         self.layout = create_state_layout(model.cfg, block_size=block_size, max_backtrack=max_backtrack)
-        nb = self.layout.blocks_for(max_tokens) + 3
+        nb = 2 * self.layout.blocks_for(max_tokens) + 3   # spare blocks: other sequences, shuffling
         self.state = allocate_state(model.cfg, self.layout, num_slots=num_slots, num_blocks=nb,
                                     device="cpu", dtype=model.dtype)
         perm = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist()
