@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Check and time the V4.1 shipped-format kernels (``hardware=sm90-port``) at real V4.1 dimensions.
+
+    PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --out DIR     # on an H200, about 4-6 minutes
+    python benchmarks/kernels_v41.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
+
+Phase 1 (correctness): every op against its PyTorch reference (``redknot.kernels.ref_v41``) on fresh
+random inputs at V4.1 dimensions (hidden 5120, 384 experts top-6, expert FFN 2304, 512-d latent caches,
+32 index heads of 128, top-512, 2048 candidate blocks of 8); ``redknot/kernels/triton/checks_mx.py``.
+Phase 2 (speed): prefill chunks and decode batches, compressed contexts 8K / 128K / 1M entries for
+attention and indexer; CUDA-event timing (warm-up, median of the repetitions); achieved TFLOP/s and TB/s
+and the fraction of the roofline floor. Phase 3: the Engram gather from HBM and from pinned host memory
+against the measured host-to-device copy bandwidth. A failing case is a FAIL row; the run goes on.
+
+Roofline (the method of the project's cost model): an op's floor is ``max(FLOPs / peak, bytes / HBM)``
+with the H200 ceilings measured on the machine, FP8 1451 TFLOP/s (bf16 796 for the bf16-MMA ops) and
+4.17 TB/s; FLOPs count 2 per multiply-add, bytes count every byte an op must read or write once (stored
+formats at their stored size). ``fraction = floor / measured``. Results: ``DIR/kernels_v41.md`` and
+``DIR/kernels_v41.json`` (``$OUT`` if --out is not given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+PEAK_FLOPS = {"fp8": 1451e12, "bf16": 796e12}  # H200, measured (fp8 torch._scaled_mm, bf16 matmul 8192³)
+HBM_BYTES_PER_S = 4.17e12                       # H200 device-to-device copy (read + write), measured
+
+
+def roofline_fraction(flops: float, nbytes: float, seconds: float, peak: str) -> float:
+    """Fraction of the floor max(flops / peak, bytes / bandwidth) that a measured time reaches."""
+    floor = max(flops / PEAK_FLOPS[peak] if flops else 0.0, nbytes / HBM_BYTES_PER_S)
+    return floor / seconds if seconds > 0 else 0.0
+
+
+@dataclass
+class Case:
+    op: str
+    label: str
+    run: Callable[[], object]
+    flops: float
+    nbytes: float
+    peak: str = "fp8"
+    note: str = ""
+
+
+@dataclass
+class Row:
+    op: str
+    label: str
+    status: str
+    ms: float = 0.0
+    tflops: float = 0.0
+    tbps: float = 0.0
+    roof: float = 0.0
+    peak: str = ""
+    note: str = ""
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    device: object
+    t0: float = field(default_factory=time.perf_counter)
+    rows: List[Row] = field(default_factory=list)
+    checks: List[dict] = field(default_factory=list)
+    transfer: List[dict] = field(default_factory=list)
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", flush=True)
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.t0 > self.args.budget_s
+
+
+def time_ms(fn, device, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` (CUDA events per repetition; wall clock on CPU)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timed(run: Run, build: Callable[[], Case], desc: str) -> None:
+    import torch
+    if run.over_budget():
+        run.rows.append(Row(desc, "", "SKIP (time budget)"))
+        run.log(f"SKIP {desc}")
+        return
+    try:
+        case = build()
+        ms = time_ms(case.run, run.device, run.args.reps, warmup=1 if run.args.smoke else 3)
+        row = Row(case.op, case.label, "ok", ms, case.flops / ms / 1e9, case.nbytes / ms / 1e9,
+                  roofline_fraction(case.flops, case.nbytes, ms / 1e3, case.peak), case.peak, case.note)
+        run.log(f"{case.op:<22} {case.label:<34} {ms:9.3f} ms {row.tflops:8.1f} TF/s {row.tbps:7.3f} TB/s "
+                f"{100 * row.roof:5.1f}% of floor")
+    except Exception as exc:  # a crash is a failed row, not the end of the run
+        traceback.print_exc()
+        row = Row(desc, "", f"FAIL {type(exc).__name__}: {str(exc)[:160]}")
+        run.log(f"FAIL {desc}")
+    run.rows.append(row)
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_checks(run: Run, dims) -> None:
+    import torch
+    from redknot.kernels.triton.checks_mx import ALL_MX_CHECKS
+    for name, check in ALL_MX_CHECKS.items():
+        try:
+            rows = check(dims, run.device, seed=11)
+        except Exception as exc:
+            traceback.print_exc()
+            rows = []
+            run.checks.append(dict(name=name, ok=False, err=float("inf"), tol=0.0, detail=f"{type(exc).__name__}: {exc}"))
+        for r in rows:
+            run.checks.append(dict(name=r.name, ok=r.ok, err=r.err, tol=r.tol, detail=r.detail))
+            run.log(r.line())
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, toy dimensions")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for the results (default $OUT)")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting timed cases after this")
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (median)")
+    ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 131072, 1048576],
+                    help="compressed entries visible to attention / indexer cases")
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        args.reps = 1
+    import torch
+    from redknot.kernels.triton.checks_mx import REAL_V41, TOY_V41
+    from kernels_v41_cases import engram_transfer, timed_cases
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        print("no CUDA device: run with --smoke for the CPU dry run", file=sys.stderr)
+        return 2
+    dims = TOY_V41 if args.smoke else REAL_V41
+    run = Run(args, device)
+    run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
+            f"dims {'toy' if args.smoke else 'V4.1'}")
+    if not args.skip_checks:
+        run_checks(run, dims)
+    contexts = [64] if args.smoke else args.contexts
+    for desc, build in timed_cases(dims, device, contexts, args.smoke):
+        timed(run, build, desc)
+    try:
+        run.transfer = engram_transfer(dims, device, args.smoke, run.log)
+    except Exception as exc:
+        traceback.print_exc()
+        run.transfer = [dict(case="engram transfer", status=f"FAIL {type(exc).__name__}: {exc}")]
+    return write_results(run)
+
+
+def write_results(run: Run) -> int:
+    failed_checks = [c for c in run.checks if not c["ok"]]
+    failed_rows = [r for r in run.rows if r.status.startswith("FAIL")]
+    lines = ["# V4.1 shipped-format kernels", "",
+             f"Roofline: FP8 {PEAK_FLOPS['fp8'] / 1e12:.0f} TFLOP/s, bf16 {PEAK_FLOPS['bf16'] / 1e12:.0f} TFLOP/s, "
+             f"HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s; fraction = max(FLOPs/peak, bytes/HBM) / time.", "",
+             "## Checks against the references", "", "| check | result | error | tolerance |", "|---|---|---|---|"]
+    lines += [f"| {c['name']} | {'PASS' if c['ok'] else 'FAIL'} | {c['err']:.3g} | {c['tol']:g} |" for c in run.checks]
+    lines += ["", "## Timings", "", "| op | case | ms | TFLOP/s | TB/s | % of floor | peak | note |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in run.rows:
+        if r.status != "ok":
+            lines.append(f"| {r.op} | {r.label} | {r.status} | | | | | |")
+        else:
+            lines.append(f"| {r.op} | {r.label} | {r.ms:.4f} | {r.tflops:.1f} | {r.tbps:.3f} | {100 * r.roof:.1f} | "
+                         f"{r.peak} | {r.note} |")
+    lines += ["", "## Engram gather: HBM vs pinned host", "", "| case | ms | GB/s | note |", "|---|---|---|---|"]
+    for t in run.transfer:
+        lines.append(f"| {t.get('case')} | {t.get('ms', 0):.4f} | {t.get('gbps', 0):.1f} | "
+                     f"{t.get('note', t.get('status', ''))} |")
+    text = "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if run.args.out:
+        out = Path(run.args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernels_v41.md").write_text(text)
+        (out / "kernels_v41.json").write_text(json.dumps(dict(
+            checks=run.checks, rows=[r.__dict__ for r in run.rows], transfer=run.transfer,
+            peaks=PEAK_FLOPS, hbm_bytes_per_s=HBM_BYTES_PER_S, smoke=run.args.smoke), indent=1))
+        run.log(f"wrote {out / 'kernels_v41.md'} and {out / 'kernels_v41.json'}")
+    run.log(f"done: {len(failed_checks)} failed checks, {len(failed_rows)} failed timed cases")
+    return 1 if failed_checks or failed_rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

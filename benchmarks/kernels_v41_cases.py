@@ -1,0 +1,253 @@
+"""Timed cases of ``kernels_v41.py``: builders that make inputs at V4.1 dimensions and count the FLOPs
+and the bytes each op must move (stored formats at their stored sizes, every byte once)."""
+from __future__ import annotations
+
+from typing import Callable, Iterator, List, Tuple
+
+import torch
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels.triton import ops_mx as fast
+from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
+
+# (name, N, K) of the dense FP8 linears of a V4.1 layer (§4.2)
+LINEARS = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
+           ("shared w1", 2304, 5120), ("shared w2", 5120, 2304)]
+
+
+def _case(op, label, run, flops, nbytes, peak="fp8", note=""):
+    from kernels_v41 import Case
+    return Case(op, label, run, float(flops), float(nbytes), peak, note)
+
+
+def _sizes(dims: V41Dims, smoke: bool):
+    prefill = 16 if smoke else 8192
+    decode = [1, 4] if smoke else [1, 32, 128]
+    return prefill, decode
+
+
+def linear_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    prefill, decode = _sizes(dims, smoke)
+    shapes = [("toy", dims.hidden, dims.hidden)] if smoke else LINEARS
+    for name, n, k in shapes:
+        for m in [prefill] + (decode if name in ("toy", "wq_b", "wo_b", "shared w1") else []):
+            for block in ((32, 128) if name in ("toy", "wo_b") else (32,)):
+                def build(n=n, k=k, m=m, block=block, name=name):
+                    g = torch.Generator(device=device).manual_seed(m + n)
+                    w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, block)
+                    x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+                    nbytes = m * k * 2 + n * k + ws.numel() + m * n * 2
+                    return _case("linear_mx", f"{name} M={m} b={block}", lambda: fast.linear_mx(x, w, ws, block),
+                                 2 * m * n * k, nbytes)
+                yield f"linear_mx {name} M={m} b={block}", build
+
+
+def _moe_bytes(dims: V41Dims, idx: torch.Tensor) -> float:
+    d, i = dims.hidden, dims.moe_inter
+    per_expert = 3 * (d * i // 2 + d * i // 32)
+    t = idx.shape[0]
+    return idx.unique().numel() * per_expert + t * d * 2 * 2
+
+
+def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    prefill, decode = _sizes(dims, smoke)
+    flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
+    inputs = {}
+
+    def weights():
+        if "w" not in inputs:  # one set of expert weights for every case (7.2 GB at V4.1 size)
+            inputs["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
+        return inputs["w"]
+
+    for t in [prefill] + decode:
+        def build(t=t):
+            g = torch.Generator(device=device).manual_seed(t)
+            x = torch.randn(t, dims.hidden, generator=g, device=device).to(torch.bfloat16)
+            idx = torch.rand(t, dims.experts, generator=g, device=device).topk(dims.topk_experts, -1).indices
+            wt = torch.rand(t, dims.topk_experts, generator=g, device=device) + 0.1
+            w = weights()
+            return _case("moe_mx", f"T={t} (top-{dims.topk_experts} of {dims.experts})",
+                         lambda: fast.moe_mx(x, idx, wt, *w, 10.0), t * flops_per_token, _moe_bytes(dims, idx),
+                         note=f"{idx.unique().numel()} experts touched")
+        yield f"moe_mx T={t}", build
+    if device.type == "cuda":
+        for t in decode[-2:]:
+            def build_graph(t=t):
+                g = torch.Generator(device=device).manual_seed(t + 1)
+                x = torch.randn(t, dims.hidden, generator=g, device=device).to(torch.bfloat16)
+                idx = torch.rand(t, dims.experts, generator=g, device=device).topk(dims.topk_experts, -1).indices
+                wt = torch.rand(t, dims.topk_experts, generator=g, device=device) + 0.1
+                w = weights()
+                eager = fast.moe_mx(x, idx, wt, *w, 10.0)  # also tunes the launch shapes outside the capture
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    fast.moe_mx(x, idx, wt, *w, 10.0)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = fast.moe_mx(x, idx, wt, *w, 10.0)
+                graph.replay()
+                torch.cuda.synchronize()
+                same = bool(torch.equal(out, eager))
+                return _case("moe_mx (CUDA graph)", f"T={t}", graph.replay, t * flops_per_token,
+                             _moe_bytes(dims, idx), note=f"graph output == eager: {same}")
+            yield f"moe_mx graph T={t}", build_graph
+
+
+def cache_insert_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    prefill, _ = _sizes(dims, smoke)
+
+    def build_act():
+        x = torch.randn(prefill, dims.hidden, device=device).to(torch.bfloat16)
+        return _case("act_quant_mx", f"{prefill} x {dims.hidden}", lambda: fast.act_quant_mx(x), 0,
+                     prefill * dims.hidden * (2 + 1 + 1 / 32), "hbm")
+    yield "act_quant_mx", build_act
+    for fmt, d, row in (("window", dims.latent, mx.window_row_bytes(dims.latent)),
+                        ("compressed", dims.latent, mx.compressed_entry_bytes(dims.latent)),
+                        ("index", dims.index_dim, mx.index_key_bytes(dims.index_dim))):
+        def build(fmt=fmt, d=d, row=row):
+            x = torch.randn(prefill, d, device=device).to(torch.bfloat16)
+            cache = torch.empty(2 * prefill, row, dtype=torch.uint8, device=device)
+            slots = torch.randperm(2 * prefill, device=device)[:prefill]
+            return _case("cache_insert_mx", f"{fmt} rows={prefill}", lambda: fast.cache_insert_mx(cache, slots, x, fmt),
+                         0, prefill * (d * 2 + row + 8), "hbm")
+        yield f"cache_insert_mx {fmt}", build
+
+
+def _packed_rows(pack, n: int, d: int, device, chunk: int = 131072) -> torch.Tensor:
+    """n random rows packed by ``pack`` (built in chunks to bound the fp32 temporaries)."""
+    return torch.cat([pack(torch.randn(min(chunk, n - i), d, device=device)) for i in range(0, n, chunk)])
+
+
+def attention_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    prefill, decode = _sizes(dims, smoke)
+    prefill = min(prefill, 4096)
+    cache = {}
+    for ctx in contexts:
+        for t in [prefill] + decode:
+            def build(ctx=ctx, t=t):
+                if cache.get("ctx") != ctx:
+                    cache.clear()
+                    cache.update(ctx=ctx, comp=_packed_rows(mx.pack_compressed_entries, ctx, dims.latent, device))
+                comp = cache["comp"]
+                is_prefill = t == prefill
+                nwin = t + dims.window if is_prefill else t * dims.window
+                win = _packed_rows(mx.pack_window_rows, nwin, dims.latent, device)
+                ar = torch.arange(dims.window, device=device, dtype=torch.int32)
+                tt = torch.arange(t, device=device, dtype=torch.int32)[:, None]
+                widx = tt + ar if is_prefill else tt * dims.window + ar  # sliding window / own ring per sequence
+                k = min(dims.attn_topk, ctx)
+                cidx = torch.rand(t, ctx, device=device).topk(k, -1).indices.sort(-1).values.to(torch.int32) \
+                    if t * ctx <= 2 ** 28 else torch.randint(0, ctx, (t, k), device=device, dtype=torch.int32)
+                q = torch.randn(t, dims.heads, dims.latent, device=device).to(torch.bfloat16)
+                sinks = torch.randn(dims.heads, device=device)
+                keys = dims.window + k
+                flops = 4 * t * dims.heads * keys * dims.latent
+                comp_rows = min(ctx, t * k)
+                nbytes = nwin * win.shape[1] + comp_rows * comp.shape[1] + 2 * t * dims.heads * dims.latent * 2
+                return _case("sparse_attention_mx", f"ctx={ctx} T={t} {'prefill' if is_prefill else 'decode'}",
+                             lambda: fast.sparse_attention_mx(q, win, widx, sinks, dims.latent ** -0.5, comp, cidx),
+                             flops, nbytes, "bf16", f"{dims.window} window + {k} compressed rows per query")
+            yield f"sparse_attention_mx ctx={ctx} T={t}", build
+
+
+def indexer_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    prefill = 16 if smoke else 1024
+    decode = [1, 4] if smoke else [1, 32]
+    keys_cache = {}
+    for ctx in contexts:
+        for t in [prefill] + decode:
+            for mode in ("topk", "candidates", "topk in candidates"):
+                def build(ctx=ctx, t=t, mode=mode):
+                    if keys_cache.get("ctx") != ctx:
+                        keys_cache.clear()
+                        keys_cache.update(ctx=ctx, keys=_packed_rows(mx.pack_index_keys, ctx, dims.index_dim, device))
+                    keys = keys_cache["keys"]
+                    q = mx.act_quant_ref(torch.randn(t, dims.index_heads, dims.index_dim, device=device)
+                                         .to(torch.bfloat16), "fp4")
+                    w = torch.randn(t, dims.index_heads, device=device) * dims.index_heads ** -0.5
+                    visible = torch.arange(ctx - t + 1, ctx + 1, device=device, dtype=torch.int32)
+                    nb, bs = dims.cand_blocks, dims.cand_block_size
+                    per_q = ctx
+                    if mode == "topk":
+                        fn = lambda: fast.indexer_topk_mx(q, w, keys, visible, dims.index_topk)  # noqa: E731
+                    elif mode == "candidates":
+                        fn = lambda: fast.indexer_candidates_mx(q, w, keys, visible, nb, bs)  # noqa: E731
+                    else:
+                        cand = fast.indexer_candidates_mx(q, w, keys, visible, nb, bs)
+                        per_q = min(ctx, nb * bs)
+                        fn = lambda: fast.indexer_topk_mx(q, w, keys, visible, dims.index_topk, cand, bs)  # noqa: E731
+                    flops = 2 * t * per_q * dims.index_heads * dims.index_dim
+                    nbytes = min(ctx, t * per_q) * keys.shape[1] + t * dims.index_heads * dims.index_dim * 2
+                    return _case(f"indexer {mode}", f"ctx={ctx} T={t}", fn, flops, nbytes, "bf16",
+                                 "queries share one key cache" if t > 1 and t != prefill else "")
+                yield f"indexer {mode} ctx={ctx} T={t}", build
+
+
+def engram_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    prefill, decode = _sizes(dims, smoke)
+    rows = 4096 if smoke else 1 << 22
+    for t in [prefill] + decode:
+        def build(t=t):
+            table, scale, ids = _engram_table(dims, device, rows, t)
+            n = ids.numel()
+            return _case("engram_gather_mx", f"HBM table, T={t} x {dims.engram_rows_per_token} rows",
+                         lambda: fast.engram_gather_mx(table, scale, ids), 0,
+                         n * (table.shape[1] + scale.shape[1] + table.shape[1] * 2 + 8), "hbm")
+        yield f"engram_gather_mx T={t}", build
+
+
+def _engram_table(dims: V41Dims, device, rows: int, t: int):
+    table = torch.randint(0, 126, (rows, dims.engram_width), dtype=torch.uint8, device=device)
+    scale = torch.randint(110, 130, (rows, dims.engram_width // 32), dtype=torch.uint8, device=device)
+    ids = torch.randint(0, rows, (t, dims.engram_rows_per_token), device=device)
+    return table, scale, ids
+
+
+def engram_transfer(dims: V41Dims, device, smoke: bool, log) -> List[dict]:
+    """Engram gather from an HBM table vs a pinned host table read by the device, next to the measured
+    host-to-device copy bandwidth (the bus ceiling a host table can reach)."""
+    from kernels_v41 import time_ms
+    out = []
+    if device.type != "cuda":
+        return [dict(case="engram transfer", status="skipped: needs CUDA (pinned memory read by the device)")]
+    rows = 1 << 22
+    table, scale, _ = _engram_table(dims, device, rows, 1)
+    host_t = torch.empty_like(table, device="cpu").pin_memory()
+    host_s = torch.empty_like(scale, device="cpu").pin_memory()
+    host_t.copy_(table)
+    host_s.copy_(scale)
+    buf = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    ms = time_ms(lambda: dev.copy_(buf, non_blocking=True), device, 10)
+    out.append(dict(case="host->device copy, 256 MiB pinned", ms=ms, gbps=buf.numel() / ms / 1e6, note="bus ceiling"))
+    d2d = torch.empty_like(dev)
+    ms = time_ms(lambda: d2d.copy_(dev), device, 10)
+    out.append(dict(case="device->device copy, 256 MiB", ms=ms, gbps=2 * dev.numel() / ms / 1e6,
+                    note="HBM, read + write"))
+    for t in (1, 32, 8192):
+        ids = torch.randint(0, rows, (t, dims.engram_rows_per_token), device=device)
+        per_row = table.shape[1] + scale.shape[1]
+        want = fast.engram_gather_mx(table, scale, ids)
+        for where, (tab, sc) in (("HBM", (table, scale)), ("pinned host", (host_t, host_s))):
+            try:
+                got = fast.engram_gather_mx(tab, sc, ids)
+                same = bool(torch.equal(got, want))
+                ms = time_ms(lambda tab=tab, sc=sc: fast.engram_gather_mx(tab, sc, ids), device, 10)
+                out.append(dict(case=f"gather {where}, T={t} x {dims.engram_rows_per_token} rows", ms=ms,
+                                gbps=ids.numel() * per_row / ms / 1e6,
+                                note=f"table bytes read; output equals HBM gather: {same}"))
+            except Exception as exc:
+                out.append(dict(case=f"gather {where}, T={t}", status=f"FAIL {type(exc).__name__}: {exc}"[:200]))
+            log(f"engram {out[-1]}")
+    return out
+
+
+def timed_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    yield from linear_cases(dims, device, smoke)
+    yield from moe_cases(dims, device, smoke)
+    yield from cache_insert_cases(dims, device, smoke)
+    yield from engram_cases(dims, device, smoke)
+    yield from attention_cases(dims, device, contexts, smoke)
+    yield from indexer_cases(dims, device, contexts, smoke)
