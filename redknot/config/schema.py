@@ -57,6 +57,18 @@ class SupportStatus(str, Enum):
     planned = "planned"
 
 
+class ModelNumerics(str, Enum):
+    """Numerics of the DeepSeek-V4.1 forward (``model.numerics``; reference §3.0)."""
+    reference = "reference"  # per-32 activation quantise-dequantise before FP8/FP4 linears, bf16 indexer scores
+    bf16 = "bf16"            # no activation quantisation, fp32 indexer scores (caches keep their grids)
+
+
+class IndexKeys(str, Enum):
+    """Index keys a DeepSeek-V4.1 ratio-2 owner scores at decode (``model.index_keys``; reference §5.2, §8.1)."""
+    owner = "owner"      # its own keys: prefill and decode agree
+    shipped = "shipped"  # the shipped reference: the last published (layer 20's) keys while its group fills
+
+
 class SwaReplayMode(str, Enum):
     """SWA bounded replay of the prefill (``features.swa_replay.mode``)."""
     off = "off"
@@ -139,6 +151,9 @@ class ModelConfig:
     support: SupportStatus = SupportStatus.supported
     description: str = ""
     synthetic: Optional[SyntheticModelConfig] = None
+    # Model family deepseek_v41 only (ignored by others): numerics and decode index keys.
+    numerics: ModelNumerics = ModelNumerics.reference
+    index_keys: IndexKeys = IndexKeys.owner
 
 
 # --------------------------------------------------------------------------- hardware
@@ -236,6 +251,19 @@ class EplbConfig:
     rebalance_interval: int = 1000  # engine steps between re-placements
 
 
+class EngramPlacement(str, Enum):
+    """Where a DeepSeek-V4.1 model keeps its Engram hash tables (``features.parallel.engram_placement``).
+
+    ``sharded`` (default): the table rows are split evenly over the expert-parallel ranks (188.8 GiB of
+    V4.1-Flash tables -> 23.6 GiB per GPU at ep=8); a token's 24 rows per Engram layer (6.3 KB) travel
+    with the expert all-to-all. ``replicated``: every GPU holds the whole tables (does not fit an H200).
+    ``host``: the tables stay in host memory and the rows cross PCIe each step (frees GPU memory for
+    state when GPUs are few)."""
+    sharded = "sharded"
+    replicated = "replicated"
+    host = "host"
+
+
 @dataclass
 class ParallelConfig:
     """Parallel layout; checked against the launched world at engine start."""
@@ -243,6 +271,7 @@ class ParallelConfig:
     ep: int = 1  # MoE expert parallel ranks
     cp: int = 1  # context parallel ranks (long prefill)
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    engram_placement: EngramPlacement = EngramPlacement.sharded  # DeepSeek-V4.1 Engram tables (see the enum)
 
 
 @dataclass

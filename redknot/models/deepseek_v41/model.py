@@ -148,3 +148,57 @@ class DeepseekV41:
             h = hc_expand(moe_forward(u, w, i, cfg, num), h, post_f, c_f)
             pre = pre_f
         return h, pre
+
+
+def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device="cpu",
+                    expert_rows=None) -> DeepseekV41:
+    """Load ``model.path`` (or write, then load, the seeded ``model.synthetic`` checkpoint) onto
+    ``device``. ``model.numerics`` and ``model.index_keys`` choose the numerics and the ratio-2
+    owners' decode index keys; ``hardware.weight_format=keep`` keeps FP8/FP4 weights quantised
+    (dequantised per GEMM). ``kernels`` is not used: the V4.1 path runs its own PyTorch math."""
+    from redknot.config.schema import IndexKeys, ModelNumerics, WeightFormat
+    from redknot.kernels.dtypes import torch_dtype
+    from redknot.models.deepseek_v41.config import V41Config
+    from redknot.models.deepseek_v41.weights import checkpoint_tokenizer_file, engram_token_map, load_v41_weights
+    from redknot.models.deepseek_v41.writer import write_synthetic_checkpoint
+
+    if expert_rows is not None:
+        raise ValueError("features.parallel.ep > 1: expert parallel is not supported by model family "
+                         "deepseek_v41 yet; set features.parallel.ep=1")
+    if model_cfg.path:
+        import os
+
+        if not os.path.isdir(model_cfg.path):
+            raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
+        path = model_cfg.path
+    elif model_cfg.synthetic is not None:
+        path = write_synthetic_checkpoint(model_cfg, cache_dir)
+    else:
+        raise ValueError(f"model {model_cfg.name!r}: model.path is null and model.synthetic is not set; "
+                         f"give model.path=/path/to/checkpoint or choose model=tiny-v41")
+    cfg = V41Config.from_pretrained(path, model_cfg.num_layers)
+    if model_cfg.max_position > cfg.max_position_embeddings:
+        raise ValueError(f"model.max_position={model_cfg.max_position} exceeds the checkpoint's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    window = getattr(model_cfg, "sliding_window", None)
+    if window is not None and window != cfg.window_size:
+        raise ValueError(f"model.sliding_window={window} disagrees with the checkpoint's "
+                         f"sliding_window={cfg.window_size}")
+    dtype = torch_dtype(hardware.dtype)
+    keep = WeightFormat(hardware.weight_format) == WeightFormat.keep
+    numerics = Numerics(ModelNumerics(model_cfg.numerics).value, dtype)
+    index_keys = IndexKeys(model_cfg.index_keys).value
+    loaded = load_v41_weights(path, cfg, weight_format="keep" if keep else "dequantize", dtype=dtype,
+                              include_draft=False, device=device)
+    token_map, pad_c = None, 0
+    if cfg.engram_layer_ids:
+        tmap = engram_token_map(cfg, checkpoint_tokenizer_file(model_cfg, model_cfg.path), cache_dir)
+        lookup = list(tmap.lookup)
+        pad_c = lookup[cfg.engram_pad_id]
+        # Ids past the tokenizer (padding rows of the embedding) never occur in text; give them pad's id.
+        lookup += [pad_c] * max(0, cfg.vocab_size - len(lookup))
+        token_map = torch.tensor(lookup[:cfg.vocab_size], dtype=torch.long)
+    log.info("deepseek_v41: %d layers, numerics=%s, index_keys=%s, weights %s", cfg.n_layers, numerics.mode,
+             index_keys, "kept quantised" if keep else "dequantised")
+    weights = Weights(loaded.tensors, dtype, keep=keep, quantized=loaded.quantized)
+    return DeepseekV41(cfg, weights, token_map, pad_c, numerics, index_keys, device=device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import AbstractSet, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -149,10 +149,14 @@ class Weights:
     ``quantized(name)`` tells whether a linear is an FP8/FP4 GEMM (input quantised per 32).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, keep: bool = False):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, keep: bool = False,
+                 quantized: Optional[AbstractSet[str]] = None):
         self.tensors = dict(tensors)
         self.dtype = dtype
         self.keep = keep
+        # Names of the checkpoint's FP8/FP4 linears; a loader that dequantised them says so here
+        # (they lost their scales). None: a weight is quantised iff it has a scale.
+        self._quantized = quantized
         self._dense: Dict[str, torch.Tensor] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -170,6 +174,8 @@ class Weights:
         return name[:-len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
 
     def quantized(self, name: str) -> bool:
+        if self._quantized is not None:
+            return name in self._quantized
         return self.scale_name(name) in self.tensors
 
     def _dequant(self, name: str, dtype: torch.dtype) -> torch.Tensor:
