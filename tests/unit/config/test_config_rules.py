@@ -111,7 +111,7 @@ def test_generate_needs_a_prompt():
 
 def test_model_family_must_be_registered():
     assert check(model__family="llama") == [
-        "model.family=llama: must be a registered model family: ['deepseek_v4']"]
+        "model.family=llama: must be a registered model family: ['deepseek_v4', 'deepseek_v41']"]
 
 
 def test_kernel_backend_must_exist_and_match_the_accelerator():
