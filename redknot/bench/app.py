@@ -194,7 +194,7 @@ def catalog(ctx) -> int:
     from redknot.bench.catalog import show_catalog
     from redknot.config.hardware_fit import CONF_DIR
 
-    show_catalog(_console(), CONF_DIR, Path(ctx.cfg.output.cache_dir), dict(ctx.choices))
+    show_catalog(_console(), CONF_DIR, Path(ctx.cfg.output.cache_dir), dict(ctx.choices), cfg=ctx.cfg)
     return 0
 
 

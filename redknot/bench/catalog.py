@@ -143,7 +143,30 @@ def hardware_table(options: Dict[str, HardwareConfig], facts, selected: Optional
     return table
 
 
-def show_catalog(console: Console, conf_dir: Path, cache_dir: Path, choices: Dict[str, str]) -> None:
+def memory_plan_lines(cfg, facts) -> List[str]:
+    """The selected model's per-device memory plan for the configured parallel layout (from its
+    family; a device this machine has, else the hardware option's device names)."""
+    from redknot.models.registry import load_family
+
+    device = facts.name if facts.accelerator == Accelerator.cuda else None
+    par = cfg.features.parallel
+    placement = getattr(par.engram_placement, "value", par.engram_placement)
+    head = (f"memory plan: model={cfg.model.name}, hardware={cfg.hardware.name}, features.parallel "
+            f"dp={par.dp} ep={par.ep} engram_placement={placement}")
+    try:
+        plans = load_family(cfg.model.family).memory_plans(cfg.model, cfg.hardware, cfg.features, device)
+    except (ValueError, OSError) as err:
+        return [head, f"  (no plan: {err})"]
+    if not plans:
+        return []
+    lines = [head]
+    for plan in plans:
+        lines += [f"  {line}" for line in plan.describe()]
+        lines.append(f"  -> {'fits' if plan.fits else 'DOES NOT FIT: the engine refuses this layout at start'}")
+    return lines
+
+
+def show_catalog(console: Console, conf_dir: Path, cache_dir: Path, choices: Dict[str, str], cfg=None) -> None:
     suites = _options(conf_dir, "suite", SuiteConfig)
     prepared = prepared_manifests(cache_dir)
     console.print(suites_table(suites, prepared, choices.get("suite")))
@@ -151,5 +174,8 @@ def show_catalog(console: Console, conf_dir: Path, cache_dir: Path, choices: Dic
     models = _options(conf_dir, "model", ModelConfig)
     console.print(families_table(models))
     console.print(models_table(models, choices.get("model")))
-    console.print(hardware_table(_options(conf_dir, "hardware", HardwareConfig), probe_device(),
-                                 choices.get("hardware")))
+    facts = probe_device()
+    console.print(hardware_table(_options(conf_dir, "hardware", HardwareConfig), facts, choices.get("hardware")))
+    if cfg is not None:
+        for line in memory_plan_lines(cfg, facts):
+            console.print(escape(line))

@@ -63,6 +63,10 @@ class ModelRunner:
         self.family = family
         self.device = device
         self.kernels = kernels
+        if device.type == "cuda":  # a layout whose weights cannot fit is refused before any is read
+            props = torch.cuda.get_device_properties(device)
+            family.check_memory(model_cfg, hardware, features, device_bytes=props.total_memory,
+                                device_name=props.name)
         self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
                                         expert_rows=expert_rows)
         self.cfg = self.model.cfg

@@ -143,3 +143,16 @@ class ModelFamily(ABC):
     def context_parallel(self) -> Optional[ContextParallelHooks]:
         """The family's context-parallel layers; None: ``features.parallel.cp`` is not supported."""
         return None
+
+    def memory_plans(self, model_cfg: Any, hardware: Any, features: Any,
+                     device_name: Optional[str] = None) -> Sequence[Any]:
+        """Per-device weights and state capacity of the configured parallel layout, one plan per
+        device ``device_name`` or ``hardware.device_names`` names (each has ``describe() -> lines``
+        and ``fits``); empty when the family has no plan. Pure Python (``mode=catalog``)."""
+        return ()
+
+    def check_memory(self, model_cfg: Any, hardware: Any, features: Any, *, device_bytes: int,
+                     device_name: str) -> None:
+        """Refuse, before any weight is read, a layout that cannot fit one device of ``device_bytes``
+        (ValueError with the numbers); the default checks nothing."""
+        return None

@@ -289,8 +289,14 @@ class V41Config:
 
     def with_overrides(self, overrides: Dict[str, Any]) -> "V41Config":
         """Flat reference keys (or their HF names) replaced and re-validated."""
+        from redknot.models.deepseek_v41.config_parse import flat_overrides
+
         d = self.to_flat_dict()
-        d.update(overrides)
+        flat = flat_overrides(overrides)
+        if "engram_num_embeddings" not in flat and any(
+                k in flat for k in ("engram_layer_ids", "engram_vocab_size", "engram_n_heads", "engram_max_ngram_size")):
+            d["engram_num_embeddings"] = None   # derived again from the primes
+        d.update(flat)
         return type(self).from_dict(d)
 
     # ------------------------------------------------------------ serialisation
@@ -315,6 +321,13 @@ def _quant_dict(q: Optional[V41Quant]) -> Optional[Dict[str, Any]]:
     d = asdict(q)
     d["weight_block_size"] = list(q.weight_block_size)
     return d
+
+
+def synthetic_config(architecture: Dict[str, Any], quantize_fp8: bool) -> V41Config:
+    """V4.1-Flash with ``architecture`` keys (flat reference or released names) overridden;
+    the native FP8/MXFP4 layout when ``quantize_fp8``, else BF16 linears (``model.synthetic``)."""
+    cfg = V41Config.flash().with_overrides(dict(architecture)) if architecture else V41Config.flash()
+    return replace(cfg, quant=(cfg.quant or V41Quant()) if quantize_fp8 else None)
 
 
 def tiny_v41_config() -> V41Config:

@@ -104,6 +104,16 @@ def _flatten(d: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def flat_overrides(overrides: Dict[str, Any]) -> Dict[str, Any]:
+    """Override keys (released or flat names, ``rope_scaling`` included) -> flat reference names."""
+    d = dict(overrides)
+    q = d.pop("quantization_config", None)
+    out = _flatten(d)
+    if q is not None:
+        out["quantization_config"] = q
+    return out
+
+
 def parse_dict(cls, d: Dict[str, Any]):
     """The released nested config.json or the flat reference one -> ``cls`` (validated)."""
     if not isinstance(d, dict):
@@ -114,7 +124,9 @@ def parse_dict(cls, d: Dict[str, Any]):
     kwargs: Dict[str, Any] = {}
     for key in known & set(flat):
         v = flat[key]
-        if key in _TUPLES:
+        if key == "engram_num_embeddings" and v is None:
+            pass   # derived from the primes (validate)
+        elif key in _TUPLES:
             if not isinstance(v, (list, tuple)):
                 raise _fail(REF_TO_HF.get(key, key), v, "must be a list of integers")
             v = tuple(v)

@@ -365,6 +365,8 @@ def check_fits(plan: MemoryPlan, context: int) -> None:
         hint = []
         if plan.engram_placement == REPLICATED and plan.engram:
             hint.append("features.parallel.engram_placement=sharded (or host)")
+        elif plan.engram_placement == SHARDED and plan.engram:
+            hint.append("features.parallel.engram_placement=host")
         if plan.routed_experts + plan.draft_experts > plan.budget // 2:
             hint.append(f"a larger features.parallel.ep (now {plan.ep})")
         raise LayoutDoesNotFit(

@@ -68,5 +68,47 @@ class DeepseekV41Family(ModelFamily):
     def expert_layers(self, model) -> Sequence[Any]:
         return [layer.ffn for layer in model.layers]
 
+    def arch_config(self, model_cfg):
+        """The architecture a model config serves, without reading weights: ``model.path``'s
+        config.json, else the synthetic architecture, else the released V4.1-Flash; cut to
+        ``model.num_layers``."""
+        from redknot.models.deepseek_v41.config import V41Config, synthetic_config
+
+        path = getattr(model_cfg, "path", None)
+        if path and os.path.isfile(os.path.join(path, "config.json")):
+            return V41Config.from_pretrained(path, getattr(model_cfg, "num_layers", None))
+        syn = getattr(model_cfg, "synthetic", None)
+        cfg = synthetic_config(dict(syn.architecture), bool(syn.quantize_fp8)) if syn is not None \
+            else V41Config.flash()
+        return cfg.cut(getattr(model_cfg, "num_layers", None))
+
+    def _plan(self, model_cfg, hardware, features, device_name: str, device_bytes: int):
+        from redknot.models.deepseek_v41.cost import memory_plan
+
+        par = features.parallel
+        placement = getattr(par, "engram_placement", "sharded")
+        return memory_plan(self.arch_config(model_cfg), ep=int(par.ep), dp=int(par.dp),
+                           engram_placement=str(getattr(placement, "value", placement)),
+                           device_bytes=device_bytes, device_name=device_name,
+                           memory_utilization=float(hardware.memory_utilization),
+                           include_draft=bool(features.dspark.enabled))
+
+    def memory_plans(self, model_cfg, hardware, features, device_name: Optional[str] = None) -> Sequence[Any]:
+        from redknot.models.deepseek_v41.cost import DEVICE_MEMORY
+
+        names = [device_name] if device_name else list(getattr(hardware, "device_names", []) or [])
+        plans = []
+        for name in names:
+            known = [k for k in DEVICE_MEMORY if k.lower() in str(name).lower()]
+            if known:
+                plans.append(self._plan(model_cfg, hardware, features, known[0], DEVICE_MEMORY[known[0]]))
+        return plans
+
+    def check_memory(self, model_cfg, hardware, features, *, device_bytes: int, device_name: str) -> None:
+        from redknot.models.deepseek_v41.cost import check_fits
+
+        check_fits(self._plan(model_cfg, hardware, features, device_name, device_bytes),
+                   int(model_cfg.max_position))
+
 
 FAMILY = DeepseekV41Family(family_entry("deepseek_v41"))

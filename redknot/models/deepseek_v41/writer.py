@@ -25,7 +25,7 @@ import torch
 
 from redknot.kernels import mx_formats as mx
 from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, F32, FP4, FP8, TensorSpec, checkpoint_spec
-from redknot.models.deepseek_v41.config import V41Config, V41Quant
+from redknot.models.deepseek_v41.config import V41Config, synthetic_config
 from redknot.models.deepseek_v41.weights import INDEX_FILE
 
 FORMAT_VERSION = 1
@@ -128,15 +128,6 @@ def write_checkpoint(out_dir: str, cfg: V41Config, tensors: Iterable[Tuple[str, 
 
 
 # ---------------------------------------------------------------------------- the synthetic model
-def synthetic_config(architecture: Mapping[str, Any], quantize_fp8: bool) -> V41Config:
-    """V4.1-Flash with ``architecture`` keys (flat reference or released names) overridden;
-    the native FP8/MXFP4 layout when ``quantize_fp8``, else BF16 linears."""
-    from dataclasses import replace
-
-    cfg = V41Config.flash().with_overrides(dict(architecture)) if architecture else V41Config.flash()
-    return replace(cfg, quant=(cfg.quant or V41Quant()) if quantize_fp8 else None)
-
-
 def checkpoint_key(cfg: V41Config, seed: int) -> str:
     blob = json.dumps({"config": cfg.to_hf_dict(), "seed": seed, "format": FORMAT_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
