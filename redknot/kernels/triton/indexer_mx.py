@@ -7,7 +7,8 @@ selects from the chunk. Three uses:
 
 * ``indexer_topk_mx`` without candidates: every visible entry competes (index sources 2/8/14/20).
 * ``indexer_topk_mx`` with candidate blocks: only the ``NB·bs`` entries of the token's candidate blocks
-  are scored (a gathered launch), so layers 24/28/32/36 never score the whole cache.
+  are scored (a gathered launch over their entry ids, expanded on the device), so layers 24/28/32/36
+  never score the whole cache.
 * ``indexer_candidates_mx``: the kernel reduces each block of ``bs`` entries to its max in registers and
   writes only block scores (``N/bs`` per token); the newest visible block is pinned, top blocks kept.
 
@@ -47,10 +48,9 @@ def _index_scores(q_ptr, w_ptr, key_ptr, vis_ptr, cand_ptr, out_ptr, T, N, NCOLS
     tmask = toks < T
     t64 = toks.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if CAND:  # BLOCK_T == 1: this token's candidate entries
-        blk = tl.load(cand_ptr + t64 * stride_ct + cols // BS, mask=cols < NCOLS, other=-1)  # [BN]
-        ent = blk * BS + cols % BS
-        ok = (blk >= 0) & (ent < N)
+    if CAND:  # BLOCK_T == 1: this token's candidate entry ids, loaded (no alignment can be inferred)
+        ent = tl.load(cand_ptr + t64 * stride_ct + cols, mask=cols < NCOLS, other=-1)  # [BN]
+        ok = (ent >= 0) & (ent < N)
     else:
         ent = cols
         ok = cols < N
@@ -115,14 +115,16 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
             s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
             out[t0:t1] = _select(s, topk)
         return out
-    cand = cand_blocks.to(torch.int32).contiguous()
+    cand = cand_blocks.to(torch.int32)
     ncols = cand.shape[1] * block_size
-    for t0, t1 in _chunks(q.shape[0], 4 * ncols, max_scratch_bytes):
-        s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], ncols, cand=cand[t0:t1], bs=block_size,
+    for t0, t1 in _chunks(q.shape[0], 8 * ncols, max_scratch_bytes):
+        c = cand[t0:t1, :, None]
+        ids = torch.where(c >= 0, c * block_size + torch.arange(block_size, device=c.device, dtype=c.dtype), -1)
+        ids = ids.flatten(1).contiguous()  # [t, NB*bs] entry ids of the candidate blocks (-1: none)
+        s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], ncols, cand=ids, bs=block_size,
                     bf16=bf16_scores)
         pos = _select(s, topk)  # positions in the candidate list
-        c = cand[t0:t1].long()
-        ent = c.gather(1, (pos.clamp(min=0) // block_size).long()) * block_size + pos.clamp(min=0) % block_size
+        ent = ids.gather(1, pos.clamp(min=0).long()).long()
         ent = torch.where(pos >= 0, ent, torch.full_like(ent, torch.iinfo(torch.int32).max))
         ent = torch.sort(ent, dim=-1).values
         out[t0:t1] = torch.where(ent == torch.iinfo(torch.int32).max, -1, ent).to(torch.int32)
