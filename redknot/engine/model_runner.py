@@ -22,7 +22,7 @@ from redknot.kernels import KernelSet
 from redknot.kernels.dtypes import torch_dtype
 from redknot.models.family import ExpertRows, ModelFamily
 from redknot.sample import Sampler, SamplingRow
-from redknot.speculative.dspark import DSpark
+from redknot.speculative.dspark import DSparkSpeculator
 from redknot.speculative.replay import CompactReplay
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class ModelRunner:
         self.verifier: Optional[Callable[[StepBatch, torch.Tensor], Dict[str, List[int]]]] = None
         # Speculative decoding and compact SWA replay (redknot.speculative); None when off.
         self.replay = CompactReplay.from_features(features, self.cfg)
-        self.speculator = DSpark.create(family.draft_models(self.model), self.state, self.sampler, features,
+        self.speculator = DSparkSpeculator.create(family.draft_models(self.model), self.state, self.sampler, features,
                                         self.max_model_len, self.replay)
         if self.speculator is not None:
             self.verifier = self.speculator.verify

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from redknot.models.registry import FamilyEntry
 
 MTP = "mtp"  # classic multi-token-prediction drafting (one MTP layer on the target's streams)
+DSPARK = "dspark"  # DSpark draft stages: one parallel block per step from target taps (dspark_draft.py)
 
 
 class ArchConfig(Protocol):

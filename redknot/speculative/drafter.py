@@ -12,9 +12,11 @@ the previous draft as the next token. Chained rows are written to the ring
 speculatively and overwritten by the next catch-up (the ring has room for
 ``max_draft`` extra rows, see ``StateLayout``).
 
-Drafts are the MTP's argmax; the confidence of a draft is its probability
-under the draft distribution (the MTP logits after the request's own
-temperature/top-k/top-p/min-p; plain softmax for greedy requests).
+Drafts are the MTP's argmax (greedy drafting: the draft distribution is the
+point mass); the confidence of a draft is its probability under the MTP's
+distribution (after the request's own temperature/top-k/top-p/min-p; plain
+softmax for greedy requests). Which drafts are verified is decided by the
+scheduler (redknot.speculative.schedule) from these confidences.
 """
 from __future__ import annotations
 
@@ -25,15 +27,17 @@ import torch
 
 from redknot.step.metadata import StepMetadata
 from redknot.speculative.replay import CompactReplay
-from redknot.speculative.schedule import draft_limit, keep_drafting, verify_length
+from redknot.speculative.schedule import draft_limit
 
 
 @dataclass
 class Draft:
     """A request's drafts for its next step."""
-    token_ids: List[int]       # drafts to verify (the confidence-scheduled prefix)
-    confidences: List[float]   # confidence of every drafted token
+    token_ids: List[int]       # drafted tokens (the scheduler verifies a prefix of them)
+    confidences: List[float]   # conditional survival estimate of every drafted token
     first_position: int        # position of the first draft in the sequence
+    limit: int = 0             # drafts the request may verify (max_tokens, model length, max_draft)
+    probs: object = None       # [n, V] draft distributions q (None: point masses, greedy drafting)
 
 
 @dataclass
@@ -60,11 +64,11 @@ class _Seq:
 class MTPDrafter:
     """Catch-up + chained drafting over the model's MTP layer and the engine's state."""
 
-    def __init__(self, model, state, sampler, max_draft: int, threshold: float, varlen: bool,
-                 greedy_confidence: bool, max_model_len: int, replay: Optional[CompactReplay] = None) -> None:
+    def __init__(self, model, state, sampler, max_draft: int, max_model_len: int,
+                 replay: Optional[CompactReplay] = None) -> None:
         self.model, self.state, self.sampler = model, state, sampler
-        self.max_draft, self.threshold, self.varlen = max_draft, threshold, varlen
-        self.greedy_confidence = greedy_confidence  # verification.method=greedy: confidences at temperature 1
+        self.max_draft = max_draft
+        self.block_size = max_draft  # drafts per request and step (the chain's length at most)
         self.max_model_len = max_model_len
         self.replay = replay
         self.num_mtp_rows = 0
@@ -80,16 +84,15 @@ class MTPDrafter:
         drafting = [s for s in seqs if s.limit > 0]
         self._catch_up(seqs, drafting, streams)
         for step in range(1, self.max_draft):
-            active = [s for s in drafting if keep_drafting(s.confidences, self.threshold, self.varlen, s.limit)]
+            active = [s for s in drafting if len(s.tokens) < s.limit]
             if not active:
                 break
             self._chain(active, step)
         out = {}
         for s in drafting:
             self.num_drafted += len(s.tokens)
-            n = verify_length(s.confidences[:s.limit], self.threshold, self.varlen)
-            out[s.req_id] = Draft(token_ids=s.tokens[:n], confidences=list(s.confidences),
-                                  first_position=s.next_pos + 1)
+            out[s.req_id] = Draft(token_ids=list(s.tokens[:s.limit]), confidences=list(s.confidences[:s.limit]),
+                                  first_position=s.next_pos + 1, limit=s.limit)
         return out
 
     # ------------------------------------------------------------------ planning
@@ -171,8 +174,7 @@ class MTPDrafter:
 
     def _argmax_with_confidence(self, seqs: List[_Seq], logits: torch.Tensor) -> Tuple[List[int], List[float]]:
         probs = logits.float().softmax(dim=1)  # [A, V]
-        sampled = [i for i, s in enumerate(seqs)
-                   if not (self.greedy_confidence or s.sampling_row.params.greedy)]
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling_row.params.greedy]
         if sampled:
             idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
             probs[idx] = self.sampler.probs(logits[idx].float(), [seqs[i].sampling_row for i in sampled])

@@ -14,20 +14,21 @@ import torch
 
 from redknot.config.schema import VerificationMode
 from redknot.speculative.metrics import SpecDecodeStats
-from redknot.speculative.rejection import accept_uniforms, greedy_accept, point_mass, speculative_sample
+from redknot.speculative.rejection import (accept_uniforms, block_sample, greedy_accept, point_mass,
+                                          speculative_sample)
 
 class Verifier:
     """Greedy requests keep the longest prefix of drafts equal to the target's argmax, then the
-    target's token. Sampled requests (``verification.method=rejection``) use speculative sampling
-    against point-mass drafts, which keeps every token distributed exactly as plain sampling
-    would draw it. ``method=greedy`` verifies every request by argmax match and samples only the
-    last token with the request's parameters (fast, but not distribution-preserving for sampled
-    requests)."""
+    target's token. Sampled requests are verified token-wise or as a block
+    (``features.dspark.verification``) against the distributions their drafts were drawn from
+    (``draft_probs``, set by the drafter; the point mass of each draft when absent: greedy
+    drafting), which keeps every token distributed exactly as plain sampling would draw it."""
 
     def __init__(self, sampler, method: VerificationMode, stats: SpecDecodeStats) -> None:
         self.sampler = sampler
         self.method = VerificationMode(method)
         self.stats = stats
+        self.draft_probs: Dict[str, torch.Tensor] = {}  # req_id -> [>= k, V] q of its scheduled drafts
 
     def __call__(self, batch, logits: torch.Tensor) -> Dict[str, List[int]]:
         """{req_id: accepted drafts + one token} for every request of the step with logits rows."""
@@ -66,15 +67,17 @@ class Verifier:
         if params.greedy:
             tokens = greedy_accept(draft_token_ids, self.sampler.sample(logits, list(rows)))
         else:
-            tokens = self._rejection(logits, rows, draft_token_ids)
+            tokens = self._sampled(logits, rows, draft_token_ids)
         self.stats.record_verify(k, len(tokens) - 1)
         return tokens
 
-    def _rejection(self, logits: torch.Tensor, rows: Sequence, draft_token_ids: Sequence[int]) -> List[int]:
-        vocab = logits.shape[1]
+    def _sampled(self, logits: torch.Tensor, rows: Sequence, draft_token_ids: Sequence[int]) -> List[int]:
+        k, vocab = len(draft_token_ids), logits.shape[1]
         p = self.sampler.probs(logits, list(rows))  # [k+1, V]
-        q = point_mass(draft_token_ids, vocab, logits.device)  # [k, V]
+        q = self.draft_probs.get(rows[0].req_id)
+        q = point_mass(draft_token_ids, vocab, logits.device) if q is None else q[:k].to(p)  # [k, V]
         seed = rows[0].seed
         coins = accept_uniforms(seed, [r.output_index for r in rows[:-1]])
         noise = torch.stack([self.sampler.noise.exponential(r.seed, r.output_index, vocab) for r in rows])
-        return speculative_sample(p, q, draft_token_ids, coins, noise)
+        verify = block_sample if self.method == VerificationMode.block else speculative_sample
+        return verify(p, q, draft_token_ids, coins, noise)

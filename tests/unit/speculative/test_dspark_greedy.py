@@ -59,7 +59,7 @@ def test_mixed_length_batch_equals_plain_decoding(engines, varlen):
 
 def test_varlen_verifies_different_lengths_in_one_step(engines):
     """Requests of one step verify different numbers of drafts in one target forward."""
-    on = engines()
+    on = engines(adaptive=True)
     lengths = []
     real = on.runner.execute
 

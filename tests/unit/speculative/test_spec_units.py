@@ -1,4 +1,4 @@
-"""Pure pieces of DSpark and compact replay: verify-length scheduling, draft limits, counters,
+"""Pure pieces of DSpark and compact replay: draft limits, counters,
 the keep_tokens rule (configuration validation and its documentation)."""
 import pathlib
 
@@ -6,27 +6,12 @@ import pytest
 
 from redknot.speculative.metrics import SpecDecodeStats
 from redknot.speculative.replay import CompactReplay, required_keep_tokens
-from redknot.speculative.schedule import draft_limit, keep_drafting, verify_length
+from redknot.speculative.schedule import draft_limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-def test_verify_length_stops_where_the_cumulative_estimate_drops_below_the_threshold():
-    conf = [0.9, 0.8, 0.5, 0.9]  # cumulative 0.9, 0.72, 0.36, 0.324
-    assert verify_length(conf, 0.3, varlen=True) == 4
-    assert verify_length(conf, 0.35, varlen=True) == 3
-    assert verify_length(conf, 0.5, varlen=True) == 2
-    assert verify_length(conf, 0.95, varlen=True) == 0
-    assert verify_length(conf, 0.95, varlen=False) == 4
-    assert verify_length([], 0.3, varlen=True) == 0
-    assert verify_length([1e-9, 1.0], 0.0, varlen=True) == 2  # threshold 0: verify everything
-
-
-def test_keep_drafting_and_limits():
-    assert keep_drafting([0.9], 0.3, True, limit=4)
-    assert not keep_drafting([0.9, 0.2], 0.3, True, limit=4)  # estimate 0.18: further drafts are never verified
-    assert keep_drafting([0.9, 0.2], 0.3, False, limit=4)
-    assert not keep_drafting([0.9] * 4, 0.0, True, limit=4)
+def test_draft_limits():
     # 10 outputs after this step, max_tokens 12: the next step may verify 1 draft (+1 token) -> 12
     assert draft_limit(5, num_outputs_after=10, max_tokens=12, next_position=50, max_model_len=1000) == 1
     assert draft_limit(5, num_outputs_after=11, max_tokens=12, next_position=50, max_model_len=1000) == 0
@@ -84,7 +69,7 @@ def test_configuration_enforces_and_documents_the_keep_tokens_rule():
 
 def test_effective_draft_length_and_a_checkpoint_without_drafter():
     from redknot.config.schema import DSparkConfig, FeaturesConfig
-    from redknot.speculative.dspark import DSpark
+    from redknot.speculative.dspark import DSparkSpeculator as DSpark
 
     assert DSparkConfig(max_draft=3).effective_max_draft == 3
     assert DSparkConfig(method="none", max_draft=3).effective_max_draft == 0
