@@ -114,6 +114,22 @@ def active_params(cfg, layers=None) -> int:
     return n
 
 
+def meta_tensors(cfg, include_draft: bool = True):
+    """Every stored tensor of the checkpoint as a ``meta``-device tensor of its stored dtype and
+    shape (scales included): the real model's storage, built without memory."""
+    import torch
+
+    dtypes = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "BF16": torch.bfloat16, "F32": torch.float32,
+              "F8_E8M0": torch.float8_e8m0fnu}
+    from redknot.models.deepseek_v41.checkpoint import SCALE_DTYPES, stored_tensors
+
+    out = {}
+    for name, shape, allowed, spec in stored_tensors(checkpoint_spec(cfg, include_draft=include_draft)):
+        dtype = dtypes[SCALE_DTYPES[0]] if allowed == SCALE_DTYPES else dtypes[allowed[0]]
+        out[name] = torch.empty(shape, dtype=dtype, device="meta")
+    return out
+
+
 def vision_params(layers: int = 32, width: int = 1024, inter: int = 2816, patch: int = 14, dim: int = 5120,
                   downsample: int = 3) -> int:
     """The vision tower and aligner of reference §2.3 / §4.7 (not loaded: text-only serving):

@@ -66,6 +66,7 @@ class V41Weights:
     weight_format: str
     path: str
     experts: Dict[int, Tuple[int, ...]] = field(default_factory=dict)  # layer -> routed experts read
+    engram_rows: Dict[int, Tuple[int, int]] = field(default_factory=dict)  # layer -> table rows [start, stop) held
 
     def scale(self, name: str) -> torch.Tensor:
         """The E8M0 scale bytes of weight ``name`` (kept quantised)."""
@@ -138,8 +139,10 @@ class _Shard:
         """The E8M0 scale bytes of weight ``name`` (kept quantised)."""
         return self.get(scale_name(name))
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         try:
+            if rows is not None:
+                return self.handle.get_slice(name)[rows[0]:rows[1]]
             return self.handle.get_tensor(name)
         except Exception as err:
             raise CheckpointError(f"shard {self.file}: tensor {name} cannot be read ({type(err).__name__}: {err}); "
@@ -228,10 +231,16 @@ def _dequantize(spec: TensorSpec, w: torch.Tensor, s: torch.Tensor, dtype: torch
 
 def load_v41_weights(path: str, cfg, *, weight_format: str = "keep", dtype: torch.dtype = torch.bfloat16,
                      include_draft: bool = True, expert_rows: Optional[ExpertRows] = None,
-                     device="cpu") -> V41Weights:
+                     engram_shard: Optional[Tuple[int, int]] = None, device="cpu",
+                     engram_device=None) -> V41Weights:
     """Every tensor of the V4.1 checkpoint at ``path`` for ``cfg`` (a ``V41Config``; a cut
     config reads only its layers). ``expert_rows`` limits the routed experts read per
-    backbone layer (expert parallel); DSpark experts are always read in full."""
+    backbone layer (expert parallel); DSpark experts are always read in full.
+
+    ``engram_shard=(rank, world)`` reads only rank's even slice of every Engram table's rows
+    (``features.parallel.engram_placement=sharded``: ``ceil(rows / world)`` rows per rank;
+    :attr:`V41Weights.engram_rows` gives each layer's ``[start, stop)``); ``engram_device``
+    places the tables (``host``: the CPU), default ``device``."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"hardware.weight_format={weight_format!r}: allowed values are {list(WEIGHT_FORMATS)}")
     include_draft = include_draft and cfg.n_mtp_layers > 0
@@ -246,6 +255,14 @@ def load_v41_weights(path: str, cfg, *, weight_format: str = "keep", dtype: torc
                 raise ValueError(f"expert_rows({layer}) gave experts {bad} outside [0, {cfg.n_routed_experts})")
             experts[layer] = keep
     read = [s for s in specs if s.expert is None or s.draft or expert_rows is None or s.expert in experts[s.layer]]
+    engram_rows: Dict[int, Tuple[int, int]] = {}
+    if engram_shard is not None:
+        rank, world = engram_shard
+        if not 0 <= rank < world:
+            raise ValueError(f"engram_shard=({rank}, {world}): the rank must be in [0, world)")
+        for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings):
+            chunk = -(-rows // world)
+            engram_rows[layer] = (min(rows, rank * chunk), min(rows, (rank + 1) * chunk))
     owner: Dict[str, Tuple[TensorSpec, bool]] = {}
     for s in read:
         owner[s.name] = (s, False)
@@ -260,10 +277,12 @@ def load_v41_weights(path: str, cfg, *, weight_format: str = "keep", dtype: torc
         with _Shard(file) as f:
             for name in sorted(by_file[file]):
                 spec, is_scale = owner[name]
-                t = _as_stored(f.get(name), spec, is_scale)
+                table = spec.kind == ENGRAM
+                rows = engram_rows.get(spec.layer) if table else None
+                t = _as_stored(f.get(name, rows), spec, is_scale)
                 if is_scale:
                     _check_scale(name, file, t)
-                raw[name] = t.to(device)
+                raw[name] = t.to(engram_device if table and engram_device is not None else device)
 
     out: Dict[str, torch.Tensor] = {}
     draft: Dict[str, torch.Tensor] = {}
@@ -279,7 +298,7 @@ def load_v41_weights(path: str, cfg, *, weight_format: str = "keep", dtype: torc
                 continue
             dst[s.scale_name] = scale
         dst[s.name] = w
-    return V41Weights(out, draft, frozenset(quantized), weight_format, path, experts)
+    return V41Weights(out, draft, frozenset(quantized), weight_format, path, experts, engram_rows)
 
 
 # ---------------------------------------------------------------------------- tokenizer tie

@@ -107,3 +107,16 @@ def test_memory_plan_for_8xh200(flash):
         memory_plan(flash, engram_placement="disk", device_bytes=h200)
     text = "\n".join(plan.describe())
     assert "dp=8 ep=8" in text and "890 B/token" in text and "context 1,048,576" in text
+
+
+def test_meta_device_storage_matches_the_census_and_the_published_size(flash):
+    """The real checkpoint's tensors on the meta device: their bytes equal the census, and with
+    the vision tower (BF16) they add up to the published 475.2 GiB of all 48 shards."""
+    tensors = cen.meta_tensors(flash)
+    assert len(tensors) == cen.total(cen.census(flash)).tensors
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert stored == cen.total(cen.census(flash)).bytes
+    assert tensors["layers.7.ffn.experts.383.w2.weight"].shape == (5120, 1152)
+    assert tensors["layers.14.engram.embed.scale"].shape == (384016682, 8)
+    assert tensors["mtp.0.main_proj.scale"].shape == (160, 480)
+    assert abs((stored + 2 * cen.vision_params()) / GIB - 475.2) < 0.3

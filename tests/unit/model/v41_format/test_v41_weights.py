@@ -225,3 +225,19 @@ def test_nan_scale(tmp_path, cfg):
 def test_bad_weight_format(good, cfg):
     with pytest.raises(ValueError, match=r"hardware.weight_format='fp8': allowed values are \['keep', 'dequantize'\]"):
         load_v41_weights(good, cfg, weight_format="fp8")
+
+
+def test_engram_tables_sharded_by_rows(good, cfg):
+    whole = load_v41_weights(good, cfg)
+    table = "layers.1.engram.embed.weight"       # 864 rows
+    parts = [load_v41_weights(good, cfg, engram_shard=(rank, 3)) for rank in range(3)]
+    assert [p.engram_rows[1] for p in parts] == [(0, 288), (288, 576), (576, 864)]
+    assert parts[1].engram_rows[0] == (220, 440)   # layer 0: 660 rows
+    for name in (table, "layers.1.engram.embed.scale"):
+        joined = torch.cat([p.tensors[name].view(torch.uint8) for p in parts])
+        assert torch.equal(joined, whole.tensors[name].view(torch.uint8))
+    # everything else is read whole on every rank
+    assert torch.equal(parts[2].tensors["layers.1.engram.wkv.weight"].view(torch.uint8),
+                       whole.tensors["layers.1.engram.wkv.weight"].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"engram_shard=\(3, 3\)"):
+        load_v41_weights(good, cfg, engram_shard=(3, 3))
