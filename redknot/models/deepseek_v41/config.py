@@ -293,8 +293,8 @@ class V41Config:
 
         d = self.to_flat_dict()
         flat = flat_overrides(overrides)
-        if "engram_num_embeddings" not in flat and any(
-                k in flat for k in ("engram_layer_ids", "engram_vocab_size", "engram_n_heads", "engram_max_ngram_size")):
+        layout_keys = ("engram_layer_ids", "engram_vocab_size", "engram_n_heads", "engram_max_ngram_size")
+        if "engram_num_embeddings" not in flat and any(k in flat for k in layout_keys):
             d["engram_num_embeddings"] = None   # derived again from the primes
         d.update(flat)
         return type(self).from_dict(d)

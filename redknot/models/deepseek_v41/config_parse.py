@@ -2,7 +2,7 @@
 and every field check in one place (:func:`validate`, run by the dataclass itself)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence
 
 from redknot.models.deepseek_v41.config import (
     ARCHITECTURE, COMPRESS_RATIOS, ENTRY, MODEL_TYPE, TEXT_MODEL_TYPE, V41Quant)
@@ -178,7 +178,7 @@ def _pos_num(name: str, v: Any) -> None:
         raise _fail(REF_TO_HF.get(name, name), v, "must be a positive number")
 
 
-def _layer_list(name: str, v: Sequence[int], n: int, strict: bool = True) -> None:
+def _layer_list(name: str, v: Sequence[int], n: int) -> None:
     """Sorted (strictly ascending) layer ids in [0, n)."""
     hf = REF_TO_HF.get(name, name)
     if any(not _is_int(x) for x in v):
@@ -190,8 +190,16 @@ def _layer_list(name: str, v: Sequence[int], n: int, strict: bool = True) -> Non
         raise _fail(hf, list(v), f"layer ids must be in [0, {n}) (num_hidden_layers={n}); {bad} are not")
 
 
-def validate(cfg) -> None:  # noqa: C901 - one check per field, in field order
+def validate(cfg) -> None:
     """Every field of a :class:`V41Config`; raises ValueError naming the field, value and rule."""
+    _check_numbers(cfg)
+    _check_schedule(cfg)
+    _check_engram(cfg)
+    _check_tokens(cfg)
+
+
+def _check_numbers(cfg) -> None:
+    """Sizes, rates, MoE and the quantisation groups."""
     ints = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "head_dim", "rope_head_dim",
             "q_lora_rank", "o_lora_rank", "o_groups", "max_position_embeddings", "n_routed_experts",
             "n_activated_experts", "window_size", "index_n_heads", "index_head_dim", "index_topk",
@@ -241,6 +249,10 @@ def validate(cfg) -> None:  # noqa: C901 - one check per field, in field order
             if v % 32:
                 raise _fail(name, v, "must be a multiple of 32 (FP8/FP4 activation groups)")
 
+
+
+def _check_schedule(cfg) -> None:
+    """compress_ratios and the kv / index / candidate sources (reference §2.5)."""
     n, total = cfg.n_layers, cfg.n_layers + cfg.n_mtp_layers
     ratios = cfg.compress_ratios
     if len(ratios) != total:
@@ -284,7 +296,10 @@ def validate(cfg) -> None:  # noqa: C901 - one check per field, in field order
         raise _fail("candidate_source_layer_id", c,
                     "must be a layer that is both a kv source and an index source, or -1")
 
-    _layer_list("engram_layer_ids", cfg.engram_layer_ids, n)
+
+def _check_engram(cfg) -> None:
+    """Engram layers and table rows (each layer's rows = the sum of its primes, §2.6)."""
+    _layer_list("engram_layer_ids", cfg.engram_layer_ids, cfg.n_layers)
     if cfg.engram_layer_ids:
         from redknot.models.deepseek_v41.engram_hash import check_num_embeddings, engram_primes, table_rows
 
@@ -310,8 +325,11 @@ def validate(cfg) -> None:  # noqa: C901 - one check per field, in field order
     else:
         object.__setattr__(cfg, "engram_num_embeddings", ())
 
+
+def _check_tokens(cfg) -> None:
+    """DSpark targets and the special token ids."""
     if cfg.n_mtp_layers:
-        _layer_list("dspark_target_layer_ids", cfg.dspark_target_layer_ids, n)
+        _layer_list("dspark_target_layer_ids", cfg.dspark_target_layer_ids, cfg.n_layers)
         if not cfg.dspark_target_layer_ids:
             raise _fail("dspark_target_layer_ids", [], "needs at least one layer when DSpark stages exist")
         if cfg.dspark_noise_token_id >= cfg.vocab_size:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from redknot.models.deepseek_v41 import state_layout
 from redknot.models.deepseek_v41.checkpoint import ENGRAM, ROUTED, checkpoint_spec
 
 GIB = 1 << 30
@@ -58,17 +59,17 @@ H200 = Ceilings("H200", bf16_flops=796e12, fp8_flops=1451e12, hbm_bytes_per_s=4.
 # ---------------------------------------------------------------------------- row sizes
 def window_row_bytes(cfg) -> int:
     """FP8 e4m3 over the whole head + one E8M0 per 32 (528 B at head_dim 512)."""
-    return cfg.head_dim + cfg.head_dim // MX
+    return state_layout.window_row_bytes(cfg.head_dim)
 
 
 def compressed_entry_bytes(cfg) -> int:
     """FP4 e2m1 + one E4M3 scale per 16 (288 B at head_dim 512)."""
-    return cfg.head_dim // 2 + cfg.head_dim // 16
+    return state_layout.compressed_entry_bytes(cfg.head_dim)
 
 
 def index_key_bytes(cfg) -> int:
     """FP4 e2m1 + one E8M0 per 32 (68 B at index_head_dim 128)."""
-    return cfg.index_head_dim // 2 + cfg.index_head_dim // MX
+    return state_layout.index_key_bytes(cfg.index_head_dim)
 
 
 def global_kv_bytes_per_token(cfg) -> float:
@@ -179,9 +180,6 @@ class CostModel:
     def active_linear_params(self, layer: int) -> float:
         """Weights one token multiplies in ``layer`` (mHC mixes, router and Engram projection included)."""
         return self._params.get(layer, 0.0)
-
-    def _layers(self, tail_from: Optional[int]) -> List[int]:
-        return list(range(self.cfg.n_layers))
 
     def prefill(self, num_tokens: int, keep_tokens: Optional[int] = None, split_layer: Optional[int] = None
                 ) -> PrefillCost:
@@ -374,8 +372,8 @@ def check_fits(plan: MemoryPlan, context: int) -> None:
             f"hardware.memory_utilization {plan.memory_utilization} = {plan.budget / g:.1f} GiB): weights per GPU "
             f"{plan.weights / g:.1f} GiB (routed experts {plan.routed_experts / g:.1f} GiB at ep={plan.ep}, DSpark "
             f"experts {plan.draft_experts / g:.1f} GiB, dense {plan.dense / g:.1f} GiB, Engram tables "
-            f"{plan.engram / g:.1f} GiB {plan.engram_placement}) + workspace {plan.workspace / g:.1f} GiB + one {context:,}-token sequence "
-            f"{sequence_bytes_for(plan, context) / g:.2f} GiB = {need / g:.1f} GiB"
+            f"{plan.engram / g:.1f} GiB {plan.engram_placement}) + workspace {plan.workspace / g:.1f} GiB + one "
+            f"{context:,}-token sequence {sequence_bytes_for(plan, context) / g:.2f} GiB = {need / g:.1f} GiB"
             + (f"; try {' or '.join(hint)}" if hint else ""))
 
 

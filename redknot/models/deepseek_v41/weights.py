@@ -43,7 +43,7 @@ import torch
 
 from redknot.kernels import mx_formats as mx
 from redknot.models.deepseek_v41.checkpoint import (
-    ENGRAM, FP4, FP8, SCALE_DTYPES, TensorSpec, checkpoint_spec, is_vision, stored_tensors)
+    ENGRAM, FP4, FP8, TensorSpec, checkpoint_spec, is_vision, stored_tensors)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -229,6 +229,30 @@ def _dequantize(spec: TensorSpec, w: torch.Tensor, s: torch.Tensor, dtype: torch
     return mx.dequant_mxfp4(w, s, dtype)
 
 
+def _read(weight_map: Dict[str, str], read: List[TensorSpec], engram_rows: Dict[int, Tuple[int, int]], device,
+          engram_device) -> Dict[str, torch.Tensor]:
+    """The stored tensors (weights and scales) of ``read``, shard by shard; Engram tables as row slices."""
+    owner: Dict[str, Tuple[TensorSpec, bool]] = {}
+    for s in read:
+        owner[s.name] = (s, False)
+        if s.scale_name:
+            owner[s.scale_name] = (s, True)
+    by_file: Dict[str, List[str]] = {}
+    for name in owner:
+        by_file.setdefault(weight_map[name], []).append(name)
+    raw: Dict[str, torch.Tensor] = {}
+    for file in sorted(by_file):
+        with _Shard(file) as f:
+            for name in sorted(by_file[file]):
+                spec, is_scale = owner[name]
+                table = spec.kind == ENGRAM
+                t = _as_stored(f.get(name, engram_rows.get(spec.layer) if table else None), spec, is_scale)
+                if is_scale:
+                    _check_scale(name, file, t)
+                raw[name] = t.to(engram_device if table else device)
+    return raw
+
+
 def load_v41_weights(path: str, cfg, *, weight_format: str = "keep", dtype: torch.dtype = torch.bfloat16,
                      include_draft: bool = True, expert_rows: Optional[ExpertRows] = None,
                      engram_shard: Optional[Tuple[int, int]] = None, device="cpu",
@@ -263,27 +287,7 @@ def load_v41_weights(path: str, cfg, *, weight_format: str = "keep", dtype: torc
         for layer, rows in zip(cfg.engram_layer_ids, cfg.engram_num_embeddings):
             chunk = -(-rows // world)
             engram_rows[layer] = (min(rows, rank * chunk), min(rows, (rank + 1) * chunk))
-    owner: Dict[str, Tuple[TensorSpec, bool]] = {}
-    for s in read:
-        owner[s.name] = (s, False)
-        if s.scale_name:
-            owner[s.scale_name] = (s, True)
-    by_file: Dict[str, List[str]] = {}
-    for name in owner:
-        by_file.setdefault(weight_map[name], []).append(name)
-
-    raw: Dict[str, torch.Tensor] = {}
-    for file in sorted(by_file):
-        with _Shard(file) as f:
-            for name in sorted(by_file[file]):
-                spec, is_scale = owner[name]
-                table = spec.kind == ENGRAM
-                rows = engram_rows.get(spec.layer) if table else None
-                t = _as_stored(f.get(name, rows), spec, is_scale)
-                if is_scale:
-                    _check_scale(name, file, t)
-                raw[name] = t.to(engram_device if table and engram_device is not None else device)
-
+    raw = _read(weight_map, read, engram_rows, device, engram_device if engram_device is not None else device)
     out: Dict[str, torch.Tensor] = {}
     draft: Dict[str, torch.Tensor] = {}
     quantized: Set[str] = set()

@@ -56,7 +56,8 @@ def synthetic_value(spec: TensorSpec, seed: int) -> torch.Tensor:
     return r / spec.shape[-1] ** 0.5
 
 
-def synthetic_tensors(cfg: V41Config, seed: int, include_draft: bool = True) -> Iterator[Tuple[TensorSpec, torch.Tensor]]:
+def synthetic_tensors(cfg: V41Config, seed: int, include_draft: bool = True
+                      ) -> Iterator[Tuple[TensorSpec, torch.Tensor]]:
     for spec in checkpoint_spec(cfg, include_draft=include_draft):
         yield spec, synthetic_value(spec, seed)
 

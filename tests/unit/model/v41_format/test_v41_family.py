@@ -1,12 +1,10 @@
 """The V4.1 family behind the seam: registry detection, config parsing, the model options
 (model=tiny-v41, model=deepseek-v4.1-flash), the seeded native checkpoint with its own
 tokenizer, and the memory plan / refusal of a layout that cannot fit."""
-import copy
 import json
 import os
 
 import pytest
-import yaml
 from hydra import compose, initialize_config_dir
 
 import redknot.config.schema_store  # noqa: F401

@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from redknot.kernels import mx_formats as mx
 from redknot.models.deepseek_v41.checkpoint import FP4, FP8, by_name, checkpoint_spec
