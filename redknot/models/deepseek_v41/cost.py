@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from redknot.models.deepseek_v41 import state_layout
+from redknot.models.deepseek_v4.cost import H200, Ceilings  # the device peak rates both families use
 from redknot.models.deepseek_v41.checkpoint import ENGRAM, ROUTED, checkpoint_spec
 
 GIB = 1 << 30
@@ -44,16 +45,6 @@ DEVICE_MEMORY = {"H200": int(139.8 * GIB), "H100": int(79.1 * GIB), "B200": int(
 WORKSPACE_BYTES = 4 * GIB   # activations, graphs and allocator slack kept out of the cache budget
 
 
-@dataclass(frozen=True)
-class Ceilings:
-    """Peak rates of one device."""
-    name: str
-    bf16_flops: float
-    fp8_flops: float
-    hbm_bytes_per_s: float
-
-
-H200 = Ceilings("H200", bf16_flops=796e12, fp8_flops=1451e12, hbm_bytes_per_s=4.17e12)
 
 
 # ---------------------------------------------------------------------------- row sizes
