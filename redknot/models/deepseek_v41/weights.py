@@ -121,8 +121,10 @@ class _Shard:
             self.ctx = safe_open(self.file, framework="pt", device=self.device)
             self.handle = self.ctx.__enter__()
         except Exception as err:  # SafetensorError, OSError
-            raise CheckpointError(f"shard {self.file} cannot be read ({type(err).__name__}: {err}); the file is "
-                                  f"truncated or corrupt: download it again") from None
+            cut = _cut_tensors(self.file)
+            where = f"; tensors cut short: {', '.join(cut[:8])}{' ...' if len(cut) > 8 else ''}" if cut else ""
+            raise CheckpointError(f"shard {self.file} cannot be read ({type(err).__name__}: {err}){where}; the file "
+                                  f"is truncated or corrupt: download it again") from None
         return self
 
     def __exit__(self, *exc):
@@ -147,6 +149,22 @@ class _Shard:
         except Exception as err:
             raise CheckpointError(f"shard {self.file}: tensor {name} cannot be read ({type(err).__name__}: {err}); "
                                   f"the file is truncated or corrupt: download it again") from None
+
+
+def _cut_tensors(file: str) -> List[str]:
+    """Tensors whose data lies past the end of a shard (its JSON header read by hand), or []."""
+    try:
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > min(size, 1 << 30):
+                return []
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return []
+    start = 8 + n
+    return [name for name, info in sorted(header.items())
+            if name != "__metadata__" and start + info["data_offsets"][1] > size]
 
 
 def read_headers(weight_map: Dict[str, str], names: Optional[Set[str]] = None

@@ -185,8 +185,12 @@ def test_truncated_shard(tmp_path, cfg):
     size = os.path.getsize(file)
     with open(file, "r+b") as f:
         f.truncate(size - 1000)
-    with pytest.raises(CheckpointError, match=f"shard {file} cannot be read .*truncated or corrupt"):
+    with pytest.raises(CheckpointError, match=f"shard {file} cannot be read .*truncated or corrupt") as err:
         load_v41_weights(path, cfg)
+    with open(file, "rb") as f:  # the last tensor of the shard is the one cut short
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    assert f"tensors cut short: {last}" in str(err.value)
 
 
 def test_index_names_a_shard_without_the_tensor(tmp_path, cfg):
