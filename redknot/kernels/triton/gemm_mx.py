@@ -12,6 +12,11 @@ from the group amax, as ``mx_formats``), FP4 weight nibbles are expanded to e4m3
 (every e2m1 value is exact in e4m3), one FP8 MMA runs, and its fp32 result is scaled by
 ``a_scale · w_scale`` and accumulated in K order, the reference's block-wise summation (§3.0).
 Grouped launches use a device-side tile map (no host sync, CUDA-graph safe).
+
+A second MMA mode computes the same products another way: both operands are decoded in registers to
+bf16 with their scales folded in (an e4m3 or e2m1 value times a power of two is exact in bf16), and one
+bf16 MMA per 64/128-deep K step accumulates in place, so no scaling sits between MMAs. The tuner
+measures both per problem class and keeps the faster (``MxGemmConfig.mma``).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import triton.language as tl
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.fp8 import _tile_map
 from redknot.kernels.triton.moe import route_by_expert
-from redknot.kernels.triton.quant_mx import e2m1_to_e4m3_bits, e8m0_decode, e8m0_exponent, pow2
+from redknot.kernels.triton.quant_mx import e2m1_to_e4m3_bits, e2m1_value, e8m0_decode, e8m0_exponent, pow2
 
 
 @triton.jit
@@ -60,12 +65,56 @@ def _load_b(b_ptr, sb_ptr, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4: tl
 
 
 @triton.jit
+def _load_a_wide(a_ptr, sa_ptr, arow, rmask, k0, K, stride_am, stride_sam, A_FP8: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A tile [BM, BK] as bf16 holding exactly the FP8-quantised values times their scales."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    m = rmask[:, None] & (kk[None, :] < K)
+    gs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    if A_FP8:
+        q = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        sb = tl.load(sa_ptr + arow[:, None] * stride_sam + gs[None, :], mask=rmask[:, None] & (gs[None, :] * 32 < K),
+                     other=127)
+        v = tl.reshape(q, (BLOCK_M, BLOCK_K // 32, 32)) * e8m0_decode(sb)[:, :, None]
+    else:
+        x = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        xg = tl.reshape(x, (BLOCK_M, BLOCK_K // 32, 32))
+        e = e8m0_exponent(tl.max(tl.abs(xg), 2), 448.0, 1e-4)
+        q = tl.minimum(tl.maximum(xg * pow2(-e)[:, :, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+        v = q * pow2(e)[:, :, None]
+    return tl.reshape(v, (BLOCK_M, BLOCK_K)).to(tl.bfloat16)
+
+
+@triton.jit
+def _load_b_wide(b_ptr, sb_ptr, cols, cmask, k0, K, stride_bn, stride_sbn, W_FP4: tl.constexpr, WB: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W tile [BN, BK] as bf16 holding exactly the stored values times their scales."""
+    gs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    gmask = cmask[:, None] & (gs[None, :] * 32 < K)
+    c64 = cols.to(tl.int64)
+    if W_FP4:
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(b_ptr + c64[:, None] * stride_bn + half[None, :], mask=cmask[:, None] & (half[None, :] * 2 < K),
+                    other=0).to(tl.int32)
+        v = e2m1_value(tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), (BLOCK_N, BLOCK_K)))
+        sb = tl.load(sb_ptr + c64[:, None] * stride_sbn + gs[None, :], mask=gmask, other=127)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(b_ptr + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None] & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        sb = tl.load(sb_ptr + (cols // WB).to(tl.int64)[:, None] * stride_sbn + (gs * 32 // WB)[None, :], mask=gmask,
+                     other=127)
+    v = tl.reshape(v, (BLOCK_N, BLOCK_K // 32, 32)) * e8m0_decode(sb)[:, :, None]
+    return tl.reshape(v, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+
+
+@triton.jit
 def _mx_gemm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, wt_ptr, c_ptr, sc_ptr,
              tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K,
              stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_cm, stride_scm, limit,
              A_FP8: tl.constexpr, W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr,
-             GROUPED: tl.constexpr, SWIGLU: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             GROUPED: tl.constexpr, SWIGLU: tl.constexpr, MMA_BF16: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUPED:
@@ -89,16 +138,26 @@ def _mx_gemm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, wt_ptr, c
         sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kb in range(0, K // 32):
-            kk = kb * 32 + tl.arange(0, 32)
-            a, sa = _load_a(a_ptr, sa_ptr, arow, rmask, kk, stride_am, stride_sam, kb, A_FP8)
-            b, sb = _load_b(bg, sbg, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4, WB)
-            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-            if SWIGLU:
-                b3g = b3_ptr + grp.to(tl.int64) * stride_bg
-                sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
-                b3, sb3 = _load_b(b3g, sb3g, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4, WB)
-                acc3 += tl.dot(a, tl.trans(b3)) * (sa[:, None] * sb3[None, :])
+        b3g = b3_ptr + grp.to(tl.int64) * stride_bg
+        sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
+        if MMA_BF16:  # exact products in bf16 (scales folded in registers), one MMA per BLOCK_K
+            for k0 in range(0, K, BLOCK_K):
+                a = _load_a_wide(a_ptr, sa_ptr, arow, rmask, k0, K, stride_am, stride_sam, A_FP8, BLOCK_M, BLOCK_K)
+                b = _load_b_wide(bg, sbg, cols, cmask, k0, K, stride_bn, stride_sbn, W_FP4, WB, BLOCK_N, BLOCK_K)
+                acc = tl.dot(a, tl.trans(b), acc)
+                if SWIGLU:
+                    b3 = _load_b_wide(b3g, sb3g, cols, cmask, k0, K, stride_bn, stride_sbn, W_FP4, WB, BLOCK_N,
+                                      BLOCK_K)
+                    acc3 = tl.dot(a, tl.trans(b3), acc3)
+        else:  # FP8 MMA per 32-deep K step, scaled by both scales
+            for kb in range(0, K // 32):
+                kk = kb * 32 + tl.arange(0, 32)
+                a, sa = _load_a(a_ptr, sa_ptr, arow, rmask, kk, stride_am, stride_sam, kb, A_FP8)
+                b, sb = _load_b(bg, sbg, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4, WB)
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+                if SWIGLU:
+                    b3, sb3 = _load_b(b3g, sb3g, cols, cmask, kk, kb, stride_bn, stride_sbn, W_FP4, WB)
+                    acc3 += tl.dot(a, tl.trans(b3)) * (sa[:, None] * sb3[None, :])
         out_rows = rows.to(tl.int64)
         if SWIGLU:
             g = tl.minimum(acc.to(tl.bfloat16).to(tl.float32), limit)
@@ -120,15 +179,23 @@ def _mx_gemm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, wt_ptr, c
 
 @dataclass(frozen=True)
 class MxGemmConfig:
+    """Launch shape; ``mma="fp8"``: one FP8 MMA per 32-deep K step, scaled after it (the reference's
+    block order); ``"bf16"``: operands decoded to bf16 in registers with their scales folded in (every
+    product is the same exact value), one MMA per ``block_k``, scales no longer in the MMA loop."""
     block_m: int = 64
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    mma: str = "fp8"
+    block_k: int = 32
 
 
 MX_GEMM_TUNER = ConfigTuner("mx_gemm", [
     MxGemmConfig(64, 128, 4, 4), MxGemmConfig(128, 128, 8, 4), MxGemmConfig(128, 64, 4, 4),
-    MxGemmConfig(64, 64, 4, 4), MxGemmConfig(64, 32, 4, 4), MxGemmConfig(128, 256, 8, 3),
+    MxGemmConfig(64, 64, 4, 4), MxGemmConfig(64, 32, 4, 4),
+    MxGemmConfig(128, 128, 8, 3, "bf16", 64), MxGemmConfig(128, 128, 8, 3, "bf16", 128),
+    MxGemmConfig(64, 128, 4, 3, "bf16", 128), MxGemmConfig(64, 64, 4, 3, "bf16", 128),
+    MxGemmConfig(128, 256, 8, 3, "bf16", 64), MxGemmConfig(64, 32, 4, 4, "bf16", 128),
 ])
 
 
@@ -164,7 +231,8 @@ def _launch(a, sa, b, sb, out, *, rowid=None, offs=None, b3=None, sb3=None, wt=N
         a.stride(0), sa.stride(0) if sa is not None else 0, b3d.stride(0), b3d.stride(1), sb3d.stride(0),
         sb3d.stride(1), out.stride(0), out_scale.stride(0) if out_scale is not None else 0, float(limit),
         A_FP8=sa is not None, W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, SWIGLU=swiglu,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=config.num_warps, num_stages=config.num_stages)
+        MMA_BF16=config.mma == "bf16", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 
@@ -197,7 +265,7 @@ def _combine(y_ptr, inv_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, BL
 
 def moe_mx(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
            w1_scale: torch.Tensor, w3: torch.Tensor, w3_scale: torch.Tensor, w2: torch.Tensor,
-           w2_scale: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+           w2_scale: torch.Tensor, swiglu_limit: float, config: Optional[MxGemmConfig] = None) -> torch.Tensor:
     """Routed experts with MXFP4 weights (see ``ref_v41.moe_mx``): route on device, fused W1/W3 GEMM with
     SwiGLU + FP8 re-quantisation, W2 GEMM, fixed-order combine. Three kernels, no host sync."""
     T, k = topk_idx.shape
@@ -215,9 +283,9 @@ def moe_mx(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w
     act_s = torch.empty(M, inter // 32, dtype=torch.uint8, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     _launch(x, None, w1, w1_scale, act_q, rowid=rows.to(torch.int32), offs=offs, b3=w3, sb3=w3_scale, wt=wt,
-            out_scale=act_s, limit=swiglu_limit, w_fp4=True)
+            out_scale=act_s, limit=swiglu_limit, w_fp4=True, config=config)
     y = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
-    _launch(act_q, act_s, w2, w2_scale, y, offs=offs, w_fp4=True)
+    _launch(act_q, act_s, w2, w2_scale, y, offs=offs, w_fp4=True, config=config)
     bd = min(1024, next_pow2(D))
     _combine[(T, cdiv(D, bd))](y, inv, out, D, y.stride(0), out.stride(0), K=k, BLOCK_D=bd, num_warps=4)
     return out

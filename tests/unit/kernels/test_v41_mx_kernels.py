@@ -73,3 +73,22 @@ def test_sparse_attention_reference_by_hand():
     z = torch.tensor([1.0, 1.0])  # q·k0 = 1, q·k1 = 0.5 * 2 = 1
     p = torch.exp(z) / (torch.exp(z).sum() + torch.exp(sink))
     assert torch.allclose(out[0, 0, :2], p * torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("cfg_index", range(11))
+def test_every_gemm_launch_shape_matches_reference(cfg_index, kernel_device):
+    """Both MMA modes and every tuner candidate (the tuner picks among them on a GPU)."""
+    from redknot.kernels.triton import gemm_mx
+    from redknot.kernels.triton.checks_mx import moe_inputs
+    cfg = gemm_mx.MX_GEMM_TUNER.candidates[cfg_index]
+    x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(ODD_V41, kernel_device, seed=cfg_index)
+    got = gemm_mx.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0, config=cfg)
+    want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 3e-2
+    for block in (32, 128):
+        g = torch.Generator(device=kernel_device).manual_seed(block)
+        w, ws = mx.quant_fp8_blocks(torch.randn(160, 96, generator=g, device=kernel_device) * 0.05, block)
+        xl = torch.randn(7, 96, generator=g, device=kernel_device).to(torch.bfloat16)
+        got = gemm_mx.linear_mx(xl, w, ws, block, config=cfg).float()
+        want = ref_v41.linear_mx(xl, w, ws, block).float()
+        assert float((got - want).norm() / want.norm()) < 1e-2
