@@ -10,13 +10,14 @@ end and a row with no valid index returns 0.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import LOG2E, cdiv
+from redknot.kernels.triton._common import LOG2E, ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
 
 
@@ -87,15 +88,34 @@ def _sparse_attn_mx(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_
              mask=hmask[:, None])
 
 
+@dataclass(frozen=True)
+class AttnMxConfig:
+    block_h: int = 16   # heads per program: each gathered row is decoded once per head block
+    block_n: int = 32   # rows per online-softmax step
+    num_warps: int = 8
+
+
+ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
+    AttnMxConfig(16, 32, 8), AttnMxConfig(32, 32, 8), AttnMxConfig(64, 16, 8), AttnMxConfig(32, 64, 8),
+    AttnMxConfig(64, 32, 8), AttnMxConfig(16, 64, 4),
+])
+
+
 def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,
                         sinks: torch.Tensor, scale: float, comp_cache: Optional[torch.Tensor] = None,
-                        comp_idx: Optional[torch.Tensor] = None, block_h: int = 16, block_n: int = 32,
-                        num_warps: int = 8) -> torch.Tensor:
-    """See ``ref_v41.sparse_attention_mx``; q [T, H, D] (D a power of two), int32/int64 indices."""
+                        comp_idx: Optional[torch.Tensor] = None, config: Optional[AttnMxConfig] = None
+                        ) -> torch.Tensor:
+    """See ``ref_v41.sparse_attention_mx``; q [T, H, D] (D a power of two), int32/int64 indices.
+    ``config=None``: the launch shape is measured per problem class on a GPU."""
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
         return out
+    if config is None:
+        key = (min(next_pow2(T), 4096), H, D, window_idx.shape[1], 0 if comp_idx is None else comp_idx.shape[1])
+        config = ATTN_MX_TUNER.pick(key, lambda cfg: sparse_attention_mx(
+            q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, cfg), q.device)
+    block_h, block_n, num_warps = config.block_h, config.block_n, config.num_warps
     has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
     widx = window_idx.contiguous()
     cidx = comp_idx.contiguous() if has_comp else widx

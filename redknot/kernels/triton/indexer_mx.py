@@ -16,6 +16,7 @@ Token chunks bound the scratch to ``max_scratch_bytes``; the selection itself is
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.ref_v41 import _select
-from redknot.kernels.triton._common import cdiv
+from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
 
 MAX_SCRATCH_BYTES = 1 << 30
@@ -80,20 +81,38 @@ def _index_scores(q_ptr, w_ptr, key_ptr, vis_ptr, cand_ptr, out_ptr, T, N, NCOLS
                  mask=tmask[:, None] & (cols[None, :] < NCOLS))
 
 
+@dataclass(frozen=True)
+class IndexMxConfig:
+    block_t: int = 2    # tokens sharing each decoded key block (1 with candidates: entries differ per token)
+    block_n: int = 128  # entries per program
+    num_warps: int = 4
+
+
+INDEX_MX_TUNER = ConfigTuner("indexer_mx", [
+    IndexMxConfig(2, 128, 4), IndexMxConfig(4, 128, 8), IndexMxConfig(8, 64, 8), IndexMxConfig(4, 64, 4),
+    IndexMxConfig(8, 128, 8), IndexMxConfig(1, 128, 4),
+])
+
+
 def _scores(q, weights, keys, visible, ncols, cand=None, bs=8, blockmax=False, bf16=False,
-            block_t: int = 2, block_n: int = 128) -> torch.Tensor:
+            config: Optional[IndexMxConfig] = None) -> torch.Tensor:
     T, HI, DI = q.shape
     n = keys.shape[0]
     out = torch.empty(T, ncols, dtype=torch.float32, device=q.device)
     if T == 0 or ncols == 0:
         return out.fill_(float("-inf"))
-    bt = 1 if cand is not None else block_t
+    if config is None:
+        key = (min(next_pow2(T), 1024), HI, DI, next_pow2(n), cand is not None, blockmax, bf16)
+        config = INDEX_MX_TUNER.pick(key, lambda cfg: _scores(q, weights, keys, visible, ncols, cand, bs, blockmax,
+                                                              bf16, cfg), q.device)
+    block_n = max(config.block_n, bs)
+    bt = 1 if cand is not None else config.block_t
     width = n if cand is None else ncols
     _index_scores[(cdiv(T, bt), cdiv(width, block_n))](
         q, weights, keys, visible, cand if cand is not None else visible, out, T, n, ncols,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), cand.stride(0) if cand is not None else 0,
         out.stride(0), HI=HI, DI=DI, BLOCK_T=bt, BLOCK_N=block_n, CAND=cand is not None, BS=bs,
-        BLOCKMAX=blockmax, BF16=bf16, num_warps=4)
+        BLOCKMAX=blockmax, BF16=bf16, num_warps=config.num_warps)
     return out
 
 

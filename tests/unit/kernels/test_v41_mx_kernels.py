@@ -92,3 +92,24 @@ def test_every_gemm_launch_shape_matches_reference(cfg_index, kernel_device):
         got = gemm_mx.linear_mx(xl, w, ws, block, config=cfg).float()
         want = ref_v41.linear_mx(xl, w, ws, block).float()
         assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("cfg_index", range(6))
+def test_every_attention_and_indexer_launch_shape_matches_reference(cfg_index, kernel_device):
+    from redknot.kernels.triton import attention_mx, indexer_mx
+    from redknot.kernels.triton.checks_mx import _compare_selection, attention_inputs, indexer_inputs
+    q, win, widx, comp, cidx, sinks = attention_inputs(TOY_V41, kernel_device, seed=cfg_index)
+    cfg = attention_mx.ATTN_MX_TUNER.candidates[cfg_index]
+    got = attention_mx.sparse_attention_mx(q, win, widx, sinks, 0.125, comp, cidx, config=cfg).float()
+    want = ref_v41.sparse_attention_mx(q, win, widx, sinks, 0.125, comp, cidx).float()
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    q, w, keys, vis = indexer_inputs(ODD_V41, kernel_device, seed=cfg_index)
+    icfg = indexer_mx.INDEX_MX_TUNER.candidates[cfg_index]
+    s = indexer_mx._scores(q, w, keys, vis.int(), keys.shape[0], config=icfg)
+    want_s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys))
+    want_s = want_s.masked_fill(torch.arange(keys.shape[0], device=kernel_device)[None] >= vis[:, None].long(),
+                                float("-inf"))
+    fin = torch.isfinite(want_s)
+    assert torch.equal(torch.isfinite(s), fin)
+    assert torch.allclose(s[fin], want_s[fin], rtol=1e-3, atol=1e-4)
+    assert _compare_selection("topk", want_s, ref_v41._select(s, 5), ref_v41._select(want_s, 5)).ok
