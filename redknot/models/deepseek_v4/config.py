@@ -142,7 +142,8 @@ class V4Config:
         """Parse modern or legacy config.json keys; a bad or inconsistent field raises
         ValueError naming the field, its value and what is allowed."""
         from redknot.models.deepseek_v4.config_parse import parse_hf_dict
-        return parse_hf_dict(cls, d)
+        from redknot.models.deepseek_v4.dspark_config import target_view
+        return parse_hf_dict(cls, target_view(d))  # a DSpark checkpoint's mtp.* are draft stages (dspark_config)
 
     def cut(self, num_layers: Optional[int]) -> "V4Config":
         """Keep the first ``num_layers`` layers (real-dimension cut models)."""

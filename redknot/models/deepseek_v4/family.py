@@ -6,14 +6,20 @@ the harness can load the tokenizer (``mode=prepare``) without torch.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from redknot.models.family import MTP, ContextParallelHooks, ExpertRows, ModelFamily
+from redknot.models.family import DSPARK, MTP, ContextParallelHooks, ExpertRows, ModelFamily
 from redknot.models.registry import family_entry
 
 
+# model -> its DSpark draft (kept beside the model, not inside it: the draft is not part of its weights).
+_DSPARK_DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class DeepseekV4Family(ModelFamily):
-    """V4-Flash: SWA + CSA/HCA state (:class:`StateLayout`, :class:`V4State`), one classic MTP layer."""
+    """V4-Flash: SWA + CSA/HCA state (:class:`StateLayout`, :class:`V4State`); one classic MTP layer
+    (June release) or three DSpark draft stages (-0731)."""
 
     def parse_config(self, source: Union[str, os.PathLike, Mapping[str, Any]]):
         from redknot.models.deepseek_v4.config import V4Config
@@ -34,9 +40,14 @@ class DeepseekV4Family(ModelFamily):
 
     def build_model(self, model_cfg, hardware, cache_dir: str, *, kernels=None, device="cpu",
                     expert_rows: Optional[ExpertRows] = None):
-        from redknot.models.deepseek_v4.build import build_model
+        from redknot.models.deepseek_v4.build import build_model, checkpoint_path
+        from redknot.models.deepseek_v4.dspark_draft import load_draft
 
-        return build_model(model_cfg, hardware, cache_dir, kernels=kernels, device=device, expert_rows=expert_rows)
+        net = build_model(model_cfg, hardware, cache_dir, kernels=kernels, device=device, expert_rows=expert_rows)
+        draft = load_draft(net, checkpoint_path(model_cfg, cache_dir), hardware, device)
+        if draft is not None:
+            _DSPARK_DRAFTS[net] = draft
+        return net
 
     def load_tokenizer(self, model_cfg=None):
         from redknot.models.deepseek_v4.tokenizer import load_tokenizer
@@ -55,8 +66,13 @@ class DeepseekV4Family(ModelFamily):
 
     def draft_models(self, model) -> Mapping[str, Any]:
         # The June V4-Flash carries one classic MTP layer (num_nextn_predict_layers=1); the model
-        # runs it itself (``mtp_forward``) over the state's MTP ring.
-        return {MTP: model} if len(model.mtp) else {}
+        # runs it itself (``mtp_forward``) over the state's MTP ring. V4-Flash-0731 carries DSpark
+        # stages under mtp.* instead (dspark_draft.py), built and loaded with the model.
+        found: dict = {MTP: model} if len(model.mtp) else {}
+        draft = _DSPARK_DRAFTS.get(model)
+        if draft is not None:
+            found[DSPARK] = draft
+        return found
 
     def expert_layers(self, model) -> Sequence[Any]:
         return [layer.ffn for layer in model.layers]

@@ -10,6 +10,7 @@ takes the same path as a real checkpoint.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -82,8 +83,12 @@ def synthetic_config(architecture: Dict[str, Any], quantize_fp8: bool, num_layer
     return replace(cfg, quant=quant).cut(num_layers)
 
 
-def checkpoint_key(cfg: V4Config, seed: int) -> str:
-    blob = json.dumps({"config": cfg.to_hf_dict(), "seed": seed, "format": FORMAT_VERSION}, sort_keys=True)
+def checkpoint_key(cfg: V4Config, seed: int, extra: Optional[Dict[str, Any]] = None) -> str:
+    """Content key of a synthetic checkpoint; ``extra``: config keys beyond the target's (DSpark)."""
+    content = {"config": cfg.to_hf_dict(), "seed": seed, "format": FORMAT_VERSION}
+    if extra:
+        content["extra"] = extra
+    blob = json.dumps(content, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -96,7 +101,8 @@ def ensure_synthetic_checkpoint(name: str, architecture: Dict[str, Any], seed: i
 
     cfg = synthetic_config(architecture, quantize_fp8)
     root = os.path.join(cache_dir, "models")
-    final = os.path.join(root, f"{name}-{checkpoint_key(cfg, seed)}")
+    dspark = {k: v for k, v in architecture.items() if k.startswith("dspark_") or k == "n_mtp_layers"}
+    final = os.path.join(root, f"{name}-{checkpoint_key(cfg, seed, dspark)}")
     if os.path.isfile(os.path.join(final, INDEX_FILE)):
         return final
     os.makedirs(root, exist_ok=True)
@@ -104,7 +110,12 @@ def ensure_synthetic_checkpoint(name: str, architecture: Dict[str, Any], seed: i
     try:
         model = DeepseekV4(cfg, torch.float32, device="cpu")
         randomize_(model, seed)
-        write_checkpoint(tmp, cfg, native_tensors(cfg, model.state_dict(), float_dtype=torch.bfloat16))
+        tensors = native_tensors(cfg, model.state_dict(), float_dtype=torch.bfloat16)
+        extra = _dspark_stages(cfg, architecture, seed)
+        if extra is not None:
+            draft_tensors, extra_config = extra
+            tensors = itertools.chain(tensors, draft_tensors)
+        write_checkpoint(tmp, cfg, tensors, extra_config=None if extra is None else extra_config)
         with open(os.path.join(tmp, "synthetic.json"), "w", encoding="utf-8") as f:
             json.dump({"name": name, "seed": seed, "architecture": architecture, "quantize_fp8": quantize_fp8,
                        "format": FORMAT_VERSION}, f, indent=1)
@@ -117,6 +128,27 @@ def ensure_synthetic_checkpoint(name: str, architecture: Dict[str, Any], seed: i
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _dspark_stages(cfg: V4Config, architecture: Dict[str, Any], seed: int):
+    """(tensors, config.json keys) of seeded DSpark draft stages when ``architecture`` states
+    ``dspark_block_size`` (V4-Flash-0731 layout: ``mtp.0..N-1``, no classic MTP), else None."""
+    from redknot.models.deepseek_v4.dspark_config import dspark_config_keys, parse_dspark
+    from redknot.models.deepseek_v4.dspark_draft import DSparkDraft, draft_checkpoint_spec
+    from redknot.models.deepseek_v4.writer import native_tensors
+
+    dcfg = parse_dspark({**cfg.to_hf_dict(), **architecture})
+    if dcfg is None:
+        return None
+    draft = DSparkDraft(cfg, dcfg, torch.float32, device="cpu")
+    randomize_(draft, seed + 1)
+    tensors = native_tensors(cfg, draft.state_dict(), float_dtype=torch.bfloat16,
+                             specs=draft_checkpoint_spec(cfg, dcfg))
+    keys = dspark_config_keys(dcfg)
+    # Like the released checkpoint: one compress ratio (0) per stage after the main layers.
+    keys["compress_ratios"] = cfg.to_hf_dict()["compress_ratios"] + [0] * dcfg.num_stages
+    keys["num_nextn_predict_layers"] = dcfg.num_stages
+    return tensors, keys
 
 
 def write_synthetic_checkpoint(model_cfg, cache_dir: str) -> str:

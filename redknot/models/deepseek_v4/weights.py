@@ -148,9 +148,12 @@ def _headers(weight_map: Dict[str, str]) -> Dict[str, Tuple[Tuple[int, ...], str
 
 
 def check_checkpoint(path: str, specs: List[TensorSpec], keep_layers: int, source_layers: Optional[int],
-                     with_mtp: bool) -> Dict[str, str]:
-    """Validate names, shapes and dtypes from the headers; returns the weight map."""
+                     with_mtp: bool, prefix: Optional[str] = None) -> Dict[str, str]:
+    """Validate names, shapes and dtypes from the headers; returns the weight map. With ``prefix``
+    only the tensors whose names start with it are checked (and returned)."""
     weight_map = read_weight_map(path)
+    if prefix is not None:
+        weight_map = {k: v for k, v in weight_map.items() if k.startswith(prefix)}
     expect = _expectations(specs)
     found = _headers(weight_map)
     problems: List[str] = []
@@ -220,7 +223,30 @@ def load_checkpoint(model, path: str, progress: bool = True) -> None:
     with_mtp = len(model.mtp) > 0
     specs = checkpoint_spec(cfg, include_mtp=with_mtp)
     weight_map = check_checkpoint(path, specs, cfg.num_layers, cfg.source_num_layers, with_mtp)
-    targets = {s.name: _Target(model, s, cfg.n_routed_experts) for s in specs}
+    load_tensors(model, path, specs, weight_map, cfg.n_routed_experts, progress)
+
+
+# Tensor names of a classic MTP layer: a checkpoint whose mtp.* holds them has no DSpark stages.
+_CLASSIC_MTP = re.compile(r"^mtp\.\d+\.(e_proj|h_proj|eh_proj|enorm|hnorm)\.")
+
+
+def load_draft_checkpoint(draft, path: str, specs: List[TensorSpec], num_experts: int, progress: bool = False) -> None:
+    """Fill a DSpark draft (``mtp.*`` stages) from the checkpoint at ``path``: every ``mtp.*`` tensor
+    is checked against ``specs`` first; classic MTP tensors are refused by name."""
+    classic = sorted(n for n in read_weight_map(path) if _CLASSIC_MTP.match(n))
+    if classic:
+        more = ", ..." if len(classic) > 4 else ""
+        raise CheckpointError(f"checkpoint {path}: config.json declares DSpark stages (dspark_block_size) but mtp.* "
+                              f"holds classic MTP tensors ({', '.join(classic[:4])}{more}); the checkpoint's config "
+                              f"and tensors disagree")
+    weight_map = check_checkpoint(path, specs, 0, None, True, prefix="mtp.")
+    load_tensors(draft, path, specs, weight_map, num_experts, progress)
+
+
+def load_tensors(model, path: str, specs: List[TensorSpec], weight_map: Dict[str, str], num_experts: int,
+                 progress: bool) -> None:
+    """Stream the tensors of ``specs`` from the (checked) ``weight_map`` into ``model``."""
+    targets = {s.name: _Target(model, s, num_experts) for s in specs}
     scale_of = {s.scale_name: s.name for s in specs if s.scale_name}
     by_file: Dict[str, List[str]] = {}
     for name, file in weight_map.items():

@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from safetensors.torch import save_file
 
 from redknot.kernels.ref_quant import quantize_fp4, quantize_fp8_block
 from redknot.models.deepseek_v4.config import V4Config
-from redknot.models.deepseek_v4.params import FP4, FP8, FP32, FLOAT, INT, checkpoint_spec
+from redknot.models.deepseek_v4.params import FP4, FP8, FP32, FLOAT, INT, TensorSpec, checkpoint_spec
 from redknot.models.deepseek_v4.weights import INDEX_FILE
 
 
 def native_tensors(cfg: V4Config, params: Mapping[str, torch.Tensor], float_dtype: torch.dtype = torch.bfloat16,
-                   include_mtp: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+                   include_mtp: bool = True, specs: Optional[List[TensorSpec]] = None
+                   ) -> Iterator[Tuple[str, torch.Tensor]]:
     """(native name, stored tensor) for every checkpoint tensor, from dequantised model values
-    keyed by model parameter name (``DeepseekV4.state_dict()``)."""
-    for spec in checkpoint_spec(cfg, include_mtp=include_mtp):
+    keyed by model parameter name (``DeepseekV4.state_dict()``); ``specs``: other tensors than the
+    target model's (the DSpark draft stages)."""
+    for spec in (checkpoint_spec(cfg, include_mtp=include_mtp) if specs is None else specs):
         value = params[spec.param]
         if spec.expert is not None:
             value = value[spec.expert]
@@ -47,8 +49,9 @@ def native_tensors(cfg: V4Config, params: Mapping[str, torch.Tensor], float_dtyp
 
 
 def write_checkpoint(out_dir: str, cfg: V4Config, tensors: Iterator[Tuple[str, torch.Tensor]],
-                     max_shard_bytes: int = 1 << 30) -> List[str]:
-    """Write shards ``model-0000i-of-0000N.safetensors``, the index file and ``config.json``."""
+                     max_shard_bytes: int = 1 << 30, extra_config: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Write shards ``model-0000i-of-0000N.safetensors``, the index file and ``config.json``
+    (``cfg.to_hf_dict()`` updated with ``extra_config``: e.g. the DSpark keys)."""
     os.makedirs(out_dir, exist_ok=True)
     shards: List[Dict[str, torch.Tensor]] = []
     current: Dict[str, torch.Tensor] = {}
@@ -81,5 +84,5 @@ def write_checkpoint(out_dir: str, cfg: V4Config, tensors: Iterator[Tuple[str, t
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg.to_hf_dict(), f, indent=1)
+        json.dump({**cfg.to_hf_dict(), **(extra_config or {})}, f, indent=1)
     return files

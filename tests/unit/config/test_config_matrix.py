@@ -18,7 +18,7 @@ MODELS, HARDWARE, SUITES, FEATURES = options("model"), options("hardware"), opti
 
 
 def test_the_groups_hold_what_the_design_names():
-    assert MODELS == ["deepseek-v4-flash", "deepseek-v4.1-flash", "tiny"]
+    assert MODELS == ["deepseek-v4-flash", "deepseek-v4.1-flash", "tiny", "tiny-0731", "tiny-v41"]
     assert HARDWARE == ["ascend950", "cpu", "sm100", "sm90-port"]
     assert SUITES == ["128k", "256k", "440k", "64k", "release_128k", "release_256k", "release_440k", "release_64k",
                       "release_smoke", "ruler_128k", "ruler_64k", "smoke"]

@@ -46,7 +46,8 @@ def test_budget_is_the_argmax_of_tokens_per_ms():
         costs = flat_costs(points, {1: 0.5, 2: 0.6, 4: 0.8}, limit=16)
         b = choose_budget(surv, num_sampling=reqs, num_base_tokens=reqs, num_requests=reqs, costs=costs)
         ranked = sorted((s for row in surv for s in row if s > 0), reverse=True)
-        values = [(reqs + sum(ranked[:k])) / (costs.draft(reqs) + costs.verify(reqs + k)) for k in range(len(ranked) + 1)]
+        values = [(reqs + sum(ranked[:k])) / (costs.draft(reqs) + costs.verify(reqs + k))
+                  for k in range(len(ranked) + 1)]
         assert values[b] == max(values) and b == values.index(max(values))
 
 
