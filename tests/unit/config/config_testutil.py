@@ -33,13 +33,14 @@ _DEFAULT = []
 
 
 def default_typed():
-    """A fresh copy of the typed default config (composed once per session)."""
+    """A fresh copy of the typed default config with model=tiny (the V4 toy model, window 128: the
+    rule boundaries the tests write out are its numbers), composed once per session."""
     import copy
 
     from redknot.config.resolve import to_typed
 
     if not _DEFAULT:
-        _DEFAULT.append(to_typed(compose_cfg()))
+        _DEFAULT.append(to_typed(compose_cfg("model=tiny")))
     return copy.deepcopy(_DEFAULT[0])
 
 

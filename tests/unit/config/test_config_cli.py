@@ -77,7 +77,7 @@ def test_every_composition_problem_is_reported_at_once_with_exit_2(tmp_path):
     assert "features.swa_replay.mode=full: Invalid value 'full', expected one of [off, compact]" in out.stderr
     assert "suite.context_tokens=lots" in out.stderr and "Traceback" not in out.stderr
     # the overrides that compose are still checked against the rules, in the same message
-    rules = run_cli("engine.scheduler.block_size=257", "features.deterministic=true", cwd=tmp_path)
+    rules = run_cli("model=tiny", "engine.scheduler.block_size=257", "features.deterministic=true", cwd=tmp_path)
     assert rules.returncode == 2 and "invalid configuration (3 problems)" in rules.stderr
     assert "engine.scheduler.block_size=257: must be a multiple of every compress ratio [4, 128]" in rules.stderr
     sweep = run_cli("-m", "mode=catalog", "suite=smoke,nope", cwd=tmp_path)

@@ -59,7 +59,7 @@ def test_wrong_type_fails_while_composing():
 
 def test_two_cross_field_violations_reported_together(resolved):
     with pytest.raises(ConfigError) as err:
-        resolved("features.swa_replay.mode=compact", "features.swa_replay.keep_tokens=120",
+        resolved("model=tiny", "features.swa_replay.mode=compact", "features.swa_replay.keep_tokens=120",
                  "features.deterministic=true", "features.batch_invariant.enabled=true")
     message = str(err.value)
     assert message.startswith("invalid configuration (2 problems):")

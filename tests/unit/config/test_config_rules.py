@@ -27,8 +27,10 @@ def check(**changes):
 
 def test_default_config_is_valid(resolved):
     ctx = resolved()
-    assert ctx.cfg.model.name == "tiny" and ctx.cfg.suite.name == "smoke" and ctx.cfg.hardware.name == "cpu"
+    assert ctx.cfg.model.name == "tiny-v41" and ctx.cfg.suite.name == "smoke" and ctx.cfg.hardware.name == "cpu"
+    assert ctx.cfg.model.family == "deepseek_v41"
     assert validate(ctx.cfg) == []
+    assert validate(resolved("model=tiny").cfg) == []
 
 
 @pytest.mark.parametrize("keep, max_draft, ok", [(134, 5, True), (133, 5, False), (131, 3, False),
@@ -147,10 +149,13 @@ def test_dataset_list_is_one_override_and_lengths_come_from_the_registry(resolve
 
 
 def test_block_size_must_be_a_multiple_of_the_compress_ratios(resolved):
-    found = violations(resolved, "engine.scheduler.block_size=257")
+    found = violations(resolved, "model=tiny", "engine.scheduler.block_size=257")
     assert found == ["engine.scheduler.block_size=257: must be a multiple of every compress ratio [4, 128] of "
                      "model=tiny (e.g. 256 or 384)"]
-    assert violations(resolved, "engine.scheduler.block_size=384") == []
+    assert violations(resolved, "model=tiny", "engine.scheduler.block_size=384") == []
+    assert violations(resolved, "engine.scheduler.block_size=257") == [
+        "engine.scheduler.block_size=257: must be a multiple of every compress ratio [1, 2] of "
+        "model=tiny-v41 (e.g. 256 or 258)"]
 
 
 def test_duplicate_and_empty_datasets():
@@ -177,7 +182,7 @@ def test_scheduler_chunk_within_the_step_budget():
 
 
 def test_synthetic_architecture_must_agree_with_model_fields(resolved):
-    found = violations(resolved, "model.synthetic.architecture.sliding_window=64")
+    found = violations(resolved, "model=tiny", "model.synthetic.architecture.sliding_window=64")
     assert found == ["model.sliding_window=128: must equal model.synthetic.architecture.sliding_window (64)"]
 
 
