@@ -30,7 +30,8 @@ import triton.language as tl
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.fp8 import _tile_map
 from redknot.kernels.triton.moe import route_by_expert
-from redknot.kernels.triton.quant_mx import e2m1_to_e4m3_bits, e2m1_value, e8m0_decode, e8m0_exponent, pow2
+from redknot.kernels.triton.quant_mx import (act_quant_mx, e2m1_to_e4m3_bits, e2m1_value, e8m0_decode,
+                                             e8m0_exponent, pow2)
 
 
 @triton.jit
@@ -196,7 +197,12 @@ MX_GEMM_TUNER = ConfigTuner("mx_gemm", [
     MxGemmConfig(128, 128, 8, 3, "bf16", 64), MxGemmConfig(128, 128, 8, 3, "bf16", 128),
     MxGemmConfig(64, 128, 4, 3, "bf16", 128), MxGemmConfig(64, 64, 4, 3, "bf16", 128),
     MxGemmConfig(128, 256, 8, 3, "bf16", 64), MxGemmConfig(64, 32, 4, 4, "bf16", 128),
+    MxGemmConfig(16, 64, 4, 4, "bf16", 256), MxGemmConfig(16, 32, 4, 4, "bf16", 256),
+    MxGemmConfig(16, 128, 4, 4, "bf16", 128), MxGemmConfig(64, 128, 4, 3, "bf16", 256),
 ])
+# Rows from which the activations are quantised by a separate pass (one byte per element afterwards)
+# instead of inside the GEMM, where every N-tile would repeat the amax and rounding work.
+PREQUANT_MIN_ROWS = 256
 
 
 def _launch(a, sa, b, sb, out, *, rowid=None, offs=None, b3=None, sb3=None, wt=None, out_scale=None,
@@ -247,7 +253,10 @@ def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x2, None, weight, weight_scale.view(torch.uint8), out, w_fp4=False, wb=block, config=config)
+    xs = None
+    if x2.shape[0] >= PREQUANT_MIN_ROWS:
+        x2, xs = act_quant_mx(x2)
+    _launch(x2, xs, weight, weight_scale.view(torch.uint8), out, w_fp4=False, wb=block, config=config)
     return out.view(*lead, weight.shape[0])
 
 
@@ -282,7 +291,10 @@ def moe_mx(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w
     act_q = torch.empty(M, inter, dtype=torch.float8_e4m3fn, device=x.device)
     act_s = torch.empty(M, inter // 32, dtype=torch.uint8, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    _launch(x, None, w1, w1_scale, act_q, rowid=rows.to(torch.int32), offs=offs, b3=w3, sb3=w3_scale, wt=wt,
+    xs = None
+    if T >= PREQUANT_MIN_ROWS:
+        x, xs = act_quant_mx(x)  # once per token, not once per (token, expert) and N-tile
+    _launch(x, xs, w1, w1_scale, act_q, rowid=rows.to(torch.int32), offs=offs, b3=w3, sb3=w3_scale, wt=wt,
             out_scale=act_s, limit=swiglu_limit, w_fp4=True, config=config)
     y = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
     _launch(act_q, act_s, w2, w2_scale, y, offs=offs, w_fp4=True, config=config)
