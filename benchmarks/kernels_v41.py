@@ -182,6 +182,21 @@ def main(argv=None) -> int:
     return write_results(run)
 
 
+def tuned_choices() -> List[str]:
+    """Every problem class the tuners measured, with the launch shape they kept."""
+    from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
+    from redknot.kernels.triton.gemm_mx import MX_GEMM_TUNER
+    from redknot.kernels.triton.indexer_mx import INDEX_MX_TUNER
+    out = []
+    for tuner in (MX_GEMM_TUNER, ATTN_MX_TUNER, INDEX_MX_TUNER):
+        for key, cfg in tuner.choices.items():
+            times = sorted(tuner.timings.get(key, []), key=lambda r: r[1])
+            runner = f"; next {times[1][0]} at {times[1][1]:.4f} ms" if len(times) > 1 else ""
+            best = f" {times[0][1]:.4f} ms" if times else ""
+            out.append(f"{tuner.name} {key}: {cfg}{best}{runner}")
+    return out
+
+
 def write_results(run: Run) -> int:
     failed_checks = [c for c in run.checks if not c["ok"]]
     failed_rows = [r for r in run.rows if r.status.startswith("FAIL")]
@@ -202,6 +217,8 @@ def write_results(run: Run) -> int:
     for t in run.transfer:
         lines.append(f"| {t.get('case')} | {t.get('ms', 0):.4f} | {t.get('gbps', 0):.1f} | "
                      f"{t.get('note', t.get('status', ''))} |")
+    chosen = tuned_choices()
+    lines += ["", "## Launch shapes chosen by measurement", ""] + [f"- {c}" for c in chosen]
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
     if run.args.out:
@@ -209,7 +226,7 @@ def write_results(run: Run) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "kernels_v41.md").write_text(text)
         (out / "kernels_v41.json").write_text(json.dumps(dict(
-            checks=run.checks, rows=[r.__dict__ for r in run.rows], transfer=run.transfer,
+            checks=run.checks, rows=[r.__dict__ for r in run.rows], transfer=run.transfer, tuned=chosen,
             peaks=PEAK_FLOPS, hbm_bytes_per_s=HBM_BYTES_PER_S, smoke=run.args.smoke), indent=1))
         run.log(f"wrote {out / 'kernels_v41.md'} and {out / 'kernels_v41.json'}")
     run.log(f"done: {len(failed_checks)} failed checks, {len(failed_rows)} failed timed cases")
