@@ -132,3 +132,17 @@ class TestBoundedReplay:
         for p in range(PROMPT, PROMPT + 4):
             row = seq.step([ids[p]], replay_from=p + 1 - keep)
             assert torch.isfinite(row).all()
+
+
+def test_slot_reuse_and_preemption_rebuild(pair, ids, oracle):
+    """A slot that held another sequence serves a new one exactly; a preempted sequence rebuilt by
+    re-prefilling its known tokens continues exactly."""
+    seq = Seq(pair.model, len(ids), seed=7)
+    seq.step(tokens(53, seed=11))                    # a previous occupant of the same slot and blocks
+    seq.tokens.clear()
+    got = seq.step(ids[:PROMPT])
+    assert (got - oracle.logits[:PROMPT]).abs().max() < TOL
+    rebuilt = Seq(pair.model, len(ids), seed=8)
+    rebuilt.step(ids[:PROMPT + 5])                   # prompt + 5 generated tokens, in one prefill
+    for p in range(PROMPT + 5, PROMPT + 9):
+        assert (rebuilt.step([ids[p]])[0] - oracle.logits[p]).abs().max() < TOL, p
