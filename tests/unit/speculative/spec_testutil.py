@@ -19,6 +19,13 @@ ARCH = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=4, num_attention_
             max_position_embeddings=4096)
 # The same with a window-only top layer (compact replay then also skips that layer's early rows).
 ARCH_TAIL = dict(ARCH, compress_ratios=[0, 4, 8, 0, 0])
+# V4-0731 layout: three DSpark stages tapping the last three (compressed) layers, no classic MTP;
+# a 64-token vocabulary so that a rank-64 Markov head can hold any next-token map (make_dspark_agree).
+DSPARK_VOCAB = 64
+ARCH_DSPARK = dict(ARCH, vocab_size=DSPARK_VOCAB, compress_ratios=[0, 4, 8, 4, 0, 0, 0], dspark_block_size=5,
+                   dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=DSPARK_VOCAB,
+                   dspark_noise_token_id=DSPARK_VOCAB - 1, n_mtp_layers=3)
+ARCHES = {"main": ARCH, "tail": ARCH_TAIL, "dspark": ARCH_DSPARK}
 
 
 def model_config(arch: Dict, name: str, max_len: int = 512) -> ModelConfig:
@@ -47,6 +54,32 @@ def make_mtp_agree(model, eps: float = 0.005, head_scale: float = 6.0) -> None:
         mtp.enorm.weight.fill_(1.0)
         mtp.norm.weight.copy_(model.norm.weight)
     model.head.weight.mul_(head_scale)
+
+
+@torch.no_grad()
+def make_dspark_agree(model, draft, eps: float = 0.005, head_scale: float = 6.0, bias: float = 30.0) -> None:
+    """Shape a random model so that its DSpark stages mostly draft what the target will emit.
+
+    As in ``make_mtp_agree`` the target's attention and MoE outputs are scaled by ``eps`` (state
+    bugs still show), so its next token is nearly a function g of the current one, read off the
+    embedding path; the Markov head is set to W1 = I, W2[g(x), x] = ``bias``, so each draft is
+    g(previous), except after every 4th token id (a wrong guess there), so blocks are accepted in part.
+    """
+    for layer in list(model.layers):
+        layer.attn.wo_b.weight.mul_(eps)
+        layer.ffn.experts.w2.mul_(eps)
+        layer.ffn.shared_experts.w2.weight.mul_(eps)
+    model.head.weight.mul_(head_scale)
+    vocab = model.cfg.vocab_size
+    ids = torch.arange(vocab, device=model.device)
+    streams = model.embed(ids).unsqueeze(1).expand(-1, model.cfg.hc_mult, -1).contiguous()
+    g = model.compute_logits(streams).argmax(dim=-1)  # [V]
+    g = torch.where(ids % 4 == 0, (g + 1) % vocab, g)  # a wrong guess after every 4th token: partial acceptance
+    markov = draft.mtp[-1].markov_head
+    markov.markov_w1.weight.copy_(torch.eye(vocab, dtype=markov.markov_w1.weight.dtype))
+    w2 = torch.zeros_like(markov.markov_w2.weight)
+    w2[g, ids] = bias
+    markov.markov_w2.weight.copy_(w2)
 
 
 def features(dspark: bool = True, max_draft: int = MAX_DRAFT, adaptive: bool = False, compact: bool = False,
@@ -82,13 +115,16 @@ class EngineFactory:
             sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                     long_prefill_chunk=chunk, block_size=16, num_cache_blocks=num_cache_blocks)
             engine = EngineConfig(scheduler=sched, seed=0, cache_dir=self.cache_dir)
-            model = model_config(ARCH if arch == "main" else ARCH_TAIL, f"spec-{arch}", max_len)
+            model = model_config(ARCHES[arch], f"spec-{arch}", max_len)
             hardware = HardwareConfig()
             if cuda:  # float32 on the GPU, so equalities hold to fp32 rounding as on the CPU
                 hardware = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
                                           kv_cache_dtype=DType.float32, cuda_graphs=False, memory_utilization=0.5)
             llm = LLM(model, hardware, features(**feat), engine)
-            if agree:
+            if agree and arch == "dspark":
+                from redknot.models.family import DSPARK
+                make_dspark_agree(llm.runner.model, llm.runner.family.draft_models(llm.runner.model)[DSPARK])
+            elif agree:
                 make_mtp_agree(llm.runner.model)
             self._engines[key] = llm
         return self._engines[key]
