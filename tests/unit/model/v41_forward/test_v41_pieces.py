@@ -102,3 +102,7 @@ def test_tiny_v41_from_its_native_checkpoint_matches_the_reference(tmp_path):
     got = Seq(model, 45, block_size=16).step(ids)
     assert got.dtype == torch.float32 and math.isfinite(float(got.abs().max()))
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    # hardware.weight_format=keep: FP8/FP4 weights stay quantised and are dequantised per GEMM
+    kept = family.build_model(model_cfg, HardwareConfig(weight_format="keep"), str(tmp_path))
+    assert kept.w.tensors["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert torch.equal(Seq(kept, 45, block_size=16).step(ids), got)
