@@ -199,6 +199,7 @@ MX_GEMM_TUNER = ConfigTuner("mx_gemm", [
     MxGemmConfig(128, 256, 8, 3, "bf16", 64), MxGemmConfig(64, 32, 4, 4, "bf16", 128),
     MxGemmConfig(16, 64, 4, 4, "bf16", 256), MxGemmConfig(16, 32, 4, 4, "bf16", 256),
     MxGemmConfig(16, 128, 4, 4, "bf16", 128), MxGemmConfig(64, 128, 4, 3, "bf16", 256),
+    MxGemmConfig(16, 32, 4, 3, "bf16", 512),
 ])
 # Rows from which the activations are quantised by a separate pass (one byte per element afterwards)
 # instead of inside the GEMM, where every N-tile would repeat the amax and rounding work.

@@ -75,7 +75,7 @@ def test_sparse_attention_reference_by_hand():
     assert torch.allclose(out[0, 0, :2], p * torch.tensor([1.0, 2.0]))
 
 
-@pytest.mark.parametrize("cfg_index", range(15))
+@pytest.mark.parametrize("cfg_index", range(16))
 def test_every_gemm_launch_shape_matches_reference(cfg_index, kernel_device, monkeypatch):
     """Both MMA modes and every tuner candidate (the tuner picks among them on a GPU)."""
     from redknot.kernels.triton import gemm_mx
