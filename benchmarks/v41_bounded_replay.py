@@ -187,9 +187,10 @@ def table(rows: List[dict]) -> str:
     head = ("| prompt | keep | last-row max abs err (logit scale) | argmax eq | greedy eq prefix / agreement | "
             "teacher-forced agreement (max err) | prefill s off | prefill s compact |\n"
             "|---|---|---|---|---|---|---|---|\n")
-    lines = [f"| {r['prompt']} | {r['keep_tokens']} | {r['last_row_max_abs_err']:.3g} ({r['last_row_logit_scale']:.3g}) "
-             f"| {r['last_row_argmax_equal']} | {r['greedy_equal_prefix']}/{r['decode_steps'] + 1} "
-             f"{r['greedy_agreement']:.3f} | {r['teacher_forced_agreement']:.3f} ({r['teacher_forced_max_abs_err']:.3g}) "
+    lines = [f"| {r['prompt']} | {r['keep_tokens']} | {r['last_row_max_abs_err']:.3g} "
+             f"({r['last_row_logit_scale']:.3g}) | {r['last_row_argmax_equal']} "
+             f"| {r['greedy_equal_prefix']}/{r['decode_steps'] + 1} {r['greedy_agreement']:.3f} "
+             f"| {r['teacher_forced_agreement']:.3f} ({r['teacher_forced_max_abs_err']:.3g}) "
              f"| {r['prefill_s_off']:.2f} | {r['prefill_s_compact']:.2f} |" for r in rows]
     return head + "\n".join(lines) + "\n"
 

@@ -106,3 +106,27 @@ def test_tiny_v41_from_its_native_checkpoint_matches_the_reference(tmp_path):
     kept = family.build_model(model_cfg, HardwareConfig(weight_format="keep"), str(tmp_path))
     assert kept.w.tensors["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert torch.equal(Seq(kept, 45, block_size=16).step(ids), got)
+
+
+def test_bounded_replay_benchmark_on_tiny(tmp_path):
+    """benchmarks/v41_bounded_replay.py end to end on the tiny model: keep_tokens below
+    (tail layers) x (window - 1) + 1 = 31 perturbs the last row, 40 (whole prompt) does not."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[4] / "benchmarks" / "v41_bounded_replay.py"
+    argv = sys.argv
+    sys.argv = [str(script), "--arch", "tiny", "--prompts", "40", "--keep", "17", "40", "--decode", "2",
+                "--out", str(tmp_path)]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert done.value.code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["keep_tokens"] for r in rows] == [17, 40]
+    assert rows[0]["last_row_max_abs_err"] > 1e-3 and rows[1]["last_row_max_abs_err"] < 1e-5
+    assert (tmp_path / "results.md").read_text().count("| 40 |") == 2

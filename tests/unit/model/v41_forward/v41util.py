@@ -136,7 +136,6 @@ def tie_aware_equal(scores: torch.Tensor, sel_a: torch.Tensor, sel_b: torch.Tens
             return False
         if a == b:
             continue
-        kth = min(float(scores[row, i]) for i in a | b if True) if a else None
         kth = min(float(scores[row, i]) for i in a)
         for i in a ^ b:
             if float(scores[row, i]) != kth:
