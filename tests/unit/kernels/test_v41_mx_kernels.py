@@ -76,7 +76,16 @@ def test_sparse_attention_reference_by_hand():
     assert torch.allclose(out[0, 0, :2], p * torch.tensor([1.0, 2.0]))
 
 
-@pytest.mark.parametrize("cfg_index", range(len(gemm_mx.MX_GEMM_TUNER.candidates)))
+def _sweep(n: int, default_tier: tuple) -> list:
+    """Launch-shape indices; those outside ``default_tier`` are in the slow tier (interpreted, each costs
+    seconds; on a GPU run them all with ``-m "slow or not slow"``)."""
+    return [pytest.param(i, marks=() if i in default_tier else pytest.mark.slow) for i in range(n)]
+
+
+FIRST_BF16 = next(i for i, c in enumerate(gemm_mx.MX_GEMM_TUNER.candidates) if c.mma == "bf16")
+
+
+@pytest.mark.parametrize("cfg_index", _sweep(len(gemm_mx.MX_GEMM_TUNER.candidates), (0, FIRST_BF16)))
 def test_every_gemm_launch_shape_matches_reference(cfg_index, kernel_device, monkeypatch):
     """Both MMA modes and every tuner candidate (the tuner picks among them on a GPU)."""
     from redknot.kernels.triton.checks_mx import moe_inputs
@@ -96,7 +105,7 @@ def test_every_gemm_launch_shape_matches_reference(cfg_index, kernel_device, mon
         assert float((got - want).norm() / want.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("cfg_index", range(len(attention_mx.ATTN_MX_TUNER.candidates)))
+@pytest.mark.parametrize("cfg_index", _sweep(len(attention_mx.ATTN_MX_TUNER.candidates), (0, 2)))
 def test_every_attention_and_indexer_launch_shape_matches_reference(cfg_index, kernel_device):
     from redknot.kernels.triton.checks_mx import _compare_selection, attention_inputs, indexer_inputs
     q, win, widx, comp, cidx, sinks = attention_inputs(TOY_V41, kernel_device, seed=cfg_index)
