@@ -56,10 +56,15 @@ def _softmax_step(q, kv, ok, m, l, acc, qk_scale):
 
 
 @triton.jit
-def _sparse_attn_mx(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_ptr, H, NW, NC,
+def _sparse_attn_mx(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_ptr, ml_ptr, H, NW, NC,
                     stride_qt, stride_qh, stride_w, stride_wi, stride_c, stride_ci, stride_ot, stride_oh, qk_scale,
-                    HAS_COMP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                    W_CHUNK, C_CHUNK, HAS_COMP: tl.constexpr, SPLIT: tl.constexpr, D: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """SPLIT: program (t, head block, s) takes rows [s·W_CHUNK, (s+1)·W_CHUNK) of the window list and the
+    same of the compressed list, and writes its unnormalised (acc, running max, running sum) to
+    ``out_ptr`` [T, S, H, D] / ``ml_ptr`` [T, S, H, 2] fp32 for the merge."""
     t = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     dims = tl.arange(0, D)
@@ -69,23 +74,32 @@ def _sparse_attn_mx(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_
     sink = m
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for j0 in range(0, NW, BLOCK_N):
+    w_end = tl.minimum(NW, (sp + 1) * W_CHUNK)
+    for j0 in range(sp * W_CHUNK, w_end, BLOCK_N):
         js = j0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(widx_ptr + t * stride_wi + js, mask=js < NW, other=-1)
+        idx = tl.load(widx_ptr + t * stride_wi + js, mask=js < w_end, other=-1)
         ok = idx >= 0
         kv = _window_keys(win_ptr, tl.where(ok, idx, 0), ok, stride_w, D, BLOCK_N)
         m, l, acc = _softmax_step(q, kv, ok, m, l, acc, qk_scale)
     if HAS_COMP:
-        for j0 in range(0, NC, BLOCK_N):
+        c_end = tl.minimum(NC, (sp + 1) * C_CHUNK)
+        for j0 in range(sp * C_CHUNK, c_end, BLOCK_N):
             js = j0 + tl.arange(0, BLOCK_N)
-            idx = tl.load(cidx_ptr + t * stride_ci + js, mask=js < NC, other=-1)
+            idx = tl.load(cidx_ptr + t * stride_ci + js, mask=js < c_end, other=-1)
             ok = idx >= 0
             kv = _compressed_keys(comp_ptr, tl.where(ok, idx, 0), ok, stride_c, D, BLOCK_N)
             m, l, acc = _softmax_step(q, kv, ok, m, l, acc, qk_scale)
-    denom = l + tl.exp2(sink - m)
-    o = acc / denom[:, None]
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=hmask[:, None])
+    if SPLIT:
+        nsp = tl.num_programs(2)
+        row = (t * nsp + sp) * H + heads  # [BH] rows of the [T, S, H] partials
+        tl.store(out_ptr + row[:, None] * D + dims[None, :], acc, mask=hmask[:, None])
+        tl.store(ml_ptr + row * 2, m, mask=hmask)
+        tl.store(ml_ptr + row * 2 + 1, l, mask=hmask)
+    else:
+        denom = l + tl.exp2(sink - m)
+        o = acc / denom[:, None]
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @dataclass(frozen=True)
@@ -93,11 +107,13 @@ class AttnMxConfig:
     block_h: int = 16   # heads per program: each gathered row is decoded once per head block
     block_n: int = 32   # rows per online-softmax step
     num_warps: int = 8
+    splits: int = 1     # > 1: the rows of a query are split over programs and merged (decode batches)
 
 
 ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
     AttnMxConfig(16, 32, 8), AttnMxConfig(32, 32, 8), AttnMxConfig(64, 16, 8), AttnMxConfig(32, 64, 8),
-    AttnMxConfig(64, 32, 8), AttnMxConfig(16, 64, 4),
+    AttnMxConfig(64, 32, 8), AttnMxConfig(16, 64, 4), AttnMxConfig(32, 32, 8, 5), AttnMxConfig(16, 32, 8, 10),
+    AttnMxConfig(64, 16, 8, 10), AttnMxConfig(32, 16, 4, 20),
 ])
 
 
@@ -115,14 +131,29 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
         key = (min(next_pow2(T), 4096), H, D, window_idx.shape[1], 0 if comp_idx is None else comp_idx.shape[1])
         config = ATTN_MX_TUNER.pick(key, lambda cfg: sparse_attention_mx(
             q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, cfg), q.device)
-    block_h, block_n, num_warps = config.block_h, config.block_n, config.num_warps
+    block_h, block_n, num_warps, splits = config.block_h, config.block_n, config.num_warps, config.splits
     has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
     widx = window_idx.contiguous()
     cidx = comp_idx.contiguous() if has_comp else widx
     ccache = comp_cache if has_comp else window_cache
-    _sparse_attn_mx[(T, cdiv(H, block_h))](
-        q, window_cache, widx, ccache, cidx, sinks.float().contiguous(), out, H, widx.shape[1],
-        cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
-        ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
-        HAS_COMP=has_comp, D=D, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps)
+    nw, nc = widx.shape[1], cidx.shape[1] if has_comp else 0
+    w_chunk = cdiv(cdiv(nw, splits), block_n) * block_n
+    c_chunk = cdiv(cdiv(nc, splits), block_n) * block_n if nc else block_n
+    sink = sinks.float().contiguous()
+    if splits > 1:
+        part = torch.empty(T, splits, H, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(T, splits, H, 2, dtype=torch.float32, device=q.device)
+    else:
+        part, ml = out, sink
+    _sparse_attn_mx[(T, cdiv(H, block_h), splits)](
+        q, window_cache, widx, ccache, cidx, sink, part, ml, H, nw, nc, q.stride(0), q.stride(1),
+        window_cache.stride(0), widx.stride(0), ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
+        float(scale) * LOG2E, w_chunk, c_chunk, HAS_COMP=has_comp, SPLIT=splits > 1, D=D, BLOCK_H=block_h,
+        BLOCK_N=block_n, num_warps=num_warps)
+    if splits > 1:  # merge: every split started its running max at the sink, so none is -inf
+        m, l = ml[..., 0], ml[..., 1]  # [T, S, H], log2 units
+        top = m.amax(1, keepdim=True)
+        wgt = torch.exp2(m - top)
+        denom = (wgt * l).sum(1) + torch.exp2(sink * LOG2E - top.squeeze(1))
+        out.copy_(((wgt.unsqueeze(-1) * part).sum(1) / denom.unsqueeze(-1)).to(out.dtype))
     return out
