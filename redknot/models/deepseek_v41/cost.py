@@ -329,7 +329,7 @@ def memory_plan(cfg, *, ep: int = 1, dp: int = 1, engram_placement: str = DEFAUL
         on_gpu, host = engram, 0
     else:
         on_gpu, host = 0, engram
-    notes = []
+    notes = cost_lines(cfg, contexts)
     if engram_placement == HOST:
         notes.append(f"host Engram: {cfg.n_engram_cols} rows x {cfg.engram_head_dim + cfg.engram_head_dim // MX} B "
                      f"per token per Engram layer cross PCIe")
@@ -340,6 +340,24 @@ def memory_plan(cfg, *, ep: int = 1, dp: int = 1, engram_placement: str = DEFAUL
                       kv_per_token=global_kv_bytes_per_token(cfg), contexts=tuple(contexts),
                       sequence_bytes=tuple(sequence_bytes(cfg, n, include_draft) for n in contexts),
                       with_draft=include_draft, notes=tuple(notes))
+
+
+def cost_lines(cfg, contexts: Sequence[int] = (131072, 1048576), keep_tokens: int = 140,
+               dev: Ceilings = H200) -> List[str]:
+    """Prefill FLOPs per token (exact and bounded replay) and batch-1 decode bytes per step, with
+    the one-device floors they imply (FP8 linears)."""
+    cm = CostModel(cfg)
+    lines = []
+    for n in contexts:
+        full, tail = cm.prefill(n), cm.prefill(n, keep_tokens=keep_tokens)
+        step = cm.decode(n)
+        lines.append(
+            f"cost at {n:,} tokens: prefill {full.per_token / 1e9:.1f} GFLOP/token (floor {full.floor_s(dev):.2f} s on "
+            f"one {dev.name}; bounded replay keep {keep_tokens}: {tail.per_token / 1e9:.1f} GFLOP/token), decode step "
+            f"{step.bytes / 1e9:.2f} GB read (weights {step.weight_bytes / 1e9:.2f}, cache {step.kv_bytes / 1e6:.1f} MB,"
+            f" Engram rows {step.engram_bytes / 1e3:.1f} KB), {step.flops / 1e9:.1f} GFLOP, floor "
+            f"{step.floor_s(dev) * 1e3:.2f} ms at batch 1")
+    return lines
 
 
 class LayoutDoesNotFit(ValueError):

@@ -107,6 +107,7 @@ def test_memory_plan_for_8xh200(flash):
         memory_plan(flash, engram_placement="disk", device_bytes=h200)
     text = "\n".join(plan.describe())
     assert "dp=8 ep=8" in text and "890 B/token" in text and "context 1,048,576" in text
+    assert "cost at 131,072 tokens: prefill 36.0 GFLOP/token" in text and "decode step" in text
 
 
 def test_meta_device_storage_matches_the_census_and_the_published_size(flash):
