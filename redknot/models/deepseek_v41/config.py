@@ -293,6 +293,10 @@ class V41Config:
 
         d = self.to_flat_dict()
         flat = flat_overrides(overrides)
+        unknown = sorted(set(flat) - set(d) - {"expert_dtype"})
+        if unknown:   # a typo here would silently keep the real value
+            raise ValueError(f"architecture override keys {unknown}: not DeepSeek-V4.1 config.json keys (flat "
+                             f"reference names or released text_config names, e.g. 'dim' / 'hidden_size')")
         layout_keys = ("engram_layer_ids", "engram_vocab_size", "engram_n_heads", "engram_max_ngram_size")
         if "engram_num_embeddings" not in flat and any(k in flat for k in layout_keys):
             d["engram_num_embeddings"] = None   # derived again from the primes

@@ -177,3 +177,9 @@ def test_cut_keeps_a_valid_prefix():
     assert V41Config.flash().cut(3).candidate_source_layer == -1
     with pytest.raises(ValueError, match="model.num_layers"):
         V41Config.flash().cut(41)
+
+
+def test_override_keys_must_be_config_keys():
+    with pytest.raises(ValueError, match=r"architecture override keys \['hiden_size'\]: not DeepSeek-V4.1 config"):
+        V41Config.flash().with_overrides({"hiden_size": 256})
+    assert V41Config.flash().with_overrides({"hidden_size": 1024}).dim == 1024
