@@ -71,6 +71,8 @@ class ModelRunner:
                                         expert_rows=expert_rows)
         self.cfg = self.model.cfg
         self.max_model_len = model_cfg.max_position
+        self.max_num_seqs = engine.scheduler.max_num_seqs
+        self.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens
         self.vocab_size = self.cfg.vocab_size
         self.dtype = torch_dtype(hardware.dtype)
         kv_dtype = torch_dtype(hardware.kv_cache_dtype)
@@ -173,9 +175,18 @@ class ModelRunner:
         return parts
 
     def warmup(self) -> None:
-        """Capture decode graphs (CUDA, when enabled) before serving."""
+        """Capture decode graphs (CUDA, when enabled) and time the verify cost table of confidence
+        scheduling (``features.dspark.budget=profile``) before serving."""
         if self.graphs is not None:
             self.graphs.capture()
+        if self.speculator is not None and self.speculator.needs_profile:
+            from redknot.speculative.profile import profile_cost_model
+            # Without captured graphs (the CPU: tests, the embedded default run) a short profile: one
+            # timing per size, sizes in powers of four, batches of at most 8 requests (larger extrapolate).
+            graphs = self.device.type == "cuda"
+            self.speculator.set_costs(profile_cost_model(
+                self, self.speculator, self.max_num_seqs if graphs else min(8, self.max_num_seqs),
+                self.max_num_batched_tokens, repeats=5 if graphs else 1, coarse=not graphs))
 
     @property
     def cuda_graphs_status(self) -> str:

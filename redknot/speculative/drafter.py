@@ -95,6 +95,19 @@ class MTPDrafter:
                                   first_position=s.next_pos + 1, limit=s.limit)
         return out
 
+    @torch.no_grad()
+    def dry_run(self, num_requests: int, slot: int, block: int) -> None:
+        """The drafting work of ``num_requests`` requests on ``slot`` (start-up profiling): the
+        catch-up row and the chained drafts."""
+        device = self.model.device
+        meta = StepMetadata.build([[1]] * num_requests, [0] * num_requests, [slot] * num_requests,
+                                  [[block]] * num_requests, device=device)
+        cfg = self.model.cfg
+        prev = torch.zeros(num_requests, cfg.hc_mult, cfg.hidden_size, dtype=self.model.dtype, device=device)
+        ids = torch.ones(num_requests, dtype=torch.long, device=device)
+        for _ in range(self.max_draft):
+            prev, _ = self.model.mtp_forward(meta, self.state, prev, ids)
+
     # ------------------------------------------------------------------ planning
     def _plan(self, batch, sampled: Dict[str, List[int]]) -> List[_Seq]:
         meta = batch.inputs.meta

@@ -120,6 +120,19 @@ class DSparkDrafter:
                                   limit=r.limit, probs=block.probs)
         return out
 
+    @torch.no_grad()
+    def dry_run(self, num_requests: int, slot: int, block: int) -> None:
+        """The drafting work of ``num_requests`` requests on ``slot`` (start-up profiling)."""
+        device = self.draft.device
+        anchors = torch.zeros(num_requests, dtype=torch.long, device=device)
+        positions = torch.full((num_requests,), self.draft.window, dtype=torch.long, device=device)
+        slots = torch.full((num_requests,), slot, dtype=torch.long, device=device)
+        h, base = self.draft.forward_block(anchors, positions, self.rings, slots)
+        prev = anchors
+        for k in range(self.block_size):
+            prev = (base[:, k] + self.draft.markov_bias(prev)).argmax(dim=-1)
+        self.draft.confidence_logits(h, torch.zeros(num_requests, self.block_size, dtype=torch.long, device=device))
+
     # ------------------------------------------------------------------ planning
     def _plan(self, batch, sampled: Dict[str, List[int]]) -> List[_Req]:
         window = self.draft.window

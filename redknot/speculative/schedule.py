@@ -115,16 +115,17 @@ def profile_costs(time_ms: Callable[[int], float], sizes: Iterable[int], repeats
     return {int(n): statistics.median(time_ms(int(n)) for _ in range(repeats)) for n in sizes}
 
 
-def profile_sizes(max_num_seqs: int, max_draft: int, max_tokens: int) -> List[int]:
+def profile_sizes(max_num_seqs: int, max_draft: int, max_tokens: int, coarse: bool = False) -> List[int]:
     """Target-token counts a decode step with drafts can have, as captured tiers: powers of two
-    and their 1.5x up to ``max_num_seqs * (max_draft + 1)`` (capped at ``max_tokens``)."""
+    and their 1.5x up to ``max_num_seqs * (max_draft + 1)`` (capped at ``max_tokens``); ``coarse``:
+    powers of four only (eager steps, no captured tiers: the table interpolates between them)."""
     top = min(max_tokens, max_num_seqs * (max_draft + 1))
     sizes, n = set(), 1
     while n < top:
         sizes.add(n)
-        if n * 3 // 2 < top and n >= 2:
+        if not coarse and n * 3 // 2 < top and n >= 2:
             sizes.add(n * 3 // 2)
-        n *= 2
+        n *= 4 if coarse else 2
     sizes.add(top)
     return sorted(sizes)
 

@@ -196,3 +196,40 @@ def test_counters_reach_the_stats(engines):
         assert 0.0 <= m[f"spec.expected_survival.pos{j}"] <= 1.0
         assert 0.0 <= m[f"spec.realised_survival.pos{j}"] <= 1.0
     assert m["spec.expected_survival.pos1"] > 0 and m["spec.budget_mean"] > 0
+
+
+def test_profiled_budget_at_start_and_greedy_still_equal(engines):
+    on = engines(arch="dspark", adaptive=True, budget_source="profile")
+    costs = on.runner.speculator.scheduler.costs
+    assert costs is not None and costs.verify.sizes[0] == 1 and all(c > 0 for c in costs.verify.costs)
+    assert costs.verify.costs == sorted(costs.verify.costs) and costs.draft(1) > 0
+    prompts = _prompts(6, 3)
+    _same(run_all(engines(arch="dspark", dspark=False), prompts, GREEDY), run_all(on, prompts, GREEDY))
+
+
+def test_sts_temperatures_and_block_size_limits(engines, tmp_path):
+    from redknot.speculative.dspark_drafter import load_sts
+    path = tmp_path / "sts.json"
+    path.write_text('{"sts_temperatures": [1.0, 1.5, 2.0, 2.5, 3.0]}')
+    assert load_sts(str(path), 5) == [1.0, 1.5, 2.0, 2.5, 3.0] and load_sts(None, 5) == [1.0] * 5
+    path.write_text('{"temperatures": [1.0, 2.0]}')
+    with pytest.raises(ValueError, match="sts_path=.*needs 5 positive temperatures"):
+        load_sts(str(path), 5)
+    path.write_text('{"temperatures": [1.0, 2.0, 1.0, 1.0, 1.0]}')
+    hot = engines(arch="dspark", adaptive=True, sts_path=str(path))
+    cold = engines(arch="dspark", adaptive=True)
+    prompt = _prompts(7, 1)["d7-0"]
+
+    def first_confidences(llm):
+        llm.add_request("x", prompt, GREEDY)
+        while not llm.runner.speculator.last_drafts:
+            llm.step()
+        conf = list(llm.runner.speculator.last_drafts["x"].confidences)
+        while llm.has_unfinished_requests():
+            llm.step()
+        return conf
+    c_hot, c_cold = first_confidences(hot), first_confidences(cold)
+    # sigmoid(z / 2) lies between sigmoid(z) and 1/2; temperature 1 leaves the others
+    assert c_hot[0] == pytest.approx(c_cold[0]) and abs(c_hot[1] - 0.5) <= abs(c_cold[1] - 0.5) + 1e-6
+    with pytest.raises(ValueError, match="max_draft=6 exceeds the checkpoint's dspark_block_size=5"):
+        engines(arch="dspark", max_draft=6, keep_tokens=40)
