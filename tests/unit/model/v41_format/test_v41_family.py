@@ -116,3 +116,21 @@ def test_catalog_shows_the_plan_of_the_configured_layout(tmp_path):
     assert "890 B/token" in text and "-> fits" in text and "H100" not in text
     cpu = _resolved(tmp_path, "model=tiny-v41", "mode=catalog")
     assert memory_plan_lines(cpu.cfg, DeviceFacts(Accelerator.cpu)) == []
+
+
+def test_plan_census_and_token_map_code_stay_torch_free():
+    """mode=catalog prints the plan without torch: the family, config, cost and census modules import none."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from redknot.models.registry import load_family\n"
+            "from redknot.config.schema import ModelConfig, HardwareConfig, FeaturesConfig\n"
+            "from redknot.models.deepseek_v41 import census, config, engram_hash, token_map\n"
+            "m = ModelConfig(name='x', family='deepseek_v41', max_position=1048576)\n"
+            "plans = load_family('deepseek_v41').memory_plans(m, HardwareConfig(device_names=['H200']), "
+            "FeaturesConfig())\n"
+            "census.describe(config.V41Config.flash())\n"
+            "assert plans and 'torch' not in sys.modules, sorted(k for k in sys.modules if 'torch' in k)[:5]\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
