@@ -145,14 +145,15 @@ class AttentionLayer:
         rows, rpos = self._window_rows(kv, sp, state)
         dev = q.device
         win = cfg.window_size
-        entries = None
-        if self.ratio:
+        entries = picks = None
+        if self.ratio and sp.end // self.ratio:
+            # Only the entries some row of the span selected are read and decoded.
             src = state.sources[self.kv_source]
-            n_ent = sp.end // self.ratio
-            if n_ent:
-                idx = _page_index(sp, torch.arange(n_ent, device=dev), self.ratio, state.layout.block_size)
-                entries = mx.unpack_compressed_entries(src.entries.view(-1, src.entries.shape[-1])[idx],
-                                                       self.num.dtype)          # [n_ent, Dh]
+            sel = slots.topk[sp.start:sp.start + sp.n]
+            used, picks = torch.unique(sel.clamp(min=0), return_inverse=True)  # picks [n, K] -> used
+            idx = _page_index(sp, used, self.ratio, state.layout.block_size)
+            entries = mx.unpack_compressed_entries(src.entries.view(-1, src.entries.shape[-1])[idx],
+                                                   self.num.dtype)              # [len(used), Dh]
         sink = self.w.float(f"{self.p}.attn_sink")
         first_local = rpos.shape[0] - sp.n                                      # local index of position ctx
         for r0 in range(0, sp.n, ROW_CHUNK):
@@ -164,7 +165,7 @@ class AttentionLayer:
             cand = rows[loc.clamp(min=0)]                                         # [R, W, Dh]
             if entries is not None:
                 sel = slots.topk[sp.start + r0:sp.start + r1]                    # [R, K]
-                cand = torch.cat([cand, entries[sel.clamp(min=0)]], dim=1)
+                cand = torch.cat([cand, entries[picks[r0:r1]]], dim=1)
                 valid = torch.cat([valid, sel >= 0], dim=1)
             qs = q[sp.start + r0:sp.start + r1]
             out[sp.start + r0:sp.start + r1] = sparse_attend(qs, cand, valid, sink, cfg.head_dim ** -0.5)
