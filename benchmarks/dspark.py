@@ -1,271 +1,247 @@
 #!/usr/bin/env python3
-"""DSpark speculative decoding and compact SWA replay: what they cost and save (numbers only).
+"""DSpark (V4-Flash-0731 draft stages) on a real-dimension cut: what drafting, verifying and
+scheduling cost per step (timings only).
 
-For the tiny model and a 3-layer real-dimension cut (D=4096, 64 heads of 512, q_lora 1024,
-indexer 64x128 top-512, window 128, ratios 4/128 like real layers 1-3, real vocabulary; 8 routed
-experts instead of 256 so the synthetic checkpoint stays small, 6 active per token as in Flash):
+The cut: V4-Flash width (D=4096, 64 heads of 512, q_lora 1024, indexer 64x128 top-512, window
+128, real vocabulary) with 3 target layers (SWA, CSA, HCA like real layers 1-3, tapped by the
+draft as 0731 taps layers 40-42) and the three DSpark stages of §2.3 at real width (rank-256
+Markov head, confidence head); 8 routed experts per layer and stage instead of 256 (6 active)
+so the seeded weights fit a quick start. Weights are random: acceptance is never measured.
 
-* decode tokens/s of a batch: plain decoding (the default engine, async scheduling) vs DSpark
-  (steps run synchronously) with confidence-scheduled (varlen) and fixed-length verification;
-* the mechanics per step: forward + sampling of a plain step, of a verify step, and the MTP
-  work after it (catch-up + chained drafts);
-* the same with the MTP layer shaped to agree with the target (the tests' construction), so
-  that drafts are accepted and the speed-up mechanics show;
-* prefill time of one long prompt with ``features.swa_replay.mode`` compact vs off.
+Per batch size (1 and 32, contexts of ``--context`` tokens, prefilled first):
 
-With random weights acceptance is meaningless (the MTP layer was never trained to predict the
-target); it is printed and labelled so.
+* draft ms per step: the stages' block forward + the Markov chain + confidences;
+* verify ms at 1..g+1 tokens per request: the target forward + logits of the verify rows, and
+  the verification math (token-wise and block) for sampled requests;
+* schedule overhead: budget + global top-B allocation for the batch;
+* plain decode step (1 token per request) eager vs CUDA-graph replay; the first replay of every
+  captured graph is checked against eager execution (a mismatch is reported and disables graphs);
+* the status of variable-length verify graphs.
 
-    python benchmarks/dspark.py hardware=sm90-port hardware.kernels.default=reference  # H200, < 4 min
-    python benchmarks/dspark.py --smoke                                                # CPU check
+    python benchmarks/dspark.py --out $OUT            # H200 (sm90-port kernels), about 2-4 minutes
+    python benchmarks/dspark.py --smoke --out /tmp/x  # CPU: the same paths at toy width, seconds
 """
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import json
-import os
-import random
-import sys
+import statistics
 import time
+import types
 from pathlib import Path
+from typing import Callable, Dict, List
 
 import torch
-from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "unit" / "spec"))  # make_mtp_agree: the tests' agreeing MTP
+from redknot.cache import CacheSpec
+from redknot.config.schema import FeaturesConfig
+from redknot.kernels import KernelSet
+from redknot.models.deepseek_v4.config import V4Config
+from redknot.models.deepseek_v4.dspark_config import parse_dspark
+from redknot.models.deepseek_v4.dspark_draft import DSparkDraft
+from redknot.models.deepseek_v4.model import DeepseekV4
+from redknot.models.deepseek_v4.synthetic import randomize_
+from redknot.models.registry import load_family
+from redknot.sample import Sampler, SamplingRow
+from redknot.sample.params import SamplingParams
+from redknot.speculative.draft_sampling import MarkovSampler
+from redknot.speculative.rejection import block_sample, speculative_sample
+from redknot.speculative.schedule import CostModel, CostTable, VerifyScheduler
+from redknot.speculative.varlen import VerifyGraphs
+from redknot.step.metadata import StepMetadata
 
-from redknot.config.resolve import to_typed  # noqa: E402
-from redknot.config.schema import SwaReplayMode  # noqa: E402
-from redknot.engine import LLM, SamplingParams  # noqa: E402
-from redknot.speculative.replay import CompactReplay  # noqa: E402
-from spec_testutil import make_mtp_agree  # noqa: E402
-
-CONF_DIR = str(ROOT / "conf")
-# Real layers 1-3 of V4-Flash (SWA, CSA, HCA; two hash-routed) at real width; 8 routed experts.
-ARCH_CUT = dict(num_hidden_layers=3, compress_ratios=[0, 4, 128, 0], num_hash_layers=2, n_routed_experts=8)
-# --smoke: the same layer pattern at toy width, so the script's every path runs on a CPU in seconds.
-ARCH_CUT_SMOKE = dict(ARCH_CUT, hidden_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=32,
-                      q_lora_rank=64, o_groups=2, o_lora_rank=64, index_n_heads=4, index_head_dim=32,
-                      index_topk=16, moe_intermediate_size=64, compress_rate_hca=16, compress_ratios=[0, 4, 16, 0])
-
-
-@dataclasses.dataclass
-class Workload:
-    batch: int
-    prompt_len: int
-    max_tokens: int
-    prefill_len: int
-
-
-def sync(llm: LLM) -> None:
-    if llm.device.type == "cuda":
-        torch.cuda.synchronize(llm.device)
+DSPARK_KEYS = dict(dspark_block_size=5, dspark_target_layer_ids=[0, 1, 2], dspark_markov_rank=256,
+                   dspark_noise_token_id=128799, n_mtp_layers=3)
+ARCH_CUT = dict(num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=2, n_routed_experts=8,
+                num_nextn_predict_layers=0, **DSPARK_KEYS)
+ARCH_SMOKE = dict(ARCH_CUT, hidden_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=32, q_lora_rank=64,
+                  o_groups=2, o_lora_rank=64, index_n_heads=4, index_head_dim=32, index_topk=16,
+                  moe_intermediate_size=64, compress_rate_hca=16, compress_ratios=[0, 4, 16], dspark_markov_rank=16)
 
 
-def spec_delta(llm: LLM, before):
-    after = llm.stats().spec
-    if after is None:
-        return None
-    d = copy.deepcopy(after)
-    for f in dataclasses.fields(after):
-        a, b = getattr(after, f.name), getattr(before, f.name) if before is not None else None
-        if b is None or f.name == "max_draft":
-            continue
-        setattr(d, f.name, [x - y for x, y in zip(a, b)] if isinstance(a, list) else a - b)
-    return d
-
-
-def decode_run(llm: LLM, w: Workload, seed: int) -> dict:
-    """Decode tokens/s of ``w.batch`` greedy requests, timed after every request has its first token."""
-    rng = random.Random(seed)
-    vocab = llm.runner.vocab_size
-    before = copy.deepcopy(llm.stats().spec)
-    for i in range(w.batch):
-        llm.add_request(f"d{seed}-{i}", [rng.randrange(3, vocab) for _ in range(w.prompt_len)],
-                        SamplingParams(max_tokens=w.max_tokens, ignore_eos=True))
-    outs, first = {}, set()
-    t_decode, steps = None, 0
-    while llm.has_unfinished_requests():
-        for o in llm.step():
-            if o.token_ids:
-                first.add(o.req_id)
-            if o.finished:
-                outs[o.req_id] = o
-        if t_decode is None and len(first) == w.batch:
-            sync(llm)
-            t_decode = time.perf_counter()
-        elif t_decode is not None:
-            steps += 1
-    sync(llm)
-    wall = time.perf_counter() - (t_decode or time.perf_counter())
-    tokens = sum(len(o.token_ids) - 1 for o in outs.values())
-    row = {"decode_tok_s": tokens / wall if wall > 0 else 0.0, "decode_steps": steps,
-           "ms_per_step": 1e3 * wall / max(steps, 1)}
-    spec = spec_delta(llm, before)
-    if spec is not None:
-        m = spec.as_metrics(prefix="")
-        row.update({k: m[k] for k in ("mean_accept_len", "acceptance_rate", "plain_step_ms", "verify_step_ms",
-                                      "draft_ms_per_step")})
-        row["acceptance_by_position"] = [round(x, 3) for x in spec.acceptance_by_position()]
-        row["drafts_verified_per_step"] = spec.num_proposed / max(spec.num_decode_request_steps, 1)
-    return row
-
-
-def prefill_time(llm: LLM, length: int, seed: int) -> float:
-    """Seconds from adding one ``length``-token prompt to its first token."""
-    rng = random.Random(seed)
-    sync(llm)
-    t0 = time.perf_counter()
-    llm.add_request(f"p{seed}", [rng.randrange(3, llm.runner.vocab_size) for _ in range(length)],
-                    SamplingParams(max_tokens=1, ignore_eos=True))
-    while llm.has_unfinished_requests():
-        llm.step()
-    sync(llm)
-    return time.perf_counter() - t0
-
-
-def set_compact(llm: LLM, keep_tokens):
-    """Switch compact replay of a built engine (the bound is only read per step)."""
-    replay = CompactReplay(keep_tokens=keep_tokens) if keep_tokens else None
-    llm.runner.replay = replay
-    llm.runner.speculator.drafter.replay = replay
-
-
-def cut_checkpoint(arch: dict, device: torch.device, cache_dir: str) -> str:
-    """The cut's checkpoint in the native layout, with seeded weights made on ``device`` (a GPU makes
-    2.5B values in a second; the CPU path of synthetic models would take minutes), written once."""
-    from redknot.models.deepseek_v4.model import DeepseekV4
-    from redknot.models.deepseek_v4.synthetic import checkpoint_key, randomize_, synthetic_config
-    from redknot.models.deepseek_v4.weights import INDEX_FILE
-    from redknot.models.deepseek_v4.writer import native_tensors, write_checkpoint
-    cfg = synthetic_config(arch, quantize_fp8=False)
-    path = os.path.join(cache_dir, "models", f"bench-cut3-{device.type}-{checkpoint_key(cfg, 0)}")
-    if not os.path.isfile(os.path.join(path, INDEX_FILE)):
+def timed_ms(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        model = DeepseekV4(cfg, torch.float32, device=device)
-        randomize_(model, seed=0)
-        tmp = path + f".tmp-{os.getpid()}"
-        write_checkpoint(tmp, cfg, native_tensors(cfg, model.state_dict(), float_dtype=torch.bfloat16))
-        del model
-        os.replace(tmp, path)
-        print(f"[cut3] wrote {path} in {time.perf_counter() - t0:.1f}s", flush=True)
-    return path
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(out)
 
 
-def engine(cfg, model, dspark: bool) -> LLM:
-    features = copy.deepcopy(cfg.features)
-    features.dspark.enabled = dspark
-    features.swa_replay.mode = SwaReplayMode.off
-    return LLM(model, cfg.hardware, features, cfg.engine)
+class Bench:
+    """Target + draft + state on one device, ``batch`` requests prefilled to ``context`` tokens."""
 
-
-def bench_model(cfg, model, w: Workload, label: str, repeat: int) -> list:
-    t0 = time.perf_counter()
-    plain, ds = engine(cfg, model, False), engine(cfg, model, True)
-    print(f"[{label}] engines built in {time.perf_counter() - t0:.1f}s (kernels "
-          f"{cfg.hardware.kernels.default}, device {ds.device}, {ds.stats().cuda_graphs})", flush=True)
-    small = dataclasses.replace(w, batch=1, max_tokens=4, prompt_len=16)
-    for llm in (plain, ds):  # warm-up: allocator, kernels, caches
-        decode_run(llm, small, seed=999)
-    rows = []
-
-    def measure(name, llm, note=""):
-        best = None
-        for rep in range(repeat):
-            r = decode_run(llm, w, seed=rep)
-            best = r if best is None or r["decode_tok_s"] > best["decode_tok_s"] else best
-        best.update(model=label, variant=name, note=note)
-        print(json.dumps(best), flush=True)
-        rows.append(best)
-    measure("plain", plain)
-    ds.runner.speculator.drafter.varlen = True
-    measure("dspark varlen", ds, "random weights: acceptance meaningless")
-    ds.runner.speculator.drafter.varlen = False
-    measure("dspark fixed", ds, "random weights: acceptance meaningless")
-    ds.runner.speculator.drafter.varlen = True
-    for llm in (plain, ds):
-        make_mtp_agree(llm.runner.model)
-    measure("plain (agreeing MTP)", plain)
-    measure("dspark varlen (agreeing MTP)", ds, "drafts made to agree: mechanics, not model quality")
-    keep = cfg.features.swa_replay.keep_tokens
-    times = {}
-    for rep in range(repeat):
-        for mode in ("off", "compact"):
-            set_compact(ds, keep if mode == "compact" else None)
-            t = prefill_time(ds, w.prefill_len, seed=100 + rep)
-            times[mode] = min(times.get(mode, t), t)
-    set_compact(ds, None)
-    rows.append({"model": label, "variant": "prefill", "prefill_len": w.prefill_len, "keep_tokens": keep,
-                 "prefill_off_s": times["off"], "prefill_compact_s": times["compact"]})
-    print(json.dumps(rows[-1]), flush=True)
-    plain.close()
-    ds.close()
-    return rows
-
-
-def cell(row: dict, key: str, width: int, prec: int = 2) -> str:
-    return f"{row[key]:{width}.{prec}f}" if key in row else "-".rjust(width)
-
-
-def print_table(rows: list) -> None:
-    print(f"\n{'model':10} {'variant':30} {'decode tok/s':>12} {'ms/step':>8} {'plain ms':>9} {'verify ms':>9} "
-          f"{'draft ms':>9} {'drafts/step':>11} {'accept len':>10} {'accept rate':>11}")
-    for r in rows:
-        if r["variant"] == "prefill":
-            continue
-        print(f"{r['model']:10} {r['variant']:30} {r['decode_tok_s']:12.1f} {r['ms_per_step']:8.2f} "
-              f"{cell(r, 'plain_step_ms', 9)} {cell(r, 'verify_step_ms', 9)} {cell(r, 'draft_ms_per_step', 9)} "
-              f"{cell(r, 'drafts_verified_per_step', 11)} {cell(r, 'mean_accept_len', 10)} "
-              f"{cell(r, 'acceptance_rate', 11)}")
-    print("  plain/verify ms: forward + sampling (verification) of a step without / with drafts; draft ms: the MTP")
-    print("  catch-up + chained drafts after a step. Acceptance with random weights is meaningless.")
-    print(f"\n{'model':10} {'prefill tokens':>14} {'keep_tokens':>11} {'off s':>8} {'compact s':>9} {'saved':>7}")
-    for r in rows:
-        if r["variant"] == "prefill":
-            saved = 1 - r["prefill_compact_s"] / r["prefill_off_s"]
-            print(f"{r['model']:10} {r['prefill_len']:14d} {r['keep_tokens']:11d} {r['prefill_off_s']:8.3f} "
-                  f"{r['prefill_compact_s']:9.3f} {saved:7.1%}")
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="small workloads and a toy-width cut (CPU check)")
-    ap.add_argument("--skip-cut", action="store_true", help="only the tiny model")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per variant (best kept)")
-    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of the run config")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    overrides = list(args.overrides)
-    if args.smoke:
-        overrides.append("model.max_position=4096")
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = to_typed(compose(config_name="config", overrides=overrides))
-    os.makedirs(cfg.engine.cache_dir, exist_ok=True)
-    start = time.perf_counter()
-    if args.smoke:
-        tiny_w, cut_w, repeat = Workload(2, 32, 12, 512), Workload(2, 32, 8, 256), 1
-    else:
-        tiny_w, cut_w, repeat = Workload(8, 128, 64, 4096), Workload(4, 128, 32, 2048), args.repeat
-    tiny = dataclasses.replace(cfg.model, max_position=min(cfg.model.max_position, 8192))
-    rows = bench_model(cfg, tiny, tiny_w, "tiny", repeat)
-    if not args.skip_cut:
-        arch = ARCH_CUT_SMOKE if args.smoke else ARCH_CUT
+    def __init__(self, arch: Dict, device: torch.device, kernels: KernelSet, max_batch: int, context: int):
+        hf = V4Config.flash().to_hf_dict()
+        hf.update(arch)
+        self.cfg = V4Config.from_hf_dict(hf)
+        self.dcfg = parse_dspark(hf)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.device, self.dtype, self.context = device, dtype, context
         t0 = time.perf_counter()
-        device = torch.device("cuda" if cfg.hardware.accelerator.value == "cuda" else "cpu")
-        path = cut_checkpoint(arch, device, cfg.engine.cache_dir)
-        cut = dataclasses.replace(cfg.model, name="v4-cut3", path=path, tokenizer_path=None, num_layers=None,
-                                  max_position=8192, sliding_window=128, synthetic=None)
-        rows += bench_model(cfg, cut, cut_w, "cut3", repeat)
-        print(f"[cut3] done in {time.perf_counter() - t0:.1f}s", flush=True)
-    print_table(rows)
-    print(f"\ntotal {time.perf_counter() - start:.1f}s")
-    return 0
+        self.model = DeepseekV4(self.cfg, dtype, device=device, kernels=kernels)
+        randomize_(self.model, seed=0)
+        self.draft = DSparkDraft(self.cfg, self.dcfg, dtype, device=device)
+        randomize_(self.draft, seed=1)
+        self.draft.attach(self.model)
+        family = load_family("deepseek_v4")
+        self.layout = family.state_layout(self.cfg, block_size=256, max_backtrack=self.dcfg.block_size,
+                                          kv_bytes=torch.empty((), dtype=dtype).element_size())
+        per_req = -(-(context + 64) // 256)
+        self.num_slots, self.num_blocks = max_batch + 1, max_batch * per_req + 1
+        self.state = family.allocate_state(self.cfg, self.layout, num_slots=self.num_slots,
+                                           num_blocks=self.num_blocks, device=device, dtype=dtype)
+        self.tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(max_batch)]
+        features = FeaturesConfig()
+        features.dspark.method, features.dspark.draft_sampling = "dspark", "greedy"
+        from redknot.speculative.dspark_drafter import DSparkDrafter
+        self.sampler = Sampler(device)
+        self.drafter = DSparkDrafter(self.draft, self.state, self.sampler, features, max_model_len=context + 64)
+        self.build_s = time.perf_counter() - t0
+        self._prefill(max_batch)
+
+    @torch.no_grad()
+    def _prefill(self, batch: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        for b in range(batch):
+            ids = torch.randint(3, self.cfg.vocab_size, (self.context,), generator=gen).tolist()
+            for start in range(0, self.context, 1024):
+                chunk = ids[start:start + 1024]
+                meta = StepMetadata.build([chunk], [start], [b], [self.tables[b]], device=self.device)
+                streams = self.model.forward(meta, self.state)
+                keep = list(range(max(0, len(chunk) - self.draft.window), len(chunk)))
+                self.drafter.write_context(streams.shape[0], [b] * len(keep), [start + i for i in keep], keep)
+
+    def meta(self, batch: int, q: int) -> StepMetadata:
+        tokens = [[5] * q for _ in range(batch)]
+        rows = list(range(batch * q))
+        return StepMetadata.build(tokens, [self.context] * batch, list(range(batch)), self.tables[:batch],
+                                  logits_indices=rows, device=self.device)
+
+    @torch.no_grad()
+    def verify_forward(self, meta: StepMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model.forward(meta, self.state)[meta.logits_indices])
+
+    @torch.no_grad()
+    def draft_step(self, batch: int) -> None:
+        d, device = self.draft, self.device
+        anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
+        positions = torch.full((batch,), self.context, dtype=torch.long, device=device)
+        slots = torch.arange(batch, dtype=torch.long, device=device)
+        h, base = d.forward_block(anchors, positions, self.drafter.rings, slots)
+        rows = [SamplingRow(f"r{i}", SamplingParams(temperature=1.0), seed=i, output_index=0) for i in range(batch)]
+        blocks = MarkovSampler(self.sampler, "greedy").sample(base, d.markov_bias, anchors, rows,
+                                                              [self.context + 1] * batch)
+        tokens = torch.tensor([b.token_ids for b in blocks], device=device)
+        prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+        torch.sigmoid(d.confidence_logits(h, prev)).tolist()
+
+
+def bench_verify_math(bench: Bench, batch: int, q: int, repeats: int) -> Dict[str, float]:
+    vocab, device = bench.cfg.vocab_size, bench.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    p = torch.randn(batch, q, vocab, generator=gen, device=device).softmax(-1)
+    qd = torch.randn(batch, q - 1, vocab, generator=gen, device=device).softmax(-1)
+    drafts = [qd[b].argmax(-1).tolist() for b in range(batch)]
+    noise = torch.empty(q, vocab, device=device).exponential_(generator=gen)
+    coins = [0.5] * (q - 1)
+    out = {}
+    for name, fn in (("token", speculative_sample), ("block", block_sample)):
+        out[name] = timed_ms(device, lambda: [fn(p[b], qd[b], drafts[b], coins, noise) for b in range(batch)], repeats)
+    return out
+
+
+def bench_schedule(batch: int, block: int, repeats: int) -> float:
+    costs = CostModel(CostTable({n: 1.0 + 0.05 * n for n in range(1, 200)}), CostTable({1: 0.5, 32: 2.0}))
+    sched = VerifyScheduler(True, "profile", 0, staleness=2, block=block, costs=costs)
+    gen = torch.Generator().manual_seed(0)
+    conf = {f"r{i}": torch.rand(block, generator=gen).tolist() for i in range(batch)}
+    limits = {r: block for r in conf}
+    return timed_ms(torch.device("cpu"), lambda: sched.lengths(conf, limits, batch, batch), repeats)
+
+
+def bench_graphs(bench: Bench, batches: List[int], repeats: int) -> Dict:
+    """Plain decode steps (1 token per request): eager vs replay; first replay checked vs eager."""
+    from redknot.engine.cuda_graphs import DecodeGraphs
+    layout = bench.layout
+    runner = types.SimpleNamespace(
+        model=bench.model, state=bench.state, kernels=bench.model.ks, device=bench.device, dtype=bench.dtype,
+        cache_spec=CacheSpec.from_layout(layout), padding_slot=bench.num_slots - 1,
+        padding_block=bench.num_blocks - 1,
+        eager_logits=lambda inputs: bench.verify_forward(inputs.meta))
+    graphs = DecodeGraphs(runner, max_batch=max(batches), max_len=bench.context + 64)
+    result = {"sizes": graphs.sizes}
+    t0 = time.perf_counter()
+    graphs.capture()
+    result["capture_s"] = time.perf_counter() - t0
+    checks = {}
+    for bs in graphs.sizes:  # the first replay of every captured graph, against eager
+        inputs = types.SimpleNamespace(meta=bench.meta(bs, 1))
+        if graphs.disabled_reason is None:
+            graphs.run(inputs)
+        checks[bs] = "ok" if graphs.disabled_reason is None else graphs.disabled_reason
+    result["first_replay_vs_eager"] = checks
+    for bs in batches:
+        inputs = types.SimpleNamespace(meta=bench.meta(bs, 1))
+        result[f"eager_ms_b{bs}"] = timed_ms(bench.device, lambda: bench.verify_forward(inputs.meta), repeats)
+        if graphs.disabled_reason is None:
+            result[f"graph_ms_b{bs}"] = timed_ms(bench.device, lambda: graphs.run(inputs), repeats)
+    result["status"] = graphs.status
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for dspark_bench.json")
+    ap.add_argument("--smoke", action="store_true", help="toy width on the CPU")
+    ap.add_argument("--context", type=int, default=None, help="prefilled tokens per request (4096; smoke 300)")
+    ap.add_argument("--kernels", default=None, help="kernel backend (cuda: triton, cpu: reference)")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    backend = args.kernels or ("triton" if cuda else "reference")
+    try:
+        kernels = KernelSet(backend)
+    except Exception as err:  # a missing optional package: measure with the reference ops, and say so
+        print(f"kernel backend {backend!r} unavailable ({err}); using reference", flush=True)
+        backend, kernels = "reference", KernelSet("reference")
+    context = args.context or (4096 if cuda else 300)
+    repeats = args.repeats or (20 if cuda else 3)
+    batches = [1, 32] if cuda else [1, 4]
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    bench = Bench(ARCH_SMOKE if args.smoke else ARCH_CUT, device, kernels, max(batches), context)
+    report: Dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "kernels": backend,
+                    "context": context, "block_size": bench.dcfg.block_size, "stages": bench.dcfg.num_stages,
+                    "routed_experts_per_layer": bench.cfg.n_routed_experts, "build_and_prefill_s":
+                    round(time.perf_counter() - t_start, 1),
+                    "note": "random weights: timings only, acceptance is not measured"}
+    print(json.dumps(report), flush=True)
+    g = bench.dcfg.block_size
+    for b in batches:
+        row: Dict = {"batch": b, "draft_ms": timed_ms(device, lambda: bench.draft_step(b), repeats)}
+        for q in range(1, g + 2):
+            meta = bench.meta(b, q)
+            row[f"verify_ms_q{q}"] = timed_ms(device, lambda: bench.verify_forward(meta), repeats)
+        row["verify_math_ms_q6"] = bench_verify_math(bench, b, g + 1, max(3, repeats // 4))
+        row["schedule_ms"] = bench_schedule(b, g, repeats)
+        print(json.dumps(row), flush=True)
+        report[f"batch_{b}"] = row
+    report["decode_graphs"] = bench_graphs(bench, batches, repeats) if cuda else "off: no CUDA device"
+    report["varlen_verify_graphs"] = VerifyGraphs(types.SimpleNamespace(model=bench.model), max(batches), g).status
+    report["total_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps({k: report[k] for k in ("decode_graphs", "varlen_verify_graphs", "total_s")}), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dspark_bench.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
