@@ -31,7 +31,7 @@ def only_run(root, name):
 
 
 def test_params_tags_and_resolved_config(store):
-    ctx = make_ctx(store, "mode=prepare", "suite=64k", "features.dspark.max_draft=3")
+    ctx = make_ctx(store, "mode=prepare", "model=tiny", "suite=64k", "features.dspark.max_draft=3")
     (ctx.run_dir / "manifest.json").write_text("{}")
     with open_tracker(ctx) as tracker:
         tracker.log_metrics({"ttft_s.p50": 1.5, "coverage": 1}, step=2)
@@ -50,7 +50,8 @@ def test_params_tags_and_resolved_config(store):
     sha = subprocess.run(["git", "-C", str(CONF_DIR.parent), "rev-parse", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     assert tags["git.sha"] == sha and tags["git.dirty"] in ("true", "false")
-    assert tags["hydra.overrides"] == f"output.root={store} mode=prepare suite=64k features.dspark.max_draft=3"
+    assert tags["hydra.overrides"] == (f"output.root={store} mode=prepare model=tiny suite=64k "
+                                       f"features.dspark.max_draft=3")
     assert tags["host.name"] == socket.gethostname()
     assert tags["device.accelerator"] == "cpu" and tags["device.name"]
     import torch
