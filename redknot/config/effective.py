@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from redknot.config.schema import BudgetSource, RedKnotConfig, SuiteConfig
+from redknot.config.schema import BudgetSource, DraftMethod, DraftSampling, RedKnotConfig, SuiteConfig
 from redknot.config.violations import Violation, format_value
 
 # Suite keys that do not change what is measured (where data is read from, how long to wait).
@@ -32,6 +32,9 @@ def effective_values(cfg: RedKnotConfig) -> Dict[str, str]:
         found["features.dspark.max_draft"] = (
             f"0 (features.dspark.method=none: nothing is drafted; the configured {dspark.max_draft} has "
             f"no effect)")
+    if dspark.enabled and DraftMethod(dspark.method) == DraftMethod.mtp and \
+            DraftSampling(dspark.draft_sampling) == DraftSampling.probabilistic:
+        found["features.dspark.draft_sampling"] = "greedy (the classic MTP layer drafts its argmax chain)"
     if dspark.enabled and not dspark.adaptive and dspark.budget != BudgetSource.profile:
         found["features.dspark.budget"] = (
             f"unused (features.dspark.adaptive=false: every request verifies up to max_draft drafts; "

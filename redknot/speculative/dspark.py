@@ -87,7 +87,7 @@ class DSparkSpeculator:
             drafter = MTPDrafter(draft_models[MTP], state, sampler, cfg.max_draft, max_model_len, replay)
         else:
             from redknot.speculative.dspark_drafter import DSparkDrafter
-            drafter = DSparkDrafter(draft_models[DSPARK], state, sampler, features, max_model_len)
+            drafter = DSparkDrafter(draft_models[DSPARK], state, sampler, features, max_model_len, replay)
         costs = None
         if cfg.adaptive and BudgetSource(cfg.budget) == BudgetSource.file:
             costs = CostModel.from_file(cfg.budget_file)

@@ -58,10 +58,14 @@ class _Req:
 class DSparkDrafter:
     """Rings + block drafting over a DSpark draft model (``redknot.models.family.DSPARK``)."""
 
-    def __init__(self, draft, state, sampler, features, max_model_len: int) -> None:
+    def __init__(self, draft, state, sampler, features, max_model_len: int, replay=None) -> None:
         cfg = features.dspark
         self.draft = draft
         self.block_size = draft.block_size
+        if replay is not None and draft.compact_replay_skips_taps():
+            raise ValueError(f"features.swa_replay.mode=compact skips early rows of window-only top layers, but the "
+                             f"DSpark stages tap layers {list(draft.dcfg.target_layer_ids)} among them; set "
+                             f"features.swa_replay.mode=off")
         if cfg.max_draft > self.block_size:
             raise ValueError(f"features.dspark.max_draft={cfg.max_draft} exceeds the checkpoint's dspark_block_size="
                              f"{self.block_size}: drafting always runs the trained block, max_draft only caps how "

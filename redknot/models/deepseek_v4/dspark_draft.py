@@ -185,6 +185,12 @@ class DSparkDraft(nn.Module):
         self._hooks = [target.layers[i].register_forward_hook(self._tap_hook(i)) for i in self.dcfg.target_layer_ids]
         return self
 
+    def compact_replay_skips_taps(self) -> bool:
+        """Whether compact SWA replay would compute only late rows of a tapped layer (a window-only
+        layer at the top of the stack), leaving the taps of early rows missing."""
+        tail = getattr(self.target, "tail_start", len(self.target.layers))
+        return any(i >= tail for i in self.dcfg.target_layer_ids)
+
     def _tap_hook(self, layer: int):
         def hook(module, args, out):
             self._taps[layer] = out.mean(dim=1)  # [T, D]: the hc-mean of the completed residual

@@ -25,7 +25,9 @@ DSPARK_VOCAB = 64
 ARCH_DSPARK = dict(ARCH, vocab_size=DSPARK_VOCAB, compress_ratios=[0, 4, 8, 4, 0, 0, 0], dspark_block_size=5,
                    dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=DSPARK_VOCAB,
                    dspark_noise_token_id=DSPARK_VOCAB - 1, n_mtp_layers=3)
-ARCHES = {"main": ARCH, "tail": ARCH_TAIL, "dspark": ARCH_DSPARK}
+# A tapped window-only top layer: compact SWA replay would leave its early rows' taps uncomputed.
+ARCH_DSPARK_TAIL = dict(ARCH_DSPARK, compress_ratios=[0, 4, 8, 0, 0, 0, 0])
+ARCHES = {"main": ARCH, "tail": ARCH_TAIL, "dspark": ARCH_DSPARK, "dspark_tail": ARCH_DSPARK_TAIL}
 
 
 def model_config(arch: Dict, name: str, max_len: int = 512) -> ModelConfig:
@@ -122,7 +124,7 @@ class EngineFactory:
                 hardware = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
                                           kv_cache_dtype=DType.float32, cuda_graphs=False, memory_utilization=0.5)
             llm = LLM(model, hardware, features(**feat), engine)
-            if agree and arch == "dspark":
+            if agree and arch.startswith("dspark"):
                 from redknot.models.family import DSPARK
                 make_dspark_agree(llm.runner.model, llm.runner.family.draft_models(llm.runner.model)[DSPARK])
             elif agree:

@@ -233,3 +233,11 @@ def test_sts_temperatures_and_block_size_limits(engines, tmp_path):
     assert c_hot[0] == pytest.approx(c_cold[0]) and abs(c_hot[1] - 0.5) <= abs(c_cold[1] - 0.5) + 1e-6
     with pytest.raises(ValueError, match="max_draft=6 exceeds the checkpoint's dspark_block_size=5"):
         engines(arch="dspark", max_draft=6, keep_tokens=40)
+
+
+def test_compact_replay_is_refused_when_it_would_skip_a_tapped_layer(engines):
+    with pytest.raises(ValueError, match="features.swa_replay.mode=compact skips early rows of window-only top"):
+        engines(arch="dspark_tail", compact=True, keep_tokens=40)
+    prompts = _prompts(8, 2, lo=20, hi=40)
+    _same(run_all(engines(arch="dspark_tail", dspark=False), prompts, GREEDY),
+          run_all(engines(arch="dspark_tail"), prompts, GREEDY))
