@@ -158,7 +158,7 @@ def indexer_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> It
     keys_cache = {}
     for ctx in contexts:
         for t in [prefill] + decode:
-            for mode in ("topk", "candidates", "topk in candidates"):
+            for mode in ("topk", "candidates", "source (topk + candidates)", "topk in candidates"):
                 def build(ctx=ctx, t=t, mode=mode):
                     if keys_cache.get("ctx") != ctx:
                         keys_cache.clear()
@@ -174,6 +174,8 @@ def indexer_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> It
                         fn = lambda: fast.indexer_topk_mx(q, w, keys, visible, dims.index_topk)  # noqa: E731
                     elif mode == "candidates":
                         fn = lambda: fast.indexer_candidates_mx(q, w, keys, visible, nb, bs)  # noqa: E731
+                    elif mode.startswith("source"):
+                        fn = lambda: fast.indexer_source_mx(q, w, keys, visible, dims.index_topk, nb, bs)  # noqa: E731
                     else:
                         cand = fast.indexer_candidates_mx(q, w, keys, visible, nb, bs)
                         per_q = min(ctx, nb * bs)

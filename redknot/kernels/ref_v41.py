@@ -13,6 +13,7 @@ cache_insert_mx     quantise rows into a window / compressed / index-key byte ca
 sparse_attention_mx softmax with sink over gathered window rows (FP8) + compressed entries (FP4)
 indexer_topk_mx     Σ_h w·relu(q·k) over FP4 index keys (optionally inside candidate blocks), top-k
 indexer_candidates_mx  block-max scores, newest block pinned, top candidate blocks (layer 20)
+indexer_source_mx   both of the above from one scoring pass (the candidate source layer)
 engram_gather_mx    rows of an FP8 table with per-row E8M0 scales (table on the device or pinned host)
 ==================  ===============================================================================
 """
@@ -203,6 +204,16 @@ def indexer_candidates_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: to
                          pinned, bs)
         out.append(_select(bs, num_blocks))
     return torch.cat(out)
+
+
+@register("indexer_source_mx")
+def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor,
+                      topk: int, num_blocks: int = 2048, block_size: int = 8, bf16_scores: bool = False
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The candidate source layer (20): its own top-k over the unmasked scores and the candidate blocks
+    it publishes, from the same scores: ``(indexer_topk_mx(...), indexer_candidates_mx(...))``."""
+    return (indexer_topk_mx(q, weights, index_keys, visible, topk, bf16_scores=bf16_scores),
+            indexer_candidates_mx(q, weights, index_keys, visible, num_blocks, block_size, bf16_scores))
 
 
 @register("engram_gather_mx")

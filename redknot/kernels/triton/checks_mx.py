@@ -214,8 +214,8 @@ def check_indexer(dims: V41Dims, device, seed: int = 0) -> List[MxCheck]:
     scores = scores.masked_fill(torch.arange(n, device=device)[None] >= visible.long()[:, None], float("-inf"))
     rows = []
     got = fast.indexer_topk_mx(q, w, keys, visible, dims.index_topk)
-    rows.append(_compare_selection("indexer_topk_mx", scores, got, ref.indexer_topk_mx(q, w, keys, visible,
-                                                                                       dims.index_topk)))
+    want = ref.indexer_topk_mx(q, w, keys, visible, dims.index_topk)
+    rows.append(_compare_selection("indexer_topk_mx", scores, got, want))
     bs, nb = dims.cand_block_size, dims.cand_blocks
     cand_got = fast.indexer_candidates_mx(q, w, keys, visible, nb, bs)
     cand_want = ref.indexer_candidates_mx(q, w, keys, visible, nb, bs)
@@ -224,6 +224,9 @@ def check_indexer(dims: V41Dims, device, seed: int = 0) -> List[MxCheck]:
     newest = ((visible.long() - 1) // bs).clamp(min=0)
     bscore.scatter_(1, newest[:, None], float("inf"))
     rows.append(_compare_selection("indexer_candidates_mx", bscore.nan_to_num(posinf=1e30), cand_got, cand_want))
+    src_idx, src_blocks = fast.indexer_source_mx(q, w, keys, visible, dims.index_topk, nb, bs)
+    rows.append(_compare_selection("indexer_source_mx top-k", scores, src_idx, want))
+    rows.append(_compare_selection("indexer_source_mx blocks", bscore.nan_to_num(posinf=1e30), src_blocks, cand_want))
     got_c = fast.indexer_topk_mx(q, w, keys, visible, dims.index_topk, cand_want, bs)
     want_c = ref.indexer_topk_mx(q, w, keys, visible, dims.index_topk, cand_want, bs)
     allowed = torch.zeros(q.shape[0], nblk + 1, dtype=torch.bool, device=device)

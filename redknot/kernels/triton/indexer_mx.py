@@ -11,6 +11,7 @@ selects from the chunk. Three uses:
   never score the whole cache.
 * ``indexer_candidates_mx``: the kernel reduces each block of ``bs`` entries to its max in registers and
   writes only block scores (``N/bs`` per token); the newest visible block is pinned, top blocks kept.
+* ``indexer_source_mx`` (layer 20): one scoring pass gives both its own top-k and the candidate blocks.
 
 Token chunks bound the scratch to ``max_scratch_bytes``; the selection itself is torch's top-k.
 """
@@ -150,6 +151,35 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
     return out
 
 
+def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Pin each row's newest visible block to +inf (in place), then keep the best ``num_blocks``."""
+    vis = visible.long()
+    newest = ((vis - 1) // block_size).clamp(min=0, max=max(bscore.shape[1] - 1, 0))
+    pin = torch.where(vis > 0, torch.full_like(vis, 1).float() * float("inf"),
+                      bscore.gather(1, newest[:, None]).squeeze(1))
+    bscore.scatter_(1, newest[:, None], pin[:, None])
+    return _select(bscore, num_blocks)
+
+
+def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor,
+                      topk: int, num_blocks: int = 2048, block_size: int = 8, bf16_scores: bool = False,
+                      max_scratch_bytes: int = MAX_SCRATCH_BYTES):
+    """See ``ref_v41.indexer_source_mx``: one scoring pass, block maxima taken from the written scores."""
+    q, weights = q.contiguous(), weights.contiguous()
+    visible = visible.to(torch.int32).contiguous()
+    n = index_keys.shape[0]
+    nb = cdiv(n, block_size)
+    idx = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
+    blocks = torch.empty(q.shape[0], num_blocks, dtype=torch.int32, device=q.device)
+    for t0, t1 in _chunks(q.shape[0], 4 * n, max_scratch_bytes):
+        s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
+        idx[t0:t1] = _select(s, topk)
+        padded = torch.nn.functional.pad(s, (0, nb * block_size - n), value=float("-inf"))
+        blocks[t0:t1] = _pin_and_select(padded.view(t1 - t0, nb, block_size).amax(-1), visible[t0:t1], num_blocks,
+                                        block_size)
+    return idx, blocks
+
+
 def indexer_candidates_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
                           visible: torch.Tensor, num_blocks: int = 2048, block_size: int = 8,
                           bf16_scores: bool = False, max_scratch_bytes: int = MAX_SCRATCH_BYTES) -> torch.Tensor:
@@ -164,10 +194,5 @@ def indexer_candidates_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: to
     for t0, t1 in _chunks(q.shape[0], 4 * nb, max_scratch_bytes):
         s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], nb, bs=block_size, blockmax=True,
                     bf16=bf16_scores)
-        vis = visible[t0:t1].long()
-        newest = ((vis - 1) // block_size).clamp(min=0, max=max(nb - 1, 0))
-        pin = torch.where(vis > 0, torch.full_like(vis, 1).float() * float("inf"),
-                          s.gather(1, newest[:, None]).squeeze(1))
-        s.scatter_(1, newest[:, None], pin[:, None])
-        out[t0:t1] = _select(s, num_blocks)
+        out[t0:t1] = _pin_and_select(s, visible[t0:t1], num_blocks, block_size)
     return out

@@ -57,6 +57,12 @@ def indexer_candidates_mx(q, weights, index_keys, visible, num_blocks: int = 204
     return indexer_mx.indexer_candidates_mx(q, weights, index_keys, visible, num_blocks, block_size, bf16_scores)
 
 
+@register("indexer_source_mx", BACKEND)
+def indexer_source_mx(q, weights, index_keys, visible, topk: int, num_blocks: int = 2048, block_size: int = 8,
+                      bf16_scores: bool = False):
+    return indexer_mx.indexer_source_mx(q, weights, index_keys, visible, topk, num_blocks, block_size, bf16_scores)
+
+
 @register("engram_gather_mx", BACKEND)
 def engram_gather_mx(table, table_scale, ids, dtype=torch.bfloat16):
     device_readable = table.device == ids.device or (ids.is_cuda and table.is_pinned())

@@ -13,7 +13,7 @@ from redknot.kernels.triton import attention_mx, gemm_mx, indexer_mx  # noqa: E4
 from redknot.kernels.triton.checks_mx import ALL_MX_CHECKS, TOY_V41, V41Dims  # noqa: E402
 
 V41_OPS = ("act_quant_mx", "linear_mx", "moe_mx", "cache_insert_mx", "sparse_attention_mx", "indexer_topk_mx",
-           "indexer_candidates_mx", "engram_gather_mx")
+           "indexer_candidates_mx", "indexer_source_mx", "engram_gather_mx")
 # A second toy shape: odd counts, more experts than tokens, a window wider than the tokens' rows.
 ODD_V41 = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, heads=3, latent=64, window=5, attn_topk=9,
                   index_heads=2, index_dim=32, index_topk=5, cand_blocks=2, cand_block_size=8, engram_width=32,
