@@ -136,7 +136,8 @@ def run_checks(run: Run, dims) -> None:
         except Exception as exc:
             traceback.print_exc()
             rows = []
-            run.checks.append(dict(name=name, ok=False, err=float("inf"), tol=0.0, detail=f"{type(exc).__name__}: {exc}"))
+            run.checks.append(dict(name=name, ok=False, err=float("inf"), tol=0.0,
+                                   detail=f"{type(exc).__name__}: {exc}"))
         for r in rows:
             run.checks.append(dict(name=r.name, ok=r.ok, err=r.err, tol=r.tol, detail=r.detail))
             run.log(r.line())
