@@ -146,3 +146,30 @@ def test_slot_reuse_and_preemption_rebuild(pair, ids, oracle):
     rebuilt.step(ids[:PROMPT + 5])                   # prompt + 5 generated tokens, in one prefill
     for p in range(PROMPT + 5, PROMPT + 9):
         assert (rebuilt.step([ids[p]])[0] - oracle.logits[p]).abs().max() < TOL, p
+
+
+def test_bounded_replay_in_a_mixed_batch(pair, ids):
+    """Compact replay over a step holding a decode token and a prefill chunk that crosses its
+    replay start equals each sequence run alone."""
+    from redknot.step.metadata import StepMetadata
+
+    keep = 20
+    other = tokens(45, seed=12)
+    alone_a = Seq(pair.model, len(ids), seed=1)
+    alone_a.step(ids[:40], replay_from=41 - keep)
+    want_a = alone_a.step(ids[40:41], replay_from=41 - keep)[0]
+    alone_b = Seq(pair.model, len(ids), seed=2)
+    alone_b.step(other[:10], replay_from=45 - keep)
+    want_b = alone_b.step(other[10:], replay_from=45 - keep)[-1]
+
+    a = Seq(pair.model, len(ids), num_slots=3, slot=0)
+    a.step(ids[:40], replay_from=41 - keep)
+    free = [i for i in range(a.state.num_blocks) if i not in a.blocks][:12]
+    b_first = StepMetadata.build([other[:10]], [0], [2], [free], [9])
+    b_first.replay_from = [45 - keep]
+    pair.model.forward(b_first, a.state)
+    meta = StepMetadata.build([ids[40:41], other[10:]], [40, 10], [0, 2], [a.blocks, free], [0, 35])
+    meta.replay_from = [41 - keep, 45 - keep]
+    logits = pair.model.compute_logits(pair.model.forward(meta, a.state)[meta.logits_indices])
+    assert (logits[0] - want_a).abs().max() < TOL
+    assert (logits[1] - want_b).abs().max() < TOL
