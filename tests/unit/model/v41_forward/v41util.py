@@ -82,14 +82,16 @@ class Pair:
     """The oracle and the engine path over the same weights."""
 
     def __init__(self, cfg=None, numerics: str = "reference", dtype=torch.float64, index_keys: str = "owner",
-                 seed: int = 0):
+                 seed: int = 0, device="cpu"):
         self.cfg = cfg or test_config()
         self.num = Numerics(numerics, dtype)
         tensors = random_weights(self.cfg, seed)
         tmap = token_map_for(self.cfg)
         pad_c = int(tmap[self.cfg.engram_pad_id])
         self.ref = ReferenceV41(self.cfg, Weights(tensors, dtype), tmap, pad_c, self.num, index_keys)
-        self.model = DeepseekV41(self.cfg, Weights(tensors, dtype), tmap, pad_c, self.num, index_keys)
+        on_device = {k: v.to(device) for k, v in tensors.items()}
+        self.model = DeepseekV41(self.cfg, Weights(on_device, dtype), tmap, pad_c, self.num, index_keys,
+                                 device=device)
 
 
 class Seq:
@@ -101,7 +103,7 @@ class Seq:
         self.layout = create_state_layout(model.cfg, block_size=block_size, max_backtrack=max_backtrack)
         nb = 2 * self.layout.blocks_for(max_tokens) + 3   # spare blocks: other sequences, shuffling
         self.state = allocate_state(model.cfg, self.layout, num_slots=num_slots, num_blocks=nb,
-                                    device="cpu", dtype=model.dtype)
+                                    device=model.device, dtype=model.dtype)
         perm = torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist()
         self.blocks = perm[:self.layout.blocks_for(max_tokens)]
         self.slot = slot
@@ -111,12 +113,12 @@ class Seq:
         """Append ids; -> logits of every new row [n, V]."""
         start = len(self.tokens)
         meta = StepMetadata.build([list(ids)], [start], [self.slot], [self.blocks],
-                                  list(range(len(ids))))
+                                  list(range(len(ids))), device=self.model.device)
         if replay_from is not None:
             meta.replay_from = [replay_from]
         x = self.model.forward(meta, self.state)
         self.tokens.extend(int(i) for i in ids)
-        return self.model.compute_logits(x)
+        return self.model.compute_logits(x).cpu()
 
     def rollback(self, k: int) -> None:
         del self.tokens[len(self.tokens) - k:]
