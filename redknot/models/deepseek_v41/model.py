@@ -200,5 +200,8 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
         token_map = torch.tensor(lookup[:cfg.vocab_size], dtype=torch.long)
     log.info("deepseek_v41: %d layers, numerics=%s, index_keys=%s, weights %s", cfg.n_layers, numerics.mode,
              index_keys, "kept quantised" if keep else "dequantised")
+    if cfg.n_mtp_layers:
+        log.info("deepseek_v41: the checkpoint's %d DSpark stages (mtp.*) are not loaded: drafting for V4.1 "
+                 "is not built yet (features.dspark.method=auto decodes without drafts)", cfg.n_mtp_layers)
     weights = Weights(loaded.tensors, dtype, keep=keep, quantized=loaded.quantized)
     return DeepseekV41(cfg, weights, token_map, pad_c, numerics, index_keys, device=device)
