@@ -35,6 +35,11 @@ def effective_values(cfg: RedKnotConfig) -> Dict[str, str]:
     if dspark.enabled and DraftMethod(dspark.method) == DraftMethod.mtp and \
             DraftSampling(dspark.draft_sampling) == DraftSampling.probabilistic:
         found["features.dspark.draft_sampling"] = "greedy (the classic MTP layer drafts its argmax chain)"
+    par = cfg.features.parallel
+    if dspark.enabled and dspark.adaptive and BudgetSource(dspark.budget) == BudgetSource.profile and \
+            (par.dp > 1 or par.ep > 1 or par.cp > 1):
+        found["features.dspark.adaptive"] = ("false (budget=profile with a parallel layout: ranks would time "
+                                             "different costs, so every draft is verified)")
     if dspark.enabled and not dspark.adaptive and dspark.budget != BudgetSource.profile:
         found["features.dspark.budget"] = (
             f"unused (features.dspark.adaptive=false: every request verifies up to max_draft drafts; "

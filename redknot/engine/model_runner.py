@@ -72,6 +72,8 @@ class ModelRunner:
         self.cfg = self.model.cfg
         self.max_model_len = model_cfg.max_position
         self.max_num_seqs = engine.scheduler.max_num_seqs
+        par = features.parallel
+        self.parallel = par.dp > 1 or par.ep > 1 or par.cp > 1
         self.max_num_batched_tokens = engine.scheduler.max_num_batched_tokens
         self.vocab_size = self.cfg.vocab_size
         self.dtype = torch_dtype(hardware.dtype)
@@ -179,7 +181,12 @@ class ModelRunner:
         scheduling (``features.dspark.budget=profile``) before serving."""
         if self.graphs is not None:
             self.graphs.capture()
-        if self.speculator is not None and self.speculator.needs_profile:
+        if self.speculator is not None and self.speculator.needs_profile and self.parallel:
+            # Ranks would time different costs (and the profile's forwards would need every rank's
+            # collectives): parallel layouts verify every draft instead (an effective value).
+            log.warning("features.dspark.budget=profile is not used with a parallel layout: every draft is verified")
+            self.speculator.scheduler.adaptive = False
+        elif self.speculator is not None and self.speculator.needs_profile:
             from redknot.speculative.profile import profile_cost_model
             # Without captured graphs (the CPU: tests, the embedded default run) a short profile: one
             # timing per size, sizes in powers of four, batches of at most 8 requests (larger extrapolate).

@@ -59,3 +59,16 @@ def test_default_features_document_every_dspark_key():
     block = text.split("dspark:", 1)[1].split("swa_replay:", 1)[0]
     for f in fields(DSparkConfig):
         assert f"  {f.name}:" in block, f.name
+
+
+def test_effective_values_of_dspark_keys():
+    from redknot.config.effective import effective_values
+    cfg = RedKnotConfig()
+    assert "features.dspark.adaptive" not in effective_values(cfg)
+    cfg.features.parallel.ep = 2
+    assert effective_values(cfg)["features.dspark.adaptive"].startswith("false (budget=profile with a parallel")
+    cfg.features.parallel.ep = 1
+    cfg.features.dspark.method, cfg.features.dspark.draft_sampling = "mtp", "probabilistic"
+    assert effective_values(cfg)["features.dspark.draft_sampling"].startswith("greedy")
+    cfg.features.dspark.method = "none"
+    assert effective_values(cfg)["features.dspark.max_draft"].startswith("0 (features.dspark.method=none")
