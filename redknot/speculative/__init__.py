@@ -17,6 +17,8 @@ from redknot._lazy import lazy_getattr
 
 _EXPORTS = {
     "DSparkSpeculator": "redknot.speculative.dspark",
+    "DSparkDrafter": "redknot.speculative.dspark_drafter",
+    "VerifyGraphs": "redknot.speculative.varlen",
     "VerifyScheduler": "redknot.speculative.schedule",
     "MarkovSampler": "redknot.speculative.draft_sampling",
     "Draft": "redknot.speculative.drafter",
