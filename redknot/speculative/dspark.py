@@ -53,7 +53,8 @@ class DSparkSpeculator:
         self.cfg = cfg
         self.drafter = drafter
         self.stats = SpecDecodeStats(max_draft=cfg.max_draft)
-        self.verifier = Verifier(sampler, VerificationMode(cfg.verification), self.stats)
+        self.verifier = Verifier(sampler, VerificationMode(cfg.verification), self.stats,
+                                 probabilistic=getattr(drafter, "probabilistic", False))
         self.scheduler = VerifyScheduler(cfg.adaptive, BudgetSource(cfg.budget).value, cfg.budget_tokens,
                                          cfg.staleness, block=drafter.block_size, costs=costs)
         self.draft_hook: Optional[DraftHook] = None
@@ -114,7 +115,8 @@ class DSparkSpeculator:
         self.stats.draft_time_s += t1 - t0
         lengths = self._schedule(batch, drafts)
         self.stats.schedule_time_s += time.perf_counter() - t1
-        self.verifier.draft_probs = {r: d.probs for r, d in drafts.items() if d.probs is not None}
+        self.verifier.draft_probs = {r: (tuple(d.token_ids), d.probs) for r, d in drafts.items()
+                                     if d.probs is not None}
         for req_id, d in drafts.items():
             d.token_ids = d.token_ids[:lengths.get(req_id, 0)]
             if self.draft_hook is not None:

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from redknot.config.schema import DraftSampling
 from redknot.speculative.draft_sampling import MarkovSampler
 from redknot.speculative.drafter import Draft
 from redknot.speculative.schedule import draft_limit
@@ -72,6 +73,7 @@ class DSparkDrafter:
                              f"many of its drafts are verified; set features.dspark.max_draft <= {self.block_size}")
         self.max_draft, self.max_model_len = cfg.max_draft, max_model_len
         self.sampler = MarkovSampler(sampler, cfg.draft_sampling)
+        self.probabilistic = self.sampler.mode == DraftSampling.probabilistic  # sampled requests keep q
         self.temperatures = torch.tensor(load_sts(cfg.sts_path, self.block_size), dtype=torch.float32,
                                          device=draft.device)
         hd = state.layers[0].swa.shape[-1]

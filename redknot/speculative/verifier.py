@@ -8,7 +8,7 @@ exactly as the runner would sample them.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -21,14 +21,20 @@ class Verifier:
     """Greedy requests keep the longest prefix of drafts equal to the target's argmax, then the
     target's token. Sampled requests are verified token-wise or as a block
     (``features.dspark.verification``) against the distributions their drafts were drawn from
-    (``draft_probs``, set by the drafter; the point mass of each draft when absent: greedy
-    drafting), which keeps every token distributed exactly as plain sampling would draw it."""
+    (``draft_probs``, set by the drafter each step with the tokens they belong to; greedy drafting:
+    the point mass of each draft), which keeps every token distributed exactly as plain sampling
+    would draw it. With ``probabilistic`` drafts whose q is not at hand (drafts a request kept
+    from an older step while it was not scheduled) every draft is rejected and the token comes
+    from the target's first row: one plain sample, still exact."""
 
-    def __init__(self, sampler, method: VerificationMode, stats: SpecDecodeStats) -> None:
+    def __init__(self, sampler, method: VerificationMode, stats: SpecDecodeStats,
+                 probabilistic: bool = False) -> None:
         self.sampler = sampler
         self.method = VerificationMode(method)
         self.stats = stats
-        self.draft_probs: Dict[str, torch.Tensor] = {}  # req_id -> [>= k, V] q of its scheduled drafts
+        self.probabilistic = probabilistic
+        # req_id -> (the drafted tokens, [g, V] q they were drawn from), replaced after every step
+        self.draft_probs: Dict[str, Tuple[Tuple[int, ...], torch.Tensor]] = {}
 
     def __call__(self, batch, logits: torch.Tensor) -> Dict[str, List[int]]:
         """{req_id: accepted drafts + one token} for every request of the step with logits rows."""
@@ -73,9 +79,13 @@ class Verifier:
 
     def _sampled(self, logits: torch.Tensor, rows: Sequence, draft_token_ids: Sequence[int]) -> List[int]:
         k, vocab = len(draft_token_ids), logits.shape[1]
+        entry = self.draft_probs.get(rows[0].req_id)
+        if entry is not None and tuple(entry[0][:k]) != tuple(int(t) for t in draft_token_ids):
+            entry = None  # q of other drafts
+        if entry is None and self.probabilistic:
+            return self.sampler.sample(logits[:1], [rows[0]])
         p = self.sampler.probs(logits, list(rows))  # [k+1, V]
-        q = self.draft_probs.get(rows[0].req_id)
-        q = point_mass(draft_token_ids, vocab, logits.device) if q is None else q[:k].to(p)  # [k, V]
+        q = point_mass(draft_token_ids, vocab, logits.device) if entry is None else entry[1][:k].to(p)  # [k, V]
         seed = rows[0].seed
         coins = accept_uniforms(seed, [r.output_index for r in rows[:-1]])
         noise = torch.stack([self.sampler.noise.exponential(r.seed, r.output_index, vocab) for r in rows])

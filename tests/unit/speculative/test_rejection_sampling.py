@@ -143,3 +143,20 @@ def test_greedy_rules():
     greedy = SamplingParams()
     batch, flat = _batch([logits], [[4, 3]], greedy, [0])
     assert Verifier(Sampler("cpu"), "token", SpecDecodeStats(max_draft=2))(batch, flat) == {"q0": [4, 2]}
+
+
+def test_probabilistic_drafts_without_their_q_are_all_rejected():
+    """Drafts kept from an older step (their q replaced meanwhile): one plain sample from row 0."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 8, generator=gen)
+    params = SamplingParams(temperature=1.0)
+    sampler = Sampler("cpu")
+    verifier = Verifier(sampler, "token", SpecDecodeStats(max_draft=2), probabilistic=True)
+    q = torch.full((2, 8), 1 / 8)
+    verifier.draft_probs = {"q0": ((3, 4), q)}  # q of other drafts
+    batch, flat = _batch([logits], [[1, 2]], params, [7])
+    plain = sampler.sample(logits[:1], [batch.rows[0]])
+    assert verifier(batch, flat) == {"q0": plain}
+    verifier.draft_probs = {"q0": ((1, 2), q)}  # its own q: verified (two drafts and a token at most)
+    out = verifier(batch, flat)["q0"]
+    assert 1 <= len(out) <= 3 and verifier.stats.num_proposed == 4
