@@ -19,6 +19,7 @@ Parameter names equal the checkpoint names (``mtp.{s}.…``), see :func:`draft_c
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -146,7 +147,7 @@ class DSparkDraft(nn.Module):
         f = ParamFactory(scfg, dtype, keep_quantized, device)
         n = dcfg.num_stages
         self.mtp = nn.ModuleList(DSparkStage(f, scfg, dcfg, s == 0, s == n - 1) for s in range(n))
-        self._target: List[nn.Module] = []  # the target model (not a submodule: its weights are its own)
+        self._target = None  # weakref to the target model (not a submodule: its weights are its own)
         self._taps: Dict[int, torch.Tensor] = {}
         self._hooks: list = []
         self._rope: Optional[RopeTables] = None
@@ -166,7 +167,10 @@ class DSparkDraft(nn.Module):
 
     @property
     def target(self):
-        return self._target[0]
+        target = self._target() if self._target is not None else None
+        if target is None:
+            raise RuntimeError("the DSpark draft is not attached to a live target model")
+        return target
 
     @property
     def ks(self):
@@ -181,7 +185,7 @@ class DSparkDraft(nn.Module):
                              f"the model ({num} layers; a model.num_layers cut must keep the tapped layers)")
         for h in self._hooks:
             h.remove()
-        self._target[:] = [target]
+        self._target = weakref.ref(target)  # the family maps model -> draft; no cycle keeps both alive
         self._hooks = [target.layers[i].register_forward_hook(self._tap_hook(i)) for i in self.dcfg.target_layer_ids]
         return self
 
