@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41.kernel_ops import attend_spans, index_spans, insert_rows, ops_of
 from redknot.models.deepseek_v41.ref_math import (
     Numerics, Weights, acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, rms_norm, topk_ids)
 from redknot.models.deepseek_v41.state import V41State
@@ -48,11 +49,13 @@ class Slots:
     """What the latest sources of this forward published, per row of the step."""
     topk: Optional[torch.Tensor] = None           # [T, K] entry ids of the latest index source (-1: none)
     candidates: Optional[torch.Tensor] = None     # [T, n_max] bool, from the candidate source
+    cand_blocks: Optional[torch.Tensor] = None    # [T, NB] block ids (-1 pad): the same, on the kernel path
     record: Dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> topk (inspection)
 
     def rows(self, idx: torch.Tensor) -> "Slots":
-        return Slots(None if self.topk is None else self.topk[idx],
-                     None if self.candidates is None else self.candidates[idx], self.record)
+        return Slots(topk=None if self.topk is None else self.topk[idx],
+                     candidates=None if self.candidates is None else self.candidates[idx],
+                     cand_blocks=None if self.cand_blocks is None else self.cand_blocks[idx], record=self.record)
 
 
 def _page_index(span: Span, entry: torch.Tensor, ratio: int, block_size: int) -> torch.Tensor:
@@ -115,8 +118,12 @@ class AttentionLayer:
         if cfg.is_index_source(self.layer):
             self._index(u, qr, pos, spans, state, slots)
         o = torch.empty(t, cfg.n_heads, cfg.head_dim, dtype=num.acc, device=u.device)
-        for sp in spans:
-            self._attend(q, kv, sp, state, slots, o)
+        ops = ops_of(w)
+        if ops is not None and ops.attention:
+            attend_spans(self, q, kv, spans, state, slots, o)
+        else:
+            for sp in spans:
+                self._attend(q, kv, sp, state, slots, o)
         o = apply_rope(o.to(num.dtype), pos, self.inv, inverse=True)
         g = cfg.o_groups
         wo_a = w.dense(f"{p}.wo_a.weight", num.dtype).view(g, cfg.o_lora_rank, -1)
@@ -208,6 +215,11 @@ class AttentionLayer:
         keys = rms_norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype),
                         w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
         dest = _page_index(sp, ent, r, state.layout.block_size)
+        ops = ops_of(w)
+        if ops is not None and ops.attention:  # quantised on insert by the registry op
+            insert_rows(ops, src.keys, dest, apply_rope(keys, epos, self.inv), "index")
+            insert_rows(ops, src.entries, dest, apply_rope(latent, epos, self.inv), "compressed")
+            return
         src.keys.view(-1, src.keys.shape[-1])[dest] = mx.pack_index_keys(apply_rope(keys, epos, self.inv))
         src.entries.view(-1, src.entries.shape[-1])[dest] = mx.pack_compressed_entries(
             apply_rope(latent, epos, self.inv))
@@ -236,8 +248,14 @@ class AttentionLayer:
         wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
             * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         r = self.ratio
-        n_max = max(sp.end // r for sp in spans)
         topk = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=dev)
+        ops = ops_of(w)
+        if ops is not None and ops.attention:
+            index_spans(self, q, wts, pos, spans, state, slots, topk)
+            slots.topk = topk
+            slots.record[self.layer] = topk
+            return
+        n_max = max(sp.end // r for sp in spans)
         is_cand = cfg.is_candidate_source(self.layer)
         cand_all = torch.zeros(t, n_max, dtype=torch.bool, device=dev) if is_cand else None
         last_src = max(cfg.kv_source_layers)

@@ -10,11 +10,16 @@ from __future__ import annotations
 import torch
 
 from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41.kernel_ops import ops_of
 from redknot.models.deepseek_v41.ref_math import Numerics, Weights, linear
 
 
 def table_rows(w: Weights, prefix: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Dequantised table rows ids [T, n] -> [T, n, head_dim] (e4m3 · 2^(e8m0 - 127) per 32 columns)."""
+    ops = ops_of(w)
+    rows = None if ops is None else ops.engram_rows(w, prefix, ids, dtype)
+    if rows is not None:
+        return rows
     table = w.raw(f"{prefix}.embed.weight")
     scale = w.raw(f"{prefix}.embed.scale")
     flat = ids.reshape(-1)

@@ -23,6 +23,7 @@ import torch
 from redknot.models.deepseek_v41.attention import AttentionLayer, Slots, Span
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.engram_hash import EngramHasher, EngramLayout
+from redknot.models.deepseek_v41.kernel_ops import V41Ops
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from redknot.models.deepseek_v41.moe import moe_forward
 from redknot.models.deepseek_v41.ref_math import (
@@ -39,9 +40,11 @@ class DeepseekV41:
     supports_cuda_graphs = False  # steps read python-side spans (block tables, ring rows)
 
     def __init__(self, cfg, weights: Weights, token_map: Optional[torch.Tensor], pad_c: int,
-                 numerics: Numerics, index_keys: str = "owner", device="cpu"):
+                 numerics: Numerics, index_keys: str = "owner", device="cpu", ops: Optional[V41Ops] = None):
         check_choice("model.index_keys", index_keys, INDEX_KEYS)
         self.cfg, self.w, self.num = cfg, weights, numerics
+        self.ops = ops              # registry ops the layers route through (None: PyTorch math)
+        weights.ops = ops
         self.dtype = numerics.dtype
         self._device = torch.device(device)
         self.index_keys = index_keys
@@ -155,7 +158,8 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
     """Load ``model.path`` (or write, then load, the seeded ``model.synthetic`` checkpoint) onto
     ``device``. ``model.numerics`` and ``model.index_keys`` choose the numerics and the ratio-2
     owners' decode index keys; ``hardware.weight_format=keep`` keeps FP8/FP4 weights quantised
-    (dequantised per GEMM). ``kernels`` is not used: the V4.1 path runs its own PyTorch math."""
+    (dequantised per GEMM). ``kernels``: the ops the hardware target resolves to a fast backend run
+    through the registry (:mod:`kernel_ops`); the rest, and everything on ``cpu``, is PyTorch math."""
     from redknot.config.schema import IndexKeys, ModelNumerics, WeightFormat
     from redknot.kernels.dtypes import torch_dtype
     from redknot.models.deepseek_v41.config import V41Config
@@ -204,4 +208,7 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
         log.info("deepseek_v41: the checkpoint's %d DSpark stages (mtp.*) are not loaded: drafting for V4.1 "
                  "is not built yet (features.dspark.method=auto decodes without drafts)", cfg.n_mtp_layers)
     weights = Weights(loaded.tensors, dtype, keep=keep, quantized=loaded.quantized)
-    return DeepseekV41(cfg, weights, token_map, pad_c, numerics, index_keys, device=device)
+    ops = V41Ops.create(kernels)
+    if ops is not None:
+        log.info("deepseek_v41: kernel ops %s", ops.choice)
+    return DeepseekV41(cfg, weights, token_map, pad_c, numerics, index_keys, device=device, ops=ops)

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from redknot.models.deepseek_v41.kernel_ops import ops_of
 from redknot.models.deepseek_v41.ref_math import Numerics, Weights, linear, topk_ids
 
 
@@ -40,6 +41,11 @@ def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics) -> 
     """u [T, D] -> [T, D]: routed experts (rows grouped by expert, fp32 sum) + shared expert."""
     prefix = f"layers.{layer}.ffn"
     ids, weights = route(u, w, prefix, cfg, num.acc)
+    ops = ops_of(w)
+    routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)
+    if routed is not None:  # MXFP4 experts through the registry's grouped kernel
+        out = routed.to(num.acc) + swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
+        return out.to(num.dtype)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=cfg.n_routed_experts).tolist()

@@ -202,7 +202,14 @@ class Weights:
 
 
 def linear(x: torch.Tensor, w: Weights, name: str, num: Numerics) -> torch.Tensor:
-    """x [..., K] · Wᵀ in the compute dtype; FP8/FP4 weights quantise x per 32 first (reference mode)."""
+    """x [..., K] · Wᵀ in the compute dtype; FP8/FP4 weights quantise x per 32 first (reference mode).
+    Weights carrying registry ops (``w.ops``, the engine path on a kernel target) run kept FP8 weights
+    through ``linear_mx``."""
+    ops = getattr(w, "ops", None)
+    if ops is not None:
+        y = ops.linear(x, w, name, num)
+        if y is not None:
+            return y
     if num.act_quant and w.quantized(name):
         x = act_qdq(x)
     return torch.nn.functional.linear(x.to(num.dtype), w.dense(name, num.dtype))
