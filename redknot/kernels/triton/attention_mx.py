@@ -113,7 +113,6 @@ class AttnMxConfig:
 ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
     AttnMxConfig(16, 32, 8), AttnMxConfig(32, 32, 8), AttnMxConfig(64, 16, 8), AttnMxConfig(32, 64, 8),
     AttnMxConfig(64, 32, 8), AttnMxConfig(16, 64, 4), AttnMxConfig(32, 32, 8, 5), AttnMxConfig(16, 32, 8, 10),
-    AttnMxConfig(64, 16, 8, 10), AttnMxConfig(32, 16, 4, 20),
 ])
 
 
