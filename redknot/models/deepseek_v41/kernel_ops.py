@@ -83,9 +83,12 @@ class V41Ops:
         for part in ("w1", "w3", "w2"):
             for suffix in ("weight", "scale"):
                 names = [f"{prefix}.experts.{e}.{part}.{suffix}" for e in range(n)]
-                stack = torch.stack([w.tensors[k].view(torch.uint8) for k in names])
-                for e, k in enumerate(names):
-                    w.tensors[k] = stack[e].view(w.tensors[k].dtype)
+                parts = [w.tensors[k].view(torch.uint8) for k in names]
+                stack = _stacked_view(parts)
+                if stack is None:
+                    stack = torch.stack(parts)
+                    for e, k in enumerate(names):
+                        w.tensors[k] = stack[e].view(w.tensors[k].dtype)
                 out.append(stack)
         self._experts[prefix] = out
         return out
@@ -107,6 +110,18 @@ class V41Ops:
         rows = self.engram_gather_mx(w.raw(f"{prefix}.embed.weight"), w.raw(f"{prefix}.embed.scale").view(torch.uint8),
                                      ids, dtype)
         return rows
+
+
+def _stacked_view(parts: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """[E, ...] view of per-expert tensors that already lie back to back in one storage, else None."""
+    first = parts[0]
+    step = first.numel()
+    for e, t in enumerate(parts):
+        if not t.is_contiguous() or t.shape != first.shape or \
+                t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
+                t.storage_offset() != first.storage_offset() + e * step:
+            return None
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (len(parts), *first.shape))
 
 
 def ops_of(w: Weights) -> Optional[V41Ops]:

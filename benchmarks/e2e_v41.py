@@ -1,0 +1,486 @@
+"""DeepSeek-V4.1 real-dimension cut on the engine path: parity of the kernel path against the PyTorch
+path, chunked prefill time / peak memory / cache bytes per token, decode steps, each against the cost
+model's floor, and per-kernel time shares.
+
+The cut keeps the real widths (dim 5120, 64 heads x 512, 384 experts top-6; FP8 32x32-tile weights and
+MXFP4 experts kept in memory as random bytes) and five layers with the roles of the full schedule:
+0 ratio-2 kv/index source with Engram (like layer 14), 1 ratio-2 consumer, 2 ratio-1 kv source and
+candidate source (layer 20), 3 ratio-1 consumer, 4 candidate index source (layer 24). Engram tables are
+cut to ``--engram-vocab`` (their row count does not change the per-token work).
+
+Parity runs layer by layer: each attention block, MoE and Engram of the PyTorch path is run again
+through the kernel path on the same inputs and a copy of the state (so one quantisation step flipped by
+rounding cannot make the two models drift apart), under ``reference`` numerics (every op routed) and
+``bf16`` numerics (attention, caches, indexer, Engram routed; linears are plain bf16 there).
+
+Decode runs eager: the V4.1 step reads python-side spans, so it is not CUDA-graph capturable yet.
+``--smoke`` runs every step at toy width on a CPU (kernel ops: their PyTorch references). The V4 cut
+is ``benchmarks/e2e_cut.py``.
+
+    python benchmarks/e2e_v41.py --out outputs/e2e_v41
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+print = functools.partial(print, flush=True)  # noqa: A001  (progress unbuffered)
+
+ROLES = dict(compress_ratios=[2, 2, 1, 1, 1], kv_source_layer_ids=[0, 2], index_source_layer_ids=[0, 2, 4],
+             candidate_source_layer_id=2, engram_layer_ids=[0], num_nextn_predict_layers=0, num_hidden_layers=5)
+SMOKE = dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
+             q_lora_rank=64, o_lora_rank=64, o_groups=2, n_routed_experts=8, num_experts_per_tok=2,
+             sliding_window=16, index_n_heads=4, index_head_dim=64, index_topk=8, candidate_topk_blocks=3,
+             candidate_block_size=4, engram_n_heads=2, engram_head_dim=32, vocab_size=2048)
+ATTENTION_OPS = ("cache_insert_mx", "sparse_attention_mx", "indexer_topk_mx", "indexer_source_mx", "engram_gather_mx")
+H200_FP8_FLOPS, H200_BYTES_PER_S = 1451e12, 4.17e12
+# Parity passes when: the cache bytes the ops wrote equal the PyTorch packing exactly (V41_OPS.md: bit-exact),
+# every block's output is within a few bf16 ulps of its max (bf16 outputs, probabilities rounded to bf16
+# before PV, sums in another order), and the indexer picked the same set on >= 95 % of rows (the rest are
+# ties or near-ties at the 512th score, which the contract leaves open).
+PARITY_REL_TOL = 3e-2
+PARITY_TOPK_ROWS = 0.95
+
+
+def cut_config(smoke: bool, engram_vocab: int):
+    from redknot.models.deepseek_v41.config import V41Config
+
+    over = dict(ROLES, engram_vocab_size=engram_vocab, engram_compressed_vocab_size=1027)
+    if smoke:
+        over.update(SMOKE)
+    return V41Config().with_overrides(over)
+
+
+def random_tensors(cfg, device) -> Dict[str, torch.Tensor]:
+    """Random stored bytes per checkpoint tensor: FP8 e4m3 values with unit E8M0 scales (values ~1/sqrt(K)),
+    MXFP4 random codes with a per-32 scale of the same spread (each layer's experts back to back in one
+    stack, as the grouped kernel reads them), norms near 1, small mHC weights."""
+    from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, F32, FP4, FP8, checkpoint_spec
+
+    g = torch.Generator(device=device).manual_seed(0)
+    out: Dict[str, torch.Tensor] = {}
+    stacks: Dict[str, torch.Tensor] = {}
+    for spec in checkpoint_spec(cfg, include_draft=False):
+        shape, name = spec.shape, spec.name
+        if spec.kind == FP4:
+            key = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
+            if key not in stacks:
+                n = cfg.n_routed_experts
+                stacks[key] = torch.randint(0, 256, (n, *spec.stored_shape), generator=g, device=device,
+                                            dtype=torch.uint8)
+                e = 127 - round(math.log2(2.9 * math.sqrt(shape[-1])))
+                stacks[key + "s"] = torch.full((n, *spec.scale_shape), e, dtype=torch.uint8, device=device)
+            out[name] = stacks[key][spec.expert]
+            out[spec.scale_name] = stacks[key + "s"][spec.expert]
+        elif spec.kind in (FP8, ENGRAM):
+            std = shape[-1] ** -0.5 if spec.kind == FP8 else 1.0
+            out[name] = (torch.randn(shape, generator=g, device=device) * std).to(torch.float8_e4m3fn)
+            out[spec.scale_name] = torch.full(spec.scale_shape, 127, dtype=torch.uint8, device=device)
+        else:
+            v = torch.randn(shape, generator=g, device=device)
+            if name.endswith(("norm.weight", "q_weight", "k_weight")):
+                v = 1 + 0.1 * v
+            elif "hc_" in name:
+                v = (0.5 + 0.1 * v) if name.endswith("_scale") else 0.05 * v
+            elif name.endswith("attn_sink"):
+                pass
+            elif name == "embed.weight":
+                v = 0.5 * v
+            elif len(shape) > 1:
+                v = v / math.sqrt(shape[-1])
+            else:
+                v = 0.1 * v
+            out[name] = v.to(torch.bfloat16 if spec.kind == BF16 else torch.float32)
+    return out
+
+
+def build(cfg, tensors, numerics: str, ops, device):
+    from redknot.models.deepseek_v41.model import DeepseekV41
+    from redknot.models.deepseek_v41.ref_math import Numerics, Weights
+
+    tmap = (torch.arange(cfg.vocab_size) * 7919) % cfg.engram_compressed_vocab_size
+    w = Weights(dict(tensors), torch.bfloat16, keep=True)
+    return DeepseekV41(cfg, w, tmap, int(tmap[cfg.engram_pad_id]), Numerics(numerics, torch.bfloat16),
+                       device=device, ops=ops)
+
+
+class Batch:
+    """``b`` sequences of one model on a private paged state (sequence i: slot i, its own blocks)."""
+
+    def __init__(self, model, b: int, max_tokens: int, block_size: int = 256):
+        from redknot.models.deepseek_v41.state import allocate_state
+        from redknot.models.deepseek_v41.state_layout import create_state_layout
+
+        self.model, self.b = model, b
+        self.layout = create_state_layout(model.cfg, block_size=block_size, max_backtrack=0)
+        self.per = self.layout.blocks_for(max_tokens)
+        self.state = allocate_state(model.cfg, self.layout, num_slots=b, num_blocks=b * self.per,
+                                    device=model.device, dtype=torch.bfloat16)
+        self.blocks = [list(range(i * self.per, (i + 1) * self.per)) for i in range(b)]
+        self.lens = [0] * b
+
+    def step(self, ids: List[List[int]], seqs=None) -> torch.Tensor:
+        """New token ids of sequences ``seqs`` (default: all) -> pre-head rows."""
+        from redknot.step.metadata import StepMetadata
+
+        seqs = list(range(self.b)) if seqs is None else seqs
+        n = sum(len(x) for x in ids)
+        meta = StepMetadata.build([list(x) for x in ids], [self.lens[s] for s in seqs], seqs,
+                                  [self.blocks[s] for s in seqs], list(range(n)), device=self.model.device)
+        x = self.model.forward(meta, self.state)
+        for s, x_ in zip(seqs, ids):
+            self.lens[s] += len(x_)
+        return x
+
+    def clone_first(self) -> None:
+        """Every sequence becomes a copy of sequence 0 (a batch of equal contexts without b prefills)."""
+        st = self.state
+        for i in range(1, self.b):
+            for win in st.windows:
+                win[i] = win[0]
+            for src in st.sources.values():
+                src.entries[self.blocks[i]] = src.entries[self.blocks[0]]
+                src.keys[self.blocks[i]] = src.keys[self.blocks[0]]
+                if src.kv_rows is not None:
+                    src.kv_rows[i] = src.kv_rows[0]
+                    src.gate_rows[i] = src.gate_rows[0]
+            if st.engram_ids is not None:
+                st.engram_ids[i] = st.engram_ids[0]
+            self.lens[i] = self.lens[0]
+
+    def global_cache_bytes(self, seq: int = 0) -> int:
+        """Bytes of compressed entries + index keys in the pages sequence ``seq`` has filled."""
+        blocks = self.layout.blocks_for(self.lens[seq])
+        per_block = sum(src.entries[0].numel() + src.keys[0].numel() for src in self.state.sources.values())
+        return blocks * per_block
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def tokens(n: int, vocab: int, seed: int) -> List[int]:
+    return torch.randint(3, vocab - 3, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------------------------------ parity
+class Twins:
+    """Wraps a PyTorch-path model so each block also runs on the kernel path with the same inputs."""
+
+    def __init__(self, plain, routed):
+        import redknot.models.deepseek_v41.model as model_mod
+
+        self.mod = model_mod
+        self.plain, self.routed = plain, routed
+        self.err: Dict[str, float] = {}
+        self.state_bytes = [0, 0]      # differing, compared
+        self.topk_rows = [0, 0]        # equal rows, compared
+        self.slots = None
+        plain.attn = [self._attn(a, b) for a, b in zip(plain.attn, routed.attn)]
+
+    def note(self, key: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        d = (got.float() - want.float()).abs().max().item()
+        rel = d / max(want.float().abs().max().item(), 1e-30)
+        a, r = self.err.get(key + " abs", 0.0), self.err.get(key + " rel", 0.0)
+        self.err[key + " abs"], self.err[key + " rel"] = max(a, d), max(r, rel)
+
+    def _attn(self, plain_layer, routed_layer):
+        from redknot.models.deepseek_v41.attention import Slots
+
+        def run(u, pos, spans, state, slots):
+            if plain_layer.layer == 0:
+                self.slots = Slots()
+            mine = self.slots
+            mine.topk = None if slots.topk is None else slots.topk.clone()
+            st = copy.deepcopy(state)
+            got = routed_layer(u, pos, spans, st, mine)
+            want = plain_layer(u, pos, spans, state, slots)
+            rows = slice(None)
+            if plain_layer.cfg.is_index_source(plain_layer.layer):
+                same = (mine.topk.sort(1).values == slots.topk.sort(1).values).all(1)
+                self.topk_rows[0] += int(same.sum())
+                self.topk_rows[1] += same.numel()
+                rows = same   # a row whose selection differs (a tie or a near-tie at the cut) is not compared
+            if bool(torch.as_tensor(rows).any()) if not isinstance(rows, slice) else True:
+                self.note(f"attention L{plain_layer.layer}", got[rows], want[rows])
+            for a, b in zip(st.tensors(), state.tensors()):
+                if a.dtype == torch.uint8:
+                    self.state_bytes[0] += int((a != b).sum())
+                    self.state_bytes[1] += a.numel()
+            return want
+        return run
+
+    def __enter__(self):
+        moe, engram = self.mod.moe_forward, self.mod.engram_forward
+        self.saved = (moe, engram)
+        rw = self.routed.w
+
+        def moe_twin(u, w, layer, cfg, num):
+            want = moe(u, w, layer, cfg, num)
+            self.note(f"moe L{layer}", moe(u, rw, layer, cfg, num), want)
+            return want
+
+        def engram_twin(h, ids, w, layer, num, eps, token_mask=None):
+            want = engram(h, ids, w, layer, num, eps, token_mask)
+            self.note(f"engram L{layer}", engram(h, ids, rw, layer, num, eps, token_mask), want)
+            return want
+
+        self.mod.moe_forward, self.mod.engram_forward = moe_twin, engram_twin
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.moe_forward, self.mod.engram_forward = self.saved
+
+
+def parity(cfg, tensors, kernels, device, n_tokens: int, chunk: int, numerics: str, route_all: bool) -> dict:
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+
+    ops = V41Ops(kernels, route_all=route_all)
+    plain = build(cfg, tensors, numerics, None, device)
+    routed = build(cfg, tensors, numerics, ops, device)
+    ids = tokens(n_tokens + 4, cfg.vocab_size, seed=7)
+    t = time.perf_counter()
+    with Twins(plain, routed) as tw:
+        b = Batch(plain, 1, n_tokens + 8)
+        for s in range(0, n_tokens, chunk):
+            b.step([ids[s:min(n_tokens, s + chunk)]])
+        for p in range(n_tokens, n_tokens + 4):
+            b.step([[ids[p]]])
+    sync(device)
+    routed_ops = sorted(op for op, b_ in ops.choice.items() if b_ != "pytorch" and
+                        not (numerics == "bf16" and op in ("linear_mx", "moe_mx")))
+    worst = max((v for k, v in tw.err.items() if k.endswith("rel")), default=0.0)
+    ok = (tw.state_bytes[0] == 0 and worst <= PARITY_REL_TOL and tw.topk_rows[1] > 0
+          and tw.topk_rows[0] >= PARITY_TOPK_ROWS * tw.topk_rows[1])
+    out = {"numerics": numerics, "ok": ok, "worst_rel": worst, "tokens": n_tokens, "chunk": chunk, "decode_steps": 4,
+           "routed_ops": routed_ops,
+           "errors": tw.err, "state_bytes_differing": tw.state_bytes[0], "state_bytes_compared": tw.state_bytes[1],
+           "topk_rows_equal": tw.topk_rows[0], "topk_rows": tw.topk_rows[1], "seconds": time.perf_counter() - t}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ timing
+def op_shares(fn, device, top: int = 12) -> List[dict]:
+    """Device time by kernel (CPU time on a CPU) over one call of ``fn``; the largest ``top`` and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    rows = []
+    for ev in prof.key_averages():
+        t = ev.self_device_time_total if device.type == "cuda" else ev.self_cpu_time_total
+        if t > 0:
+            rows.append((ev.key, t, ev.count))
+    total = sum(t for _, t, _ in rows) or 1.0
+    rows.sort(key=lambda r: -r[1])
+    out = [{"op": k[:80], "share": t / total, "ms": t / 1e3, "calls": c} for k, t, c in rows[:top]]
+    rest = sum(t for _, t, _ in rows[top:])
+    out.append({"op": "(rest)", "share": rest / total, "ms": rest / 1e3, "calls": sum(c for *_, c in rows[top:])})
+    return out
+
+
+def decode_floor_s(cfg, ctx: int, batch: int) -> float:
+    """Bandwidth/FLOP floor of one decode step of ``batch`` sequences at ``ctx``: the cost model's batch-1
+    bytes, the per-sequence caches times the batch, and the extra routed experts a batch touches
+    (expected distinct experts of batch*k uniform picks)."""
+    from redknot.models.deepseek_v41.cost import CostModel
+
+    d = CostModel(cfg).decode(ctx)
+    e, k = cfg.n_routed_experts, cfg.n_activated_experts
+    distinct = e * (1 - (1 - k / e) ** batch)
+    per_expert = 3 * cfg.dim * cfg.moe_inter_dim * (0.5 + 1 / 32)
+    extra = max(0.0, distinct - k) * per_expert * cfg.n_layers
+    nbytes = d.weight_bytes + extra + batch * (d.kv_bytes + d.engram_bytes)
+    return max(nbytes / H200_BYTES_PER_S, batch * d.flops / H200_FP8_FLOPS)
+
+
+def prefill_floor_s(cfg, ctx: int) -> float:
+    from redknot.models.deepseek_v41.cost import CostModel
+
+    p = CostModel(cfg).prefill(ctx)
+    bf16 = 796e12   # window / compressed attention run at the bf16 rate (cost model's split)
+    return (p.linear + p.indexer) / H200_FP8_FLOPS + (p.window + p.compressed) / bf16
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description="DeepSeek-V4.1 real-dimension cut (kernel path)")
+    ap.add_argument("--out", default="outputs/e2e_v41")
+    ap.add_argument("--smoke", action="store_true", help="toy width on the CPU (kernel ops: references)")
+    ap.add_argument("--prefill", default="8192,32768,131072", help="contexts to prefill, ascending ('' skips)")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--decode-batch", default="1,32,128", help="decode batches ('' skips)")
+    ap.add_argument("--decode-context", default="8192,131072", help="decode contexts (each <= a prefilled one)")
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--parity-tokens", type=int, default=2048)
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--skip-profile", action="store_true")
+    ap.add_argument("--engram-vocab", type=int, default=100000)
+    ap.add_argument("--budget-s", type=float, default=320.0,
+                    help="skip a prefill/decode case whose projected end passes this many seconds")
+    a = ap.parse_args(argv)
+    from redknot.kernels import KernelSet
+    from redknot.models.deepseek_v41.cost import global_kv_bytes_per_token
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+
+    t_start = time.perf_counter()
+    device = torch.device("cpu" if a.smoke else "cuda")
+    if a.smoke:
+        a.prefill, a.chunk, a.parity_tokens, a.decode_steps, a.engram_vocab = "40", 32, 40, 1, 100
+        a.decode_batch, a.decode_context = "1,3", "40"
+    cfg = cut_config(a.smoke, a.engram_vocab)
+    kernels = KernelSet(default="reference" if a.smoke else "triton")
+    ops = V41Ops(kernels, route_all=a.smoke)
+    print(f"e2e_v41: device={device} ops={ops.choice}")
+    tensors = random_tensors(cfg, device)
+    wbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"weights {wbytes / 2**30:.2f} GiB ({time.perf_counter() - t_start:.1f} s)")
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": a.smoke,
+              "ops": ops.choice, "weights_gib": wbytes / 2**30,
+              "cut": "L0 ratio-2 kv/index source + Engram, L1 ratio-2 consumer, L2 ratio-1 candidate source, "
+                     "L3 ratio-1 consumer, L4 candidate index source; 384 experts top-6" if not a.smoke else "toy",
+              "ceilings": {"fp8_flops": H200_FP8_FLOPS, "bytes_per_s": H200_BYTES_PER_S},
+              "parity": [], "prefill": [], "decode": [], "profile": {},
+              "decode_mode": "eager (the V4.1 step is not CUDA-graph capturable yet)",
+              "expected_global_cache_bytes_per_token": global_kv_bytes_per_token(cfg)}
+
+    def over_budget(projected: float) -> bool:
+        return time.perf_counter() - t_start + projected > a.budget_s
+
+    if not a.skip_parity:
+        for numerics in ("reference", "bf16"):
+            p = parity(cfg, tensors, kernels, device, a.parity_tokens, min(a.chunk, 1024 if not a.smoke else 32),
+                       numerics, a.smoke)
+            worst = max((v for k, v in p["errors"].items() if k.endswith("rel")), default=0.0)
+            print(f"parity {numerics}: {'ok' if p['ok'] else 'FAILED'}, worst block rel err {worst:.3g}, "
+                  f"state bytes differing "
+                  f"{p['state_bytes_differing']}/{p['state_bytes_compared']}, top-k rows equal "
+                  f"{p['topk_rows_equal']}/{p['topk_rows']} ({p['seconds']:.1f} s)")
+            report["parity"].append(p)
+    model = build(cfg, tensors, "reference", ops, device)   # timed: reference numerics, routed ops
+    ctxs = [int(c) for c in a.prefill.split(",") if c]
+    dctx = {int(c) for c in a.decode_context.split(",") if c}
+    batches = [int(x) for x in a.decode_batch.split(",") if x]
+    last = None
+    profiles = [1 if a.smoke else 100]   # the CPU profiler is slow to start: one profile in a smoke run
+    for ctx in ctxs:
+        if last is not None:
+            proj = last[1] * (ctx / last[0]) ** 1.6
+            if over_budget(proj + 20):
+                print(f"prefill {ctx}: skipped (projected {proj:.0f} s passes --budget-s)")
+                report["prefill"].append({"context": ctx, "skipped": f"projected {proj:.0f} s"})
+                continue
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        nseq = max(batches) if ctx in dctx and batches else 1
+        b = Batch(model, nseq, ctx + a.chunk + a.decode_steps * (len(batches) + 2) + 64)
+        ids = tokens(ctx, cfg.vocab_size, seed=ctx)
+        sync(device)
+        t = time.perf_counter()
+        for s in range(0, ctx, a.chunk):
+            b.step([ids[s:min(ctx, s + a.chunk)]], seqs=[0])
+        sync(device)
+        dt = time.perf_counter() - t
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        floor = prefill_floor_s(cfg, ctx)
+        row = {"context": ctx, "chunk": a.chunk, "seconds": dt, "tokens_per_s": ctx / dt, "peak_gib": peak,
+               "state_slots": nseq, "floor_s": floor, "fraction_of_floor": floor / dt,
+               "global_cache_bytes_per_token": b.global_cache_bytes() / ctx,
+               "window_ring_bytes_per_sequence": sum(w[0].numel() for w in b.state.windows)}
+        print(f"prefill {ctx}: {dt:.3f} s ({ctx / dt:.0f} tok/s, {100 * floor / dt:.1f} % of the floor), peak "
+              f"{peak:.1f} GiB, global cache {row['global_cache_bytes_per_token']:.1f} B/token")
+        report["prefill"].append(row)
+        last = (ctx, dt)
+        if ctx in dctx and batches:
+            b.clone_first()
+            for bs in batches:
+                if over_budget(10 + a.decode_steps * bs * 0.01):
+                    print(f"decode ctx {ctx} batch {bs}: skipped (budget)")
+                    report["decode"].append({"context": ctx, "batch": bs, "skipped": "budget"})
+                    continue
+                seqs = list(range(bs))
+                b.step([[5]] * bs, seqs=seqs)   # warm-up
+                sync(device)
+                t = time.perf_counter()
+                for i in range(a.decode_steps):
+                    b.step([[7 + i]] * bs, seqs=seqs)
+                sync(device)
+                ms = (time.perf_counter() - t) / a.decode_steps * 1e3
+                floor_ms = decode_floor_s(cfg, ctx, bs) * 1e3
+                print(f"decode ctx {ctx} batch {bs}: {ms:.2f} ms/step eager ({100 * floor_ms / ms:.1f} % of the "
+                      f"floor {floor_ms:.3f} ms)")
+                report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": ms, "floor_ms": floor_ms,
+                                         "fraction_of_floor": floor_ms / ms})
+                if not a.skip_profile and not over_budget(10) and profiles[0]:
+                    profiles[0] -= 1
+                    report["profile"][f"decode b{bs} at {ctx}"] = op_shares(
+                        lambda: b.step([[9]] * bs, seqs=seqs), device)
+        if not a.skip_profile and not over_budget(2 * dt * a.chunk / ctx + 10) and profiles[0]:
+            profiles[0] -= 1
+            chunk_ids = tokens(a.chunk, cfg.vocab_size, 4)
+            report["profile"][f"prefill chunk {a.chunk} after {ctx}"] = op_shares(
+                lambda: b.step([chunk_ids], seqs=[0]), device)
+        del b
+    report["seconds"] = time.perf_counter() - t_start
+    write(report, a.out)
+    return report
+
+
+def write(report: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "e2e_v41.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    lines = ["# DeepSeek-V4.1 real-dimension cut", "", f"device: {report['device']}; cut: {report['cut']}",
+             f"ops: {report['ops']}", f"decode: {report['decode_mode']}", "", "## Parity (block by block)", "",
+             "| numerics | ok | routed | worst rel err | state bytes differing | top-k rows equal |",
+             "|---|---|---|---|---|---|"]
+    for p in report["parity"]:
+        worst = max((v for k, v in p["errors"].items() if k.endswith("rel")), default=0.0)
+        lines.append(f"| {p['numerics']} | {p['ok']} | {', '.join(p['routed_ops'])} | {worst:.3g} | "
+                     f"{p['state_bytes_differing']}/{p['state_bytes_compared']} | "
+                     f"{p['topk_rows_equal']}/{p['topk_rows']} |")
+    for p in report["parity"]:
+        lines += ["", f"{p['numerics']}: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(p["errors"].items()))]
+    lines += ["", "## Prefill", "", "| context | s | tok/s | % of floor | peak GiB | global cache B/token |",
+              "|---|---|---|---|---|---|"]
+    for r in report["prefill"]:
+        if "skipped" in r:
+            lines.append(f"| {r['context']} | skipped: {r['skipped']} | | | | |")
+            continue
+        lines.append(f"| {r['context']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
+                     f"{100 * r['fraction_of_floor']:.1f} | {r['peak_gib']:.1f} | "
+                     f"{r['global_cache_bytes_per_token']:.1f} |")
+    lines += ["", "expected global cache bytes/token for this cut: "
+              f"{report['expected_global_cache_bytes_per_token']:.1f} (V4.1-Flash: 890)", "", "## Decode (eager)", "",
+              "| context | batch | ms/step | floor ms | % of floor |", "|---|---|---|---|---|"]
+    for r in report["decode"]:
+        if "skipped" in r:
+            lines.append(f"| {r['context']} | {r['batch']} | skipped | | |")
+            continue
+        lines.append(f"| {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['floor_ms']:.3f} | "
+                     f"{100 * r['fraction_of_floor']:.1f} |")
+    for name, rows in report["profile"].items():
+        lines += ["", f"## Time shares: {name}", "", "| kernel / op | share | ms | calls |", "|---|---|---|---|"]
+        lines += [f"| `{r['op']}` | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "e2e_v41.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
