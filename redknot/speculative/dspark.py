@@ -37,7 +37,9 @@ def pick_drafter(method: DraftMethod, draft_models: Mapping[str, Any]) -> Option
         return DSPARK if DSPARK in draft_models else (MTP if MTP in draft_models else None)
     kind = DSPARK if method == DraftMethod.dspark else MTP
     if kind not in draft_models:
-        what = ("no DSpark draft stages (mtp.0.main_proj, mtp.2.markov_head, ...)" if kind == DSPARK
+        what = ("no DSpark drafter that its model family builds (either config.json states no DSpark stages "
+                "- dspark_block_size, n_mtp_layers; tensors mtp.0.main_proj, mtp.*.markov_head - or the family "
+                "has no DSpark drafting)" if kind == DSPARK
                 else "no MTP layer (num_nextn_predict_layers=0; DSpark checkpoints keep their stages under "
                      "mtp.* instead)")
         raise ValueError(f"features.dspark.method={method.value} but the checkpoint has {what}; "

@@ -76,8 +76,9 @@ class DSparkDrafter:
         self.probabilistic = self.sampler.mode == DraftSampling.probabilistic  # sampled requests keep q
         self.temperatures = torch.tensor(load_sts(cfg.sts_path, self.block_size), dtype=torch.float32,
                                          device=draft.device)
-        hd = state.layers[0].swa.shape[-1]
-        ring = dict(dtype=state.layers[0].swa.dtype, device=draft.device)
+        spec = getattr(draft, "ring_spec", None)  # a family whose state has no float window cache says
+        hd, dtype = spec(state) if spec is not None else (state.layers[0].swa.shape[-1], state.layers[0].swa.dtype)
+        ring = dict(dtype=dtype, device=draft.device)
         # One window ring of context K/V per stage and slot (the state's slots incl. graph padding).
         self.rings = [torch.zeros(state.num_slots, draft.window, hd, **ring) for _ in range(draft.dcfg.num_stages)]
         self.num_mtp_rows = 0   # ring rows written (context K/V)

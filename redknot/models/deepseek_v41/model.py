@@ -59,7 +59,8 @@ class DeepseekV41:
             self.hasher = EngramHasher(EngramLayout.create(cfg, pad_c), device=self._device)
         # First layer bounded replay computes on the tail only: above the last kv source.
         self.split = max(cfg.kv_source_layers) + 1 if cfg.kv_source_layers else 0
-        self.dspark = None          # drafting for V4.1 is not built yet (features.dspark refuses it)
+        self.dspark = None          # the DSpark draft (dspark_draft.py), set by build_v41_model
+        self.tap_hook = None        # (layer, streams entering it after Engram) -> None: the draft's taps
         self.last_slots: Optional[Slots] = None   # the selections of the last forward (inspection)
 
     @property
@@ -140,6 +141,8 @@ class DeepseekV41:
             p = f"layers.{i}"
             if cfg.is_engram(i):
                 h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
+            if self.tap_hook is not None:
+                self.tap_hook(i, h)
             mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
             pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
                                           w.float(f"{p}.hc_attn_scale"), *mix)
@@ -193,7 +196,7 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
     numerics = Numerics(ModelNumerics(model_cfg.numerics).value, dtype)
     index_keys = IndexKeys(model_cfg.index_keys).value
     loaded = load_v41_weights(path, cfg, weight_format="keep" if keep else "dequantize", dtype=dtype,
-                              include_draft=False, device=device)
+                              include_draft=True, device=device)
     token_map, pad_c = None, 0
     if cfg.engram_layer_ids:
         tmap = engram_token_map(cfg, checkpoint_tokenizer_file(model_cfg, model_cfg.path), cache_dir)
@@ -204,11 +207,15 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
         token_map = torch.tensor(lookup[:cfg.vocab_size], dtype=torch.long)
     log.info("deepseek_v41: %d layers, numerics=%s, index_keys=%s, weights %s", cfg.n_layers, numerics.mode,
              index_keys, "kept quantised" if keep else "dequantised")
-    if cfg.n_mtp_layers:
-        log.info("deepseek_v41: the checkpoint's %d DSpark stages (mtp.*) are not loaded: drafting for V4.1 "
-                 "is not built yet (features.dspark.method=auto decodes without drafts)", cfg.n_mtp_layers)
     weights = Weights(loaded.tensors, dtype, keep=keep, quantized=loaded.quantized)
     ops = V41Ops.create(kernels)
     if ops is not None:
         log.info("deepseek_v41: kernel ops %s", ops.choice)
-    return DeepseekV41(cfg, weights, token_map, pad_c, numerics, index_keys, device=device, ops=ops)
+    model = DeepseekV41(cfg, weights, token_map, pad_c, numerics, index_keys, device=device, ops=ops)
+    if cfg.n_mtp_layers:
+        from redknot.models.deepseek_v41.dspark_draft import build_draft
+
+        model.dspark = build_draft(model, loaded.draft, loaded.quantized, keep)
+        log.info("deepseek_v41: %d DSpark stages (mtp.*) loaded, taps = inputs of layers %s",
+                 cfg.n_mtp_layers, list(cfg.dspark_target_layer_ids))
+    return model

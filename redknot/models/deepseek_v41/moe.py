@@ -37,9 +37,11 @@ def swiglu_expert(x: torch.Tensor, w: Weights, prefix: str, num: Numerics, limit
     return linear(act.to(num.dtype), w, f"{prefix}.w2.weight", num).to(num.acc)
 
 
-def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics) -> torch.Tensor:
-    """u [T, D] -> [T, D]: routed experts (rows grouped by expert, fp32 sum) + shared expert."""
-    prefix = f"layers.{layer}.ffn"
+def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,
+                prefix: Optional[str] = None) -> torch.Tensor:
+    """u [T, D] -> [T, D]: routed experts (rows grouped by expert, fp32 sum) + shared expert.
+    ``prefix``: the tensors' name prefix (default ``layers.{layer}.ffn``; DSpark stages ``mtp.{s}.ffn``)."""
+    prefix = prefix or f"layers.{layer}.ffn"
     ids, weights = route(u, w, prefix, cfg, num.acc)
     ops = ops_of(w)
     routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)

@@ -1,0 +1,214 @@
+"""The DSpark draft model of DeepSeek-V4.1-Flash (reference dspark.md §2.4, deepseek_v41.md §3.10, §4.6).
+
+What differs from V4-Flash-0731 (``redknot.models.deepseek_v4.dspark_draft``):
+
+* **Taps**: the hc-mean of the residual streams *entering* each layer of
+  ``dspark_target_layer_ids`` (37, 38, 39; config-driven), taken after that layer's Engram
+  injection; not the layers' outputs (V4). The backbone calls :meth:`V41DSparkDraft.tap` from its
+  layer loop (``DeepseekV41.tap_hook``).
+* **Stages**: V4.1 blocks with ratio 0 (window attention, RoPE θ 1e4 without YaRN, no compressor or
+  indexer), the lagged mHC ``pre`` carried from stage to stage (one-hot into stage 0's attention,
+  as for backbone layer 0), MoE with ``dspark_n_routed_experts`` experts, top
+  ``dspark_n_activated_experts`` (no VL bias).
+* **Head**: no ``hc_head``; the streams collapse with the last stage's FFN ``pre``
+  (``hc_collapse(h, pre)``) into h_k (pre-norm), U_k = head(norm(h_k)) with the backbone's head.
+  Markov head ``markov_head.embed`` (W1) / ``markov_head.head`` (W2), both [V, r]; the bias
+  ``W2 . W1[prev]`` and the confidence logit ``proj([h_k ; W1[prev]])`` are computed in fp32.
+
+Context K/V: ``main_x = main_norm(main_proj(taps))`` feeds only the stages' K/V; stage s keeps
+``QDQ_fp8(RoPE(kv_norm_s(wkv_s(main_x))))`` of every committed position in its window ring (the
+backbone's window format). The block ``[anchor, noise x (g-1)]`` at positions P..P+g-1 attends
+to ring positions P-W..P-1 (those >= 0) and to all g block rows (non-causal), block K/V through
+the same FP8 grid, per-head sinks in the softmax denominator.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, replace
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from redknot.models.deepseek_v41.attention import sparse_attend
+from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
+from redknot.models.deepseek_v41.moe import moe_forward
+from redknot.models.deepseek_v41.ref_math import (
+    Numerics, Weights, apply_rope, layer_rope, linear, rms_norm, window_qdq)
+
+
+@dataclass(frozen=True)
+class DraftStages:
+    """The stage facts the engine's drafter reads (``dcfg`` of both DSpark families)."""
+    target_layer_ids: Tuple[int, ...]
+    num_stages: int
+    block_size: int
+    noise_token_id: int
+    markov_rank: int
+
+
+def stage_config(cfg):
+    """The V4.1 config the stages' MoE runs with: the DSpark expert count and top-k."""
+    return replace(cfg, n_routed_experts=cfg.dspark_n_routed_experts,
+                   n_activated_experts=cfg.dspark_n_activated_experts)
+
+
+class V41DSparkDraft:
+    """The ``mtp.*`` stages over a V4.1 backbone (:class:`DeepseekV41`), see the module docstring."""
+
+    def __init__(self, cfg, weights: Weights, numerics: Numerics, device="cpu"):
+        if not cfg.n_mtp_layers:
+            raise ValueError("V41DSparkDraft: the config has no DSpark stages (n_mtp_layers=0)")
+        self.cfg, self.w, self.num = cfg, weights, numerics
+        self.scfg = stage_config(cfg)
+        self.dcfg = DraftStages(tuple(cfg.dspark_target_layer_ids), cfg.n_mtp_layers, cfg.dspark_block_size,
+                                cfg.dspark_noise_token_id, cfg.dspark_markov_rank)
+        self._device = torch.device(device)
+        self.inv = layer_rope(cfg, 0).to(self._device)
+        self._target = None
+        self._taps: Dict[int, torch.Tensor] = {}
+        self.last = f"mtp.{cfg.n_mtp_layers - 1}"
+
+    # ------------------------------------------------------------------ wiring
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def block_size(self) -> int:
+        return self.dcfg.block_size
+
+    @property
+    def window(self) -> int:
+        return self.cfg.window_size
+
+    @property
+    def target(self):
+        target = self._target() if self._target is not None else None
+        if target is None:
+            raise RuntimeError("the DSpark draft is not attached to a live V4.1 model")
+        return target
+
+    def ring_spec(self, state) -> Tuple[int, torch.dtype]:
+        """(row width, dtype) of the stages' window rings: FP8-grid values kept in the compute dtype."""
+        return self.cfg.head_dim, self.num.dtype
+
+    def attach(self, target) -> "V41DSparkDraft":
+        """Tap ``target``'s layer inputs; share its embedding and head (held weakly: the model owns the draft)."""
+        bad = [i for i in self.dcfg.target_layer_ids if not 0 <= i < target.cfg.n_layers]
+        if bad:
+            raise ValueError(f"dspark_target_layer_ids {list(self.dcfg.target_layer_ids)}: layers {bad} are not in "
+                             f"the model ({target.cfg.n_layers} layers)")
+        self._target = weakref.ref(target)
+        target.tap_hook = self.tap
+        return self
+
+    def tap(self, layer: int, h: torch.Tensor) -> None:
+        """Called by the backbone with the streams [T, hc, D] entering ``layer`` (after its Engram)."""
+        if layer in self.dcfg.target_layer_ids:
+            self._taps[layer] = h.mean(dim=1)
+
+    def compact_replay_skips_taps(self) -> bool:
+        """Bounded replay runs the layers from the last kv source's successor on late rows only."""
+        split = getattr(self.target, "split", self.cfg.n_layers)
+        return any(i >= split for i in self.dcfg.target_layer_ids)
+
+    def last_taps(self, num_rows: int) -> torch.Tensor:
+        """[T, k*D] taps of the backbone's last forward (its ``num_rows`` rows, in step order)."""
+        parts = [self._taps.get(i) for i in self.dcfg.target_layer_ids]
+        if any(p is None or p.shape[0] != num_rows for p in parts):
+            raise RuntimeError(f"DSpark taps of layers {list(self.dcfg.target_layer_ids)} do not cover the step's "
+                               f"{num_rows} rows")
+        return torch.cat(parts, dim=-1)
+
+    # ------------------------------------------------------------------ math
+    def _kv(self, x: torch.Tensor, s: int, pos: torch.Tensor) -> torch.Tensor:
+        p = f"mtp.{s}.attn"
+        kv = rms_norm(linear(x, self.w, f"{p}.wkv.weight", self.num), self.w.float(f"{p}.kv_norm.weight"),
+                      self.cfg.norm_eps)
+        return window_qdq(apply_rope(kv, pos, self.inv))
+
+    @torch.no_grad()
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """taps [T, k*D], positions [T] -> ring rows of every stage [num_stages, T, hd]."""
+        main = linear(taps.to(self.num.dtype), self.w, "mtp.0.main_proj.weight", self.num)
+        main_x = rms_norm(main, self.w.float("mtp.0.main_norm.weight"), self.cfg.norm_eps)
+        return torch.stack([self._kv(main_x, s, positions) for s in range(self.dcfg.num_stages)])
+
+    def _attention(self, s: int, u: torch.Tensor, pos: torch.Tensor, ring_kv: torch.Tensor,
+                   ring_valid: torch.Tensor) -> torch.Tensor:
+        """u [B*g, D] (normed) -> [B*g, D]: block queries over ring (W) + block (g) rows."""
+        cfg, w, num, p = self.cfg, self.w, self.num, f"mtp.{s}.attn"
+        b, win, hd = ring_kv.shape
+        n = u.shape[0]
+        g = n // b
+        qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
+        q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(n, cfg.n_heads, hd), pos, self.inv)
+        kv = self._kv(u, s, pos).view(b, g, hd)
+        keys = torch.cat([ring_kv.to(kv.dtype), kv], dim=1)                          # [B, W+g, hd]
+        valid = torch.cat([ring_valid, torch.ones(b, g, dtype=torch.bool, device=u.device)], dim=1)
+        keys = keys.repeat_interleave(g, dim=0)                                       # every query: all rows
+        valid = valid.repeat_interleave(g, dim=0)
+        o = sparse_attend(q, keys, valid, w.float(f"{p}.attn_sink"), hd ** -0.5)
+        o = apply_rope(o.to(num.dtype), pos, self.inv, inverse=True)
+        wo_a = w.dense(f"{p}.wo_a.weight", num.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)
+        z = torch.einsum("ngk,grk->ngr", o.reshape(n, cfg.o_groups, -1), wo_a).reshape(n, -1)
+        return linear(z, w, f"{p}.wo_b.weight", num)
+
+    @torch.no_grad()
+    def forward_block(self, anchors: torch.Tensor, positions: torch.Tensor, rings: Sequence[torch.Tensor],
+                      slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """anchors [B] at ``positions`` [B] (P), each stage's ring [S, W, hd], slots [B] ->
+        (h [B, g, D] pre-norm, base logits U [B, g, V] in the accumulation dtype)."""
+        cfg, w, num, g = self.cfg, self.w, self.num, self.block_size
+        b, dev = anchors.shape[0], anchors.device
+        ids = torch.full((b, g), self.dcfg.noise_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchors
+        pos = (positions[:, None] + torch.arange(g, device=dev)).reshape(-1)           # [B*g]
+        win = rings[0].shape[1]
+        ring_pos = positions[:, None] - win + torch.arange(win, device=dev)             # P-W .. P-1
+        ring_valid = ring_pos >= 0
+        ring_idx = ring_pos.clamp(min=0) % win
+        target = self.target
+        e = target.w.dense("embed.weight", num.dtype)[ids.reshape(-1)]
+        h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()                    # [B*g, hc, D]
+        pre = one_hot_pre(h.shape[0], cfg.hc_mult, num.dtype, dev)
+        mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        for s, ring in enumerate(rings):
+            p = f"mtp.{s}"
+            pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
+                                          w.float(f"{p}.hc_attn_scale"), *mix)
+            u = rms_norm(hc_collapse(h, pre), w.float(f"{p}.attn_norm.weight"), cfg.norm_eps)
+            h = hc_expand(self._attention(s, u, pos, ring[slots[:, None], ring_idx], ring_valid), h, post_a, c_a)
+            pre_f, post_f, c_f = hc_mixes(h, w.float(f"{p}.hc_ffn_fn"), w.float(f"{p}.hc_ffn_base"),
+                                          w.float(f"{p}.hc_ffn_scale"), *mix)
+            u = rms_norm(hc_collapse(h, pre_a), w.float(f"{p}.ffn_norm.weight"), cfg.norm_eps)
+            h = hc_expand(moe_forward(u, w, s, self.scfg, num, prefix=f"{p}.ffn"), h, post_f, c_f)
+            pre = pre_f
+        x = hc_collapse(h, pre)                                                       # [B*g, D] pre-norm
+        y = rms_norm(x, w.float(f"{self.last}.norm.weight"), cfg.norm_eps).to(num.acc)
+        logits = y @ target.w.dense("head.weight", num.acc).t()
+        return x.view(b, g, -1), logits.view(b, g, -1)
+
+    def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
+        """W1[prev] (``markov_head.embed``): [..., r] in the accumulation dtype."""
+        return self.w.dense(f"{self.last}.markov_head.embed.weight", self.num.acc)[prev]
+
+    @torch.no_grad()
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev [B] -> [B, V] bias ``markov_head.head . W1[prev]``."""
+        return self.markov_embed(prev) @ self.w.dense(f"{self.last}.markov_head.head.weight", self.num.acc).t()
+
+    @torch.no_grad()
+    def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h [B, g, D], prev [B, g] (x_0..x_{g-1}) -> raw confidence logits [B, g]."""
+        proj = self.w.dense(f"{self.last}.confidence_head.proj.weight", self.num.acc)   # [1, D + r]
+        z = torch.cat([h.to(self.num.acc), self.markov_embed(prev)], dim=-1)
+        return (z @ proj.t()).squeeze(-1)
+
+
+def build_draft(target, loaded_draft: Dict[str, torch.Tensor], quantized, keep: bool) -> Optional[V41DSparkDraft]:
+    """The draft over ``target`` from the loader's ``mtp.*`` tensors (None when the config has no stages)."""
+    if not target.cfg.n_mtp_layers or not loaded_draft:
+        return None
+    weights = Weights(loaded_draft, target.num.dtype, keep=keep, quantized=quantized)
+    return V41DSparkDraft(target.cfg, weights, target.num, device=target.device).attach(target)
