@@ -1,0 +1,101 @@
+"""DSpark drafting on DeepSeek-V4.1 (model=tiny-v41, its synthetic checkpoint with one DSpark stage
+in the native layout): greedy with DSpark equals greedy without, token for token and logits to
+fp32 rounding, for one request, a mixed batch and chunked prefill; the rejected tokens of every
+partly accepted block are rolled back (window rings, compressor carry-over, compressed entries,
+Engram look-back are all addressed by position).
+
+Random weights accept almost no draft, so after the drafter has run (its blocks are drafted and
+scheduled) a hook replaces the drafts with the plain run's tokens, every third one wrong: most
+blocks are then accepted in part and rolled back in part."""
+from pathlib import Path
+
+import pytest
+import torch
+from spec_testutil import features, record_logits
+
+from redknot.bench.typed import load_yaml_option
+from redknot.config.schema import EngineConfig, HardwareConfig, ModelConfig, SchedulerConfig
+from redknot.engine import SamplingParams
+from redknot.models.family import DSPARK
+
+CONF = Path(__file__).resolve().parents[3] / "conf" / "model" / "tiny-v41.yaml"
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    from redknot.engine import LLM
+
+    model = load_yaml_option(CONF, ModelConfig)
+    model.max_position = 512
+    cache = str(tmp_path_factory.mktemp("v41-dspark"))
+    made = {}
+
+    def make(dspark: bool, method: str = "auto"):
+        key = (dspark, method)
+        if key not in made:
+            sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_chunk=32, block_size=16)
+            eng = EngineConfig(scheduler=sched, seed=0, cache_dir=cache)
+            feats = features(dspark=dspark, max_draft=2, keep_tokens=WINDOW + 2 + 1, method=method)
+            made[key] = LLM(model, HardwareConfig(), feats, eng)
+        return made[key]
+    yield make
+    for llm in made.values():
+        llm.close()
+
+
+def _oracle(prompts, ref):
+    """Draft hook: the plain run's tokens at the drafted positions, every third position wrong."""
+    def hook(rid, first_pos, drafts):
+        out = ref[rid].token_ids
+        start = first_pos - len(prompts[rid])
+        got = []
+        for j in range(len(drafts)):
+            i = start + j
+            tok = out[i] if 0 <= i < len(out) else 7
+            got.append(tok + 1 if (first_pos + j) % 3 == 0 else tok)
+        return got
+    return hook
+
+
+def _check(v41, prompts):
+    off, on = v41(False), v41(True)
+    ref, ref_lg = record_logits(off, prompts, GREEDY)
+    spec = on.runner.speculator
+    spec.draft_hook = _oracle(prompts, ref)
+    try:
+        got, got_lg = record_logits(on, prompts, GREEDY)
+    finally:
+        spec.draft_hook = None
+    for rid in prompts:
+        assert got[rid].token_ids == ref[rid].token_ids, rid
+        n = len(ref[rid].token_ids)
+        torch.testing.assert_close(got_lg[rid][:n], ref_lg[rid][:n], atol=2e-4, rtol=0)
+    accepted = sum(o.metrics.num_draft_accepted for o in got.values())
+    proposed = sum(o.metrics.num_draft_proposed for o in got.values())
+    assert accepted > 0 and proposed > accepted, (accepted, proposed)  # accepted in part, rolled back in part
+    on.scheduler.cache.assert_empty()
+
+
+def test_v41_drafts_with_dspark_stages(v41):
+    on = v41(True)
+    spec = on.runner.speculator
+    assert spec is not None, "features.dspark.method=auto must draft on a V4.1 checkpoint with mtp.* stages"
+    draft = on.runner.family.draft_models(on.runner.model)[DSPARK]
+    assert draft.block_size == 2 and draft.dcfg.target_layer_ids == (4, 5)
+    assert on.runner.model.tap_hook is not None
+    assert v41(True, "dspark").runner.speculator is not None
+
+
+def test_single_request_equals_plain_greedy(v41):
+    _check(v41, {"one": [(37 * i + 11) % 120000 + 3 for i in range(23)]})
+
+
+def test_mixed_batch_equals_plain_greedy(v41):
+    _check(v41, {f"m{k}": [(53 * i + 101 * k) % 120000 + 3 for i in range(n)] for k, n in enumerate((5, 19, 40))})
+
+
+def test_chunked_prefill_equals_plain_greedy(v41):
+    # 70 tokens with a 32-token chunk: three prefill chunks before the first draft.
+    _check(v41, {"long": [(71 * i + 5) % 120000 + 3 for i in range(70)]})
