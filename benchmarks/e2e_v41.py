@@ -338,6 +338,7 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     device = torch.device("cpu" if a.smoke else "cuda")
     if a.smoke:
+        torch.set_num_threads(1)   # toy shapes: a second thread only contends with whatever else runs
         a.prefill, a.chunk, a.parity_tokens, a.decode_steps, a.engram_vocab = "40", 32, 40, 1, 100
         a.decode_batch, a.decode_context = "1,3", "40"
     cfg = cut_config(a.smoke, a.engram_vocab)
