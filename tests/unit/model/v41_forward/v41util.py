@@ -50,12 +50,13 @@ def _value(spec, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen) * (1.5 / math.sqrt(fan_in))
 
 
-def random_weights(cfg, seed: int = 0) -> Dict[str, torch.Tensor]:
-    """Every backbone tensor of ``cfg`` in its native stored form (FP8 32x32 tiles, MXFP4 experts,
-    FP8 Engram rows with per-32 E8M0 scales, BF16 norms, F32 hc/sink/bias)."""
+def random_weights(cfg, seed: int = 0, include_draft: bool = False) -> Dict[str, torch.Tensor]:
+    """Every backbone tensor of ``cfg`` (and the DSpark stages' with ``include_draft``) in its native
+    stored form (FP8 32x32 tiles, MXFP4 experts, FP8 Engram rows with per-32 E8M0 scales, BF16 norms,
+    F32 hc/sink/bias)."""
     gen = torch.Generator().manual_seed(seed)
     out: Dict[str, torch.Tensor] = {}
-    for spec in checkpoint_spec(cfg, include_draft=False):
+    for spec in checkpoint_spec(cfg, include_draft=include_draft):
         v = _value(spec, gen)
         if spec.kind == FP8:
             q, s = mx.quant_fp8_blocks(v, 32)
