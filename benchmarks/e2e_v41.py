@@ -47,8 +47,10 @@ H200_FP8_FLOPS, H200_BYTES_PER_S = 1451e12, 4.17e12
 # Parity passes when: the cache bytes the ops wrote equal the PyTorch packing exactly (V41_OPS.md: bit-exact),
 # every block's output is within a few bf16 ulps of its max (bf16 outputs, probabilities rounded to bf16
 # before PV, sums in another order), and the indexer picked the same set on >= 95 % of rows (the rest are
-# ties or near-ties at the 512th score, which the contract leaves open).
-PARITY_REL_TOL = 3e-2
+# ties or near-ties at the 512th score, which the contract leaves open). Under reference numerics every
+# FP8-quantised input inside a block (wq_b, wkv, wo_b, the experts) may round to the neighbouring e4m3 value
+# (2^-4 relative) when its input differs by one bf16 ulp, hence the wider bound there.
+PARITY_REL_TOL = {"bf16": 3e-2, "reference": 6e-2}
 PARITY_TOPK_ROWS = 0.95
 
 
@@ -261,7 +263,7 @@ def parity(cfg, tensors, kernels, device, n_tokens: int, chunk: int, numerics: s
     routed_ops = sorted(op for op, b_ in ops.choice.items() if b_ != "pytorch" and
                         not (numerics == "bf16" and op in ("linear_mx", "moe_mx")))
     worst = max((v for k, v in tw.err.items() if k.endswith("rel")), default=0.0)
-    ok = (tw.state_bytes[0] == 0 and worst <= PARITY_REL_TOL and tw.topk_rows[1] > 0
+    ok = (tw.state_bytes[0] == 0 and worst <= PARITY_REL_TOL[numerics] and tw.topk_rows[1] > 0
           and tw.topk_rows[0] >= PARITY_TOPK_ROWS * tw.topk_rows[1])
     out = {"numerics": numerics, "ok": ok, "worst_rel": worst, "tokens": n_tokens, "chunk": chunk, "decode_steps": 4,
            "routed_ops": routed_ops,
@@ -327,6 +329,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--parity-tokens", type=int, default=2048)
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-profile", action="store_true")
+    ap.add_argument("--backend", default=None,
+                    help="kernel backend of the V4.1 ops (default: triton on a GPU, reference with --smoke; "
+                         "--smoke --backend triton runs the Triton kernels in Triton's CPU interpreter)")
     ap.add_argument("--engram-vocab", type=int, default=100000)
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
@@ -342,8 +347,11 @@ def main(argv=None) -> dict:
         a.prefill, a.chunk, a.parity_tokens, a.decode_steps, a.engram_vocab = "40", 32, 40, 1, 100
         a.decode_batch, a.decode_context = "1,3", "40"
     cfg = cut_config(a.smoke, a.engram_vocab)
-    kernels = KernelSet(default="reference" if a.smoke else "triton")
-    ops = V41Ops(kernels, route_all=a.smoke)
+    backend = a.backend or ("reference" if a.smoke else "triton")
+    if a.smoke and backend == "triton":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    kernels = KernelSet(default=backend)
+    ops = V41Ops(kernels, route_all=backend == "reference")
     print(f"e2e_v41: device={device} ops={ops.choice}")
     tensors = random_tensors(cfg, device)
     wbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -363,7 +371,7 @@ def main(argv=None) -> dict:
     if not a.skip_parity:
         for numerics in ("reference", "bf16"):
             p = parity(cfg, tensors, kernels, device, a.parity_tokens, min(a.chunk, 1024 if not a.smoke else 32),
-                       numerics, a.smoke)
+                       numerics, backend == "reference")
             worst = max((v for k, v in p["errors"].items() if k.endswith("rel")), default=0.0)
             print(f"parity {numerics}: {'ok' if p['ok'] else 'FAILED'}, worst block rel err {worst:.3g}, "
                   f"state bytes differing "

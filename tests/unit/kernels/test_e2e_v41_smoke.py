@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -25,3 +27,15 @@ def test_e2e_v41_smoke_run_writes_its_report(tmp_path):
     assert all(d["ms_per_step"] > 0 for d in res["decode"])
     assert res["profile"] and all(rows[-1]["op"] == "(rest)" for rows in res["profile"].values())
     assert "## Prefill" in (tmp_path / "e2e_v41.md").read_text()
+
+
+@pytest.mark.slow
+def test_e2e_v41_smoke_with_the_triton_kernels_interpreted(tmp_path):
+    """The same run with the Triton kernels (CPU interpreter): the model's calls meet the kernels' contracts."""
+    proc = subprocess.run([sys.executable, "-u", str(ROOT / "benchmarks" / "e2e_v41.py"), "--smoke", "--backend",
+                           "triton", "--skip-profile", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "e2e_v41.json").read_text())
+    assert all(b == "triton" for b in res["ops"].values())
+    assert [p["ok"] for p in res["parity"]] == [True, True], res["parity"]
