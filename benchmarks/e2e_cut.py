@@ -6,6 +6,7 @@ experts; bf16; synthetic weights made on the GPU).
     PYTHONUNBUFFERED=1 python3 benchmarks/e2e_cut.py --out "$OUT"     # H200, < 5 minutes
     python benchmarks/e2e_cut.py --smoke                              # CPU dry run (Triton interpreter, toy widths)
     python benchmarks/e2e_cut.py --smoke --backend reference          # the script's own logic in ~1 minute
+    python3 benchmarks/e2e_cut.py --model v41 --out "$OUT"            # the V4.1 cut (benchmarks/e2e_v41.py)
 
 1. Parity of the cut at 2K/4K/8K (one prefill step, logits of 64 rows). bf16 criterion: the two bf16
    paths round in different places, so each is compared with the fp32 truth (the same weights in fp32,
@@ -44,11 +45,18 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float, default=270.0, help="start no new section after this")
     ap.add_argument("--backend", default="triton", help="kernel backend under test (reference: dry-run the script "
                     "itself quickly on a CPU)")
+    ap.add_argument("--model", default="v4", choices=["v4", "v41"],
+                    help="v41: the DeepSeek-V4.1 cut; must come first, the rest goes to benchmarks/e2e_v41.py")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tiny,parity,prefill,decode,truth")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["--model", "v41"]:  # the V4.1 cut takes its own options
+        import e2e_v41
+        e2e_v41.main(argv[2:])
+        return 0
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere

@@ -17,7 +17,7 @@ Decode runs eager: the V4.1 step reads python-side spans, so it is not CUDA-grap
 ``--smoke`` runs every step at toy width on a CPU (kernel ops: their PyTorch references). The V4 cut
 is ``benchmarks/e2e_cut.py``.
 
-    python benchmarks/e2e_v41.py --out outputs/e2e_v41
+    python benchmarks/e2e_v41.py --out outputs/e2e_v41      (or: benchmarks/e2e_cut.py --model v41 ...)
 """
 from __future__ import annotations
 
@@ -319,7 +319,8 @@ def prefill_floor_s(cfg, ctx: int) -> float:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description="DeepSeek-V4.1 real-dimension cut (kernel path)")
-    ap.add_argument("--out", default="outputs/e2e_v41")
+    ap.add_argument("--out", default=os.environ.get("OUT", "outputs/e2e_v41"),
+                    help="directory for e2e_v41.json / e2e_v41.md (default $OUT, else outputs/e2e_v41)")
     ap.add_argument("--smoke", action="store_true", help="toy width on the CPU (kernel ops: references)")
     ap.add_argument("--prefill", default="8192,32768,131072", help="contexts to prefill, ascending ('' skips)")
     ap.add_argument("--chunk", type=int, default=8192)
