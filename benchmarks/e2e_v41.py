@@ -18,6 +18,10 @@ Decode runs eager: the V4.1 step reads python-side spans, so it is not CUDA-grap
 is ``benchmarks/e2e_cut.py``.
 
     python benchmarks/e2e_v41.py --out outputs/e2e_v41      (or: benchmarks/e2e_cut.py --model v41 ...)
+    python benchmarks/e2e_v41.py --out outputs/e2e_v41_1m --prefill 131072,1048576 --decode-context '' \
+        --skip-parity --skip-profile --budget-s 540       # the 1M-token prefill (128K first: it sets the projection)
+
+Every case is skipped, with a note in the report, when its projected end passes ``--budget-s``.
 """
 from __future__ import annotations
 
