@@ -98,6 +98,11 @@ class DSparkDrafter:
 
     def write_context(self, num_rows: int, slots: Sequence[int], positions: Sequence[int], rows: Sequence[int]) -> None:
         """Ring rows of committed positions from the taps of the target's last forward."""
+        computed = getattr(self.draft, "computed_rows", None)  # bounded replay: tail layers' taps on late rows
+        if computed is not None and rows:
+            ok = computed(num_rows).tolist()
+            kept = [k for k, r in enumerate(rows) if ok[r]]
+            slots, positions, rows = [slots[k] for k in kept], [positions[k] for k in kept], [rows[k] for k in kept]
         if not rows:
             return
         device = self.draft.device

@@ -65,7 +65,8 @@ class V41DSparkDraft:
         self._device = torch.device(device)
         self.inv = layer_rope(cfg, 0).to(self._device)
         self._target = None
-        self._taps: Dict[int, torch.Tensor] = {}
+        # layer -> (forward number, rows | None, tap): a tap of an older forward is stale
+        self._taps: Dict[int, Tuple[int, Optional[torch.Tensor], torch.Tensor]] = {}
         self.last = f"mtp.{cfg.n_mtp_layers - 1}"
 
     # ------------------------------------------------------------------ wiring
@@ -102,22 +103,50 @@ class V41DSparkDraft:
         target.tap_hook = self.tap
         return self
 
-    def tap(self, layer: int, h: torch.Tensor) -> None:
-        """Called by the backbone with the streams [T, hc, D] entering ``layer`` (after its Engram)."""
+    def tap(self, layer: int, h: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+        """Called by the backbone with the streams [n, hc, D] entering ``layer`` (after its Engram);
+        ``rows``: the step rows they belong to (bounded replay's tail layers), None for all rows."""
         if layer in self.dcfg.target_layer_ids:
-            self._taps[layer] = h.mean(dim=1)
+            self._taps[layer] = (self.target.num_forwards, rows, h.mean(dim=1))
+
+    def _tap(self, layer: int, num_rows: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(rows | None, tap) of the last forward; a layer that forward never reached (bounded replay
+        with no late rows in the step) has no rows."""
+        got = self._taps.get(layer)
+        if got is None or got[0] != self.target.num_forwards:
+            return torch.zeros(0, dtype=torch.long, device=self.device), None
+        return got[1], got[2]
 
     def compact_replay_skips_taps(self) -> bool:
-        """Bounded replay runs the layers from the last kv source's successor on late rows only."""
-        split = getattr(self.target, "split", self.cfg.n_layers)
-        return any(i >= split for i in self.dcfg.target_layer_ids)
+        """False: under bounded replay the tail layers' taps exist for the rows at or after each
+        sequence's ``replay_from`` (:meth:`computed_rows`), which cover every position a ring is read
+        at (``keep_tokens >= W + max_draft + 1``); the drafter writes only those rows."""
+        return False
+
+    def computed_rows(self, num_rows: int) -> torch.Tensor:
+        """[T] bool: the step rows whose taps the last forward computed."""
+        ok = torch.ones(num_rows, dtype=torch.bool, device=self.device)
+        for i in self.dcfg.target_layer_ids:
+            rows, _ = self._tap(i, num_rows)
+            if rows is not None:
+                mask = torch.zeros_like(ok)
+                mask[rows] = True
+                ok &= mask
+        return ok
 
     def last_taps(self, num_rows: int) -> torch.Tensor:
-        """[T, k*D] taps of the backbone's last forward (its ``num_rows`` rows, in step order)."""
-        parts = [self._taps.get(i) for i in self.dcfg.target_layer_ids]
-        if any(p is None or p.shape[0] != num_rows for p in parts):
-            raise RuntimeError(f"DSpark taps of layers {list(self.dcfg.target_layer_ids)} do not cover the step's "
-                               f"{num_rows} rows")
+        """[T, k*D] taps of the backbone's last forward (its ``num_rows`` rows, in step order); rows
+        the forward did not compute (:meth:`computed_rows`) hold NaN."""
+        parts = []
+        for i in self.dcfg.target_layer_ids:
+            rows, tap = self._tap(i, num_rows)
+            if rows is None and tap.shape[0] != num_rows:
+                raise RuntimeError(f"DSpark taps of layers {list(self.dcfg.target_layer_ids)} do not cover the "
+                                   f"step's {num_rows} rows")
+            if rows is not None:
+                full = torch.full((num_rows, self.cfg.dim), float("nan"), dtype=self.num.dtype, device=self.device)
+                tap = full if tap is None else full.index_copy(0, rows, tap.to(full.dtype))
+            parts.append(tap)
         return torch.cat(parts, dim=-1)
 
     # ------------------------------------------------------------------ math

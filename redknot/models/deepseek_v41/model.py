@@ -60,7 +60,8 @@ class DeepseekV41:
         # First layer bounded replay computes on the tail only: above the last kv source.
         self.split = max(cfg.kv_source_layers) + 1 if cfg.kv_source_layers else 0
         self.dspark = None          # the DSpark draft (dspark_draft.py), set by build_v41_model
-        self.tap_hook = None        # (layer, streams entering it after Engram) -> None: the draft's taps
+        self.tap_hook = None        # (layer, streams entering it after Engram, their step rows | None): draft taps
+        self.num_forwards = 0       # forwards run (tells a tap of this forward from a stale one)
         self.last_slots: Optional[Slots] = None   # the selections of the last forward (inspection)
 
     @property
@@ -72,6 +73,7 @@ class DeepseekV41:
     def forward(self, meta: StepMetadata, state: V41State) -> torch.Tensor:
         """One step -> pre-head rows [T, D] (rows below ``replay_from`` are not meaningful)."""
         cfg = self.cfg
+        self.num_forwards += 1
         spans = self._spans(meta)
         pos = meta.positions
         hashes = self._hashes(meta.input_ids, spans, state)                  # [T, L, cols] | None
@@ -90,7 +92,7 @@ class DeepseekV41:
         if not tail:
             return x
         part = self._layers(range(self.split, cfg.n_layers), h[rows], pre[rows], pos[rows], tail, state,
-                            slots.rows(rows), None if hashes is None else hashes[rows])
+                            slots.rows(rows), None if hashes is None else hashes[rows], rows)
         return x.index_copy(0, rows, hc_collapse(*part))
 
     @torch.no_grad()
@@ -135,14 +137,15 @@ class DeepseekV41:
             state.engram_ids[sp.slot, new_pos % ring] = comp[-keep:]
         return torch.cat(out)
 
-    def _layers(self, layers, h, pre, pos, spans, state, slots, hashes):
+    def _layers(self, layers, h, pre, pos, spans, state, slots, hashes, rows=None):
+        """``rows``: the step rows ``h`` holds (bounded replay's tail), None for all of them."""
         cfg, w, num = self.cfg, self.w, self.num
         for i in layers:
             p = f"layers.{i}"
             if cfg.is_engram(i):
                 h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
             if self.tap_hook is not None:
-                self.tap_hook(i, h)
+                self.tap_hook(i, h, rows)
             mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
             pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
                                           w.float(f"{p}.hc_attn_scale"), *mix)
