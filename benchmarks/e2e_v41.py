@@ -1,6 +1,7 @@
 """DeepSeek-V4.1 real-dimension cut on the engine path: parity of the kernel path against the PyTorch
 path, chunked prefill time / peak memory / cache bytes per token, decode steps, each against the cost
-model's floor, and per-kernel time shares.
+model's floor (FP8 1451 TFLOP/s, 4.17 TB/s), and time shares per registry op (CUDA events; the rest of the
+step is "outside the registry ops") and per kernel (torch.profiler).
 
 The cut keeps the real widths (dim 5120, 64 heads x 512, 384 experts top-6; FP8 32x32-tile weights and
 MXFP4 experts kept in memory as random bytes) and five layers with the roles of the full schedule:
@@ -298,6 +299,52 @@ def op_shares(fn, device, top: int = 12) -> List[dict]:
     return out
 
 
+def registry_shares(ops, fn, device) -> List[dict]:
+    """Time of one call of ``fn`` by registry op (CUDA events around every routed op call, else wall
+    time), and the rest of the step ("outside the registry ops": the PyTorch parts and launch gaps)."""
+    from redknot.models.deepseek_v41.kernel_ops import OPS
+
+    cuda = device.type == "cuda"
+    marks: Dict[str, list] = {}
+    saved = {op: getattr(ops, op) for op in OPS if getattr(ops, op) is not None}
+
+    def timed(op, impl):
+        def call(*args, **kw):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = impl(*args, **kw)
+                b.record()
+                marks.setdefault(op, []).append((a, b))
+            else:
+                t = time.perf_counter()
+                out = impl(*args, **kw)
+                marks.setdefault(op, []).append(time.perf_counter() - t)
+            return out
+        return call
+
+    for op, impl in saved.items():
+        setattr(ops, op, timed(op, impl))
+    try:
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        total = (time.perf_counter() - t) * 1e3
+    finally:
+        for op, impl in saved.items():
+            setattr(ops, op, impl)
+    rows = []
+    for op, ms in marks.items():
+        ms = sum(a.elapsed_time(b) for a, b in ms) if cuda else sum(ms) * 1e3
+        rows.append({"op": op, "ms": ms, "share": ms / total, "calls": len(marks[op])})
+    rows.sort(key=lambda r: -r["ms"])
+    rest = total - sum(r["ms"] for r in rows)
+    rows.append({"op": "(outside the registry ops)", "ms": rest, "share": rest / total, "calls": 0})
+    rows.append({"op": "(step, wall)", "ms": total, "share": 1.0, "calls": 1})
+    return rows
+
+
 def decode_floor_s(cfg, ctx: int, batch: int) -> float:
     """Bandwidth/FLOP floor of one decode step of ``batch`` sequences at ``ctx``: the cost model's batch-1
     bytes, the per-sequence caches times the batch, and the extra routed experts a batch touches
@@ -366,7 +413,7 @@ def main(argv=None) -> dict:
               "cut": "L0 ratio-2 kv/index source + Engram, L1 ratio-2 consumer, L2 ratio-1 candidate source, "
                      "L3 ratio-1 consumer, L4 candidate index source; 384 experts top-6" if not a.smoke else "toy",
               "ceilings": {"fp8_flops": H200_FP8_FLOPS, "bytes_per_s": H200_BYTES_PER_S},
-              "parity": [], "prefill": [], "decode": [], "profile": {},
+              "parity": [], "prefill": [], "decode": [], "profile": {}, "op_shares": {},
               "decode_mode": "eager (the V4.1 step is not CUDA-graph capturable yet)",
               "expected_global_cache_bytes_per_token": global_kv_bytes_per_token(cfg)}
 
@@ -407,7 +454,7 @@ def main(argv=None) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         nseq = max(batches) if ctx in dctx and batches else 1
-        b = Batch(model, nseq, ctx + a.chunk + a.decode_steps * (len(batches) + 2) + 64)
+        b = Batch(model, nseq, ctx + 2 * a.chunk + (a.decode_steps + 4) * (len(batches) + 1) + 64)
         ids = tokens(ctx, cfg.vocab_size, seed=ctx)
         sync(device)
         t = time.perf_counter()
@@ -445,13 +492,20 @@ def main(argv=None) -> dict:
                       f"floor {floor_ms:.3f} ms)")
                 report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": ms, "floor_ms": floor_ms,
                                          "fraction_of_floor": floor_ms / ms})
+                if not a.skip_profile and not over_budget(10):
+                    report["op_shares"][f"decode b{bs} at {ctx}"] = registry_shares(
+                        ops, lambda: b.step([[8]] * bs, seqs=seqs), device)
                 if not a.skip_profile and not over_budget(10) and profiles[0]:
                     profiles[0] -= 1
                     report["profile"][f"decode b{bs} at {ctx}"] = op_shares(
                         lambda: b.step([[9]] * bs, seqs=seqs), device)
+        if not a.skip_profile and not over_budget(2 * dt * a.chunk / ctx + 10):
+            chunk_ids = tokens(a.chunk, cfg.vocab_size, 4)
+            report["op_shares"][f"prefill chunk {a.chunk} after {ctx}"] = registry_shares(
+                ops, lambda: b.step([chunk_ids], seqs=[0]), device)
         if not a.skip_profile and not over_budget(2 * dt * a.chunk / ctx + 10) and profiles[0]:
             profiles[0] -= 1
-            chunk_ids = tokens(a.chunk, cfg.vocab_size, 4)
+            chunk_ids = tokens(a.chunk, cfg.vocab_size, 5)
             report["profile"][f"prefill chunk {a.chunk} after {ctx}"] = op_shares(
                 lambda: b.step([chunk_ids], seqs=[0]), device)
         del b
@@ -493,6 +547,9 @@ def write(report: dict, out: str) -> None:
             continue
         lines.append(f"| {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['floor_ms']:.3f} | "
                      f"{100 * r['fraction_of_floor']:.1f} |")
+    for name, rows in report["op_shares"].items():
+        lines += ["", f"## Registry ops: {name}", "", "| op | share | ms | calls |", "|---|---|---|---|"]
+        lines += [f"| {r['op']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
     for name, rows in report["profile"].items():
         lines += ["", f"## Time shares: {name}", "", "| kernel / op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| `{r['op']}` | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]

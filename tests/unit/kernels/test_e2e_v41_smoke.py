@@ -26,6 +26,12 @@ def test_e2e_v41_smoke_run_writes_its_report(tmp_path):
     assert {(d["context"], d["batch"]) for d in res["decode"]} == {(40, 1), (40, 3)}
     assert all(d["ms_per_step"] > 0 for d in res["decode"])
     assert res["profile"] and all(rows[-1]["op"] == "(rest)" for rows in res["profile"].values())
+    shares = res["op_shares"]
+    assert {"decode b1 at 40", "decode b3 at 40", "prefill chunk 32 after 40"} <= set(shares)
+    for rows in shares.values():
+        ops = {r["op"] for r in rows}
+        assert {"moe_mx", "linear_mx", "sparse_attention_mx", "(outside the registry ops)"} <= ops
+        assert abs(sum(r["ms"] for r in rows[:-1]) - rows[-1]["ms"]) < 1e-6 * max(1.0, rows[-1]["ms"])
     assert "## Prefill" in (tmp_path / "e2e_v41.md").read_text()
 
 
