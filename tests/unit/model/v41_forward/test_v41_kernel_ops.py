@@ -89,6 +89,13 @@ class _Twin:
         return want
 
 
+def test_sm90_target_routes_every_op():
+    pytest.importorskip("triton")
+    ops = V41Ops.create(KernelSet(default="triton"))
+    assert ops is not None and ops.attention
+    assert all(ops.choice[op] == "triton" for op in OPS)
+
+
 def _select_lower_first(scores, topk):
     """ref_v41's selection with the model's tie rule (lower entry first): the op contract leaves the
     order of exact ties open, and the tiny indexer has many (relu zeros), so the test pins one rule."""
