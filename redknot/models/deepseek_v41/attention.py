@@ -126,7 +126,9 @@ class AttentionLayer:
                 self._attend(q, kv, sp, state, slots, o)
         o = apply_rope(o.to(num.dtype), pos, self.inv, inverse=True)
         g = cfg.o_groups
-        wo_a = w.dense(f"{p}.wo_a.weight", num.dtype).view(g, cfg.o_lora_rank, -1)
+        ops = ops_of(w)
+        wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
+                else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
         z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
         return linear(z, w, f"{p}.wo_b.weight", num)
 

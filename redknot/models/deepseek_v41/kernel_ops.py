@@ -10,9 +10,9 @@ PyTorch math, which is the reference the registry ops are tested against. ``rout
 through the registry even when it resolves to ``reference`` (the dispatch test on a CPU).
 
 What stays PyTorch on every target: the router, the ratio-2/ratio-1 compressor arithmetic, mHC, norms,
-RoPE, ``wo_a`` (a bf16 weight in the reference) and the head. Linears and experts route only with
-``hardware.weight_format=keep`` and ``model.numerics=reference`` (the ops quantise activations per 32,
-which is what reference numerics computes; bf16 numerics does not).
+RoPE, ``wo_a`` (a bf16 weight in the reference: dequantised once and kept) and the head. Linears and
+experts route only with ``hardware.weight_format=keep`` and ``model.numerics=reference`` (the ops
+quantise activations per 32, which is what reference numerics computes; bf16 numerics does not).
 
 The functions below are the routed bodies of :class:`AttentionLayer` methods; they read the same
 state and publish the same :class:`Slots` (plus candidate block ids instead of a position mask).
@@ -40,6 +40,7 @@ class V41Ops:
             setattr(self, op, getattr(kernels, op) if use else None)
             self.choice[op] = backend if use else "pytorch"
         self._experts = {}
+        self._dense = {}
 
     @classmethod
     def create(cls, kernels, route_all: bool = False) -> Optional["V41Ops"]:
@@ -72,6 +73,15 @@ class V41Ops:
         if weight is None or scale is None or weight.dtype != torch.float8_e4m3fn:
             return None
         return self.linear_mx(x.to(num.dtype), weight, scale, 32, 32)
+
+    def bf16_weight(self, w: Weights, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A weight the reference holds dequantised (``wo_a``: bf16, applied without activation
+        quantisation), dequantised once even when the others are kept quantised."""
+        key = (name, dtype)
+        got = self._dense.get(key)
+        if got is None:
+            got = self._dense[key] = w.dense(name, dtype)
+        return got
 
     def stacked_experts(self, w: Weights, prefix: str, n: int):
         """(w1, w1_s, w3, w3_s, w2, w2_s) as [E, ...] uint8 stacks of the routed experts' MXFP4 weights,
