@@ -339,7 +339,9 @@ def tiny_v41_config() -> V41Config:
 
     Layers: 0 SWA-only (+Engram), 1 ratio-2 kv+index source (+Engram), 2 ratio-2
     consumer, 3 ratio-1 candidate source, 4 ratio-1 consumer, 5 candidate index
-    source; then one DSpark stage (ratio 0) tapping layers 4 and 5. Window 16,
+    source; then one DSpark stage (ratio 0) tapping the inputs of layers 4 and 5, with the
+    released block of 5 (the reference's test config drafts 2; 5 lets the default
+    ``features.dspark.max_draft=5`` run). Window 16,
     top-k 8 and 3 candidate blocks of 4 make every mechanism bite at prompts of ~60
     tokens. The Engram compressed vocabulary is the V4 tokenizer's token map
     (:mod:`redknot.models.deepseek_v41.token_map`); the tables have a few hundred rows.
@@ -358,7 +360,7 @@ def tiny_v41_config() -> V41Config:
         engram_layer_ids=(0, 1), engram_num_embeddings=tuple(table_rows(p) for p in primes),
         engram_max_ngram_size=4, engram_vocab_size=100, engram_n_heads=2, engram_head_dim=32, engram_pad_id=2,
         engram_compressed_vocab_size=TINY_COMPRESSED_VOCAB,
-        n_mtp_layers=1, dspark_block_size=2, dspark_noise_token_id=128799, dspark_target_layer_ids=(4, 5),
+        n_mtp_layers=1, dspark_block_size=5, dspark_noise_token_id=128799, dspark_target_layer_ids=(4, 5),
         dspark_markov_rank=32, dspark_n_routed_experts=4, dspark_n_activated_experts=2)
 
 

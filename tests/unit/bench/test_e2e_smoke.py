@@ -45,10 +45,10 @@ def _check_run(tmp_path: Path, overrides, num_cases: int, model: str = "tiny-v41
     (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert mlrun.info.status == "FINISHED"
     assert mlrun.data.metrics["completed"] == num_cases and "ttft_s.p90" in mlrun.data.metrics
-    if model == "tiny":  # the V4 toy model drafts with its MTP layer
-        assert mlrun.data.metrics["spec.num_plain_steps"] + mlrun.data.metrics["spec.num_verify_steps"] > 0
-    else:  # V4.1 drafting (DSpark) is not built yet: every step is a plain one
-        assert mlrun.data.metrics.get("spec.num_verify_steps", 0) == 0
+    # the V4 toy model drafts with its MTP layer, tiny-v41 with its DSpark stage
+    assert mlrun.data.metrics["spec.num_plain_steps"] + mlrun.data.metrics["spec.num_verify_steps"] > 0
+    if model == "tiny-v41":
+        assert mlrun.data.metrics["spec.num_verify_steps"] > 0
     assert mlrun.data.tags["engine.cuda_graphs"] == "off: cpu" and mlrun.data.metrics["engine.cuda_graph_steps"] == 0
     assert mlrun.data.params["suite.name"] == results["suite"]
     tail = run.stdout.strip().splitlines()[-2:]
@@ -64,7 +64,7 @@ def _check_run(tmp_path: Path, overrides, num_cases: int, model: str = "tiny-v41
 
 @pytest.mark.parametrize("model", ["tiny-v41", "tiny"])
 def test_trimmed_smoke_run_writes_records_report_plots_and_mlflow_run(tmp_path, model):
-    """The embedded default (tiny-v41) and the V4 toy model with its MTP drafting."""
+    """The embedded default (tiny-v41, DSpark drafting) and the V4 toy model with its MTP drafting."""
     _check_run(tmp_path, TRIMMED + (f"model={model}",), num_cases=2, model=model)
 
 

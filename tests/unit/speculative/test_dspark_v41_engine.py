@@ -83,7 +83,7 @@ def test_v41_drafts_with_dspark_stages(v41):
     spec = on.runner.speculator
     assert spec is not None, "features.dspark.method=auto must draft on a V4.1 checkpoint with mtp.* stages"
     draft = on.runner.family.draft_models(on.runner.model)[DSPARK]
-    assert draft.block_size == 2 and draft.dcfg.target_layer_ids == (4, 5)
+    assert draft.block_size == 5 and draft.dcfg.target_layer_ids == (4, 5)
     assert on.runner.model.tap_hook is not None
     assert v41(True, "dspark").runner.speculator is not None
 
