@@ -14,7 +14,7 @@ import torch
 from spec_testutil import features, record_logits
 
 from redknot.bench.typed import load_yaml_option
-from redknot.config.schema import EngineConfig, HardwareConfig, ModelConfig, SchedulerConfig
+from redknot.config.schema import Accelerator, DType, EngineConfig, HardwareConfig, ModelConfig, SchedulerConfig
 from redknot.engine import SamplingParams
 from redknot.models.family import DSPARK
 
@@ -32,13 +32,17 @@ def v41(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("v41-dspark"))
     made = {}
 
-    def make(dspark: bool, method: str = "auto", compact: bool = False):
-        key = (dspark, method, compact)
+    def make(dspark: bool, method: str = "auto", compact: bool = False, cuda: bool = False):
+        key = (dspark, method, compact, cuda)
         if key not in made:
+            hardware = HardwareConfig()
+            if cuda:  # float32 on the GPU, so equalities hold to fp32 rounding as on the CPU
+                hardware = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
+                                          kv_cache_dtype=DType.float32, cuda_graphs=False, memory_utilization=0.5)
             sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_chunk=32, block_size=16)
             eng = EngineConfig(scheduler=sched, seed=0, cache_dir=cache)
             feats = features(dspark=dspark, max_draft=2, keep_tokens=WINDOW + 2 + 1, method=method, compact=compact)
-            made[key] = LLM(model, HardwareConfig(), feats, eng)
+            made[key] = LLM(model, hardware, feats, eng)
         return made[key]
     yield make
     for llm in made.values():
@@ -59,8 +63,8 @@ def _oracle(prompts, ref):
     return hook
 
 
-def _check(v41, prompts, compact: bool = False):
-    off, on = v41(False, compact=compact), v41(True, compact=compact)
+def _check(v41, prompts, compact: bool = False, cuda: bool = False):
+    off, on = v41(False, compact=compact, cuda=cuda), v41(True, compact=compact, cuda=cuda)
     ref, ref_lg = record_logits(off, prompts, GREEDY)
     spec = on.runner.speculator
     spec.draft_hook = _oracle(prompts, ref)
@@ -123,3 +127,12 @@ def test_bounded_replay_drafts_from_computed_taps(v41):
     finally:
         del draft.forward_block
     assert finite and all(finite)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_mixed_batch_equals_plain_greedy(v41):
+    """The same on a CUDA device (the draft's PyTorch path beside the backbone's kernel ops)."""
+    assert v41(True, cuda=True).runner.model.device.type == "cuda"
+    _check(v41, {f"g{k}": [(29 * i + 7 * k) % 120000 + 3 for i in range(n)] for k, n in enumerate((6, 33, 70))},
+           cuda=True)
