@@ -140,3 +140,27 @@ def test_rollback_leaves_state_bit_identical(prompt_len, k):
     for x, y in zip(right.state.tensors(), wrong.state.tensors()):
         assert torch.equal(x, y)
     assert any(t.abs().sum() > 0 for t in right.state.tensors())
+
+
+def test_released_draft_tensor_names_and_shapes():
+    """deepseek_v41.md §4.6 / dspark.md §2.4: the released V4.1-Flash ``mtp.*`` names and shapes."""
+    from redknot.models.deepseek_v41.checkpoint import checkpoint_spec
+    from redknot.models.deepseek_v41.config import V41Config
+
+    specs = {s.name: s for s in checkpoint_spec(V41Config.flash()) if s.draft}
+    assert specs["mtp.0.main_proj.weight"].shape == (5120, 15360)
+    assert tuple(specs["mtp.0.main_proj.weight"].scale_shape) == (160, 480)     # 32x32 UE8M0 blocks
+    assert specs["mtp.0.main_norm.weight"].shape == (5120,)
+    assert specs["mtp.2.norm.weight"].shape == (5120,)
+    assert specs["mtp.2.markov_head.embed.weight"].shape == (129280, 256)
+    assert specs["mtp.2.markov_head.head.weight"].shape == (129280, 256)
+    assert specs["mtp.2.confidence_head.proj.weight"].shape == (1, 5376)
+    for s in range(3):
+        assert specs[f"mtp.{s}.ffn.gate.weight"].shape[0] == 128
+        assert f"mtp.{s}.ffn.experts.127.w1.weight" in specs and f"mtp.{s}.ffn.experts.128.w1.weight" not in specs
+        assert f"mtp.{s}.ffn.shared_experts.w2.weight" in specs
+        assert not any(n.startswith(f"mtp.{s}.attn.compressor") or n.startswith(f"mtp.{s}.attn.indexer")
+                       for n in specs)
+    assert not any(k in n for n in specs for k in ("hc_head", "eh_proj", "enorm", "hnorm", "mtp.0.embed",
+                                                   "mtp.2.head."))
+    assert "mtp.1.main_proj.weight" not in specs and "mtp.0.markov_head.embed.weight" not in specs
