@@ -37,7 +37,11 @@ log = logging.getLogger(__name__)
 class DeepseekV41:
     """The V4.1 backbone over native checkpoint tensors (:class:`Weights`)."""
 
-    supports_cuda_graphs = False  # steps read python-side spans (block tables, ring rows)
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Tensor-only steps (:mod:`tensor_step`) read every per-step value from tensors; they follow
+        the owners' index keys only."""
+        return self.index_keys == "owner"
 
     def __init__(self, cfg, weights: Weights, token_map: Optional[torch.Tensor], pad_c: int,
                  numerics: Numerics, index_keys: str = "owner", device="cpu", ops: Optional[V41Ops] = None):
@@ -74,6 +78,10 @@ class DeepseekV41:
         """One step -> pre-head rows [T, D] (rows below ``replay_from`` are not meaningful)."""
         cfg = self.cfg
         self.num_forwards += 1
+        if meta.tensor_only:  # CUDA-graph capture: nothing read from the python lists
+            from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
+
+            return tensor_forward(self, TensorStep.from_meta(meta), state)
         spans = self._spans(meta)
         pos = meta.positions
         hashes = self._hashes(meta.input_ids, spans, state)                  # [T, L, cols] | None
@@ -172,9 +180,10 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
     from redknot.models.deepseek_v41.weights import checkpoint_tokenizer_file, engram_token_map, load_v41_weights
     from redknot.models.deepseek_v41.writer import write_synthetic_checkpoint
 
-    if expert_rows is not None:
-        raise ValueError("features.parallel.ep > 1: expert parallel is not supported by model family "
-                         "deepseek_v41 yet; set features.parallel.ep=1")
+    from redknot.models.deepseek_v41.parallel import engram_placement_of
+
+    # Expert parallel: this rank's routed experts and (engram_placement=sharded) its Engram rows.
+    placement, ep_group, ep_rank, ep_size = engram_placement_of(expert_rows)
     if model_cfg.path:
         import os
 
@@ -199,7 +208,9 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
     numerics = Numerics(ModelNumerics(model_cfg.numerics).value, dtype)
     index_keys = IndexKeys(model_cfg.index_keys).value
     loaded = load_v41_weights(path, cfg, weight_format="keep" if keep else "dequantize", dtype=dtype,
-                              include_draft=True, device=device)
+                              include_draft=True, device=device, expert_rows=expert_rows,
+                              engram_shard=(ep_rank, ep_size) if placement == "sharded" and ep_size > 1 else None,
+                              engram_device="cpu" if placement == "host" else None)
     token_map, pad_c = None, 0
     if cfg.engram_layer_ids:
         tmap = engram_token_map(cfg, checkpoint_tokenizer_file(model_cfg, model_cfg.path), cache_dir)
@@ -215,6 +226,11 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
     if ops is not None:
         log.info("deepseek_v41: kernel ops %s", ops.choice)
     model = DeepseekV41(cfg, weights, token_map, pad_c, numerics, index_keys, device=device, ops=ops)
+    if expert_rows is not None:
+        from redknot.models.deepseek_v41.parallel import install_engram
+
+        model.expert_ids = dict(loaded.experts)
+        install_engram(model, loaded, placement, ep_group, ep_rank, ep_size)
     if cfg.n_mtp_layers:
         from redknot.models.deepseek_v41.dspark_draft import build_draft
 

@@ -1,0 +1,293 @@
+"""A V4.1 step that reads every per-step value from device tensors (CUDA graphs, varlen verify).
+
+The eager engine path (:mod:`model`, :mod:`attention`) walks Python spans: it slices each
+sequence's rows, sizes its tensors by the sequence's length and branches on where compressor
+groups close. A captured graph replays fixed kernels over whatever its input buffers hold, so
+here every shape depends only on the padded row count ``T``, the request count ``B`` and the
+block-table width ``W``, and every per-step fact is a tensor computed on the device:
+
+* rows -> requests from ``query_start_loc`` (requests may have 1..γ+1 rows: decode and
+  DSpark's variable-length verify alike); the first position of each request is the position of
+  its first row, so a row looks back ``row - first`` rows inside the step and reads the rest from
+  the rings;
+* window, ratio-2 compressor carry-over and Engram look-back read the rings *before* this
+  step's rows are stored (exactly the eager order); a request stores only its last ``ring`` rows,
+  the others go to the spare slot;
+* ratio-2 groups close on odd positions: every row computes a pooled entry and only closing rows
+  store it; the rest store into the spare block, which no request's table names;
+* the indexer scores all ``W·block_size/r`` entries a block table can address and masks those
+  a row cannot see (``j >= (p+1)//r``), so the top-k over each request's valid entries needs
+  no host-side count; -1 marks "none", as in the eager path;
+* the MoE runs every expert on every row with zero routing weight where a row does not use it
+  (no per-expert row counts on the host) unless the registry's grouped op takes it.
+
+Padding rows belong to padding requests whose slot is the spare slot and whose block table
+names only the spare block, so they touch nothing a real request reads. The spare slot and
+block are the last ones of the state (the engine runner's ``padding_slot``/``padding_block``).
+Attention, indexer and compressor here are the PyTorch math of the eager path (the registry's
+span kernels take host spans); the dense linears and the grouped MoE go through the registry
+where the model has ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41.attention import candidate_blocks, sparse_attend
+from redknot.models.deepseek_v41.engram import engram_forward
+from redknot.models.deepseek_v41.kernel_ops import ops_of
+from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
+from redknot.models.deepseek_v41.moe import route, swiglu_expert
+from redknot.models.deepseek_v41.ref_math import (
+    acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, rms_norm, topk_ids)
+
+
+@dataclass
+class TensorStep:
+    """One step as device tensors only: T rows of B requests (padding requests included)."""
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64 absolute positions
+    query_start_loc: torch.Tensor  # [B+1] row offsets; query_start_loc[B] == T
+    seq_slots: torch.Tensor        # [B] state slot of each request (padding: the spare slot)
+    block_tables: torch.Tensor     # [B, W] block ids (padding: the spare block)
+
+    @classmethod
+    def from_meta(cls, meta) -> "TensorStep":
+        return cls(meta.input_ids, meta.positions, meta.query_start_loc, meta.seq_slots, meta.block_tables)
+
+
+class _Rows:
+    """Per-row facts derived on the device (no host read)."""
+
+    def __init__(self, step: TensorStep, state, block_size: int):
+        t = step.input_ids.shape[0]
+        dev = step.input_ids.device
+        qsl = step.query_start_loc.long()
+        self.t = t
+        self.row = torch.arange(t, device=dev)
+        self.seq = torch.searchsorted(qsl[1:].contiguous(), self.row, right=True).clamp(max=qsl.shape[0] - 2)
+        self.first = qsl[self.seq]                                  # first row of the row's request
+        self.last = qsl[self.seq + 1] - 1                           # last row of the row's request
+        self.back = self.row - self.first                           # rows of its request before it
+        self.pos = step.positions.long()
+        self.slot = step.seq_slots.long()[self.seq]
+        self.blocks = step.block_tables.long()[self.seq]            # [T, W]
+        self.block_size = block_size
+        self.spare_slot = state.num_slots - 1
+        self.spare_block = state.num_blocks - 1
+
+    def ring_dest(self, ring: int) -> torch.Tensor:
+        """Flat [slot*ring + p % ring] of each row's ring write; rows that are not among their
+        request's last ``ring`` rows (the eager path keeps only those) write the spare slot."""
+        keep = (self.last - self.row) < ring
+        slot = torch.where(keep, self.slot, torch.full_like(self.slot, self.spare_slot))
+        return slot * ring + self.pos.remainder(ring)
+
+    def ring_lookback(self, ring_t: torch.Tensor, step_vals: torch.Tensor, depth: int) -> torch.Tensor:
+        """Values at positions p-s, s = 0..depth-1, per row -> [T, depth, ...]: from the step's own
+        rows where the request has them, else from ``ring_t`` [S, ring, ...] (read before writing)."""
+        ring = ring_t.shape[1]
+        s = torch.arange(depth, device=self.pos.device)
+        lpos = self.pos[:, None] - s                                            # [T, depth]
+        flat = ring_t.reshape(ring_t.shape[0] * ring, *ring_t.shape[2:])
+        old = flat[self.slot[:, None] * ring + lpos.remainder(ring)]
+        inner = s[None, :] <= self.back[:, None]
+        new = step_vals[(self.row[:, None] - s).clamp(min=0)]
+        shape = inner.shape + (1,) * (old.dim() - 2)
+        return torch.where(inner.view(shape), new.to(old.dtype), old)
+
+    def page(self, entry: torch.Tensor, ratio: int, per: int) -> torch.Tensor:
+        """Flat page rows of entries ``entry`` [T, ...] of each row's request."""
+        p = entry * ratio
+        col = (p // self.block_size).clamp(max=self.blocks.shape[1] - 1)
+        blk = self.blocks.gather(1, col.reshape(self.t, -1)).view_as(entry)
+        return blk * per + (p % self.block_size) // ratio
+
+
+def check_tensor_step(model) -> None:
+    if model.index_keys != "owner":
+        raise ValueError(f"model.index_keys={model.index_keys!r}: the tensor-only step follows the owners' "
+                         "keys only; use model.index_keys=owner (or eager steps)")
+
+
+@torch.no_grad()
+def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
+    """One step of ``model`` (:class:`DeepseekV41`) -> pre-head rows [T, D], no host sync."""
+    check_tensor_step(model)
+    cfg, w, num = model.cfg, model.w, model.num
+    rows = _Rows(step, state, state.layout.block_size)
+    hashes = _hashes(model, step, rows, state)
+    e = w.dense("embed.weight", model.dtype)[step.input_ids]
+    h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+    pre = one_hot_pre(h.shape[0], cfg.hc_mult, model.dtype, h.device)
+    shared = {"topk": None, "cand": None}
+    mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}"
+        if cfg.is_engram(i):
+            h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
+        pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
+                                      w.float(f"{p}.hc_attn_scale"), *mix)
+        u = rms_norm(hc_collapse(h, pre), w.float(f"{p}.attn_norm.weight"), cfg.norm_eps)
+        h = hc_expand(_attention(model.attn[i], u, rows, state, shared), h, post_a, c_a)
+        pre_f, post_f, c_f = hc_mixes(h, w.float(f"{p}.hc_ffn_fn"), w.float(f"{p}.hc_ffn_base"),
+                                      w.float(f"{p}.hc_ffn_scale"), *mix)
+        u = rms_norm(hc_collapse(h, pre_a), w.float(f"{p}.ffn_norm.weight"), cfg.norm_eps)
+        h = hc_expand(_moe(u, w, i, cfg, num), h, post_f, c_f)
+        pre = pre_f
+    return hc_collapse(h, pre)
+
+
+# ---------------------------------------------------------------------- Engram
+def _hashes(model, step: TensorStep, rows: _Rows, state) -> Optional[torch.Tensor]:
+    if model.hasher is None:
+        return None
+    lb = model.hasher.layout.lookback
+    comp = model.token_map[step.input_ids]                                      # [T]
+    hist = rows.ring_lookback(state.engram_ids, comp, lb + 1).flip(1)           # [T, lb+1], oldest first
+    out = model.hasher.hash(hist, rows.pos)[:, 0]                               # [T, L, cols]
+    ring = state.engram_ids.shape[1]
+    state.engram_ids.view(-1).index_copy_(0, rows.ring_dest(ring), comp)
+    return out
+
+
+# ---------------------------------------------------------------------- MoE
+def _moe(u: torch.Tensor, w, layer: int, cfg, num) -> torch.Tensor:
+    prefix = f"layers.{layer}.ffn"
+    ids, weights = route(u, w, prefix, cfg, num.acc)
+    ops = ops_of(w)
+    routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)
+    shared = swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
+    if routed is not None:
+        return (routed.to(num.acc) + shared).to(num.dtype)
+    out = torch.zeros(u.shape[0], cfg.dim, dtype=num.acc, device=u.device)
+    experts = torch.arange(cfg.n_routed_experts, device=u.device)
+    # [T, E] routing weight of every expert (0 where a row does not route to it); same summation
+    # order per row as the eager grouped loop (expert ascending, then the shared expert).
+    dense_w = ((ids[:, :, None] == experts) * weights[:, :, None]).sum(1)
+    for e in range(cfg.n_routed_experts):
+        out += swiglu_expert(u, w, f"{prefix}.experts.{e}", num, cfg.swiglu_limit, dense_w[:, e])
+    out += shared
+    return out.to(num.dtype)
+
+
+# ---------------------------------------------------------------------- attention
+def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tensor:
+    cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
+    t = u.shape[0]
+    pos = rows.pos
+    qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
+    q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), pos, layer.inv)
+    kv = rms_norm(linear(u, w, f"{p}.wkv.weight", num), w.float(f"{p}.kv_norm.weight"), cfg.norm_eps)
+    kv = apply_rope(kv, pos, layer.inv)
+    if cfg.is_kv_source(layer.layer):
+        _compress(layer, u, rows, state)
+    if cfg.is_index_source(layer.layer):
+        _index(layer, u, qr, rows, state, shared)
+    o = _attend(layer, q, kv, rows, state, shared["topk"])
+    o = apply_rope(o.to(num.dtype), pos, layer.inv, inverse=True)
+    g = cfg.o_groups
+    ops = ops_of(w)
+    wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
+            else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
+    z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
+    return linear(z, w, f"{p}.wo_b.weight", num)
+
+
+def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
+    cfg, num = layer.cfg, layer.num
+    ring_t = state.windows[layer.layer]                                         # [S, ring, bytes]
+    win = cfg.window_size
+    packed = mx.pack_window_rows(kv)                                            # [T, bytes]
+    raw = rows.ring_lookback(ring_t, packed, win)                               # [T, W, bytes]
+    cand = mx.unpack_window_rows(raw.reshape(-1, raw.shape[-1]), num.dtype).view(rows.t, win, -1)
+    lpos = rows.pos[:, None] - torch.arange(win, device=q.device)
+    valid = lpos >= 0
+    if layer.ratio:
+        src = state.sources[layer.kv_source]
+        sel = topk                                                              # [T, K]
+        idx = rows.page(sel.clamp(min=0), layer.ratio, src.entries.shape[1])
+        ent = mx.unpack_compressed_entries(src.entries.view(-1, src.entries.shape[-1])[idx.reshape(-1)],
+                                           num.dtype).view(rows.t, sel.shape[1], -1)
+        cand = torch.cat([cand, ent], dim=1)
+        valid = torch.cat([valid, sel >= 0], dim=1)
+    ring = ring_t.shape[1]
+    ring_t.view(-1, ring_t.shape[-1]).index_copy_(0, rows.ring_dest(ring), packed)
+    sink = layer.w.float(f"{layer.p}.attn_sink")
+    return sparse_attend(q, cand, valid, sink, cfg.head_dim ** -0.5)
+
+
+def _compress(layer, u, rows: _Rows, state) -> None:
+    cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
+    src = state.sources[layer.layer]
+    r = layer.ratio
+    per = src.entries.shape[1]
+    pos = rows.pos
+    if r == 1:
+        latent = rms_norm(plain_linear(u, w, f"{p}.compressor.wkv.weight", num.dtype),
+                          w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
+        ent = pos
+        dest = rows.page(ent, r, per)
+    else:
+        a = acc_dtype(num.dtype)
+        kv_a = plain_linear(u.to(a), w, f"{p}.compressor.wkv.weight", a)       # [T, Dh]
+        gate = plain_linear(u.to(a), w, f"{p}.compressor.wgate.weight", a)
+        # Group (p-1, p) for every row; only odd positions close a group and store it.
+        ka = rows.ring_lookback(src.kv_rows, kv_a, r).flip(1).to(a)            # [T, r, Dh] oldest first
+        ga = rows.ring_lookback(src.gate_rows, gate, r).flip(1).to(a)
+        pooled = (ka * torch.softmax(ga, dim=1)).sum(1)
+        latent = rms_norm(pooled.to(num.dtype), w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
+        ring = src.kv_rows.shape[1]
+        dst = rows.ring_dest(ring)
+        src.kv_rows.view(-1, src.kv_rows.shape[-1]).index_copy_(0, dst, kv_a.to(src.kv_rows.dtype))
+        src.gate_rows.view(-1, src.gate_rows.shape[-1]).index_copy_(0, dst, gate.to(src.gate_rows.dtype))
+        closes = (pos + 1) % r == 0
+        ent = ((pos + 1) // r - 1).clamp(min=0)
+        spare = torch.full_like(ent, rows.spare_block * per)
+        dest = torch.where(closes, rows.page(ent, r, per), spare)
+    epos = ent * r
+    keys = rms_norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype),
+                    w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
+    src.keys.view(-1, src.keys.shape[-1]).index_copy_(0, dest, mx.pack_index_keys(apply_rope(keys, epos, layer.inv)))
+    src.entries.view(-1, src.entries.shape[-1]).index_copy_(
+        0, dest, mx.pack_compressed_entries(apply_rope(latent, epos, layer.inv)))
+
+
+def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
+    cfg, w, num = layer.cfg, layer.w, layer.num
+    p = f"{layer.p}.indexer"
+    t = u.shape[0]
+    dev = u.device
+    q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    q = index_qdq(apply_rope(q, rows.pos, layer.inv))
+    wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
+        * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+    r = layer.ratio
+    src = state.sources[layer.kv_source]
+    n_max = rows.blocks.shape[1] * rows.block_size // r                          # entries a table addresses
+    ent = torch.arange(n_max, device=dev)
+    idx = rows.page(ent.expand(t, n_max), r, src.keys.shape[1])
+    keys = mx.unpack_index_keys(src.keys.view(-1, src.keys.shape[-1])[idx.reshape(-1)],
+                                num.dtype).view(t, n_max, -1)
+    a = wts.dtype
+    dots = torch.einsum("nhd,nsd->nsh", q.to(a), keys.to(a))
+    if num.act_quant:
+        sc = bf16_round(bf16_round(bf16_round(F.relu(bf16_round(dots))) * bf16_round(wts)[:, None, :]).sum(-1))
+    else:
+        sc = (F.relu(dots) * wts[:, None, :]).sum(-1)
+    visible = (rows.pos + 1) // r
+    sc = sc.masked_fill(ent[None, :] >= visible[:, None], float("-inf"))
+    if cfg.is_candidate_source(layer.layer):
+        shared["cand"] = candidate_blocks(sc, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+    elif cfg.reads_candidates(layer.layer):
+        sc = sc.masked_fill(~shared["cand"][:, :n_max], float("-inf"))
+    k = min(cfg.index_topk, n_max)
+    sel = topk_ids(sc, k)
+    sel = torch.where(sc.gather(1, sel) > float("-inf"), sel, torch.full_like(sel, -1))
+    topk = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=dev)
+    topk[:, :k] = sel
+    shared["topk"] = topk
