@@ -40,8 +40,10 @@ class DeepseekV41:
     @property
     def supports_cuda_graphs(self) -> bool:
         """Tensor-only steps (:mod:`tensor_step`) read every per-step value from tensors; they follow
-        the owners' index keys only."""
-        return self.index_keys == "owner"
+        the owners' index keys only and run the MoE without expert-parallel dispatch."""
+        from redknot.models.deepseek_v41.tensor_step import tensor_step_blocker
+
+        return tensor_step_blocker(self) is None
 
     def __init__(self, cfg, weights: Weights, token_map: Optional[torch.Tensor], pad_c: int,
                  numerics: Numerics, index_keys: str = "owner", device="cpu", ops: Optional[V41Ops] = None):

@@ -108,10 +108,21 @@ class _Rows:
         return blk * per + (p % self.block_size) // ratio
 
 
-def check_tensor_step(model) -> None:
+def tensor_step_blocker(model) -> Optional[str]:
+    """Why ``model`` cannot run tensor-only steps (None: it can)."""
     if model.index_keys != "owner":
-        raise ValueError(f"model.index_keys={model.index_keys!r}: the tensor-only step follows the owners' "
-                         "keys only; use model.index_keys=owner (or eager steps)")
+        return (f"model.index_keys={model.index_keys!r}: the tensor-only step follows the owners' keys only; "
+                "use model.index_keys=owner (or eager steps)")
+    if getattr(model.w, "expert_dispatch", None):
+        return "features.parallel.ep > 1: expert-parallel MoE dispatch is not part of the tensor-only step"
+    return None
+
+
+def check_tensor_step(model) -> None:
+    reason = tensor_step_blocker(model)
+    if reason is not None:
+        raise ValueError(reason)
+
 
 
 @torch.no_grad()

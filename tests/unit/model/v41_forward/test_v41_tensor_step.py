@@ -31,9 +31,9 @@ def pair():
 class Batch:
     """Requests on one paged state: real slots 0..n-1, the spare slot and block are the last ones."""
 
-    def __init__(self, model, n_req: int, device="cpu", seed: int = 0):
+    def __init__(self, model, n_req: int, device="cpu", seed: int = 0, backtrack: int = GAMMA):
         self.model = model
-        self.layout = create_state_layout(model.cfg, block_size=BLOCK, max_backtrack=GAMMA)
+        self.layout = create_state_layout(model.cfg, block_size=BLOCK, max_backtrack=backtrack)
         per = self.layout.blocks_for(MAX_TOKENS)
         self.num_blocks = n_req * per + 2                  # one unused block, the spare block last
         self.state = allocate_state(model.cfg, self.layout, num_slots=n_req + 1, num_blocks=self.num_blocks,
@@ -93,11 +93,11 @@ def _real_state(batch: Batch, state) -> List[torch.Tensor]:
 
 
 def _run_both(pair, n_req: int, prompts: List[int], schedule: List[List[int]], pad_reqs=(2, 1),
-              device="cpu"):
+              device="cpu", backtrack: int = GAMMA):
     """Prefill eagerly, then per step: eager on one state, tensor step (with padding requests) on a
     copy; rows and real state must agree after every step. ``schedule``: rows per request per step."""
     model = pair.model
-    eager = Batch(model, n_req, device)
+    eager = Batch(model, n_req, device, backtrack=backtrack)
     seqs = [tokens(MAX_TOKENS, seed=10 + b) for b in range(n_req)]
     pre = [seqs[b][:prompts[b]] for b in range(n_req)]
     model.forward(eager.meta(pre), eager.state)
@@ -140,6 +140,12 @@ def test_varlen_verify_rows_1_to_gamma_plus_1(pair):
 def test_varlen_batch_1_from_short_prompt(pair):
     # from position 1 (groups close inside the step, look-back shorter than the Engram n-gram)
     _run_both(pair, 1, [1], [[4], [3], [2], [4], [1], [4], [4], [4], [4]], pad_reqs=(3,))
+
+
+def test_more_rows_than_the_rings_hold(pair):
+    """Without spare ring rows (compressor ring 2, Engram ring 3) a request of 4 rows keeps only its
+    last rows in the rings, as the eager path does."""
+    _run_both(pair, 2, [13, 6], [[4, 3], [3, 4], [4, 4], [1, 2]], pad_reqs=(2,), backtrack=0)
 
 
 def test_padding_touches_only_the_spare_slot_and_block(pair):
