@@ -92,6 +92,19 @@ class ExpertDispatcher:
         send_l, recv_l = send.tolist(), recv.tolist()
         recv_x = all_to_all_rows(x[order // k], send_l, recv_l, owner.group)  # [R, D]
         recv_slot = all_to_all_rows((phys % slots)[order], send_l, recv_l, owner.group)  # [R]
+        run_slots = getattr(experts, "run_slots", None)
+        if run_slots is not None:  # the family's expert math takes the routing weight (applied before W2)
+            acc = torch.promote_types(x.dtype, torch.float32)
+            recv_w = all_to_all_rows(topk_weight.reshape(-1).to(acc)[order], send_l, recv_l, owner.group)
+            y = run_slots(recv_x, recv_slot, recv_w).to(acc)
+            back = all_to_all_rows(y, recv_l, send_l, owner.group)
+            per_pair = torch.empty_like(back)
+            per_pair[order] = back
+            pairs = per_pair.view(t, k, x.shape[1])
+            out = pairs[:, 0] if k else x.new_zeros(x.shape, dtype=acc)
+            for j in range(1, k):
+                out = out + pairs[:, j]
+            return out  # accumulation dtype: the family adds its shared expert before rounding
         y = self._compute(ks, recv_x, recv_slot, swiglu_limit)
         back = all_to_all_rows(y, recv_l, send_l, owner.group)  # [T*k, D] in `order`
         per_pair = torch.empty_like(back)
@@ -129,7 +142,8 @@ class ExpertParallel:
         self.model, self.moe_layers, self.group = model, list(moe_layers), group
         self.ep_rank, self.ep_size, self.eplb, self.device = ep_rank, ep_size, eplb, device
         cfg = model.cfg
-        self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.num_experts = cfg.n_routed_experts
+        self.top_k = getattr(cfg, "num_experts_per_tok", None) or cfg.n_activated_experts
         num_layers = len(self.moe_layers)
         self.load = torch.zeros(num_layers, self.num_experts, dtype=torch.long, device=device)  # window
         self.total_load = torch.zeros_like(self.load)  # since start
@@ -156,8 +170,13 @@ class ExpertParallel:
 
     @torch.no_grad()
     def idle_forward(self) -> None:
-        """Join every layer's all-to-alls with zero rows (this rank has no tokens this step)."""
+        """Join every layer's all-to-alls with zero rows (this rank has no tokens this step).
+        A model with other collectives in its forward joins them all itself (``ep_idle_forward``)."""
         model = self.model
+        own = getattr(model, "ep_idle_forward", None)
+        if own is not None:
+            own()
+            return
         d = model.cfg.hidden_size
         x = torch.zeros(0, d, dtype=model.dtype, device=self.device)  # [0, D]
         idx = torch.zeros(0, self.top_k, dtype=torch.long, device=self.device)

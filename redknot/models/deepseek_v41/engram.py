@@ -15,7 +15,13 @@ from redknot.models.deepseek_v41.ref_math import Numerics, Weights, linear
 
 
 def table_rows(w: Weights, prefix: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantised table rows ids [T, n] -> [T, n, head_dim] (e4m3 · 2^(e8m0 - 127) per 32 columns)."""
+    """Dequantised table rows ids [T, n] -> [T, n, head_dim] (e4m3 · 2^(e8m0 - 127) per 32 columns).
+    A placed table (``w.engram_lookup``, :mod:`parallel`: sharded over ranks or in host memory)
+    gives the stored bytes of the rows wherever they live."""
+    lookup = getattr(w, "engram_lookup", None)
+    if lookup is not None:
+        q, s = lookup(prefix, ids.reshape(-1))
+        return mx.dequant_fp8_groups(q, s, mx.MX_GROUP, dtype).view(*ids.shape, -1)
     ops = ops_of(w)
     rows = None if ops is None else ops.engram_rows(w, prefix, ids, dtype)
     if rows is not None:

@@ -66,7 +66,9 @@ class DeepseekV41Family(ModelFamily):
         return {DSPARK: draft} if draft is not None else {}
 
     def expert_layers(self, model) -> Sequence[Any]:
-        return [layer.ffn for layer in model.layers]
+        from redknot.models.deepseek_v41.parallel import expert_layers
+
+        return expert_layers(model)
 
     def arch_config(self, model_cfg):
         """The architecture a model config serves, without reading weights: ``model.path``'s

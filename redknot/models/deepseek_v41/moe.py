@@ -43,6 +43,12 @@ def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,
     ``prefix``: the tensors' name prefix (default ``layers.{layer}.ffn``; DSpark stages ``mtp.{s}.ffn``)."""
     prefix = prefix or f"layers.{layer}.ffn"
     ids, weights = route(u, w, prefix, cfg, num.acc)
+    dispatch = getattr(w, "expert_dispatch", None)   # expert parallel (parallel.py), else None
+    ep_layer = None if dispatch is None else dispatch.get(prefix)
+    if ep_layer is not None:  # routed experts over the EP group; the shared expert stays local
+        routed = ep_layer.dispatcher(None, u, ids, weights, ep_layer.experts, ep_layer.limit)
+        out = routed.to(num.acc) + swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
+        return out.to(num.dtype)
     ops = ops_of(w)
     routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)
     if routed is not None:  # MXFP4 experts through the registry's grouped kernel
