@@ -45,6 +45,11 @@ class DeepseekV41:
 
         return tensor_step_blocker(self) is None
 
+    @property
+    def supports_varlen_graphs(self) -> bool:
+        """The tensor-only step takes 1..γ+1 rows per request from ``query_start_loc`` (DSpark verify)."""
+        return self.supports_cuda_graphs
+
     def __init__(self, cfg, weights: Weights, token_map: Optional[torch.Tensor], pad_c: int,
                  numerics: Numerics, index_keys: str = "owner", device="cpu", ops: Optional[V41Ops] = None):
         check_choice("model.index_keys", index_keys, INDEX_KEYS)
@@ -100,6 +105,10 @@ class DeepseekV41:
             return x
         rows, tail = self._tail(meta, spans)
         if not tail:
+            if getattr(self.w, "expert_dispatch", None) is not None:  # expert parallel: join the other
+                from redknot.models.deepseek_v41.parallel import idle_layers  # ranks' tail-layer exchanges
+
+                idle_layers(self, range(self.split, cfg.n_layers))
             return x
         part = self._layers(range(self.split, cfg.n_layers), h[rows], pre[rows], pos[rows], tail, state,
                             slots.rows(rows), None if hashes is None else hashes[rows], rows)

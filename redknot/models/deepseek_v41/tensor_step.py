@@ -51,13 +51,20 @@ class TensorStep:
     """One step as device tensors only: T rows of B requests (padding requests included)."""
     input_ids: torch.Tensor        # [T] int64
     positions: torch.Tensor        # [T] int64 absolute positions
-    query_start_loc: torch.Tensor  # [B+1] row offsets; query_start_loc[B] == T
+    query_start_loc: torch.Tensor  # [B+1] row offsets; rows at or past query_start_loc[B] are padding
     seq_slots: torch.Tensor        # [B] state slot of each request (padding: the spare slot)
     block_tables: torch.Tensor     # [B, W] block ids (padding: the spare block)
 
     @classmethod
     def from_meta(cls, meta) -> "TensorStep":
         return cls(meta.input_ids, meta.positions, meta.query_start_loc, meta.seq_slots, meta.block_tables)
+
+    @classmethod
+    def from_varlen(cls, input_ids: torch.Tensor, layout, seq_slots: torch.Tensor,
+                    block_tables: torch.Tensor) -> "TensorStep":
+        """A padded verify step from :func:`redknot.speculative.varlen.varlen_layout`'s layout (rows past
+        ``query_start_loc[R]`` are padding) and the R requests' slots and block tables."""
+        return cls(input_ids, layout.positions, layout.query_start_loc, seq_slots, block_tables)
 
 
 class _Rows:
@@ -69,16 +76,21 @@ class _Rows:
         qsl = step.query_start_loc.long()
         self.t = t
         self.row = torch.arange(t, device=dev)
-        self.seq = torch.searchsorted(qsl[1:].contiguous(), self.row, right=True).clamp(max=qsl.shape[0] - 2)
-        self.first = qsl[self.seq]                                  # first row of the row's request
-        self.last = qsl[self.seq + 1] - 1                           # last row of the row's request
-        self.back = self.row - self.first                           # rows of its request before it
-        self.pos = step.positions.long()
-        self.slot = step.seq_slots.long()[self.seq]
-        self.blocks = step.block_tables.long()[self.seq]            # [T, W]
-        self.block_size = block_size
+        b = qsl.shape[0] - 1
         self.spare_slot = state.num_slots - 1
         self.spare_block = state.num_blocks - 1
+        raw = torch.searchsorted(qsl[1:].contiguous(), self.row, right=True)    # B past the last request
+        real = raw < b
+        self.seq = raw.clamp(max=b - 1)
+        # A padding row is a request of its own on the spare slot and block.
+        self.first = torch.where(real, qsl[self.seq], self.row)     # first row of the row's request
+        self.last = torch.where(real, qsl[self.seq + 1] - 1, self.row)
+        self.back = self.row - self.first                           # rows of its request before it
+        self.pos = step.positions.long()
+        self.slot = torch.where(real, step.seq_slots.long()[self.seq], torch.full_like(self.row, self.spare_slot))
+        self.blocks = torch.where(real[:, None], step.block_tables.long()[self.seq],
+                                  torch.full_like(step.block_tables.long()[self.seq], self.spare_block))  # [T, W]
+        self.block_size = block_size
 
     def ring_dest(self, ring: int) -> torch.Tensor:
         """Flat [slot*ring + p % ring] of each row's ring write; rows that are not among their

@@ -297,3 +297,36 @@ def test_gpu_graph_replay_equals_eager(gpu_pair):
             assert torch.equal(a, b) if a.dtype in (torch.uint8, torch.long) else (a - b).abs().max() <= 1e-9
         eager.advance(chunks)
         fast.advance(chunks)
+
+
+def test_verify_layout_of_the_speculative_package(pair):
+    """Rows past the last request (the varlen layout's padding) run on the spare slot and block, and
+    a step built from :func:`varlen_layout` equals the eager verify step."""
+    from redknot.speculative.varlen import VerifyGraphs, varlen_layout
+
+    model = pair.model
+    eager = Batch(model, 2)
+    pre = [tokens(13, seed=11), tokens(6, seed=12)]
+    model.forward(eager.meta(pre), eager.state)
+    eager.advance(pre)
+    fast_state = copy.deepcopy(eager.state)
+    before_spare = [t.clone() for t in _real_state(eager, fast_state)]
+    chunks = [tokens(3, seed=13), tokens(4, seed=14)]
+    lay = varlen_layout(torch.tensor([3, 4]), torch.tensor(eager.lens), torch.tensor([0, 1]), tier=12,
+                        padding_slot=eager.spare_slot)
+    ids = torch.zeros(12, dtype=torch.long)
+    ids[:7] = torch.tensor(chunks[0] + chunks[1])
+    table = torch.tensor(eager.blocks, dtype=torch.int32)
+    step = TensorStep.from_varlen(ids, lay, torch.tensor([0, 1], dtype=torch.int32), table)
+    got = tensor_forward(model, step, fast_state)
+    want = model.forward(eager.meta(chunks), eager.state)
+    assert (got[:7] - want).abs().max().item() <= TOL
+    for a, b in zip(_real_state(eager, eager.state), _real_state(eager, fast_state)):
+        assert torch.equal(a, b) if a.dtype in (torch.uint8, torch.long) else (a - b).abs().max() <= TOL
+    assert any(not torch.equal(a, b) for a, b in zip(before_spare, _real_state(eager, fast_state)))
+
+    class Runner:
+        pass
+    runner = Runner()
+    runner.model = model
+    assert VerifyGraphs(runner, max_num_seqs=4, block=5).status.startswith("on:")
