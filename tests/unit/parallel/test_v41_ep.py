@@ -39,6 +39,11 @@ def test_ep2_logits_equal_one_process(ranks):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"rank {rank} step {step}")
 
 
+def test_ep2_bounded_replay_with_a_rank_without_tail_rows(ranks):
+    a, b = ranks[0]["replay"]  # rank 0's tail rows; rank 1 had none and joined the exchanges idle
+    torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
 def test_ep2_work_really_crossed_ranks(ranks):
     assert ranks[0]["local_experts"] == [0, 2] and ranks[1]["local_experts"] == [1, 3]
     for res in ranks:

@@ -76,6 +76,10 @@ def main(out_dir: str) -> None:
                 ep.idle_forward()
         elif rank == 0:
             res[key].append(seq.step(ids[PROMPT + DECODE:PROMPT + DECODE + 1]))
+    # Bounded replay: rank 1's chunk lies wholly below its replay start (no tail rows), rank 0's
+    # does not; rank 1 must still join the tail layers' exchanges.
+    first = 8 if rank == 0 else 100
+    res["replay"] = [Seq(net, 20).step(ids[:16], replay_from=first)[8:] for net in (single, model)]
     res["routed_pairs"] = int(ep.total_load.sum() + ep.load.sum())
     res["rows_received"] = model.w.engram_lookup.rows_received
     res["local_experts"] = sorted({int(n.split(".experts.")[1].split(".")[0]) for n in model.w.tensors
