@@ -26,6 +26,7 @@ rows (:func:`idle_layers`, the model's ``ep_idle_forward``).
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,6 +34,8 @@ import torch.distributed as dist
 
 from redknot.models.deepseek_v41.moe import swiglu_expert
 from redknot.models.deepseek_v41.ref_math import Numerics, Weights
+
+log = logging.getLogger(__name__)
 
 SHARDED, REPLICATED, HOST = "sharded", "replicated", "host"
 
@@ -221,6 +224,10 @@ def install_engram(model, loaded, placement: str, group, rank: int, world: int) 
     """Route the model's Engram row reads through :class:`EngramLookup` for ``placement``."""
     if not model.cfg.engram_layer_ids:
         return
+    held = {layer: rows for layer, rows in (getattr(loaded, "engram_rows", None) or {}).items()}
+    log.info("deepseek_v41: EP rank %d of %d, routed experts %s of layer 0, Engram tables %s%s", rank, world,
+             list(getattr(loaded, "experts", {}).get(0, ())), placement,
+             f" (rows held per layer {held})" if held else "")
     if placement == HOST:
         host_tables(model.w.tensors)
     model.w.engram_lookup = engram_lookup(loaded, model.cfg, placement, group, rank, world) \

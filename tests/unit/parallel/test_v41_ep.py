@@ -72,3 +72,34 @@ def test_bad_placement_and_missing_group_are_named():
         EngramLookup("spread", {})
     with pytest.raises(ValueError, match="EP process group"):
         EngramLookup(SHARDED, {}, None, 0, 2)
+
+
+def test_torchrun_smoke_suite_tiny_v41_dp2_ep2(tmp_path):
+    """``python -m redknot model=tiny-v41`` on 2 processes (dp=2, ep=2, Engram tables sharded):
+    the cut smoke suite completes, both ranks route tokens, one MLflow run records the layout."""
+    import json
+    import re
+
+    import mlflow
+
+    from .test_launch import SUITE, torchrun
+
+    out = tmp_path / "outputs"
+    run = torchrun(tmp_path, f"output.root={out}", "model=tiny-v41", "features.parallel.dp=2",
+                   "features.parallel.ep=2", "features.parallel.engram_placement=sharded", *SUITE)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"suite smoke~[0-9a-f]{6}: 3/3 cases", run.stdout)
+    for rank in (0, 1):  # each rank read its experts and its half of each Engram table
+        assert re.search(rf"EP rank {rank} of 2, routed experts \[{rank}, {rank + 2}\] of layer 0, Engram tables "
+                         rf"sharded \(rows held per layer", run.stdout), run.stdout[-3000:]
+    (records_file,) = list(out.glob("*/*/records.jsonl"))
+    records = [json.loads(line) for line in records_file.read_text().splitlines()]
+    assert len(records) == 3 and {r["status"] for r in records} == {"ok"}
+    assert {r["dp_rank"] for r in records} == {0, 1}
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    tags, metrics = mlrun.data.tags, mlrun.data.metrics
+    assert (tags["parallel.dp"], tags["parallel.ep"], tags["parallel.ep_comm"]) == ("2", "2", "all_to_all")
+    for rank in (0, 1):
+        assert metrics[f"rank{rank}.ep.routed_pairs"] > 0
+    assert metrics["rank0.ep.forwards"] == metrics["rank1.ep.forwards"] > 0
