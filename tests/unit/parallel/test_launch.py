@@ -25,7 +25,7 @@ def test_torchrun_suite_records_once_with_layout_and_rank_metrics(tmp_path):
     import mlflow
 
     out = tmp_path / "outputs"
-    # model=tiny: expert parallel serves the V4 family (deepseek_v41 refuses ep > 1 for now)
+    # model=tiny: the V4 family (tiny-v41 under the same layout: test_v41_ep.py)
     run = torchrun(tmp_path, f"output.root={out}", "model=tiny", "features.parallel.dp=2", "features.parallel.ep=2",
                    *SUITE)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
