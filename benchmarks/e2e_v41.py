@@ -14,7 +14,9 @@ through the kernel path on the same inputs and a copy of the state (so one quant
 rounding cannot make the two models drift apart), under ``reference`` numerics (every op routed) and
 ``bf16`` numerics (attention, caches, indexer, Engram routed; linears are plain bf16 there).
 
-Decode runs eager: the V4.1 step reads python-side spans, so it is not CUDA-graph capturable yet.
+Decode runs eager; ``--decode-graphs`` also runs it through the tensor-only step
+(``deepseek_v41/tensor_step.py``) captured in a CUDA graph, timed per replay and compared with the
+eager step (that step's attention and indexer are PyTorch math, not the registry's span kernels).
 ``--smoke`` runs every step at toy width on a CPU (kernel ops: their PyTorch references). The V4 cut
 is ``benchmarks/e2e_cut.py``.
 
@@ -131,7 +133,8 @@ class Batch:
         self.model, self.b = model, b
         self.layout = create_state_layout(model.cfg, block_size=block_size, max_backtrack=0)
         self.per = self.layout.blocks_for(max_tokens)
-        self.state = allocate_state(model.cfg, self.layout, num_slots=b, num_blocks=b * self.per,
+        # One spare slot and block last (the tensor-only step's padding target, as in the engine).
+        self.state = allocate_state(model.cfg, self.layout, num_slots=b + 1, num_blocks=b * self.per + 1,
                                     device=model.device, dtype=torch.bfloat16)
         self.blocks = [list(range(i * self.per, (i + 1) * self.per)) for i in range(b)]
         self.lens = [0] * b
@@ -170,6 +173,54 @@ class Batch:
         blocks = self.layout.blocks_for(self.lens[seq])
         per_block = sum(src.entries[0].numel() + src.keys[0].numel() for src in self.state.sources.values())
         return blocks * per_block
+
+
+def graph_decode(b: Batch, bs: int, steps: int, device) -> dict:
+    """Decode of sequences 0..bs-1 through the tensor-only step (``deepseek_v41/tensor_step.py``): captured
+    in a CUDA graph and replayed on a GPU, run as is on a CPU. The step's attention, indexer and
+    compressor are PyTorch math (the registry's attention ops take host spans); linears and the MoE
+    go through the registry. Parity: the replay against an eager step of the same rows (position-
+    addressed writes, so running both at one position is harmless)."""
+    from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
+
+    dev = b.model.device
+    seqs = list(range(bs))
+    step = TensorStep(torch.full((bs,), 11, dtype=torch.long, device=dev),
+                      torch.tensor([b.lens[s] for s in seqs], dtype=torch.long, device=dev),
+                      torch.arange(bs + 1, dtype=torch.int32, device=dev),
+                      torch.arange(bs, dtype=torch.int32, device=dev),
+                      torch.tensor([b.blocks[s] for s in seqs], dtype=torch.int32, device=dev))
+    try:
+        out = tensor_forward(b.model, step, b.state)     # warm-up (weight caches, tuning)
+        sync(device)
+        graph = None
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = tensor_forward(b.model, step, b.state)
+            graph.replay()
+        else:
+            out = tensor_forward(b.model, step, b.state)
+        sync(device)
+        got = out.float().clone()
+        want = b.step([[11]] * bs, seqs=seqs).float()
+        for s in seqs:
+            b.lens[s] -= 1
+        rel = ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)).max().item()
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            if graph is not None:
+                graph.replay()
+            else:
+                tensor_forward(b.model, step, b.state)
+        sync(device)
+        ms = (time.perf_counter() - t) / steps * 1e3
+        del graph, out
+    except RuntimeError as exc:   # capture refused (a host sync in a routed op) or out of memory
+        return {"graph": f"failed: {str(exc).splitlines()[0][:200]}"}
+    return {"graph": "captured" if device.type == "cuda" else "tensor-only step, not captured (CPU)",
+            "graph_ms_per_step": ms, "graph_rel_err": rel}
 
 
 def sync(device) -> None:
@@ -385,6 +436,9 @@ def main(argv=None) -> dict:
                     help="kernel backend of the V4.1 ops (default: triton on a GPU, reference with --smoke; "
                          "--smoke --backend triton runs the Triton kernels in Triton's CPU interpreter)")
     ap.add_argument("--engram-vocab", type=int, default=100000)
+    ap.add_argument("--decode-graphs", action="store_true",
+                    help="also time decode through the tensor-only step captured in a CUDA graph (its "
+                         "attention/indexer are PyTorch math), with its error against the eager step")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
     a = ap.parse_args(argv)
@@ -414,7 +468,8 @@ def main(argv=None) -> dict:
                      "L3 ratio-1 consumer, L4 candidate index source; 384 experts top-6" if not a.smoke else "toy",
               "ceilings": {"fp8_flops": H200_FP8_FLOPS, "bytes_per_s": H200_BYTES_PER_S},
               "parity": [], "prefill": [], "decode": [], "profile": {}, "op_shares": {},
-              "decode_mode": "eager (the V4.1 step is not CUDA-graph capturable yet)",
+              "decode_mode": ("eager, and the tensor-only step in CUDA graphs (--decode-graphs)" if a.decode_graphs
+                              else "eager (--decode-graphs adds the tensor-only step in CUDA graphs)"),
               "expected_global_cache_bytes_per_token": global_kv_bytes_per_token(cfg)}
 
     def over_budget(projected: float) -> bool:
@@ -492,6 +547,15 @@ def main(argv=None) -> dict:
                       f"floor {floor_ms:.3f} ms)")
                 report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": ms, "floor_ms": floor_ms,
                                          "fraction_of_floor": floor_ms / ms})
+                if a.decode_graphs and not over_budget(10 + a.decode_steps * bs * 0.01):
+                    g = graph_decode(b, bs, a.decode_steps, device)
+                    report["decode"][-1].update(g)
+                    if "graph_ms_per_step" in g:
+                        print(f"decode ctx {ctx} batch {bs}: {g['graph_ms_per_step']:.2f} ms/step {g['graph']} "
+                              f"({100 * floor_ms / g['graph_ms_per_step']:.1f} % of the floor), rel err vs "
+                              f"eager {g['graph_rel_err']:.2e}")
+                    else:
+                        print(f"decode ctx {ctx} batch {bs}: graph {g['graph']}")
                 if not a.skip_profile and not over_budget(10):
                     report["op_shares"][f"decode b{bs} at {ctx}"] = registry_shares(
                         ops, lambda: b.step([[8]] * bs, seqs=seqs), device)
@@ -547,6 +611,12 @@ def write(report: dict, out: str) -> None:
             continue
         lines.append(f"| {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['floor_ms']:.3f} | "
                      f"{100 * r['fraction_of_floor']:.1f} |")
+        if "graph_ms_per_step" in r:
+            lines.append(f"| {r['context']} | {r['batch']} (graph, rel err {r['graph_rel_err']:.1e}) | "
+                         f"{r['graph_ms_per_step']:.2f} | {r['floor_ms']:.3f} | "
+                         f"{100 * r['floor_ms'] / r['graph_ms_per_step']:.1f} |")
+        elif "graph" in r:
+            lines.append(f"| {r['context']} | {r['batch']} (graph) | {r['graph']} | | |")
     for name, rows in report["op_shares"].items():
         lines += ["", f"## Registry ops: {name}", "", "| op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| {r['op']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
