@@ -149,8 +149,6 @@ class EngramLookup:
         return self._sharded(prefix, ids.long())
 
     def _sharded(self, prefix: str, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        from redknot.parallel.groups import all_to_all_rows, exchange_counts
-
         table, scale, first, total = self.tables[prefix]
         tb, sb = table.view(torch.uint8), scale.view(torch.uint8)
         uniq, inverse = torch.unique(ids, return_inverse=True)                 # sorted, so grouped by owner
@@ -205,6 +203,21 @@ def idle_layers(model, layers) -> None:
         if layer is not None:
             layer.dispatcher(None, x, torch.zeros(0, k, dtype=torch.long, device=model.device),
                              torch.zeros(0, k, dtype=model.num.acc, device=model.device), layer.experts, layer.limit)
+
+
+def exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
+    """Rows for each peer [n] -> rows from each peer [n] (models stay off the engine's modules, so
+    the two row collectives of the table exchange are spelt out here)."""
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    return recv
+
+
+def all_to_all_rows(rows: torch.Tensor, send: Sequence[int], recv: Sequence[int], group) -> torch.Tensor:
+    """Rows grouped by destination -> rows received, grouped by source."""
+    out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), list(recv), list(send), group=group)
+    return out
 
 
 # ---------------------------------------------------------------------------- engine build
