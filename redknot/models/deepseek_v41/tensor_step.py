@@ -153,6 +153,8 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
         p = f"layers.{i}"
         if cfg.is_engram(i):
             h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
+        if model.tap_hook is not None:  # DSpark taps: the streams entering layer i (a replay refills them)
+            model.tap_hook(i, h, None)
         pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
                                       w.float(f"{p}.hc_attn_scale"), *mix)
         u = rms_norm(hc_collapse(h, pre), w.float(f"{p}.attn_norm.weight"), cfg.norm_eps)

@@ -164,3 +164,32 @@ def test_released_draft_tensor_names_and_shapes():
     assert not any(k in n for n in specs for k in ("hc_head", "eh_proj", "enorm", "hnorm", "mtp.0.embed",
                                                    "mtp.2.head."))
     assert "mtp.1.main_proj.weight" not in specs and "mtp.0.markov_head.embed.weight" not in specs
+
+
+def test_tensor_only_forward_taps_equal_eager():
+    """The tensor-only step (the CUDA-graph path) hands the draft the same taps as the eager step."""
+    import copy
+
+    from redknot.step.metadata import StepMetadata
+
+    from .test_v41_tensor_step import TOL, Batch
+
+    model, draft, _ = _build(v41_config(), numerics="reference")
+    eager = Batch(model, 2)
+    pre = [tokens(11, seed=5), tokens(8, seed=6)]
+    model.forward(eager.meta(pre), eager.state)
+    eager.advance(pre)
+    fast_state = copy.deepcopy(eager.state)
+    for step in range(3):
+        chunks = [[7 + step], [40 + step]]
+        m = eager.meta(chunks)
+        model.forward(m, eager.state)
+        want = draft.last_taps(2)
+        fast = StepMetadata(input_ids=m.input_ids, positions=m.positions, query_start_loc=m.query_start_loc,
+                            seq_slots=m.seq_slots, block_tables=m.block_tables, logits_indices=m.logits_indices,
+                            num_tokens_per_seq=m.num_tokens_per_seq, context_lens=m.context_lens,
+                            seq_slot_list=m.seq_slot_list, query_start_list=m.query_start_list, tensor_only=True)
+        model.forward(fast, fast_state)
+        got = draft.last_taps(2)
+        assert (got - want).abs().max().item() <= TOL and draft.computed_rows(2).all()
+        eager.advance(chunks)
