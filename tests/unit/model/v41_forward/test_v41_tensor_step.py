@@ -330,3 +330,46 @@ def test_verify_layout_of_the_speculative_package(pair):
     runner = Runner()
     runner.model = model
     assert VerifyGraphs(runner, max_num_seqs=4, block=5).status.startswith("on:")
+
+
+@pytest.mark.gpu
+def test_gpu_engine_decodes_tiny_v41_in_cuda_graphs(tmp_path):
+    """The engine's graph runner captures V4.1 decode (model=tiny-v41, fp32) and the greedy tokens
+    equal eager decode; decode crosses the 16-row window and closes ratio-2 groups in the graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import random
+    from pathlib import Path
+
+    from llm_testutil import run_all
+
+    from redknot.bench.typed import load_yaml_option
+    from redknot.config.schema import (Accelerator, DType, EngineConfig, FeaturesConfig, HardwareConfig,
+                                       ModelConfig, SchedulerConfig)
+    from redknot.engine import LLM, SamplingParams
+
+    conf = Path(__file__).resolve().parents[4] / "conf" / "model" / "tiny-v41.yaml"
+    model = load_yaml_option(conf, ModelConfig)
+    model.max_position = 512
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(3, 2000) for _ in range(rng.randrange(4, 60))] for i in range(5)}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    outs = []
+    for graphs in (False, True):
+        hw = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
+                            kv_cache_dtype=DType.float32, cuda_graphs=graphs, memory_utilization=0.5,
+                            cuda_graph_max_len=512)
+        features = FeaturesConfig()
+        features.dspark.method = "none"
+        eng = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, block_size=16),
+                           cache_dir=str(tmp_path))
+        llm = LLM(model, hw, features, eng)
+        got, _ = run_all(llm, prompts, params)
+        if graphs:
+            stats = llm.stats()
+            assert stats.cuda_graphs.startswith("on:"), stats.cuda_graphs
+            assert stats.num_cuda_graph_steps > 20
+        outs.append(got)
+        llm.close()
+    for rid in prompts:
+        assert outs[0][rid].token_ids == outs[1][rid].token_ids
