@@ -155,6 +155,9 @@ class ExpertParallel:
         for i, moe in enumerate(self.moe_layers):
             placement = uniform_placement(self.num_experts, ep_size, redundant)
             experts = moe.experts
+            if eplb.enabled and not getattr(experts, "movable", True):
+                raise ValueError(f"features.parallel.eplb.enabled=true: model family {type(model).__name__} does "
+                                 f"not support moving experts between ranks; set features.parallel.eplb.enabled=false")
             mine = placement.rank_experts(ep_rank)
             if experts.logical_ids != mine:  # loaded whole (not through the sharded loader): keep ours
                 experts.keep_only(mine)

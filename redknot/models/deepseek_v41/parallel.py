@@ -47,6 +47,7 @@ class V41Experts:
     balancing find nothing to move (EPLB re-placement is not supported for V4.1)."""
 
     w1 = w2 = w3 = w1_scale = w2_scale = w3_scale = None
+    movable = False   # ExpertParallel refuses features.parallel.eplb.enabled for these
 
     def __init__(self, w: Weights, prefix: str, num: Numerics, limit: float, logical_ids: Sequence[int]):
         self.w, self.prefix, self.num, self.limit = w, prefix, num, limit

@@ -103,3 +103,17 @@ def test_torchrun_smoke_suite_tiny_v41_dp2_ep2(tmp_path):
     for rank in (0, 1):
         assert metrics[f"rank{rank}.ep.routed_pairs"] > 0
     assert metrics["rank0.ep.forwards"] == metrics["rank1.ep.forwards"] > 0
+
+
+def test_eplb_is_refused_for_v41_experts():
+    from types import SimpleNamespace
+
+    from redknot.models.deepseek_v41.parallel import V41Experts, V41MoELayer
+    from redknot.models.deepseek_v41.ref_math import Numerics, Weights
+    from redknot.parallel.ep import EplbSettings, ExpertParallel
+
+    model = SimpleNamespace(cfg=SimpleNamespace(n_routed_experts=4, n_activated_experts=2))
+    layer = V41MoELayer(V41Experts(Weights({}, torch.float32), "layers.0.ffn", Numerics("bf16", torch.float32),
+                                   10.0, [0, 2]))
+    with pytest.raises(ValueError, match="features.parallel.eplb.enabled=true.*eplb.enabled=false"):
+        ExpertParallel(model, [layer], None, 0, 2, EplbSettings(True, 0, 10), torch.device("cpu"))
