@@ -111,7 +111,9 @@ class V41DSparkDraft:
 
     def _tap(self, layer: int, num_rows: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(rows | None, tap) of the last forward; a layer that forward never reached (bounded replay
-        with no late rows in the step) has no rows."""
+        with no late rows in the step) has no rows. A CUDA-graph replay runs no Python: it refills the
+        captured tap buffers but neither calls :meth:`tap` nor counts the forward, so a runner that
+        replays graphs while drafting must do both (today the runner captures no graphs when drafting)."""
         got = self._taps.get(layer)
         if got is None or got[0] != self.target.num_forwards:
             return torch.zeros(0, dtype=torch.long, device=self.device), None
