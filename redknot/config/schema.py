@@ -255,8 +255,9 @@ class EngramPlacement(str, Enum):
     """Where a DeepSeek-V4.1 model keeps its Engram hash tables (``features.parallel.engram_placement``).
 
     ``sharded`` (default): the table rows are split evenly over the expert-parallel ranks (188.8 GiB of
-    V4.1-Flash tables -> 23.6 GiB per GPU at ep=8); a token's 24 rows per Engram layer (6.3 KB) travel
-    with the expert all-to-all. ``replicated``: every GPU holds the whole tables (does not fit an H200).
+    V4.1-Flash tables -> 23.6 GiB per GPU at ep=8); a token's 24 rows per Engram layer (6.3 KB) come
+    from their owners by an all-to-all over the EP group before the layer (unique ids out, stored FP8
+    rows back). ``replicated``: every GPU holds the whole tables (does not fit an H200).
     ``host``: the tables stay in host memory and the rows cross PCIe each step (frees GPU memory for
     state when GPUs are few)."""
     sharded = "sharded"
