@@ -74,10 +74,35 @@ def test_bad_placement_and_missing_group_are_named():
         EngramLookup(SHARDED, {}, None, 0, 2)
 
 
-def test_torchrun_smoke_suite_tiny_v41_dp2_ep2(tmp_path):
-    """``python -m redknot model=tiny-v41`` on 2 processes (dp=2, ep=2, Engram tables sharded):
-    the cut smoke suite completes, both ranks route tokens, one MLflow run records the layout."""
+def _predictions(out) -> dict:
     import json
+
+    (records_file,) = list(out.glob("*/*/records.jsonl"))  # one run directory holds records
+    records = [json.loads(line) for line in records_file.read_text().splitlines()]
+    assert len(records) == 3 and {r["status"] for r in records} == {"ok"}
+    return {r["case_id"]: (r["prediction_raw"], r.get("dp_rank")) for r in records}
+
+
+@pytest.fixture(scope="module")
+def one_process_smoke(tmp_path_factory):
+    """The same cut smoke suite on tiny-v41 in one process: case -> greedy prediction."""
+    from .test_launch import SUITE
+
+    tmp = tmp_path_factory.mktemp("v41_one")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run([sys.executable, "-m", "redknot", f"output.root={tmp / 'outputs'}", "model=tiny-v41",
+                          "tracking.enabled=false", *SUITE], cwd=tmp, capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {case: pred for case, (pred, _) in _predictions(tmp / "outputs").items()}
+
+
+@pytest.mark.parametrize("placement", [SHARDED, pytest.param(HOST, marks=pytest.mark.slow)])
+def test_torchrun_smoke_suite_tiny_v41_dp2_ep2(tmp_path, one_process_smoke, placement):
+    """``python -m redknot model=tiny-v41`` on 2 processes (dp=2, ep=2): the cut smoke suite completes
+    with the one-process greedy predictions, both ranks route tokens, each rank read only its experts
+    (and, sharded, its half of each Engram table), one MLflow run records the layout."""
     import re
 
     import mlflow
@@ -86,16 +111,16 @@ def test_torchrun_smoke_suite_tiny_v41_dp2_ep2(tmp_path):
 
     out = tmp_path / "outputs"
     run = torchrun(tmp_path, f"output.root={out}", "model=tiny-v41", "features.parallel.dp=2",
-                   "features.parallel.ep=2", "features.parallel.engram_placement=sharded", *SUITE)
+                   "features.parallel.ep=2", f"features.parallel.engram_placement={placement}", *SUITE)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"suite smoke~[0-9a-f]{6}: 3/3 cases", run.stdout)
-    for rank in (0, 1):  # each rank read its experts and its half of each Engram table
+    rows = r" \(rows held per layer" if placement == SHARDED else "$"
+    for rank in (0, 1):
         assert re.search(rf"EP rank {rank} of 2, routed experts \[{rank}, {rank + 2}\] of layer 0, Engram tables "
-                         rf"sharded \(rows held per layer", run.stdout), run.stdout[-3000:]
-    (records_file,) = list(out.glob("*/*/records.jsonl"))
-    records = [json.loads(line) for line in records_file.read_text().splitlines()]
-    assert len(records) == 3 and {r["status"] for r in records} == {"ok"}
-    assert {r["dp_rank"] for r in records} == {0, 1}
+                         rf"{placement}{rows}", run.stdout, re.M), run.stdout[-3000:]
+    preds = _predictions(out)
+    assert {dp for _, dp in preds.values()} == {0, 1}
+    assert {case: pred for case, (pred, _) in preds.items()} == one_process_smoke
     client = mlflow.tracking.MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     tags, metrics = mlrun.data.tags, mlrun.data.metrics
