@@ -13,13 +13,12 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import replace
 from typing import Any, Dict, Optional
 
 import torch
 
+from redknot.models.checkpoint_files import publish_once
 from redknot.models.deepseek_v4.config import QuantConfig, V4Config
 
 FORMAT_VERSION = 1
@@ -103,11 +102,8 @@ def ensure_synthetic_checkpoint(name: str, architecture: Dict[str, Any], seed: i
     root = os.path.join(cache_dir, "models")
     dspark = {k: v for k, v in architecture.items() if k.startswith("dspark_") or k == "n_mtp_layers"}
     final = os.path.join(root, f"{name}-{checkpoint_key(cfg, seed, dspark)}")
-    if os.path.isfile(os.path.join(final, INDEX_FILE)):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-")
-    try:
+
+    def write(tmp: str) -> None:
         model = DeepseekV4(cfg, torch.float32, device="cpu")
         randomize_(model, seed)
         tensors = native_tensors(cfg, model.state_dict(), float_dtype=torch.bfloat16)
@@ -116,18 +112,10 @@ def ensure_synthetic_checkpoint(name: str, architecture: Dict[str, Any], seed: i
             draft_tensors, extra_config = extra
             tensors = itertools.chain(tensors, draft_tensors)
         write_checkpoint(tmp, cfg, tensors, extra_config=None if extra is None else extra_config)
-        with open(os.path.join(tmp, "synthetic.json"), "w", encoding="utf-8") as f:
-            json.dump({"name": name, "seed": seed, "architecture": architecture, "quantize_fp8": quantize_fp8,
-                       "format": FORMAT_VERSION}, f, indent=1)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, INDEX_FILE)):  # not a concurrent writer's result
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return publish_once(root, name, final, INDEX_FILE, write,
+                        {"name": name, "seed": seed, "architecture": architecture, "quantize_fp8": quantize_fp8,
+                         "format": FORMAT_VERSION})
 
 
 def _dspark_stages(cfg: V4Config, architecture: Dict[str, Any], seed: int):

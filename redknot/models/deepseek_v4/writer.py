@@ -7,14 +7,12 @@ routed experts FP8 or FP4 (``expert_dtype``); unquantised tensors are written in
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
-from safetensors.torch import save_file
 
 from redknot.kernels.ref_quant import quantize_fp4, quantize_fp8_block
+from redknot.models.checkpoint_files import write_shards
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.params import FP4, FP8, FP32, FLOAT, INT, TensorSpec, checkpoint_spec
 from redknot.models.deepseek_v4.weights import INDEX_FILE
@@ -52,37 +50,4 @@ def write_checkpoint(out_dir: str, cfg: V4Config, tensors: Iterator[Tuple[str, t
                      max_shard_bytes: int = 1 << 30, extra_config: Optional[Dict[str, Any]] = None) -> List[str]:
     """Write shards ``model-0000i-of-0000N.safetensors``, the index file and ``config.json``
     (``cfg.to_hf_dict()`` updated with ``extra_config``: e.g. the DSpark keys)."""
-    os.makedirs(out_dir, exist_ok=True)
-    shards: List[Dict[str, torch.Tensor]] = []
-    current: Dict[str, torch.Tensor] = {}
-    size = total = 0
-    written: List[str] = []
-
-    def flush():
-        nonlocal current, size
-        if current:
-            name = f"model-{len(written) + 1:05d}.partial"
-            save_file(current, os.path.join(out_dir, name), metadata={"format": "pt"})
-            written.append(name)
-            shards.append({k: None for k in current})
-        current, size = {}, 0
-
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            flush()
-        current[name] = t
-        size += nbytes
-        total += nbytes
-    flush()
-    weight_map, files = {}, []
-    for i, (partial, names) in enumerate(zip(written, shards)):
-        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-        os.replace(os.path.join(out_dir, partial), os.path.join(out_dir, final))
-        files.append(final)
-        weight_map.update({k: final for k in names})
-    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump({**cfg.to_hf_dict(), **(extra_config or {})}, f, indent=1)
-    return files
+    return write_shards(out_dir, tensors, max_shard_bytes, INDEX_FILE, {**cfg.to_hf_dict(), **(extra_config or {})})

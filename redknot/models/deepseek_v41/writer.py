@@ -18,12 +18,12 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
 from redknot.kernels import mx_formats as mx
+from redknot.models.checkpoint_files import publish_once, write_shards
 from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, F32, FP4, FP8, TensorSpec, checkpoint_spec
 from redknot.models.deepseek_v41.config import V41Config, synthetic_config
 from redknot.models.deepseek_v41.weights import INDEX_FILE
@@ -91,38 +91,7 @@ def write_checkpoint(out_dir: str, cfg: V41Config, tensors: Iterable[Tuple[str, 
                      max_shard_bytes: int = 1 << 30, tokenizer_file: Optional[str] = None) -> List[str]:
     """Shards ``model-0000i-of-0000N.safetensors``, the index, ``config.json`` (the released
     nested layout) and, when given, a copy of ``tokenizer.json``."""
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    groups: List[List[str]] = []
-    current: Dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        nonlocal current, size
-        if current:
-            save_file(current, os.path.join(out_dir, f"model-{len(groups) + 1:05d}.partial"), metadata={"format": "pt"})
-            groups.append(list(current))
-        current, size = {}, 0
-
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            flush()
-        current[name] = t
-        size += nbytes
-        total += nbytes
-    flush()
-    weight_map, files = {}, []
-    for i, names in enumerate(groups):
-        final = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        os.replace(os.path.join(out_dir, f"model-{i + 1:05d}.partial"), os.path.join(out_dir, final))
-        files.append(final)
-        weight_map.update({k: final for k in names})
-    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg.to_hf_dict(), f, indent=1)
+    files = write_shards(out_dir, tensors, max_shard_bytes, INDEX_FILE, cfg.to_hf_dict())
     if tokenizer_file:
         shutil.copyfile(tokenizer_file, os.path.join(out_dir, "tokenizer.json"))
     return files
@@ -143,25 +112,14 @@ def ensure_synthetic_checkpoint(name: str, architecture: Mapping[str, Any], seed
     cfg = synthetic_config(architecture, quantize_fp8)
     root = os.path.join(cache_dir, "models")
     final = os.path.join(root, f"{name}-{checkpoint_key(cfg, seed)}")
-    if os.path.isfile(os.path.join(final, INDEX_FILE)):
-        return final
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-")
-    try:
+
+    def write(tmp: str) -> None:
         write_checkpoint(tmp, cfg, native_tensors(synthetic_tensors(cfg, seed)), max_shard_bytes=max_shard_bytes,
                          tokenizer_file=checkpoint_tokenizer_file(None, None))
-        with open(os.path.join(tmp, "synthetic.json"), "w", encoding="utf-8") as f:
-            json.dump({"name": name, "seed": seed, "architecture": dict(architecture), "quantize_fp8": quantize_fp8,
-                       "format": FORMAT_VERSION}, f, indent=1)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, INDEX_FILE)):  # not a concurrent writer's result
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+
+    return publish_once(root, name, final, INDEX_FILE, write,
+                        {"name": name, "seed": seed, "architecture": dict(architecture),
+                         "quantize_fp8": quantize_fp8, "format": FORMAT_VERSION})
 
 
 def write_synthetic_checkpoint(model_cfg, cache_dir: str) -> str:
