@@ -43,6 +43,17 @@ class FamilyEntry:
             return False
         return model_type is None or model_type in self.model_types
 
+    def check_identity(self, config: Mapping[str, Any]) -> None:
+        """Raise ValueError naming the field when config.json states an ``architectures`` or
+        ``model_type`` this family does not load (a field it leaves out is not checked)."""
+        archs = config.get("architectures")
+        if archs is not None and not set(archs) & set(self.architectures):
+            raise ValueError(f"config.json field 'architectures'={archs!r}: "
+                             f"this model family loads {list(self.architectures)} only")
+        mt = config.get("model_type")
+        if mt is not None and mt not in self.model_types:
+            raise ValueError(f"config.json field 'model_type'={mt!r}: must be one of {list(self.model_types)}")
+
 
 FAMILIES: Tuple[FamilyEntry, ...] = (
     FamilyEntry("deepseek_v4", ("DeepseekV4ForCausalLM",), ("deepseek_v4",),

@@ -27,15 +27,6 @@ def _float(d: Dict[str, Any], key: str, default: float) -> float:
     return float(v)
 
 
-def _check_architecture(d: Dict[str, Any]) -> None:
-    archs = d.get("architectures")
-    if archs is not None and not set(archs) & set(ENTRY.architectures):
-        raise _fail("architectures", archs, f"this model family loads {list(ENTRY.architectures)} only")
-    mt = d.get("model_type")
-    if mt is not None and mt not in ENTRY.model_types:
-        raise _fail("model_type", mt, f"must be one of {list(ENTRY.model_types)}")
-
-
 def _ratios(d: Dict[str, Any]) -> Tuple[int, int]:
     rates = d.get("compress_rates") or {}
     if not isinstance(rates, dict):
@@ -178,7 +169,7 @@ def _check_consistency(cfg_kwargs: Dict[str, Any]) -> None:
 def parse_hf_dict(cls, d: Dict[str, Any]):
     if not isinstance(d, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(d).__name__}")
-    _check_architecture(d)
+    ENTRY.check_identity(d)
     n = _int(d, "num_hidden_layers")
     if d.get("num_key_value_heads", 1) != 1:
         raise _fail("num_key_value_heads", d["num_key_value_heads"], "must be 1 (one shared K=V head)")

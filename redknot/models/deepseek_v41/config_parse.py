@@ -38,15 +38,6 @@ def _short(v: Any) -> Any:
 
 
 # ---------------------------------------------------------------- parsing
-def _check_architecture(d: Dict[str, Any]) -> None:
-    archs = d.get("architectures")
-    if archs is not None and not set(archs) & set(ENTRY.architectures):
-        raise _fail("architectures", archs, f"this model family loads {list(ENTRY.architectures)} only")
-    mt = d.get("model_type")
-    if mt is not None and mt not in ENTRY.model_types:
-        raise _fail("model_type", mt, f"must be one of {list(ENTRY.model_types)}")
-
-
 def _quant(q: Any, flat: Dict[str, Any]) -> Optional[V41Quant]:
     """``quantization_config`` (released) or the flat ``dtype: fp8`` / ``expert_dtype``."""
     if q is None:
@@ -66,7 +57,7 @@ def _quant(q: Any, flat: Dict[str, Any]) -> Optional[V41Quant]:
 
 def _flatten(d: Dict[str, Any]) -> Dict[str, Any]:
     """One flat dict of reference names from either layout; conflicting spellings are an error."""
-    _check_architecture(d)
+    ENTRY.check_identity(d)
     text = d.get("text_config")
     if text is not None:
         if not isinstance(text, dict):
