@@ -7,7 +7,8 @@ Per-sequence **slots** (fixed size):
 * the ratio-2 compressor carry-over of each ratio-2 kv source: the raw fp32 ``wkv`` and
   ``wgate`` projections of the last positions, at ``p % compressor_ring`` (a group that
   straddles two steps is pooled from here);
-* the Engram look-back: the compressed token ids of the last positions, at ``p % engram_ring``.
+* the Engram look-back: the compressed token ids of the last positions, at ``p % engram_ring``
+  (look-back + 1 rows, so re-running a step at the same positions is harmless).
 
 Paged **blocks** of ``block_size`` positions: for each kv source, its compressed entries
 (288 B: FP4 e2m1 + E4M3 per 16) and index keys (68 B: FP4 e2m1 + E8M0 per 32); entry j of
@@ -44,7 +45,7 @@ class V41StateLayout:
     max_backtrack: int
     window_ring: int                 # window + max_backtrack rows per layer
     compressor_ring: int             # 2 + max_backtrack raw rows per ratio-2 kv source
-    engram_ring: int                 # (max_ngram - 1) + max_backtrack compressed ids
+    engram_ring: int                 # (max_ngram - 1) + 1 + max_backtrack compressed ids
     num_layers: int
     kv_sources: Tuple[Tuple[int, int], ...]   # (layer, ratio) of every kv source
     head_dim: int
@@ -69,7 +70,10 @@ class V41StateLayout:
         win, ent, key = window_row_bytes(hd), compressed_entry_bytes(hd), index_key_bytes(ihd)
         window_ring = cfg.window_size + max_backtrack
         comp_ring = 2 + max_backtrack
-        engram_ring = max(cfg.engram_max_ngram_size - 1, 1) + max_backtrack
+        # One id more than the look-back: the id a step stores at p never lands on p - lookback, which
+        # that step reads, so a step run twice at the same positions (the CUDA-graph runner checks its
+        # first replay against an eager run of the same step) reads the same history both times.
+        engram_ring = max(cfg.engram_max_ngram_size - 1, 1) + 1 + max_backtrack
         per_block = sum((block_size // r) * (ent + key) for _, r in sources)
         n_ratio2 = sum(1 for _, r in sources if r == 2)
         per_slot = (cfg.n_layers * window_ring * win

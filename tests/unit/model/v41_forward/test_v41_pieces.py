@@ -60,7 +60,7 @@ def test_state_stores_the_trained_byte_formats():
     assert (lay.window_bytes, lay.entry_bytes, lay.key_bytes) == (
         mx.window_row_bytes(512), mx.compressed_entry_bytes(512), mx.index_key_bytes(128))
     assert lay.global_bytes_per_token() == 890                               # §5.1
-    assert lay.window_ring == 128 + 5 and lay.compressor_ring == 2 + 5 and lay.engram_ring == 3 + 5
+    assert lay.window_ring == 128 + 5 and lay.compressor_ring == 2 + 5 and lay.engram_ring == 3 + 1 + 5
     tiny = Pair().cfg
     small = create_state_layout(tiny, block_size=8, max_backtrack=0)
     st = allocate_state(tiny, small, num_slots=2, num_blocks=3, device="cpu", dtype=torch.float32)

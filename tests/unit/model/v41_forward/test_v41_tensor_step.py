@@ -143,7 +143,7 @@ def test_varlen_batch_1_from_short_prompt(pair):
 
 
 def test_more_rows_than_the_rings_hold(pair):
-    """Without spare ring rows (compressor ring 2, Engram ring 3) a request of 4 rows keeps only its
+    """Without spare ring rows (compressor ring 2, Engram ring 4) a request of 4 rows keeps only its
     last rows in the rings, as the eager path does."""
     _run_both(pair, 2, [13, 6], [[4, 3], [3, 4], [4, 4], [1, 2]], pad_reqs=(2,), backtrack=0)
 
@@ -369,6 +369,65 @@ def test_gpu_engine_decodes_tiny_v41_in_cuda_graphs(tmp_path):
             stats = llm.stats()
             assert stats.cuda_graphs.startswith("on:"), stats.cuda_graphs
             assert stats.num_cuda_graph_steps > 20
+        outs.append(got)
+        llm.close()
+    for rid in prompts:
+        assert outs[0][rid].token_ids == outs[1][rid].token_ids
+
+
+class _Replay:
+    """Stands in for a captured graph on a CPU: replay runs the captured call on the static buffers."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def test_engine_decode_graph_buffers_drive_the_v41_step(tmp_path):
+    """The engine's graph runner (DecodeGraphs) on tiny-v41, on a CPU: its static buffers, padding
+    slot/block and first-replay check drive the tensor-only step (a replay here re-runs the step on
+    the buffers); greedy tokens equal eager decode and no replay is refused by the check."""
+    import random
+    from pathlib import Path
+
+    from llm_testutil import run_all
+
+    from redknot.bench.typed import load_yaml_option
+    from redknot.config.schema import EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig, SchedulerConfig
+    from redknot.engine import LLM, SamplingParams
+    from redknot.engine.cuda_graphs import DecodeGraphs
+
+    conf = Path(__file__).resolve().parents[4] / "conf" / "model" / "tiny-v41.yaml"
+    model = load_yaml_option(conf, ModelConfig)
+    model.max_position = 256
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(3, 2000) for _ in range(rng.randrange(4, 30))] for i in range(3)}
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = []
+    for graphs in (False, True):
+        features = FeaturesConfig()
+        features.dspark.method = "none"
+        eng = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16),
+                           cache_dir=str(tmp_path))
+        llm = LLM(model, HardwareConfig(), features, eng)
+        if graphs:
+            runner = llm.runner
+            g = DecodeGraphs(runner, max_batch=4, max_len=256)
+            assert g.disabled_reason is None, g.disabled_reason
+            for bs in g.sizes:
+                meta = g._meta(bs, [0] * bs)
+                g.outputs[bs] = runner.model.compute_logits(runner.model.forward(meta, runner.state)[meta.logits_indices])
+
+                def step(bs=bs, meta=meta):
+                    g.outputs[bs].copy_(runner.model.compute_logits(
+                        runner.model.forward(meta, runner.state)[meta.logits_indices]))
+                g.graphs[bs] = _Replay(step)
+            runner.graphs = g
+        got, _ = run_all(llm, prompts, params)
+        if graphs:
+            assert g.num_replays >= 10 and g.disabled_reason is None, (g.num_replays, g.disabled_reason)
         outs.append(got)
         llm.close()
     for rid in prompts:
