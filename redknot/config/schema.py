@@ -96,6 +96,20 @@ class VerificationMode(str, Enum):
     block = "block"  # block verification (Sun et al.): a later success can rescue an earlier draft
 
 
+class BlockAttention(str, Enum):
+    """What a draft block query sees of the block (``features.dspark.block_attention``;
+    dspark.md §2.3 step 4, §2.4, §8 item 3)."""
+    bidirectional = "bidirectional"  # every block slot (the V4 reference and the V4.1 port)
+    causal = "causal"                # block slots at or before its own (one third-party V4.1 note)
+
+
+class ConfidenceActivation(str, Enum):
+    """How the confidence head's raw logit z_k (per-position temperature T_k) becomes a survival
+    probability (``features.dspark.confidence_activation``; dspark.md §2.3 step 7, §4.4)."""
+    sigmoid = "sigmoid"  # sigmoid(z_k / T_k): vLLM (T = 1) and SGLang (STS)
+    clamp = "clamp"      # clamp(z_k / T_k, 0, 1): the raw head output read as a probability
+
+
 class BudgetSource(str, Enum):
     """Where the verify-cost table of confidence scheduling comes from (``features.dspark.budget``)."""
     profile = "profile"  # timed at engine start over the batch shapes decode steps use
@@ -209,6 +223,8 @@ class DSparkConfig:
     budget_tokens: int = 0        # budget=fixed: drafts verified per step over the whole batch (>= 1)
     staleness: int = 2            # steps the confidences sizing the budget lag behind (1: vLLM, 2: paper, SGLang)
     sts_path: Optional[str] = None  # per-position confidence temperatures (JSON); null = identity
+    block_attention: BlockAttention = BlockAttention.bidirectional  # within the draft block (§8 item 3)
+    confidence_activation: ConfidenceActivation = ConfidenceActivation.sigmoid  # raw logit -> probability
 
     @property
     def enabled(self) -> bool:

@@ -8,7 +8,9 @@ nothing, so the rings never need a rollback, and a position is read (by a block 
 position > pos) only after it was committed. A request that sampled then drafts the whole
 trained block from its new anchor: one parallel forward of all drafting requests, the Markov
 chain with drafting-time sampling (:class:`MarkovSampler`), and the confidence of every slot
-``sigmoid(logit_k / T_k)`` (per-position STS temperatures from ``features.dspark.sts_path``).
+``sigmoid(logit_k / T_k)`` (per-position STS temperatures from ``features.dspark.sts_path``;
+``features.dspark.confidence_activation`` picks the activation, ``block_attention`` the block's
+attention pattern; dspark.md §2.3, §8 item 3).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from redknot.config.schema import DraftSampling
+from redknot.config.schema import BlockAttention, ConfidenceActivation, DraftSampling
 from redknot.speculative.draft_sampling import MarkovSampler
 from redknot.speculative.drafter import Draft
 from redknot.speculative.schedule import draft_limit
@@ -41,6 +43,24 @@ def load_sts(path: Optional[str], block_size: int) -> List[float]:
         raise ValueError(f"features.dspark.sts_path={path}: needs {block_size} positive temperatures (one per draft "
                          f"position of the checkpoint's block), got {temps}")
     return temps
+
+
+def _choice(enum, key: str, value):
+    """``value`` as ``enum``; a bad value names the key, the value and the allowed values."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"features.dspark.{key}={value!r}: allowed values are "
+                         f"{[e.value for e in enum]}") from None
+
+
+def confidence_probs(logits: torch.Tensor, temperatures: torch.Tensor, activation) -> torch.Tensor:
+    """Survival probabilities of the raw confidence logits [B, g] over per-position temperatures [g]:
+    ``sigmoid(z/T)`` (vLLM, SGLang) or ``clamp(z/T, 0, 1)`` (``features.dspark.confidence_activation``)."""
+    z = logits.float() / temperatures
+    if ConfidenceActivation(activation) == ConfidenceActivation.clamp:
+        return z.clamp(0.0, 1.0)
+    return torch.sigmoid(z)
 
 
 @dataclass
@@ -76,6 +96,8 @@ class DSparkDrafter:
         self.probabilistic = self.sampler.mode == DraftSampling.probabilistic  # sampled requests keep q
         self.temperatures = torch.tensor(load_sts(cfg.sts_path, self.block_size), dtype=torch.float32,
                                          device=draft.device)
+        self.causal = _choice(BlockAttention, "block_attention", cfg.block_attention) == BlockAttention.causal
+        self.activation = _choice(ConfidenceActivation, "confidence_activation", cfg.confidence_activation)
         spec = getattr(draft, "ring_spec", None)  # a family whose state has no float window cache says
         hd, dtype = spec(state) if spec is not None else (state.layers[0].swa.shape[-1], state.layers[0].swa.dtype)
         ring = dict(dtype=dtype, device=draft.device)
@@ -119,12 +141,12 @@ class DSparkDrafter:
         anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=device)
         positions = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long, device=device)
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=device)
-        h, base = self.draft.forward_block(anchors, positions, self.rings, slots)  # [B, g, D], [B, g, V]
+        h, base = self.draft.forward_block(anchors, positions, self.rings, slots, self.causal)  # [B,g,D], [B,g,V]
         blocks = self.sampler.sample(base, self.draft.markov_bias, anchors, [r.row for r in reqs],
                                      [r.anchor_pos + 1 for r in reqs])
         tokens = torch.tensor([b.token_ids for b in blocks], dtype=torch.long, device=device)  # [B, g]
         prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)  # x_0 .. x_{g-1}
-        conf = torch.sigmoid(self.draft.confidence_logits(h, prev) / self.temperatures).tolist()
+        conf = confidence_probs(self.draft.confidence_logits(h, prev), self.temperatures, self.activation).tolist()
         out = {}
         for r, block, c in zip(reqs, blocks, conf):
             self.num_drafted += len(block.token_ids)
@@ -139,7 +161,7 @@ class DSparkDrafter:
         anchors = torch.zeros(num_requests, dtype=torch.long, device=device)
         positions = torch.full((num_requests,), self.draft.window, dtype=torch.long, device=device)
         slots = torch.full((num_requests,), slot, dtype=torch.long, device=device)
-        h, base = self.draft.forward_block(anchors, positions, self.rings, slots)
+        h, base = self.draft.forward_block(anchors, positions, self.rings, slots, self.causal)
         prev = anchors
         for k in range(self.block_size):
             prev = (base[:, k] + self.draft.markov_bias(prev)).argmax(dim=-1)

@@ -9,7 +9,8 @@
 * **Block**: ids ``[anchor, noise x (g-1)]`` at positions P..P+g-1, the target embedding
   expanded to hc copies; each stage is a V4 block (mHC around attention and MoE, 256 experts)
   whose attention lets every block query see the ring positions P-W..P-1 and the whole block
-  (non-causal), with per-head sinks in one softmax, inverse RoPE, grouped output projection.
+  (non-causal; block-causal under ``features.dspark.block_attention=causal``), with per-head
+  sinks in one softmax, inverse RoPE, grouped output projection.
 * **Head** (last stage): sigmoid ``hc_head`` collapse -> h_k (pre-norm); U_k = head(norm(h_k))
   with the target's head; the Markov bias ``markov_w2 . markov_w1[prev]`` (rank r, fp32) and the
   confidence logit ``proj([h_k ; markov_w1[prev]])`` (fp32, no bias; sigmoid and the optional
@@ -67,6 +68,12 @@ def draft_checkpoint_spec(cfg: V4Config, dcfg: DSparkDraftConfig) -> List[Tensor
     return out
 
 
+def block_mask(g: int, w: int, device) -> torch.Tensor:
+    """[g, W+g] bool: block-causal visibility (all ring columns; block slot i sees block slots <= i)."""
+    ring = torch.ones(g, w, dtype=torch.bool, device=device)
+    return torch.cat([ring, torch.ones(g, g, dtype=torch.bool, device=device).tril()], dim=1)
+
+
 class _Weight(nn.Module):
     """A module holding one ``weight`` (checkpoint names ``….markov_w1.weight``, ``….proj.weight``)."""
 
@@ -83,8 +90,9 @@ class DSparkAttention(Attention):
         return ks.rope(self.kv_norm(ks, self.wkv(ks, main_x)), cos, sin)
 
     def block(self, ks, x: torch.Tensor, ring_kv: torch.Tensor, ring_valid: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
-        """x [B*g, D] (normed), ring_kv [B, W, hd], ring_valid [B, W] -> [B*g, D]."""
+              sin: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """x [B*g, D] (normed), ring_kv [B, W, hd], ring_valid [B, W] -> [B*g, D]; ``causal``: block
+        slot i sees block slots <= i only (``features.dspark.block_attention``)."""
         b, w, hd = ring_kv.shape
         g, h = x.shape[0] // b, self.num_heads
         c_q = self.q_norm(ks, self.wq_a(ks, x))
@@ -94,7 +102,10 @@ class DSparkAttention(Attention):
         keys = torch.cat([ring_kv.to(kv.dtype), kv.view(b, g, hd)], dim=1).float()  # [B, W+g, hd]
         valid = torch.cat([ring_valid, torch.ones(b, g, dtype=torch.bool, device=x.device)], dim=1)
         logits = torch.einsum("bqhd,bkd->bqhk", q.view(b, g, h, hd).float(), keys) * hd ** -0.5
-        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        mask = valid[:, None, None, :].expand(b, g, 1, w + g)
+        if causal:
+            mask = mask & block_mask(g, w, x.device)[None, :, None, :]
+        logits = logits.masked_fill(~mask, float("-inf"))
         sink = self.attn_sink.float().view(1, 1, h, 1).expand(b, g, h, 1)
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]  # the sink only divides
         o = torch.einsum("bqhk,bkd->bqhd", probs, keys).to(x.dtype).reshape(b * g, h, hd)
@@ -126,10 +137,10 @@ class DSparkStage(Block):
             self.confidence_head.proj = _Weight(f.fp32(1, d + r))
 
     def run(self, ks, streams: torch.Tensor, ring_kv: torch.Tensor, ring_valid: torch.Tensor, cos, sin,
-            input_ids: torch.Tensor) -> torch.Tensor:
+            input_ids: torch.Tensor, causal: bool = False) -> torch.Tensor:
         """streams [B*g, n, D] -> [B*g, n, D]."""
         u, post, comb = self._pre(ks, streams, "attn")
-        a = self.attn.block(ks, self.attn_norm(ks, u), ring_kv, ring_valid, cos, sin)
+        a = self.attn.block(ks, self.attn_norm(ks, u), ring_kv, ring_valid, cos, sin, causal)
         streams = ks.mhc_post(a, streams, post, comb)
         v, post, comb = self._pre(ks, streams, "ffn")
         y = self.ffn(ks, self.ffn_norm(ks, v), input_ids)
@@ -224,9 +235,10 @@ class DSparkDraft(nn.Module):
 
     @torch.no_grad()
     def forward_block(self, anchors: torch.Tensor, positions: torch.Tensor, rings: Sequence[torch.Tensor],
-                      slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                      slots: torch.Tensor, causal: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """anchors [B] at ``positions`` [B] (P), each stage's ring [S, W, hd], slots [B] ->
-        (h [B, g, D] pre-norm, base logits U [B, g, V] fp32)."""
+        (h [B, g, D] pre-norm, base logits U [B, g, V] fp32); ``causal``: block-causal attention
+        within the block instead of bidirectional (``features.dspark.block_attention``, §8 item 3)."""
         ks, cfg, g = self.ks, self.cfg, self.block_size
         b = anchors.shape[0]
         ids = torch.full((b, g), self.dcfg.noise_token_id, dtype=torch.long, device=anchors.device)
@@ -241,7 +253,7 @@ class DSparkDraft(nn.Module):
         streams = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for stage, ring in zip(self.mtp, rings):
             ring_kv = ring[slots[:, None], ring_idx]  # [B, W, hd]
-            streams = stage.run(ks, streams, ring_kv, ring_valid, cos, sin, ids.reshape(-1))
+            streams = stage.run(ks, streams, ring_kv, ring_valid, cos, sin, ids.reshape(-1), causal)
         last = self.mtp[-1]
         h = ks.mhc_head(streams, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, cfg.hc_eps,
                         cfg.rms_norm_eps)  # [B*g, D]

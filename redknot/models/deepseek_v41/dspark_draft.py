@@ -18,8 +18,9 @@ What differs from V4-Flash-0731 (``redknot.models.deepseek_v4.dspark_draft``):
 Context K/V: ``main_x = main_norm(main_proj(taps))`` feeds only the stages' K/V; stage s keeps
 ``QDQ_fp8(RoPE(kv_norm_s(wkv_s(main_x))))`` of every committed position in its window ring (the
 backbone's window format). The block ``[anchor, noise x (g-1)]`` at positions P..P+g-1 attends
-to ring positions P-W..P-1 (those >= 0) and to all g block rows (non-causal), block K/V through
-the same FP8 grid, per-head sinks in the softmax denominator.
+to ring positions P-W..P-1 (those >= 0) and to all g block rows (non-causal; block-causal under
+``features.dspark.block_attention=causal``), block K/V through the same FP8 grid, per-head sinks
+in the softmax denominator.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from redknot.models.deepseek_v41.attention import sparse_attend
+from redknot.models.deepseek_v4.dspark_draft import block_mask  # the same visibility in both families
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from redknot.models.deepseek_v41.moe import moe_forward
 from redknot.models.deepseek_v41.ref_math import (
@@ -166,8 +168,9 @@ class V41DSparkDraft:
         return torch.stack([self._kv(main_x, s, positions) for s in range(self.dcfg.num_stages)])
 
     def _attention(self, s: int, u: torch.Tensor, pos: torch.Tensor, ring_kv: torch.Tensor,
-                   ring_valid: torch.Tensor) -> torch.Tensor:
-        """u [B*g, D] (normed) -> [B*g, D]: block queries over ring (W) + block (g) rows."""
+                   ring_valid: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        """u [B*g, D] (normed) -> [B*g, D]: block queries over ring (W) + block (g) rows (block slots
+        <= the query's own only when ``causal``)."""
         cfg, w, num, p = self.cfg, self.w, self.num, f"mtp.{s}.attn"
         b, win, hd = ring_kv.shape
         n = u.shape[0]
@@ -179,6 +182,8 @@ class V41DSparkDraft:
         valid = torch.cat([ring_valid, torch.ones(b, g, dtype=torch.bool, device=u.device)], dim=1)
         keys = keys.repeat_interleave(g, dim=0)                                       # every query: all rows
         valid = valid.repeat_interleave(g, dim=0)
+        if causal:
+            valid = valid & block_mask(g, win, u.device).repeat(b, 1)
         o = sparse_attend(q, keys, valid, w.float(f"{p}.attn_sink"), hd ** -0.5)
         o = apply_rope(o.to(num.dtype), pos, self.inv, inverse=True)
         wo_a = w.dense(f"{p}.wo_a.weight", num.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)
@@ -187,9 +192,10 @@ class V41DSparkDraft:
 
     @torch.no_grad()
     def forward_block(self, anchors: torch.Tensor, positions: torch.Tensor, rings: Sequence[torch.Tensor],
-                      slots: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                      slots: torch.Tensor, causal: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """anchors [B] at ``positions`` [B] (P), each stage's ring [S, W, hd], slots [B] ->
-        (h [B, g, D] pre-norm, base logits U [B, g, V] in the accumulation dtype)."""
+        (h [B, g, D] pre-norm, base logits U [B, g, V] in the accumulation dtype); ``causal``:
+        block-causal attention within the block (``features.dspark.block_attention``, §8 item 3)."""
         cfg, w, num, g = self.cfg, self.w, self.num, self.block_size
         b, dev = anchors.shape[0], anchors.device
         ids = torch.full((b, g), self.dcfg.noise_token_id, dtype=torch.long, device=dev)
@@ -209,7 +215,8 @@ class V41DSparkDraft:
             pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
                                           w.float(f"{p}.hc_attn_scale"), *mix)
             u = rms_norm(hc_collapse(h, pre), w.float(f"{p}.attn_norm.weight"), cfg.norm_eps)
-            h = hc_expand(self._attention(s, u, pos, ring[slots[:, None], ring_idx], ring_valid), h, post_a, c_a)
+            att = self._attention(s, u, pos, ring[slots[:, None], ring_idx], ring_valid, causal)
+            h = hc_expand(att, h, post_a, c_a)
             pre_f, post_f, c_f = hc_mixes(h, w.float(f"{p}.hc_ffn_fn"), w.float(f"{p}.hc_ffn_base"),
                                           w.float(f"{p}.hc_ffn_scale"), *mix)
             u = rms_norm(hc_collapse(h, pre_a), w.float(f"{p}.ffn_norm.weight"), cfg.norm_eps)

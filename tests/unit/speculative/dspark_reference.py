@@ -87,15 +87,17 @@ class Reference:
         kv = rmsnorm(_p(prm, f"{p}.attn.wkv.weight") @ main_x, _p(prm, f"{p}.attn.kv_norm.weight"))
         return rope_vec(kv, pos, self.cfg.rope_dim, self.cfg.rope_theta)
 
-    def attention(self, stage: int, xs: List[torch.Tensor], anchor_pos: int, context: Dict[int, torch.Tensor]):
+    def attention(self, stage: int, xs: List[torch.Tensor], anchor_pos: int, context: Dict[int, torch.Tensor],
+                  causal: bool = False):
         cfg, prm, p = self.cfg, self.params, f"mtp.{stage}.attn"
         g, hd, h = len(xs), cfg.head_dim, cfg.num_heads
         window = range(max(0, anchor_pos - cfg.sliding_window), anchor_pos)
         block_kv = [rope_vec(rmsnorm(_p(prm, f"{p}.wkv.weight") @ x, _p(prm, f"{p}.kv_norm.weight")),
                              anchor_pos + i, cfg.rope_dim, cfg.rope_theta) for i, x in enumerate(xs)]
-        keys = [context[(stage, j)] for j in window] + block_kv  # every query: ring + the whole block
+        ring = [context[(stage, j)] for j in window]
         outs = []
         for i, x in enumerate(xs):
+            keys = ring + (block_kv[:i + 1] if causal else block_kv)  # ring + the block (up to slot i if causal)
             cq = rmsnorm(_p(prm, f"{p}.wq_a.weight") @ x, _p(prm, f"{p}.q_norm.weight"))
             q = (_p(prm, f"{p}.wq_b.weight") @ cq).reshape(h, hd)
             heads = []
@@ -113,8 +115,8 @@ class Reference:
             outs.append(_p(prm, f"{p}.wo_b.weight") @ mid)
         return outs
 
-    def block(self, anchor: int, anchor_pos: int, context: Dict[int, torch.Tensor]):
-        """-> (h [g, D] pre-norm, U [g, V]) for one request."""
+    def block(self, anchor: int, anchor_pos: int, context: Dict[int, torch.Tensor], causal: bool = False):
+        """-> (h [g, D] pre-norm, U [g, V]) for one request; ``causal``: block_attention=causal."""
         cfg, dcfg, prm = self.cfg, self.dcfg, self.params
         ids = [anchor] + [dcfg.noise_token_id] * (dcfg.block_size - 1)
         streams = [self.embed[t].repeat(cfg.hc_mult, 1) for t in ids]  # g x [n, D]
@@ -125,7 +127,7 @@ class Reference:
             mixes = [hc_pre(x, _p(prm, f"{p}.hc_attn_fn"), _p(prm, f"{p}.hc_attn_base"),
                             _p(prm, f"{p}.hc_attn_scale"), cfg.hc_sinkhorn_iters) for x in streams]
             normed = [rmsnorm(u, _p(prm, f"{p}.attn_norm.weight")) for u, _, _ in mixes]
-            att = self.attention(s, normed, anchor_pos, context)
+            att = self.attention(s, normed, anchor_pos, context, causal)
             streams = [hc_post(a, x, post, c) for a, x, (_, post, c) in zip(att, streams, mixes)]
             new = []
             for x in streams:

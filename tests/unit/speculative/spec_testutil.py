@@ -87,13 +87,15 @@ def make_dspark_agree(model, draft, eps: float = 0.005, head_scale: float = 6.0,
 def features(dspark: bool = True, max_draft: int = MAX_DRAFT, adaptive: bool = False, compact: bool = False,
              keep_tokens: int = WINDOW + MAX_DRAFT + 1, batch_invariant: bool = False, verification: str = "token",
              budget_source: str = "fixed", budget_tokens: int = 6, method: str = "auto",
-             draft_sampling: str = "greedy", budget_file=None, sts_path=None) -> FeaturesConfig:
+             draft_sampling: str = "greedy", budget_file=None, sts_path=None, block_attention: str = "bidirectional",
+             confidence_activation: str = "sigmoid") -> FeaturesConfig:
     f = FeaturesConfig(async_scheduling=False)
     f.dspark.method = method if dspark else "none"
     f.dspark.max_draft, f.dspark.adaptive = max_draft, adaptive
     f.dspark.verification, f.dspark.draft_sampling = verification, draft_sampling
     f.dspark.budget, f.dspark.budget_tokens, f.dspark.budget_file = budget_source, budget_tokens, budget_file
     f.dspark.sts_path = sts_path
+    f.dspark.block_attention, f.dspark.confidence_activation = block_attention, confidence_activation
     f.swa_replay.mode = SwaReplayMode.compact if compact else SwaReplayMode.off
     f.swa_replay.keep_tokens = keep_tokens
     f.batch_invariant.enabled = batch_invariant

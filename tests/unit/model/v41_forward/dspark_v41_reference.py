@@ -83,15 +83,15 @@ def context_kv(p: Params, cfg, taps: torch.Tensor, grid: Callable) -> List[List[
 
 
 def attention(p: Params, s: int, cfg, us: List[torch.Tensor], anchor_pos: int, ring: List[torch.Tensor],
-              grid: Callable) -> List[torch.Tensor]:
+              grid: Callable, causal: bool = False) -> List[torch.Tensor]:
     a, hd, nh = f"mtp.{s}.attn", cfg.head_dim, cfg.n_heads
     w = cfg.window_size
     ctx = [ring[t] for t in range(max(0, anchor_pos - w), anchor_pos)]
     block = [grid(rope(rms(p[f"{a}.wkv.weight"] @ u, p[f"{a}.kv_norm.weight"], cfg.norm_eps), anchor_pos + i,
                        cfg.rope_head_dim, cfg.rope_theta)[None])[0] for i, u in enumerate(us)]
-    keys = torch.stack(ctx + block)
     out = []
     for j, u in enumerate(us):
+        keys = torch.stack(ctx + (block[:j + 1] if causal else block))  # block slots <= j only if causal
         q = p[f"{a}.wq_b.weight"] @ rms(p[f"{a}.wq_a.weight"] @ u, p[f"{a}.q_norm.weight"], cfg.norm_eps)
         heads = []
         for h in range(nh):
@@ -113,8 +113,8 @@ def attention(p: Params, s: int, cfg, us: List[torch.Tensor], anchor_pos: int, r
 
 
 def draft_block(p: Params, cfg, embed: torch.Tensor, head: torch.Tensor, anchor: int, anchor_pos: int,
-                rings: List[List[torch.Tensor]], grid: Callable):
-    """-> (h [g, D] pre-norm collapse, U [g, V], markov W1 [V, r], W2 [V, r], proj [1, D+r])."""
+                rings: List[List[torch.Tensor]], grid: Callable, causal: bool = False):
+    """-> (h [g, D] pre-norm collapse, U [g, V]); ``causal``: block_attention=causal."""
     g, n = cfg.dspark_block_size, cfg.hc_mult
     ids = [anchor] + [cfg.dspark_noise_token_id] * (g - 1)
     streams = [embed[i].expand(n, -1).clone() for i in ids]
@@ -123,7 +123,7 @@ def draft_block(p: Params, cfg, embed: torch.Tensor, head: torch.Tensor, anchor:
         m = f"mtp.{s}"
         mixes = [hc_mix(x, p[f"{m}.hc_attn_fn"], p[f"{m}.hc_attn_base"], p[f"{m}.hc_attn_scale"], cfg) for x in streams]
         us = [rms(collapse(x, pr), p[f"{m}.attn_norm.weight"], cfg.norm_eps) for x, pr in zip(streams, pre)]
-        ys = attention(p, s, cfg, us, anchor_pos, rings[s], grid)
+        ys = attention(p, s, cfg, us, anchor_pos, rings[s], grid, causal)
         streams = [expand(y, x, mx[1], mx[2]) for y, x, mx in zip(ys, streams, mixes)]
         fmix = [hc_mix(x, p[f"{m}.hc_ffn_fn"], p[f"{m}.hc_ffn_base"], p[f"{m}.hc_ffn_scale"], cfg) for x in streams]
         us = [rms(collapse(x, mx[0]), p[f"{m}.ffn_norm.weight"], cfg.norm_eps) for x, mx in zip(streams, mixes)]
