@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from redknot.models.family import ExpertRows, ModelFamily
+from redknot.models.family import DSPARK, ExpertRows, ModelFamily
 from redknot.models.registry import family_entry
-
-DSPARK = "dspark"   # the DSpark draft stages (mtp.*) the checkpoint carries
 
 
 class DeepseekV41Family(ModelFamily):
