@@ -8,7 +8,7 @@ import torch
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels.triton import ops_mx as fast
-from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
+from redknot.kernels.triton.checks_mx import V41Dims, moe_graph, moe_inputs
 
 # (name, N, K) of the dense FP8 linears of a V4.1 layer (§4.2)
 LINEARS = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
@@ -77,18 +77,7 @@ def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callabl
                 x = torch.randn(t, dims.hidden, generator=g, device=device).to(torch.bfloat16)
                 idx = torch.rand(t, dims.experts, generator=g, device=device).topk(dims.topk_experts, -1).indices
                 wt = torch.rand(t, dims.topk_experts, generator=g, device=device) + 0.1
-                w = weights()
-                eager = fast.moe_mx(x, idx, wt, *w, 10.0)  # also tunes the launch shapes outside the capture
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    fast.moe_mx(x, idx, wt, *w, 10.0)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = fast.moe_mx(x, idx, wt, *w, 10.0)
-                graph.replay()
-                torch.cuda.synchronize()
+                graph, out, eager = moe_graph(x, idx, wt, weights(), 10.0)
                 same = bool(torch.equal(out, eager))
                 return _case("moe_mx (CUDA graph)", f"T={t}", graph.replay, t * flops_per_token,
                              _moe_bytes(dims, idx), note=f"graph output == eager: {same}")

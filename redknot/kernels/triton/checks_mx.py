@@ -13,7 +13,7 @@ chosen sets (tie-aware: equal scores are interchangeable).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -120,6 +120,25 @@ def moe_inputs(dims: V41Dims, device, seed: int = 0, tokens: int = 0):
         ws.append(torch.randint(0, 256, (e, n, k // 2), generator=g, device=device).to(torch.uint8))
         ws.append(torch.randint(117, 122, (e, n, k // 32), generator=g, device=device).to(torch.uint8))
     return x, topk_idx, topk_w, ws
+
+
+def moe_graph(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w: List[torch.Tensor], limit: float = 10.0
+              ) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor, torch.Tensor]:
+    """``moe_mx`` captured in a CUDA graph and replayed once: (graph, its output buffer, the eager
+    result). The eager call and a warm-up on a side stream run first, so launch-shape tuning and
+    lazy allocations happen outside the capture; a host sync in the routed path fails the capture."""
+    eager = fast.moe_mx(x, idx, wt, *w, limit)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fast.moe_mx(x, idx, wt, *w, limit)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fast.moe_mx(x, idx, wt, *w, limit)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out, eager
 
 
 def check_moe(dims: V41Dims, device, seed: int = 0) -> List[MxCheck]:
