@@ -45,6 +45,7 @@ from redknot.models.registry import load_family
 from redknot.sample import Sampler, SamplingRow
 from redknot.sample.params import SamplingParams
 from redknot.speculative.draft_sampling import MarkovSampler
+from redknot.speculative.profile import time_once_ms
 from redknot.speculative.rejection import block_sample, speculative_sample
 from redknot.speculative.schedule import CostModel, CostTable, VerifyScheduler
 from redknot.speculative.varlen import VerifyGraphs
@@ -62,16 +63,7 @@ ARCH_SMOKE = dict(ARCH_CUT, hidden_size=128, num_attention_heads=4, head_dim=64,
 def timed_ms(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
-    out = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(out)
+    return statistics.median(time_once_ms(device, fn) for _ in range(repeats))
 
 
 class Bench:

@@ -19,7 +19,9 @@ from redknot.speculative.schedule import CostModel, CostTable, profile_costs, pr
 from redknot.step.metadata import StepMetadata
 
 
-def _timed(device: torch.device, fn: Callable[[], None]) -> float:
+def time_once_ms(device: torch.device, fn: Callable[[], object]) -> float:
+    """Milliseconds of one call of ``fn``; on CUDA the device is synchronised before and after, so
+    the time covers the kernels ``fn`` queued and not only their launch."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
@@ -58,10 +60,10 @@ def profile_cost_model(runner, speculator, max_num_seqs: int, max_tokens: int, r
     drafter = speculator.drafter
     _verify_step(runner, 1, max_num_seqs, max_draft + 1)()  # first calls pay one-off set-up costs
     drafter.dry_run(1, runner.padding_slot, runner.padding_block)
-    verify = profile_costs(lambda n: _timed(device, _verify_step(runner, n, max_num_seqs, max_draft + 1)),
+    verify = profile_costs(lambda n: time_once_ms(device, _verify_step(runner, n, max_num_seqs, max_draft + 1)),
                            sizes, repeats)
     req_sizes = sorted({1, max_num_seqs} if coarse else {min(s, max_num_seqs) for s in sizes})
     draft = profile_costs(
-        lambda r: _timed(device, lambda: drafter.dry_run(r, runner.padding_slot, runner.padding_block)),
+        lambda r: time_once_ms(device, lambda: drafter.dry_run(r, runner.padding_slot, runner.padding_block)),
         req_sizes, repeats)
     return CostModel(CostTable(verify, sizes[-1]), CostTable(draft))
