@@ -1,7 +1,7 @@
 """Helpers of the DSpark / compact-replay tests: the test models, an engine factory, drivers."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from llm_testutil import run_all as run_requests
@@ -173,6 +173,21 @@ class BlockSpy:
 def run_all(llm, prompts: Dict[str, List[int]], params) -> Dict[str, object]:
     """add_request + step until done -> {req_id: final RequestOutput}."""
     return run_requests(llm, prompts, params)[0]
+
+
+def lockstep(spec, ref, req_id: str) -> Iterator[int]:
+    """Step ``spec`` until ``req_id`` finishes; after each step advance ``ref`` to the same number of
+    computed tokens and yield it (the caller compares the two states there). ``ref`` is run to the
+    end once ``spec`` is done."""
+    while spec.has_unfinished_requests():
+        if any(o.finished for o in spec.step()):
+            break
+        length = spec.scheduler.requests[req_id].num_computed_tokens
+        while ref.scheduler.requests[req_id].num_computed_tokens < length:
+            ref.step()
+        yield length
+    while ref.has_unfinished_requests():
+        ref.step()
 
 
 def record_logits(llm, prompts, params):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from spec_testutil import DSPARK_VOCAB, MAX_DRAFT, BlockSpy, live_state, record_logits, run_all
+from spec_testutil import DSPARK_VOCAB, MAX_DRAFT, BlockSpy, live_state, lockstep, record_logits, run_all
 
 from redknot.engine import SamplingParams
 
@@ -169,20 +169,13 @@ def test_forced_rollbacks_leave_state_and_rings_of_a_run_that_verified_nothing(e
     spec.add_request("r", prompt, params)
     ref.add_request("r", prompt, params)
     checked = 0
-    while spec.has_unfinished_requests():
-        if any(o.finished for o in spec.step()):
-            break
-        length = spec.scheduler.requests["r"].num_computed_tokens
-        while ref.scheduler.requests["r"].num_computed_tokens < length:
-            ref.step()
+    for length in lockstep(spec, ref, "r"):
         got, want = live_state(spec, "r"), live_state(ref, "r")
         for name in want:
             assert torch.equal(got[name], want[name]), (length, name)
         for a, b in zip(_ring_rows(spec, "r"), _ring_rows(ref, "r")):
             assert torch.equal(a, b), length
         checked += 1
-    while ref.has_unfinished_requests():
-        ref.step()
     assert checked >= 5 and spec.stats().spec.num_accepted > 0
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from spec_testutil import MAX_DRAFT, WINDOW, live_state, record_logits, run_all
+from spec_testutil import MAX_DRAFT, WINDOW, live_state, lockstep, record_logits, run_all
 
 from redknot.engine import SamplingParams
 
@@ -62,17 +62,10 @@ def test_forced_rollback_state_on_gpu(engines):
     spec.runner.speculator.draft_hook = hook
     spec.add_request("r", prompt, params)
     ref.add_request("r", prompt, params)
-    while spec.has_unfinished_requests():
-        if any(o.finished for o in spec.step()):
-            break
-        length = spec.scheduler.requests["r"].num_computed_tokens
-        while ref.scheduler.requests["r"].num_computed_tokens < length:
-            ref.step()
+    for _ in lockstep(spec, ref, "r"):
         got, want = live_state(spec, "r"), live_state(ref, "r")
         for name in want:  # float32 reference kernels on a GPU: row counts may change the last bits
             torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=name)
-    while ref.has_unfinished_requests():
-        ref.step()
 
 
 def test_dspark_stages_greedy_and_seeded_sampling_on_gpu(engines):
