@@ -83,3 +83,12 @@ def publish_once(root: str, name: str, final: str, index_file: str, write: Calla
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def synthetic_args(model_cfg: Any) -> Tuple[str, Dict[str, Any], int, bool]:
+    """(name, architecture, seed, quantize_fp8) of the seeded checkpoint ``model.synthetic`` describes;
+    a clear error when the model config has none."""
+    syn = model_cfg.synthetic
+    if syn is None:
+        raise ValueError(f"model {model_cfg.name!r}: model.synthetic is not set (no seeded checkpoint to write)")
+    return model_cfg.name, dict(syn.architecture), int(syn.seed), bool(syn.quantize_fp8)

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from redknot.models.checkpoint_files import publish_once
+from redknot.models.checkpoint_files import publish_once, synthetic_args
 from redknot.models.deepseek_v4.config import QuantConfig, V4Config
 
 FORMAT_VERSION = 1
@@ -141,8 +141,4 @@ def _dspark_stages(cfg: V4Config, architecture: Dict[str, Any], seed: int):
 
 def write_synthetic_checkpoint(model_cfg, cache_dir: str) -> str:
     """Directory of the checkpoint ``model.synthetic`` describes (``ModelConfig``), written on first use."""
-    syn = model_cfg.synthetic
-    if syn is None:
-        raise ValueError(f"model {model_cfg.name!r}: model.synthetic is not set (no seeded checkpoint to write)")
-    return ensure_synthetic_checkpoint(model_cfg.name, dict(syn.architecture), int(syn.seed), bool(syn.quantize_fp8),
-                                       cache_dir)
+    return ensure_synthetic_checkpoint(*synthetic_args(model_cfg), cache_dir)

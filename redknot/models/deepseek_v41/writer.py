@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple
 import torch
 
 from redknot.kernels import mx_formats as mx
-from redknot.models.checkpoint_files import publish_once, write_shards
+from redknot.models.checkpoint_files import publish_once, synthetic_args, write_shards
 from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, F32, FP4, FP8, TensorSpec, checkpoint_spec
 from redknot.models.deepseek_v41.config import V41Config, synthetic_config
 from redknot.models.deepseek_v41.weights import INDEX_FILE
@@ -124,8 +124,4 @@ def ensure_synthetic_checkpoint(name: str, architecture: Mapping[str, Any], seed
 
 def write_synthetic_checkpoint(model_cfg, cache_dir: str) -> str:
     """Directory of the checkpoint ``model.synthetic`` describes, written on first use."""
-    syn = model_cfg.synthetic
-    if syn is None:
-        raise ValueError(f"model {model_cfg.name!r}: model.synthetic is not set (no seeded checkpoint to write)")
-    return ensure_synthetic_checkpoint(model_cfg.name, dict(syn.architecture), int(syn.seed), bool(syn.quantize_fp8),
-                                       cache_dir)
+    return ensure_synthetic_checkpoint(*synthetic_args(model_cfg), cache_dir)
