@@ -1,6 +1,7 @@
 """Helpers of the DSpark / compact-replay tests: the test models, an engine factory, drivers."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -173,6 +174,19 @@ class BlockSpy:
 def run_all(llm, prompts: Dict[str, List[int]], params) -> Dict[str, object]:
     """add_request + step until done -> {req_id: final RequestOutput}."""
     return run_requests(llm, prompts, params)[0]
+
+
+def checkpoint_tensors(path) -> Dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, read by name from its safetensors files (not through
+    the model or its loader), for references that must not share the code under test."""
+    from safetensors import safe_open
+
+    params: Dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                params[name] = f.get_tensor(name)
+    return params
 
 
 def lockstep(spec, ref, req_id: str) -> Iterator[int]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from dspark_reference import Reference
 from omegaconf import OmegaConf
-from spec_testutil import DSPARK_VOCAB, run_all
+from spec_testutil import DSPARK_VOCAB, checkpoint_tensors, run_all
 
 from redknot.config.hardware_fit import CONF_DIR
 from redknot.config.schema import FeaturesConfig, HardwareConfig, ModelConfig
@@ -32,12 +32,7 @@ def built(tmp_path_factory):
 
 def _reference(net, draft, path) -> Reference:
     """The reference over the checkpoint's tensors read by name from the files (not the model)."""
-    from safetensors import safe_open
-    params = {}
-    for shard in Path(path).glob("*.safetensors"):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                params[name] = f.get_tensor(name)
+    params = checkpoint_tensors(path)
     return Reference(params, net.cfg, draft.dcfg, params["embed.weight"], params["head.weight"])
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from dspark_reference import Reference, taps_of
 from omegaconf import OmegaConf
+from spec_testutil import checkpoint_tensors
 
 from redknot.config.hardware_fit import CONF_DIR
 from redknot.config.schema import HardwareConfig, ModelConfig
@@ -38,13 +39,8 @@ def built(tmp_path_factory):
 
 def reference(built):
     """The reference over the checkpoint's own tensors, read by name from the files (not the model)."""
-    from safetensors import safe_open
     _, net, draft, path = built
-    params = {}
-    for shard in Path(path).glob("*.safetensors"):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                params[name] = f.get_tensor(name)
+    params = checkpoint_tensors(path)
     return Reference(params, net.cfg, draft.dcfg, params["embed.weight"], params["head.weight"])
 
 
