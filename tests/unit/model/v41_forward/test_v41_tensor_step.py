@@ -329,7 +329,10 @@ def test_verify_layout_of_the_speculative_package(pair):
         pass
     runner = Runner()
     runner.model = model
-    assert VerifyGraphs(runner, max_num_seqs=4, block=5).status.startswith("on:")
+    # The model passes the per-request-length check; capture itself is not written, and the status says so
+    # (not the one-token-per-sequence reason a V4 model gets).
+    status = VerifyGraphs(runner, max_num_seqs=4, block=5).status
+    assert status.startswith("off: verify-step capture is not implemented"), status
 
 
 @pytest.mark.gpu
