@@ -93,6 +93,19 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
     return keep.repeat_interleave(block, dim=1)[:, :n]
 
 
+def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w, p: str, num) -> torch.Tensor:
+    """The attention output [T, H, D] -> [T, hidden]: inverse RoPE on its rotary part, the per-group
+    ``wo_a`` projection (bf16 in the reference), then ``wo_b``."""
+    t = o.shape[0]
+    o = apply_rope(o.to(num.dtype), pos, inv, inverse=True)
+    g = cfg.o_groups
+    ops = ops_of(w)
+    wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
+            else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
+    z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
+    return linear(z, w, f"{p}.wo_b.weight", num)
+
+
 class AttentionLayer:
     """One layer's attention over the step (weights by native name under ``layers.L.attn``)."""
 
@@ -124,13 +137,7 @@ class AttentionLayer:
         else:
             for sp in spans:
                 self._attend(q, kv, sp, state, slots, o)
-        o = apply_rope(o.to(num.dtype), pos, self.inv, inverse=True)
-        g = cfg.o_groups
-        ops = ops_of(w)
-        wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
-                else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
-        z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
-        return linear(z, w, f"{p}.wo_b.weight", num)
+        return grouped_output(o, pos, self.inv, cfg, w, p, num)
 
     # ------------------------------------------------------------------ window + sparse attention
     def _window_rows(self, kv: torch.Tensor, sp: Span, state: V41State):

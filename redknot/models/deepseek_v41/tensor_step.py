@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from redknot.kernels import mx_formats as mx
-from redknot.models.deepseek_v41.attention import candidate_blocks, sparse_attend
+from redknot.models.deepseek_v41.attention import candidate_blocks, grouped_output, sparse_attend
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.kernel_ops import ops_of
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
@@ -214,13 +214,7 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     if cfg.is_index_source(layer.layer):
         _index(layer, u, qr, rows, state, shared)
     o = _attend(layer, q, kv, rows, state, shared["topk"])
-    o = apply_rope(o.to(num.dtype), pos, layer.inv, inverse=True)
-    g = cfg.o_groups
-    ops = ops_of(w)
-    wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
-            else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
-    z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
-    return linear(z, w, f"{p}.wo_b.weight", num)
+    return grouped_output(o, pos, layer.inv, cfg, w, p, num)
 
 
 def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
