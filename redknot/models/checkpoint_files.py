@@ -92,3 +92,15 @@ def synthetic_args(model_cfg: Any) -> Tuple[str, Dict[str, Any], int, bool]:
     if syn is None:
         raise ValueError(f"model {model_cfg.name!r}: model.synthetic is not set (no seeded checkpoint to write)")
     return model_cfg.name, dict(syn.architecture), int(syn.seed), bool(syn.quantize_fp8)
+
+
+def check_model_keys(model_cfg: Any, max_position_embeddings: int, sliding_window: int) -> None:
+    """``model.max_position`` and ``model.sliding_window`` against the checkpoint's config: a longer
+    context than the checkpoint's, or another window, is a ValueError naming both values."""
+    if model_cfg.max_position > max_position_embeddings:
+        raise ValueError(f"model.max_position={model_cfg.max_position} exceeds the checkpoint's "
+                         f"max_position_embeddings={max_position_embeddings}")
+    window = getattr(model_cfg, "sliding_window", None)
+    if window is not None and window != sliding_window:
+        raise ValueError(f"model.sliding_window={window} disagrees with the checkpoint's "
+                         f"sliding_window={sliding_window}")

@@ -8,6 +8,7 @@ from typing import Optional
 
 from redknot.kernels import KernelSet
 from redknot.kernels.dtypes import torch_dtype
+from redknot.models.checkpoint_files import check_model_keys
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.synthetic import write_synthetic_checkpoint
@@ -54,13 +55,7 @@ def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = 
     cfg = V4Config.from_pretrained(path, num_layers=model.num_layers)
     if cfg.quant is None:
         cfg = _with_inferred_quantization(cfg, path, model.num_layers)
-    if model.max_position > cfg.max_position_embeddings:
-        raise ValueError(f"model.max_position={model.max_position} exceeds the checkpoint's "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
-    window = getattr(model, "sliding_window", None)
-    if window is not None and window != cfg.sliding_window:
-        raise ValueError(f"model.sliding_window={window} disagrees with the checkpoint's "
-                         f"sliding_window={cfg.sliding_window}")
+    check_model_keys(model, cfg.max_position_embeddings, cfg.sliding_window)
     if kernels is None:
         kernels = KernelSet(hardware.kernels.default, dict(hardware.kernels.ops))
     keep = hardware.weight_format == "keep"  # WeightFormat is a str enum: members equal their values

@@ -187,6 +187,7 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
     through the registry (:mod:`kernel_ops`); the rest, and everything on ``cpu``, is PyTorch math."""
     from redknot.config.schema import IndexKeys, ModelNumerics, WeightFormat
     from redknot.kernels.dtypes import torch_dtype
+    from redknot.models.checkpoint_files import check_model_keys
     from redknot.models.deepseek_v41.config import V41Config
     from redknot.models.deepseek_v41.weights import checkpoint_tokenizer_file, engram_token_map, load_v41_weights
     from redknot.models.deepseek_v41.writer import write_synthetic_checkpoint
@@ -207,13 +208,7 @@ def build_v41_model(model_cfg, hardware, cache_dir: str, *, kernels=None, device
         raise ValueError(f"model {model_cfg.name!r}: model.path is null and model.synthetic is not set; "
                          f"give model.path=/path/to/checkpoint or choose model=tiny-v41")
     cfg = V41Config.from_pretrained(path, model_cfg.num_layers)
-    if model_cfg.max_position > cfg.max_position_embeddings:
-        raise ValueError(f"model.max_position={model_cfg.max_position} exceeds the checkpoint's "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
-    window = getattr(model_cfg, "sliding_window", None)
-    if window is not None and window != cfg.window_size:
-        raise ValueError(f"model.sliding_window={window} disagrees with the checkpoint's "
-                         f"sliding_window={cfg.window_size}")
+    check_model_keys(model_cfg, cfg.max_position_embeddings, cfg.window_size)
     dtype = torch_dtype(hardware.dtype)
     keep = WeightFormat(hardware.weight_format) == WeightFormat.keep
     numerics = Numerics(ModelNumerics(model_cfg.numerics).value, dtype)
