@@ -51,11 +51,15 @@ class Slots:
     candidates: Optional[torch.Tensor] = None     # [T, n_max] bool, from the candidate source
     cand_blocks: Optional[torch.Tensor] = None    # [T, NB] block ids (-1 pad): the same, on the kernel path
     record: Dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> topk (inspection)
+    # Inspection, off unless a dict: index source -> the scores [T, n_max] the PyTorch indexer selected
+    # from (-inf: not selectable), so a selection can be checked tie-aware against them.
+    scores: Optional[Dict[int, torch.Tensor]] = None
 
     def rows(self, idx: torch.Tensor) -> "Slots":
         return Slots(topk=None if self.topk is None else self.topk[idx],
                      candidates=None if self.candidates is None else self.candidates[idx],
-                     cand_blocks=None if self.cand_blocks is None else self.cand_blocks[idx], record=self.record)
+                     cand_blocks=None if self.cand_blocks is None else self.cand_blocks[idx], record=self.record,
+                     scores=self.scores)
 
 
 def _page_index(span: Span, entry: torch.Tensor, ratio: int, block_size: int) -> torch.Tensor:
@@ -267,6 +271,9 @@ class AttentionLayer:
         n_max = max(sp.end // r for sp in spans)
         is_cand = cfg.is_candidate_source(self.layer)
         cand_all = torch.zeros(t, n_max, dtype=torch.bool, device=dev) if is_cand else None
+        seen = None
+        if slots.scores is not None:
+            seen = slots.scores[self.layer] = torch.full((t, n_max), float("-inf"), device=dev)
         last_src = max(cfg.kv_source_layers)
         for sp in spans:
             n = sp.end // r
@@ -288,6 +295,8 @@ class AttentionLayer:
                     cand_all[rows, :n] = cand
                 elif cfg.reads_candidates(self.layer):
                     sc = sc.masked_fill(~slots.candidates[rows, :n], float("-inf"))
+                if seen is not None:
+                    seen[rows, :n] = sc
                 k = min(cfg.index_topk, n)
                 sel = topk_ids(sc, k)
                 sel = torch.where(sc.gather(1, sel) > float("-inf"), sel, torch.full_like(sel, -1))
