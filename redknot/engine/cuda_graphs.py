@@ -15,7 +15,8 @@ served.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +24,78 @@ from redknot.engine.inputs import StepInputs
 from redknot.step.metadata import StepMetadata
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CapturedStep:
+    """A recorded step: ``replay()`` reruns it on whatever its static inputs hold and refills
+    ``outputs`` (the tensors the recorded callable returned) in place."""
+    replay: Callable[[], None]
+    outputs: Tuple[torch.Tensor, ...]
+    pool: Any = None      # the memory pool a later capture may share (CUDA)
+
+
+class CudaGraphCapture:
+    """Capture with ``torch.cuda.CUDAGraph``: one eager warm-up call (weight caches, kernel tuning),
+    then the recorded one; graphs captured with the same ``pool`` share their memory."""
+
+    def capture(self, fn: Callable[[], Sequence[torch.Tensor]], pool: Any = None) -> CapturedStep:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = tuple(fn())
+        return CapturedStep(graph.replay, outputs, graph.pool())
+
+
+# Ops that read device values on the host (a CUDA capture refuses them; the host stand-in too).
+_HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique",
+                  "_unique", "_unique2", "unique_consecutive", "unique_dim", "nonzero_static")
+
+
+class HostGraphCapture:
+    """What a CUDA graph does, on any device, for tests without CUDA: the capture call runs once while
+    every ATen op it dispatches is recorded with its tensor arguments; ``replay`` re-executes the
+    recorded ops on those same tensors (no Python of the captured callable runs again), writing each
+    op's result into the tensor it produced at capture. So, as with a real graph, a replay sees only
+    what the static input buffers hold now: a value the callable took from a per-step Python object,
+    a list or a freshly made tensor is replayed as it was at capture. An op that reads a device value
+    on the host raises RuntimeError, as the CUDA capture would."""
+
+    def capture(self, fn: Callable[[], Sequence[torch.Tensor]], pool: Any = None) -> CapturedStep:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops: List[tuple] = []
+
+        class _Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = func._schema.name.split("::")[-1]
+                if name in _HOST_SYNC_OPS:
+                    raise RuntimeError(f"{func} reads a device value on the host inside a captured step")
+                out = func(*args, **kwargs)
+                if not func.is_view:  # a view aliases a recorded tensor: it follows it on replay
+                    ops.append((func, args, kwargs, out))
+                return out
+
+        with _Record():
+            outputs = tuple(fn())
+
+        def replay() -> None:
+            for func, args, kwargs, out in ops:
+                _refill(out, func(*args, **kwargs))
+        return CapturedStep(replay, outputs, pool)
+
+
+def _refill(recorded, fresh) -> None:
+    """Write ``fresh`` (a replayed op's result) into ``recorded`` (its result at capture)."""
+    if isinstance(recorded, torch.Tensor):
+        if (isinstance(fresh, torch.Tensor) and recorded.numel()
+                and fresh.untyped_storage().data_ptr() != recorded.untyped_storage().data_ptr()):
+            recorded.copy_(fresh)
+    elif isinstance(recorded, (tuple, list)):
+        for r, f in zip(recorded, fresh):
+            _refill(r, f)
 
 
 def graph_batch_sizes(max_batch: int) -> List[int]:
@@ -81,7 +154,7 @@ class DecodeGraphs:
             log.warning("hardware.cuda_graphs=true but %s", self.disabled_reason)
             return
         model, state = self.runner.model, self.runner.state
-        pool = None
+        pool = getattr(self.runner, "graph_pool", None)  # shared with the runner's other graphs
         try:
             for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
                 meta = self._meta(bs, [0] * bs)
@@ -92,6 +165,7 @@ class DecodeGraphs:
                     out = model.compute_logits(model.forward(meta, state)[meta.logits_indices])
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, out
+            self.runner.graph_pool = pool
         except RuntimeError as exc:
             self.graphs.clear()
             self.disabled_reason = f"capture failed ({str(exc).splitlines()[0]}); decode runs eagerly"

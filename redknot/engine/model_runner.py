@@ -102,10 +102,30 @@ class ModelRunner:
         if self.speculator is not None:
             self.verifier = self.speculator.verify
         self.graphs = None
+        self.verify_graphs = None   # DSpark: decode + verify steps by total-token tier (speculative.varlen)
+        self.graph_pool = None      # the memory pool every captured graph of this runner shares
+        self.graph_max_len = min(hardware.cuda_graph_max_len, self.max_model_len)
+        self._max_draft = features.dspark.effective_max_draft
         if hardware.cuda_graphs and device.type == "cuda" and self.speculator is None:
             from redknot.engine.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self, max_batch=engine.scheduler.max_num_seqs,
-                                       max_len=min(hardware.cuda_graph_max_len, self.max_model_len))
+            self.graphs = DecodeGraphs(self, max_batch=engine.scheduler.max_num_seqs, max_len=self.graph_max_len)
+        elif hardware.cuda_graphs and device.type == "cuda":
+            from redknot.engine.cuda_graphs import CudaGraphCapture
+            self.use_verify_graphs(CudaGraphCapture())
+
+    def use_verify_graphs(self, capture):
+        """Run decode and verify steps of DSpark drafting through :class:`VerifyGraphs` recorded with
+        ``capture`` (CUDA graphs; tests pass the host stand-in); captured by :meth:`warmup`, or here
+        when the runner has warmed up already. The drafter's taps are outputs of every graph."""
+        from redknot.speculative.varlen import VerifyGraphs
+
+        taps = ()
+        if self.speculator is not None:
+            dcfg = getattr(getattr(self.speculator.drafter, "draft", None), "dcfg", None)
+            taps = tuple(dcfg.target_layer_ids) if dcfg is not None else ()
+        self.verify_graphs = VerifyGraphs(self, max_num_seqs=self.max_num_seqs, block=self._max_draft,
+                                          capture=capture, tap_layers=taps, max_len=self.graph_max_len)
+        return self.verify_graphs
 
     @property
     def padding_slot(self) -> int:
@@ -152,6 +172,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs):
         if self.graphs is not None and self.graphs.can_run(inputs):
             return None, self.graphs.run(inputs)
+        if self.verify_graphs is not None and self.verify_graphs.can_run(inputs):
+            return self.verify_graphs.run(inputs)
         return self.eager_forward(inputs)
 
     def eager_logits(self, inputs: StepInputs) -> torch.Tensor:
@@ -181,6 +203,8 @@ class ModelRunner:
         scheduling (``features.dspark.budget=profile``) before serving."""
         if self.graphs is not None:
             self.graphs.capture()
+        if self.verify_graphs is not None:
+            self.verify_graphs.capture()
         if self.speculator is not None and self.speculator.needs_profile and self.parallel:
             # Ranks would time different costs (and the profile's forwards would need every rank's
             # collectives): parallel layouts verify every draft instead (an effective value).
@@ -197,14 +221,16 @@ class ModelRunner:
 
     @property
     def cuda_graphs_status(self) -> str:
+        if self.verify_graphs is not None:  # DSpark: verify graphs (the status says which steps replay)
+            return self.verify_graphs.status
         if self.graphs is None:
             if self.device.type != "cuda":
                 return f"off: {self.device.type}"
             if self.speculator is not None:
-                return "off: DSpark drafting reads every step's pre-head streams (steps run eagerly)"
+                return "off: hardware.cuda_graphs=false (DSpark verify steps run eagerly)"
             return "off: hardware.cuda_graphs=false"
         return self.graphs.status
 
     @property
     def num_graph_replays(self) -> int:
-        return 0 if self.graphs is None else self.graphs.num_replays
+        return sum(g.num_replays for g in (self.graphs, self.verify_graphs) if g is not None)

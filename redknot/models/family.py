@@ -141,6 +141,15 @@ class ModelFamily(ABC):
         each has ``experts`` (``keep_only``, ``logical_ids``, stacked ``w1/w2/w3`` and scales),
         ``gate.top_k``, ``limit`` and a settable ``dispatcher``."""
 
+    def varlen_forward(self, model: ServingModel, state: Any, *, input_ids: "torch.Tensor",
+                       positions: "torch.Tensor", query_start_loc: "torch.Tensor", seq_slots: "torch.Tensor",
+                       block_tables: "torch.Tensor") -> "torch.Tensor":
+        """One step that reads every per-step value from these device tensors (no host read, so a CUDA
+        graph can capture it): T rows of B requests, 1..γ+1 rows each (DSpark's variable-length verify),
+        rows at or past ``query_start_loc[B]`` are padding on the spare slot and block -> pre-head rows
+        [T, ...]. Only for a model with ``supports_varlen_graphs``."""
+        raise NotImplementedError(f"model family {self.name!r} has no variable-length tensor-only step")
+
     def context_parallel(self) -> Optional[ContextParallelHooks]:
         """The family's context-parallel layers; None: ``features.parallel.cp`` is not supported."""
         return None

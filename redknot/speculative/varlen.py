@@ -8,16 +8,27 @@ to, query starts, logits rows) is computed here from device tensors holding the 
 query lengths and start positions, with fixed shapes and no host synchronisation, so a graph
 replays it as captured. Padding rows point at the engine's spare slot and block.
 
-The V4 model's tensor-only forward handles one token per sequence today; until its attention,
-compressor and indexer read the per-request query starts from these tensors, verify steps run
-eagerly and only the plain decode steps replay graphs (``VerifyGraphs.status`` says so).
+:class:`VerifyGraphs` captures, per tier, the family's variable-length tensor-only step
+(``ModelFamily.varlen_forward``: every per-step value read from device tensors, 1..g+1 rows per
+request) plus the logits of every row, and replays it with the step's rows copied into static
+buffers. The DSpark taps (the streams entering the tapped layers) are outputs of the captured step
+too: after a replay they are handed to the model's tap hook, so the drafter reads this step's values.
+State writes are the eager step's, addressed by position, so verification's rollback (the scheduler
+drops the rejected positions; their ring rows, compressor rows and entries are rewritten before any
+later row reads them) holds after a replay exactly as after an eager step.
+
+The V4 model's tensor-only forward handles one token per sequence; its verify steps run eagerly
+(``VerifyGraphs.status`` says so).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import List
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def verify_tiers(max_num_seqs: int, block: int) -> List[int]:
@@ -76,22 +87,196 @@ def varlen_layout(query_lens: torch.Tensor, start_pos: torch.Tensor, slots: torc
 
 class VerifyGraphs:
     """Graphs of verify steps keyed by total-token tier (see the module docstring). Capture needs a
-    model whose tensor-only forward reads per-request query lengths (``supports_varlen_graphs``)."""
+    model whose tensor-only forward reads per-request query lengths (``supports_varlen_graphs``).
 
-    def __init__(self, runner, max_num_seqs: int, block: int) -> None:
+    ``runner`` gives the model, its family, the state, the device and dtype, ``cache_spec``, the spare
+    ``padding_slot``/``padding_block``, the shared ``graph_pool`` and ``eager_forward(inputs)`` (the
+    first-replay check). ``capture``: a :class:`redknot.engine.cuda_graphs.CudaGraphCapture` (or the
+    host stand-in of tests); ``tap_layers``: the layers whose entering streams the drafter reads.
+    A tier of t rows serves up to min(t, ``max_num_seqs``) requests. ``check_first_replay``: the first
+    replay of every tier is compared with the eager step (which is then what the step returns); a
+    mismatch turns the graphs off with the numbers in ``status``."""
+
+    def __init__(self, runner, max_num_seqs: int, block: int, capture=None, tap_layers: Sequence[int] = (),
+                 max_len: int = 0) -> None:
         self.runner = runner
+        self.max_num_seqs, self.block, self.max_len = max_num_seqs, block, max_len
         self.tiers = verify_tiers(max_num_seqs, block)
-        self.disabled_reason = None
-        if not getattr(runner.model, "supports_varlen_graphs", False):
+        self.capturer = capture
+        self.tap_layers = tuple(tap_layers)
+        self.check_first_replay = True
+        self.graphs: Dict[int, Any] = {}
+        self.checks: Dict[int, str] = {}      # tier -> outcome of its first replay against eager
+        self.num_replays = 0
+        self.disabled_reason: Optional[str] = None
+        model = runner.model
+        kernels = getattr(runner, "kernels", None)
+        host_ops = sorted(op for op, b in kernels.choice.items() if b == "batch_invariant") if kernels else []
+        if not getattr(model, "supports_varlen_graphs", False):
             self.disabled_reason = ("the model's tensor-only forward handles one token per sequence (its "
                                     "attention, compressor and indexer do not read per-request query lengths); "
                                     "verify steps run eagerly")
-        else:
-            # The layout above is what a captured verify step reads; capturing and replaying one graph per
-            # tier (with the draft's taps refreshed on replay) is not written yet.
-            self.disabled_reason = ("verify-step capture is not implemented (the model's tensor-only step takes "
-                                    "per-request query lengths); verify steps run eagerly")
+        elif host_ops:
+            self.disabled_reason = (f"the batch-invariant ops {host_ops} loop over sequences on the host; "
+                                    "verify steps run eagerly")
+        elif capture is None:
+            self.disabled_reason = "no graph capture on this device; verify steps run eagerly"
 
     @property
     def status(self) -> str:
-        return f"off: {self.disabled_reason}" if self.disabled_reason else f"on: total-token tiers {self.tiers}"
+        if self.disabled_reason:
+            return f"off: {self.disabled_reason}"
+        if not self.graphs:
+            return "off: not captured yet; verify steps run eagerly"
+        return f"on: verify steps in CUDA graphs, total-token tiers {self.tiers}"
+
+    def requests_of(self, tier: int) -> int:
+        """Requests a tier's graph holds (the unused ones have no rows)."""
+        return min(tier, self.max_num_seqs)
+
+    # ------------------------------------------------------------------ capture
+    def _allocate(self) -> None:
+        r = self.runner
+        dev, top, b = r.device, self.tiers[-1], self.max_num_seqs
+        self.width = r.cache_spec.blocks_for(self.max_len)
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)                      # [T]
+        self.positions = torch.zeros(top, dtype=torch.long, device=dev)                      # [T]
+        self.query_start = torch.zeros(b + 1, dtype=torch.int32, device=dev)                 # [B+1]
+        self.seq_slots = torch.full((b,), r.padding_slot, dtype=torch.int32, device=dev)     # [B]
+        self.block_tables = torch.full((b, self.width), r.padding_block, dtype=torch.int32, device=dev)
+
+    def _step_fn(self, tier: int):
+        """The captured callable of ``tier``: reads the static buffers only."""
+        r, layers = self.runner, self.tap_layers
+        model, family, state = r.model, r.family, r.state
+        nb = self.requests_of(tier)
+        ids, pos = self.input_ids[:tier], self.positions[:tier]
+        qsl, slots, tables = self.query_start[:nb + 1], self.seq_slots[:nb], self.block_tables[:nb]
+
+        def step() -> Tuple[torch.Tensor, ...]:
+            taps: Dict[int, torch.Tensor] = {}
+            hook = getattr(model, "tap_hook", None)
+            if hook is not None:
+                model.tap_hook = lambda i, h, rows: taps.__setitem__(i, h) if i in layers else None
+            try:
+                x = family.varlen_forward(model, state, input_ids=ids, positions=pos, query_start_loc=qsl,
+                                          seq_slots=slots, block_tables=tables)
+                logits = model.compute_logits(x)
+            finally:
+                if hook is not None:
+                    model.tap_hook = hook
+            if hook is not None and set(taps) != set(layers):
+                raise RuntimeError(f"the varlen step tapped layers {sorted(taps)}, the drafter reads {list(layers)}")
+            return (x, logits) + tuple(taps[i] for i in layers if hook is not None)
+        return step
+
+    def capture(self) -> None:
+        """One graph per tier, largest first (smaller ones reuse its memory), in the runner's pool."""
+        if self.disabled_reason is not None:
+            log.warning("verify graphs: %s", self.disabled_reason)
+            return
+        self._allocate()
+        self._pad(0, 0)
+        pool = getattr(self.runner, "graph_pool", None)
+        try:
+            for tier in reversed(self.tiers):
+                got = self.capturer.capture(self._step_fn(tier), pool)
+                pool = got.pool
+                self.graphs[tier] = got
+            self.runner.graph_pool = pool
+        except RuntimeError as exc:
+            self.graphs.clear()
+            self.disabled_reason = f"capture failed ({str(exc).splitlines()[0]}); verify steps run eagerly"
+            log.warning("verify graphs: %s", self.disabled_reason)
+
+    # ------------------------------------------------------------------ replay
+    def can_run(self, inputs) -> bool:
+        """A step of decode and verify rows only (every row sampled, 1..block+1 per request) whose
+        total fits a tier and whose tables and positions fit the buffers."""
+        if self.disabled_reason is not None or not self.graphs:
+            return False
+        meta, reqs = inputs.meta, inputs.sched.requests
+        if not reqs or len(reqs) > self.max_num_seqs or meta.num_tokens > self.tiers[-1]:
+            return False
+        if any(sr.num_logits != sr.num_tokens or not 1 <= sr.num_tokens <= self.block + 1 for sr in reqs):
+            return False
+        return (meta.block_tables.shape[1] <= self.width
+                and max(c + n for c, n in zip(meta.context_lens, meta.num_tokens_per_seq)) <= self.max_len)
+
+    def _pad(self, n: int, r: int) -> None:
+        """Rows n.. and requests r.. of the buffers become padding (spare slot and block, no rows)."""
+        self.input_ids[n:].zero_()
+        self.positions[n:].zero_()
+        self.query_start[r + 1:].fill_(n)
+        self.seq_slots[r:].fill_(self.runner.padding_slot)
+        self.block_tables[r:].fill_(self.runner.padding_block)
+
+    def run(self, inputs) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(pre-head rows [T, ...], logits [T, V]) of a step ``can_run`` accepted, by graph replay; the
+        taps of the tapped layers go to the model's tap hook as an eager step would hand them."""
+        meta = inputs.meta
+        n, r = meta.num_tokens, meta.num_seqs
+        tier = tier_for(n, self.tiers)
+        self.input_ids[:n].copy_(meta.input_ids, non_blocking=True)
+        self.positions[:n].copy_(meta.positions, non_blocking=True)
+        self.query_start[:r + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.seq_slots[:r].copy_(meta.seq_slots, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:r, :width].copy_(meta.block_tables, non_blocking=True)
+        self.block_tables[:r, width:].fill_(self.runner.padding_block)
+        self._pad(n, r)
+        got = self.graphs[tier]
+        got.replay()
+        self.num_replays += 1
+        model = self.runner.model
+        if hasattr(model, "num_forwards"):  # a replay runs no Python: count the forward as the model does
+            model.num_forwards += 1
+        hook = getattr(model, "tap_hook", None)
+        if hook is not None:
+            for i, h in zip(self.tap_layers, got.outputs[2:]):
+                hook(i, h[:n], None)
+        streams, logits = got.outputs[0][:n], got.outputs[1][:n].clone()
+        if tier in self.checks or not self.check_first_replay:
+            return streams, logits
+        return self._check(inputs, tier, streams, logits, [h[:n] for h in got.outputs[2:]])
+
+    def _check(self, inputs, tier: int, streams, logits, taps: List[torch.Tensor]):
+        """First replay of a tier: run the step eagerly (state writes are addressed by position, so
+        writing the same rows twice is harmless), compare logits and taps row by row, and return the
+        eager result (its taps are the hook's now), so a wrong replay is never served."""
+        model = self.runner.model
+        hook = getattr(model, "tap_hook", None)
+        eager_taps: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        if hook is not None:
+            def spy(i, h, rows):
+                if i in self.tap_layers:
+                    eager_taps[i] = (h, rows)
+                hook(i, h, rows)
+            model.tap_hook = spy
+        try:
+            eager_streams, eager_logits = self.runner.eager_forward(inputs)
+        finally:
+            if hook is not None:
+                model.tap_hook = hook
+        errs = {"logits": row_error(logits, eager_logits)}
+        for i, h in zip(self.tap_layers, taps):
+            want, rows = eager_taps.get(i, (None, None))
+            if want is not None:
+                errs[f"tap{i}"] = row_error((h if rows is None else h[rows]).float().flatten(1), want.float().flatten(1))
+        tol = 1e-4 if self.runner.dtype in (torch.float32, torch.float64) else 3e-2
+        worst = max(errs.values())
+        if worst <= tol:
+            self.checks[tier] = f"ok (row error {worst:.3g} <= {tol:g})"
+        else:  # also catches NaN
+            bad = ", ".join(f"{k} {v:.3g}" for k, v in errs.items())
+            self.checks[tier] = f"mismatch: {bad} > {tol:g}"
+            self.disabled_reason = (f"replay of tier {tier} disagreed with eager execution ({bad}; tolerance "
+                                    f"{tol:g}); verify steps run eagerly")
+            log.error("verify graphs: %s", self.disabled_reason)
+        return eager_streams, eager_logits
+
+
+def row_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest per-row relative L2 error (NaN-safe: NaN compares as infinite)."""
+    err = ((got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp(min=1e-30)).max().item()
+    return err if err == err else float("inf")

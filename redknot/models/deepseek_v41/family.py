@@ -63,6 +63,13 @@ class DeepseekV41Family(ModelFamily):
         draft = getattr(model, "dspark", None)
         return {DSPARK: draft} if draft is not None else {}
 
+    def varlen_forward(self, model, state, *, input_ids, positions, query_start_loc, seq_slots, block_tables):
+        from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
+
+        model.num_forwards += 1  # as model.forward counts it: taps of this step are the current ones
+        return tensor_forward(model, TensorStep(input_ids, positions, query_start_loc, seq_slots, block_tables),
+                              state)
+
     def expert_layers(self, model) -> Sequence[Any]:
         from redknot.models.deepseek_v41.parallel import expert_layers
 

@@ -329,10 +329,10 @@ def test_verify_layout_of_the_speculative_package(pair):
         pass
     runner = Runner()
     runner.model = model
-    # The model passes the per-request-length check; capture itself is not written, and the status says so
-    # (not the one-token-per-sequence reason a V4 model gets).
+    # The model passes the per-request-length check (not the one-token-per-sequence reason a V4 model
+    # gets); without a capture (no CUDA device here) the status says so.
     status = VerifyGraphs(runner, max_num_seqs=4, block=5).status
-    assert status.startswith("off: verify-step capture is not implemented"), status
+    assert status.startswith("off: no graph capture on this device"), status
 
 
 @pytest.mark.gpu
