@@ -244,9 +244,54 @@ def _launch(a, sa, b, sb, out, *, rowid=None, offs=None, b3=None, sb3=None, wt=N
     return out
 
 
+# linear_mx paths by row count: up to SPLITK_MAX_ROWS rows a split-K weight stream (decode), above it
+# the weight decoded to bf16 (exact) in chunks of at most DEQUANT_MAX_ELEMS and a library GEMM (prefill).
+LINEAR_PATHS = ("auto", "splitk", "dequant", "fused")
+SPLITK_MAX_ROWS = 128
+DEQUANT_MAX_ELEMS = 1 << 26
+
+
+def linear_path(rows: int, path: str = "auto") -> str:
+    """The ``linear_mx`` path that runs for ``rows`` rows (``auto``: by row count)."""
+    if path not in LINEAR_PATHS:
+        raise ValueError(f"linear_mx: path={path!r}: must be one of {LINEAR_PATHS}")
+    if path != "auto":
+        return path
+    return "splitk" if rows <= SPLITK_MAX_ROWS else "dequant"
+
+
+def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """QDQ(x) in bf16 times the weight decoded to bf16, N-chunk by N-chunk, by ``torch.mm`` (fp32
+    accumulation): exact products, only the summation order differs from the reference."""
+    from redknot.kernels.triton.dequant_mx import dequant_fp8_bf16, qdq_bf16
+    N, K = weight.shape
+    xq = qdq_bf16(x2)
+    step = max(block, (DEQUANT_MAX_ELEMS // max(K, 1)) // block * block)
+    if step >= N:
+        return torch.mm(xq, dequant_fp8_bf16(weight, ws, block).t(), out=out)
+    buf = torch.empty(step, K, dtype=torch.bfloat16, device=x2.device)
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        wc = dequant_fp8_bf16(weight, ws, block, n0, n1, buf[:n1 - n0])
+        out[:, n0:n1] = torch.mm(xq, wc.t())
+    return out
+
+
+def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    from redknot.kernels.triton.dequant_mx import qdq_bf16
+    from redknot.kernels.triton.splitk_mx import reduce_rows, splitk_mm
+    p = splitk_mm(qdq_bf16(x2), weight, ws, x2.shape[0], w_fp4=False, wb=block)
+    return reduce_rows(p, out)
+
+
 def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = 32,
-              act_group: int = 32, config: Optional[MxGemmConfig] = None) -> torch.Tensor:
-    """x [..., K] bf16 · Wᵀ (e4m3 [N, K], E8M0 [ceil(N/b), ceil(K/b)]) with per-32 FP8 activations."""
+              act_group: int = 32, config: Optional[MxGemmConfig] = None, path: str = "auto") -> torch.Tensor:
+    """x [..., K] bf16 · Wᵀ (e4m3 [N, K], E8M0 [ceil(N/b), ceil(K/b)]) with per-32 FP8 activations.
+
+    ``path``: ``splitk`` (weight stream, decode), ``dequant`` (bf16 weight chunks + library GEMM,
+    prefill), ``fused`` (the FP8-MMA kernel above), ``auto`` by row count (``linear_path``)."""
     if act_group != 32:
         raise ValueError(f"linear_mx: act_group={act_group}: the Triton kernel quantises activations per 32")
     if block % 32:
@@ -255,6 +300,12 @@ def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    chosen = linear_path(x2.shape[0], path)
+    if x2.shape[0] and chosen != "fused" and x.dtype == torch.bfloat16:
+        ws = weight_scale.view(torch.uint8)
+        run = _linear_splitk if chosen == "splitk" else _linear_dequant
+        run(x2, weight, ws, block, out)
+        return out.view(*lead, weight.shape[0])
     xs = None
     if x2.shape[0] >= PREQUANT_MIN_ROWS:
         x2, xs = act_quant_mx(x2)
@@ -274,11 +325,30 @@ def _combine(y_ptr, inv_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, BL
     tl.store(out_ptr + tok.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def moe_path(tokens: int, path: str = "auto") -> str:
+    """The ``moe_mx`` path that runs for ``tokens`` tokens (``auto``: split-K up to
+    ``moe_mx.GROUPED_MIN_TOKENS``, then grouped)."""
+    from redknot.kernels.triton import moe_mx as fast_moe
+    allowed = fast_moe.PATHS + ("fused",)
+    if path not in allowed:
+        raise ValueError(f"moe_mx: path={path!r}: must be one of {allowed}")
+    if path != "auto":
+        return path
+    return "splitk" if tokens <= fast_moe.GROUPED_MIN_TOKENS else "grouped"
+
+
 def moe_mx(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
            w1_scale: torch.Tensor, w3: torch.Tensor, w3_scale: torch.Tensor, w2: torch.Tensor,
-           w2_scale: torch.Tensor, swiglu_limit: float, config: Optional[MxGemmConfig] = None) -> torch.Tensor:
-    """Routed experts with MXFP4 weights (see ``ref_v41.moe_mx``): route on device, fused W1/W3 GEMM with
-    SwiGLU + FP8 re-quantisation, W2 GEMM, fixed-order combine. Three kernels, no host sync."""
+           w2_scale: torch.Tensor, swiglu_limit: float, config: Optional[MxGemmConfig] = None,
+           path: str = "auto") -> torch.Tensor:
+    """Routed experts with MXFP4 weights (see ``ref_v41.moe_mx``). ``path``: ``splitk`` / ``grouped``
+    (``moe_mx.py``), ``fused`` (below: route on device, fused W1/W3 GEMM with SwiGLU + FP8
+    re-quantisation, W2 GEMM, fixed-order combine; three kernels), ``auto`` by token count. No host sync."""
+    chosen = moe_path(topk_idx.shape[0], path)
+    if chosen != "fused" and x.dtype == torch.bfloat16:
+        from redknot.kernels.triton import moe_mx as fast_moe
+        run = fast_moe.moe_splitk if chosen == "splitk" else fast_moe.moe_grouped
+        return run(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit)
     T, k = topk_idx.shape
     E, inter = w1.shape[0], w1.shape[1]
     D = w2.shape[1]

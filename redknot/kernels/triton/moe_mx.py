@@ -1,0 +1,93 @@
+"""Two paths for the V4.1 routed experts (MXFP4 weights), both on the device with no host sync.
+
+``moe_splitk`` (decode, a few rows per expert): the batch is a weight stream. Split-K grouped GEMMs
+(``splitk_mx``) read every touched expert's packed FP4 slice once, W1 and W3 in one launch, then one
+reduction applies the SwiGLU and the FP8 QDQ of the W2 input, the W2 launch, and one reduction that
+rounds every slot to bf16 and adds a token's k slots in slot order. Six launches in all, CUDA-graph safe.
+
+``moe_grouped`` (prefill, many rows per expert): experts are decoded, a chunk of ``CHUNK_EXPERTS`` at a
+time, into a bf16 scratch (``e2m1 · 2^s`` is exact in bf16) and multiplied by ``torch._grouped_mm``
+(cuBLAS-class grouped GEMM, fp32 accumulation) against the token rows, which hold their exact per-32
+FP8 QDQ values in bf16. Only the summation order differs from the reference. Each chunk's rows are
+gathered into a chunk buffer by a kernel that reads the chunk's row range from the device offsets, so
+the host never learns the routing counts. Scratch: the bf16 weights of one chunk plus row buffers of
+``T·k`` rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, qdq_bf16
+from redknot.kernels.triton.moe import route_by_expert
+from redknot.kernels.triton.splitk_mx import reduce_combine, reduce_swiglu, splitk_mm
+
+# Experts decoded to bf16 per grouped-GEMM chunk: 32 V4.1 experts are 2.26 GB of bf16 scratch.
+CHUNK_EXPERTS = 32
+# Above this many tokens per call the grouped (bf16 scratch + library GEMM) path runs; at or below it the
+# split-K stream. At 1024 tokens (top-6 of 384) an expert sees ~16 rows: one split-K row tile.
+GROUPED_MIN_TOKENS = 1024
+PATHS = ("auto", "splitk", "grouped")
+
+
+def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: int):
+    """(token row of each expert-sorted pair, sorted position of each pair, per-expert ends, routing
+    weight per sorted pair fp32)."""
+    rows, inv, offs = route_by_expert(topk_idx, experts)
+    order = torch.empty_like(inv)
+    order[inv] = torch.arange(inv.numel(), device=inv.device)
+    wt = topk_weight.reshape(-1).float()[order].contiguous()
+    return rows, inv, offs, wt
+
+
+def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float):
+    """``moe_mx`` as split-K weight streams (see the module docstring)."""
+    T, k = topk_idx.shape
+    E, inter = w1.shape[0], w1.shape[1]
+    D = w2.shape[1]
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
+    M = T * k
+    xq = qdq_bf16(x, split=True)  # [2, T, D/2] even / odd columns
+    p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows.to(torch.int32), offs=offs, w3=w3, ws3=w3_scale)
+    act = torch.empty(2, M, inter // 2, dtype=torch.bfloat16, device=x.device)
+    reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=True)
+    p2 = splitk_mm(act, w2, w2_scale, M, w_fp4=True, offs=offs)
+    return reduce_combine(p2, inv.to(torch.int32), k, out)
+
+
+def moe_grouped(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
+                chunk_experts: int = 0):
+    """``moe_mx`` through bf16 expert chunks and ``torch._grouped_mm`` (see the module docstring)."""
+    T, k = topk_idx.shape
+    E, inter, DH = w1.shape
+    D = 2 * DH
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
+    bounds = torch.cat([offs.new_zeros(1), offs])  # [E+1]: 0, then per-expert ends
+    rows32 = rows.to(torch.int32)
+    M = T * k
+    xq = qdq_bf16(x)  # [T, D] exact FP8 QDQ values
+    C = min(E, chunk_experts or CHUNK_EXPERTS)
+    w13 = torch.empty(C, 2 * inter, D, dtype=torch.bfloat16, device=x.device)
+    w2b = torch.empty(C, D, inter, dtype=torch.bfloat16, device=x.device)
+    a_c = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
+    act = torch.empty(M, inter, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(M, D, dtype=torch.bfloat16, device=x.device)
+    for e0 in range(0, E, C):
+        e1 = min(E, e0 + C)
+        n = e1 - e0
+        dequant_fp4_bf16(w1, w1_scale, e0, e1, w13)
+        dequant_fp4_bf16(w3, w3_scale, e0, e1, w13[:, inter:])
+        dequant_fp4_bf16(w2, w2_scale, e0, e1, w2b)
+        offs_c = offs[e0:e1] - bounds[e0]  # chunk-relative ends, on the device
+        chunk_rows(xq, a_c, bounds, e0, e1, gather=True, rowid=rows32)
+        h = torch._grouped_mm(a_c, w13[:n].transpose(-2, -1), offs=offs_c)  # [M, 2I]; rows past the chunk unused
+        reduce_swiglu(h[None, :, :inter], h[None, :, inter:], wt, swiglu_limit, act, split=False, bounds=bounds,
+                      e0=e0, e1=e1)
+        y_c = torch._grouped_mm(act, w2b[:n].transpose(-2, -1), offs=offs_c)
+        chunk_rows(y_c, y, bounds, e0, e1, gather=False)
+    return reduce_combine(y[None], inv.to(torch.int32), k, out)

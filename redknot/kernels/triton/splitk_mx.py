@@ -1,0 +1,291 @@
+"""Split-K GEMMs for small row counts (decode): weights streamed in their stored formats, many programs.
+
+With 1-128 rows a V4.1 GEMM is a weight stream: the floor is the bytes of the FP8 / MXFP4 weight over
+HBM bandwidth. One program per (row tile, column tile, K slice) reads its weight slice once, with wide
+K steps (128 bytes of every weight row per step), decodes it in registers to bf16 with its scales folded
+in, and runs a bf16 MMA against activations that already hold their exact per-32 FP8 QDQ values
+(``dequant_mx.qdq_bf16``): every product is the reference's product, no rescale sits between MMAs.
+Each slice writes an fp32 partial; a second kernel adds the partials in slice order 0..S-1 (a fixed
+order: the result is deterministic), and applies the epilogue:
+
+* ``reduce_rows``: bf16 output rows (a dense linear);
+* ``reduce_swiglu``: MoE W1 | W3 partials -> clamped SwiGLU, routing weight, bf16 rounding, FP8 QDQ per
+  32, written de-interleaved (even / odd K columns) for the MXFP4 W2 GEMM;
+* ``reduce_combine``: MoE W2 partials -> each slot rounded to bf16, the token's k slots added in fp32 in
+  slot order (§3.7).
+
+The slice count depends only on the weight shape (N, K), and the row tile is fixed, so a row's result
+does not depend on how many other rows share the call (batch invariance within this path).
+Packed FP4 weights hold element 2i in the low nibble and 2i+1 in the high one; instead of interleaving
+the nibbles in registers, the activation is stored de-interleaved and each K step runs two MMAs
+(even columns x low nibbles, odd columns x high nibbles): the same products, summed in another order.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton.dequant_mx import chunk_bounds, e2m1_scaled, fp8_qdq_groups, store_split
+from redknot.kernels.triton.quant_mx import e8m0_decode
+
+# Programs a split-K launch aims for (an H200 has 132 SMs; a few waves hide the load latency).
+TARGET_PROGRAMS = 4 * 132
+ROW_TILE = 16  # rows per program: the smallest MMA tile, fixed so that results are batch-invariant
+
+
+@triton.jit
+def _fp4_tile(b_ptr, sb_ptr, c64, cmask, kh, kmask, gs, gmask, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """Low- and high-nibble halves [BN, BK/2] of a packed MXFP4 tile as bf16, scales folded in."""
+    p = tl.load(b_ptr + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None] & kmask[None, :],
+                other=0).to(tl.int32)
+    s = e8m0_decode(tl.load(sb_ptr + c64[:, None] * stride_sbn + gs[None, :], mask=cmask[:, None] & gmask[None, :],
+                            other=127))[:, :, None]
+    lo = tl.reshape(p & 0xF, (BLOCK_N, BLOCK_K // 32, 16))
+    hi = tl.reshape((p >> 4) & 0xF, (BLOCK_N, BLOCK_K // 32, 16))
+    wlo = tl.reshape(e2m1_scaled(lo, s), (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
+    whi = tl.reshape(e2m1_scaled(hi, s), (BLOCK_N, BLOCK_K // 2)).to(tl.bfloat16)
+    return wlo, whi
+
+
+@triton.jit
+def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
+               tile_group_ptr, tile_row_ptr, tile_end_ptr, M, N, K, KSPLIT,
+               stride_am, stride_ah, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
+               W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
+               DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if GROUPED:
+        grp = tl.load(tile_group_ptr + pid_m)
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+    else:
+        grp = 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    if grp >= 0:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        if GATHER:
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            arow = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        c64 = cols.to(tl.int64)
+        bg = b_ptr + grp.to(tl.int64) * stride_bg
+        sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
+        b3g = b3_ptr + grp.to(tl.int64) * stride_bg
+        sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
+        k_lo = pid_s * KSPLIT
+        k_hi = tl.minimum(K, k_lo + KSPLIT)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            gs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            gmask = gs * 32 < k_hi
+            if W_FP4:  # activations de-interleaved: half 0 = even K columns, half 1 = odd
+                kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                kmask = kh * 2 < k_hi
+                am = rmask[:, None] & kmask[None, :]
+                ae = tl.load(a_ptr + arow[:, None] * stride_am + kh[None, :], mask=am, other=0.0)
+                ao = tl.load(a_ptr + stride_ah + arow[:, None] * stride_am + kh[None, :], mask=am, other=0.0)
+                wlo, whi = _fp4_tile(bg, sbg, c64, cmask, kh, kmask, gs, gmask, stride_bn, stride_sbn, BLOCK_N,
+                                     BLOCK_K)
+                acc = tl.dot(ae, tl.trans(wlo), acc)
+                acc = tl.dot(ao, tl.trans(whi), acc)
+                if DUAL:
+                    w3lo, w3hi = _fp4_tile(b3g, sb3g, c64, cmask, kh, kmask, gs, gmask, stride_bn, stride_sbn,
+                                           BLOCK_N, BLOCK_K)
+                    acc3 = tl.dot(ae, tl.trans(w3lo), acc3)
+                    acc3 = tl.dot(ao, tl.trans(w3hi), acc3)
+            else:  # FP8 weight, E8M0 per WB x WB tile
+                kk = k0 + tl.arange(0, BLOCK_K)
+                kmask = kk < k_hi
+                a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None] & kmask[None, :],
+                            other=0.0)
+                w = tl.load(bg + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None] & kmask[None, :],
+                            other=0.0).to(tl.float32)
+                s = tl.load(sbg + (cols // WB).to(tl.int64)[:, None] * stride_sbn + (gs * 32 // WB)[None, :],
+                            mask=cmask[:, None] & gmask[None, :], other=127)
+                w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * e8m0_decode(s)[:, :, None],
+                               (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+                acc = tl.dot(a, tl.trans(w), acc)
+        out = pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+        omask = rmask[:, None] & cmask[None, :]
+        tl.store(p_ptr + out, acc, mask=omask)
+        if DUAL:
+            tl.store(p3_ptr + out, acc3, mask=omask)
+
+
+def split_count(N: int, K: int, block_n: int, block_k: int) -> int:
+    """K slices for an [N, K] weight: enough programs for the device from the column tiles alone, each
+    slice at least 4 K steps. A function of the weight shape only (batch invariance)."""
+    n_tiles = cdiv(N, block_n)
+    s = max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (4 * block_k)))
+    return s
+
+
+def tile_map(offs: torch.Tensor, block_m: int, rows: int):
+    """Per row tile (group, first row, group end) for rows grouped by ``offs`` (per-group ends, on the
+    device); tiles past the last are group -1. At most ``cdiv(rows, bm) + min(groups, rows)`` tiles (every
+    non-empty group adds at most one partial tile), so a decode step launches few idle programs."""
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + block_m - 1) // block_m
+    cum = torch.cumsum(tiles, 0)
+    bound = cdiv(rows, block_m) + min(offs.numel(), rows)
+    j = torch.arange(bound, device=offs.device)
+    grp = torch.searchsorted(cum, j, right=True)
+    valid = grp < offs.numel()
+    g = grp.clamp(max=offs.numel() - 1)
+    row0 = starts[g] + (j - (cum[g] - tiles[g])) * block_m
+    group = torch.where(valid, g, torch.full_like(g, -1))
+    return group.to(torch.int32), row0.to(torch.int32), ends[g].to(torch.int32), bound
+
+
+def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, w_fp4: bool, wb: int = 32,
+              rowid: Optional[torch.Tensor] = None, offs: Optional[torch.Tensor] = None,
+              w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_n: int = 64,
+              splits: Optional[int] = None):
+    """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
+
+    a: bf16 QDQ'd activations, [R, K] (FP8 weight) or de-interleaved [2, R, K/2] (MXFP4 weight); the
+    output row r reads activation row ``rowid[r]`` (or r). w: e4m3 [N, K] with tiles of ``wb``, or packed
+    [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group ends)."""
+    grouped = offs is not None
+    w3d = w if grouped else w.unsqueeze(0)
+    s3d = (ws if grouped else ws.unsqueeze(0)).view(torch.uint8)
+    N = w3d.shape[1]
+    K = w3d.shape[2] * (2 if w_fp4 else 1)
+    if K % 32:
+        raise ValueError(f"splitk_mm: K={K} must be a multiple of 32")
+    bk = min(256 if w_fp4 else 128, max(32, next_pow2(K)))
+    S = splits or split_count(N, K, block_n, bk)
+    ksplit = cdiv(cdiv(K, S), bk) * bk
+    S = cdiv(K, ksplit)
+    dual = w3 is not None
+    p = torch.empty(S, rows, N, dtype=torch.float32, device=a.device)
+    p3 = torch.empty_like(p) if dual else p
+    if rows == 0:
+        return (p, p3) if dual else p
+    bm = ROW_TILE
+    if grouped:
+        tg, tr, te, n_tiles = tile_map(offs, bm, rows)
+    else:
+        n_tiles = cdiv(rows, bm)
+        tg = tr = te = p  # unused
+    a_h = a.stride(0) if w_fp4 else 0
+    a_m = a.stride(-2)
+    w3g = w3 if dual else w3d
+    s3g = ws3.view(torch.uint8) if dual else s3d
+    _splitk_mm[(n_tiles, cdiv(N, block_n), S)](
+        a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
+        a_m, a_h, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
+        W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, BLOCK_M=bm, BLOCK_N=block_n,
+        BLOCK_K=bk, num_warps=4, num_stages=3)
+    return (p, p3) if dual else p
+
+
+@triton.jit
+def _reduce_rows(p_ptr, out_ptr, M, N, S, stride_ps, stride_pm, stride_om, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = (rows[:, None] < M) & (cols[None, :] < N)
+    off = rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in range(S):  # slice order 0..S-1
+        acc += tl.load(p_ptr + s * stride_ps + off, mask=m, other=0.0)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m)
+
+
+def reduce_rows(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = Σ_s p[s] in slice order, cast to out.dtype."""
+    S, M, N = p.shape
+    if M:
+        bm, bn = 16, 256
+        _reduce_rows[(cdiv(M, bm), cdiv(N, bn))](p, out, M, N, S, p.stride(0), p.stride(1), out.stride(0),
+                                                BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out
+
+
+@triton.jit
+def _reduce_swiglu(p_ptr, p3_ptr, wt_ptr, bounds_ptr, out_ptr, M, I, S, e0, e1, stride_ps, stride_pm, stride_om,
+                   stride_oh, limit, CHUNK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if CHUNK:  # rows of an expert chunk: count and routing-weight offset from the device bounds
+        start, end = chunk_bounds(bounds_ptr, e0, e1)
+        rmask = rows < end - start
+        wrow = start + rows
+    else:
+        rmask = rows < M
+        wrow = rows
+    m = rmask[:, None] & (cols[None, :] < I)
+    off = rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+    g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in range(S):
+        g += tl.load(p_ptr + s * stride_ps + off, mask=m, other=0.0).to(tl.float32)
+        u += tl.load(p3_ptr + s * stride_ps + off, mask=m, other=0.0).to(tl.float32)
+    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -limit), limit)
+    wt = tl.load(wt_ptr + wrow, mask=rmask, other=0.0)
+    act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+    v = fp8_qdq_groups(act, BLOCK_M, BLOCK_N).to(tl.bfloat16)
+    store_split(out_ptr, rows.to(tl.int64), tl.program_id(1) * BLOCK_N, v, rmask, I, stride_om, stride_oh, SPLIT,
+                BLOCK_M, BLOCK_N)
+
+
+def reduce_swiglu(p: torch.Tensor, p3: torch.Tensor, wt: torch.Tensor, limit: float, out: torch.Tensor, *,
+                  split: bool, bounds: Optional[torch.Tensor] = None, e0: int = 0, e1: int = 0) -> torch.Tensor:
+    """MoE W1 | W3 results (fp32 partials [S, M, I], or one bf16 [1, M, I] view each) -> the W2 input:
+    ``QDQ_fp8(bf16(w · silu(min(g, L)) · clamp(u, ±L)))`` as bf16, [M, I] or de-interleaved [2, M, I/2].
+    With ``bounds`` the rows are those of experts e0..e1-1 and their routing weights ``wt[start + r]``."""
+    S, M, inter = p.shape
+    if inter % 32:
+        raise ValueError(f"reduce_swiglu: the expert width {inter} must be a multiple of 32")
+    if M:
+        bm = 16
+        bn = 128 if inter % 128 == 0 else 32
+        _reduce_swiglu[(cdiv(M, bm), cdiv(inter, bn))](
+            p, p3, wt, bounds if bounds is not None else wt, out, M, inter, S, e0, e1, p.stride(0), p.stride(1),
+            out.stride(-2), out.stride(0) if split else 0, float(limit), CHUNK=bounds is not None, SPLIT=split,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out
+
+
+@triton.jit
+def _reduce_combine(p_ptr, inv_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_o, K: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in range(K):  # slot order j = 0..k-1
+        r = tl.load(inv_ptr + tok * K + j).to(tl.int64)
+        y = tl.zeros([BLOCK_D], tl.float32)
+        for s in range(S):  # slice order
+            y += tl.load(p_ptr + s * stride_ps + r * stride_pm + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += y.to(tl.bfloat16).to(tl.float32)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def reduce_combine(p: torch.Tensor, inv: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """out[t] = Σ_j bf16(Σ_s p[s, inv[t·k + j]]) in fp32, slot order (p: [S, T·k, D] partials or [1, T·k, D]
+    bf16 slot results)."""
+    T, D = out.shape
+    if T:
+        bd = min(1024, next_pow2(D))
+        _reduce_combine[(T, cdiv(D, bd))](p, inv, out, D, p.shape[0], p.stride(0), p.stride(1), out.stride(0),
+                                         K=k, BLOCK_D=bd, num_warps=4)
+    return out
