@@ -1,0 +1,112 @@
+"""Indexer scores and top-k over paged FP4 index keys for the tensor-only step (CUDA-graph safe).
+
+The span kernels of :mod:`indexer_mx` take one sequence's keys as a contiguous list the host gathered.
+Here each query row reads its own request's pages on the device: entry ``e`` of a row lives in page row
+``table[row, (e·r) // block_size] · per + ((e·r) mod block_size) // r`` of the source's key cache
+(68-byte rows: packed e2m1 + E8M0 per 32). A program scores ``BLOCK_N`` entries of one row,
+``I[t, e] = Σ_h w[t, h] · relu(q[t, h] · k[e])`` (fp32, or with the reference's bf16 roundings), and
+writes -inf for entries the row cannot see (``e >= visible[t]``); a block wholly past ``visible`` loads
+nothing. Every row scores the ``n_max`` entries its block table can address, so the launch shape
+depends only on the row count and the table width. The selection is ``torch.topk`` on the device:
+valid ids ascending, then -1 (ties at the cut are implementation-defined, as in ``indexer_topk_mx``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton.indexer_mx import _index_keys
+
+
+@triton.jit
+def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, out_ptr, NMAX, PER, RATIO, BS, HI,
+                       stride_qt, stride_qh, stride_wt, stride_k, stride_tt, stride_ot,
+                       HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c0 = tl.program_id(1) * BLOCK_N
+    cols = c0 + tl.arange(0, BLOCK_N)
+    vis = tl.load(vis_ptr + t).to(tl.int64)
+    ok = (cols < NMAX) & (cols < vis)
+    p = cols.to(tl.int64) * RATIO
+    blk = tl.load(tab_ptr + t * stride_tt + p // BS, mask=ok, other=0).to(tl.int64)
+    row = blk * PER + (p % BS) // RATIO
+    hs = tl.arange(0, HI_P)
+    hmask = hs < HI
+    s = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    if c0 < vis:
+        keys = _index_keys(key_ptr, tl.where(ok, row, 0), ok, stride_k, DI, BLOCK_N)        # [BN, DI]
+        q = tl.load(q_ptr + t * stride_qt + hs[:, None] * stride_qh + tl.arange(0, DI)[None, :],
+                    mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+        d = tl.dot(q, tl.trans(keys))                                                     # [HI_P, BN] fp32
+        w = tl.load(w_ptr + t * stride_wt + hs, mask=hmask, other=0.0).to(tl.float32)
+        if BF16:
+            d = d.to(tl.bfloat16).to(tl.float32)
+            w = w.to(tl.bfloat16).to(tl.float32)
+            sc = tl.sum((tl.maximum(d, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32), 0)
+            sc = sc.to(tl.bfloat16).to(tl.float32)
+        else:
+            sc = tl.sum(tl.maximum(d, 0.0) * w[:, None], 0)
+        s = tl.where(ok, sc, float("-inf"))
+    tl.store(out_ptr + t * stride_ot + cols, s, mask=cols < NMAX)
+
+
+def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+                      visible: torch.Tensor, ratio: int, block_size: int, bf16_scores: bool = False,
+                      block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """Scores [T, n_max] fp32 (-inf where invisible) of rows q [T, Hi, Di] (rotated, FP4-QDQ'd) with
+    weights [T, Hi] (scale folded in) over their pages: keys uint8 [pages·per, Di/2 + Di/32] (the source's
+    flat key cache, ``per = block_size // ratio`` entries a page), table [T, W] each row's block ids,
+    visible [T]. n_max = W·block_size // ratio (see :func:`step_index_scores_reference`)."""
+    T, HI, DI = q.shape
+    n_max = table.shape[1] * block_size // ratio
+    out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
+    if T == 0 or n_max == 0:
+        return out
+    q = q.contiguous()
+    weights = weights.contiguous()
+    block_n = max(16, min(block_n, next_pow2(n_max)))
+    _step_index_scores[(T, cdiv(n_max, block_n))](
+        q, weights, keys, table, visible, out, n_max, block_size // ratio, ratio, block_size, HI,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0), out.stride(0),
+        HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, num_warps=num_warps)
+    return out
+
+
+def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T, n] scores (-inf: not selectable) -> int64 [T, topk]: the chosen entry ids ascending, then -1."""
+    t, n = scores.shape
+    k = min(topk, n)
+    out = torch.full((t, topk), -1, dtype=torch.long, device=scores.device)
+    if k == 0:
+        return out
+    vals, ids = torch.topk(scores, k, dim=-1, sorted=False)
+    big = torch.iinfo(torch.long).max
+    ids = torch.where(vals > float("-inf"), ids, torch.full_like(ids, big))
+    ids = torch.sort(ids, dim=-1).values
+    out[:, :k] = torch.where(ids == big, torch.full_like(ids, -1), ids)
+    return out
+
+
+def step_index_scores_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                                table: torch.Tensor, visible: torch.Tensor, ratio: int, block_size: int,
+                                bf16_scores: bool = False) -> torch.Tensor:
+    """The same scores in plain PyTorch (exact decoding; fp32, or rounded as the reference's bf16 einsum)."""
+    t = q.shape[0]
+    n_max = table.shape[1] * block_size // ratio
+    ent = torch.arange(n_max, device=q.device)
+    p = ent * ratio
+    rows = table.long()[:, p // block_size] * (block_size // ratio) + (p % block_size) // ratio   # [T, n_max]
+    k = mx.unpack_index_keys(keys[rows.reshape(-1)], torch.float32).view(t, n_max, -1)
+    d = torch.einsum("thd,tnd->tnh", q.float(), k)
+    if bf16_scores:
+        d = d.to(torch.bfloat16).float()
+        w = weights.to(torch.bfloat16).float()
+        sc = (torch.relu(d) * w[:, None, :]).to(torch.bfloat16).float().sum(-1).to(torch.bfloat16).float()
+    else:
+        sc = (torch.relu(d) * weights.float()[:, None, :]).sum(-1)
+    return sc.masked_fill(ent[None, :] >= visible.long()[:, None], float("-inf"))

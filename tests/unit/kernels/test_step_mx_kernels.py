@@ -1,0 +1,155 @@
+"""The tensor-only step's graph-safe V4.1 kernels (window/compressed attention over the stored rings and
+pages, paged indexer scores and top-k) against their PyTorch references, with fresh random inputs:
+Triton's CPU interpreter here, the GPU with ``-m gpu`` (real V4.1 widths)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redknot.kernels import mx_formats as mx  # noqa: E402
+from redknot.kernels.triton.step_attention_mx import step_attention_mx, step_attention_reference  # noqa: E402
+from redknot.kernels.triton.step_indexer_mx import (  # noqa: E402
+    select_topk, step_index_scores, step_index_scores_reference)
+
+
+def _requests(rows_per_req, ctx, gen):
+    """pos, back, slot [T] of requests with ``rows_per_req`` rows each at context lengths ``ctx``."""
+    pos, back, slot = [], [], []
+    for b, (n, c) in enumerate(zip(rows_per_req, ctx)):
+        pos += list(range(c, c + n))
+        back += list(range(n))
+        slot += [b] * n
+    return torch.tensor(pos), torch.tensor(back), torch.tensor(slot)
+
+
+def _attention_case(device, seed, heads, d, window, ring_size, rows_per_req, ctx, n_comp, k):
+    g = torch.Generator().manual_seed(seed)
+    s = len(rows_per_req) + 1
+    pos, back, slot = _requests(rows_per_req, ctx, g)
+    t = pos.shape[0]
+    ring = mx.pack_window_rows(torch.randn(s * ring_size, d, generator=g))
+    new = mx.pack_window_rows(torch.randn(t, d, generator=g))
+    comp = mx.pack_compressed_entries(torch.randn(n_comp, d, generator=g))
+    cidx = torch.randint(0, n_comp, (t, k), generator=g)
+    cidx = torch.where(torch.rand(t, k, generator=g) < 0.3, torch.full_like(cidx, -1), cidx)
+    cidx[0] = -1                                     # a row with no compressed entry
+    q = (torch.randn(t, heads, d, generator=g) * 0.2).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=g)
+    args = [x.to(device) for x in (q, ring)] + [ring_size, new.to(device)] + \
+        [x.to(device) for x in (slot, pos, back)] + [window, sinks.to(device), d ** -0.5, comp.to(device),
+                                                    cidx.to(device)]
+    return args
+
+
+ATTN_CASES = [
+    # heads, d, window, ring, rows per request, context lengths, compressed entries, k
+    (4, 64, 16, 16, [1, 1, 1], [40, 3, 0], 50, 8),           # decode: a full window, a filling one, position 0
+    (3, 64, 16, 19, [4, 1, 3], [30, 2, 17], 33, 12),         # verify rows, a ring wider than the window
+    (2, 128, 40, 40, [2], [100], 64, 40),                     # rows split over programs
+]
+
+
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_step_attention_matches_reference(case, seed, kernel_device):
+    args = _attention_case(kernel_device, seed, *ATTN_CASES[case])
+    want = step_attention_reference(*args).float()
+    for splits in (1, 3):
+        got = step_attention_mx(*args, splits=splits).float()
+        err = (got - want).abs().max().item() / want.abs().max().item()
+        assert err < 1.5e-2, (splits, err)    # bf16 probabilities for PV and a bf16 output
+    # without compressed entries, and a window offset read from the ring differs from the step's row
+    got = step_attention_mx(*args[:-2], splits=1).float()
+    want = step_attention_reference(*args[:-2]).float()
+    assert (got - want).abs().max().item() / want.abs().max().item() < 1.5e-2
+
+
+def test_step_attention_reads_step_rows_for_its_own_request(kernel_device):
+    """A verify row must see the step's earlier rows of its request, not the ring's stale row there."""
+    args = _attention_case(kernel_device, 3, *ATTN_CASES[1])
+    base = step_attention_mx(*args, splits=1).float()
+    new = args[3].clone()
+    new[1] = mx.pack_window_rows(torch.randn(1, 64, device=kernel_device) * 4)[0]  # row 1 of request 0
+    args2 = list(args)
+    args2[3] = new
+    got = step_attention_mx(*args2, splits=1).float()
+    changed = (got - base).abs().amax((1, 2)) > 0
+    assert changed[1:4].all() and not changed[0] and not changed[4:].any()
+
+
+def _index_case(device, seed, hi, di, ratio, bs, width, vis, n_pages_extra=3):
+    g = torch.Generator().manual_seed(seed)
+    t = len(vis)
+    per = bs // ratio
+    n_pages = t * width + n_pages_extra
+    keys = mx.pack_index_keys(torch.randn(n_pages * per, di, generator=g))
+    table = torch.randperm(n_pages, generator=g)[:t * width].view(t, width).to(torch.int32)
+    q = mx.act_quant_ref(torch.randn(t, hi, di, generator=g), "fp4", mx.MX_GROUP, "ue8m0")   # the step's q grid
+    w = torch.randn(t, hi, generator=g) * (di ** -0.5 * hi ** -0.5)
+    return q.to(device), w.to(device), keys.to(device), table.to(device), torch.tensor(vis).to(device), ratio, bs
+
+
+INDEX_CASES = [
+    # heads, dim, ratio, block size, table width, visible entries per row
+    (4, 64, 1, 16, 5, [80, 17, 0, 1]),
+    (4, 64, 2, 16, 6, [48, 20, 3]),
+    (3, 32, 2, 8, 9, [36, 35, 11, 7, 2]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(INDEX_CASES)))
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_step_index_scores_match_reference(case, bf16, seed, kernel_device):
+    args = _index_case(kernel_device, seed, *INDEX_CASES[case])
+    got = step_index_scores(*args, bf16_scores=bf16)
+    want = step_index_scores_reference(*args, bf16_scores=bf16)
+    assert got.shape == want.shape
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert fin.sum() == sum(INDEX_CASES[case][-1])
+    tol = 2 ** -7 if bf16 else 1e-5    # bf16: a dot may round to the neighbouring bf16 value
+    scale = want[fin].abs().max()
+    assert ((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1e-3 * scale)).all()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_select_topk_is_the_best_visible_entries_ascending(seed, kernel_device):
+    g = torch.Generator().manual_seed(seed)
+    sc = torch.randn(5, 40, generator=g)
+    vis = torch.tensor([40, 12, 3, 0, 25])
+    sc = sc.masked_fill(torch.arange(40)[None, :] >= vis[:, None], float("-inf")).to(kernel_device)
+    got = select_topk(sc, 8).cpu()
+    for r in range(5):
+        k = min(8, int(vis[r]))
+        want = torch.sort(torch.topk(sc[r].cpu()[:max(int(vis[r]), 1)], k).indices).values if k else torch.empty(0)
+        assert torch.equal(got[r, :k], want.long())
+        assert (got[r, k:] == -1).all()
+
+
+# ---------------------------------------------------------------------- GPU, real V4.1 widths
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [[1] * 32, [1], [4, 2, 3, 1]])
+def test_gpu_step_attention_real_width(rows):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _attention_case("cuda", 5, 64, 512, 128, 128, rows, [8000 + 7 * i for i in range(len(rows))], 4096, 512)
+    want = step_attention_reference(*args).float()
+    got = step_attention_mx(*args).float()
+    assert (got - want).abs().max().item() / want.abs().max().item() < 1.5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gpu_step_index_scores_real_width(bf16):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _index_case("cuda", 6, 32, 128, 1, 256, 34, [8000 + 11 * i for i in range(32)])
+    got = step_index_scores(*args, bf16_scores=bf16)
+    want = step_index_scores_reference(*args, bf16_scores=bf16)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    tol = 2 ** -7 if bf16 else 1e-4
+    assert ((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1e-3 * want[fin].abs().max())).all()
+    sel = select_topk(got, 512)
+    assert sel.shape == (32, 512) and (sel >= 0).all()
