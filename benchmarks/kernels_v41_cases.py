@@ -7,7 +7,9 @@ from typing import Callable, Iterator, List, Tuple
 import torch
 
 from redknot.kernels import mx_formats as mx
+from redknot.kernels import ref_v41 as ref
 from redknot.kernels.triton import ops_mx as fast
+from redknot.kernels.triton.gemm_mx import linear_mx, linear_path, moe_mx, moe_path
 from redknot.kernels.triton.checks_mx import V41Dims, moe_graph, moe_inputs
 
 # (name, N, K) of the dense FP8 linears of a V4.1 layer (§4.2)
@@ -26,20 +28,45 @@ def _sizes(dims: V41Dims, smoke: bool):
     return prefill, decode
 
 
+def _rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+    return float((out.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def _checked(op: str, label: str, fn, want_fn, tol: float) -> str:
+    """Run ``fn`` once against the reference ``want_fn`` (fresh inputs at the timed size): a note with the
+    error, or an error that makes the timed row a FAIL."""
+    err = _rel_err(fn(), want_fn())
+    if not err <= tol:
+        raise AssertionError(f"{op} {label}: rel err {err:.3g} vs ref_v41 above {tol:g}")
+    return f"err vs ref {err:.2g}"
+
+
 def linear_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    """Every dense linear at the prefill row count (the ``auto`` path: bf16 weight chunks + library GEMM,
+    and for wq_b / wo_b the FP8-MMA kernel it replaced, ``fused``) and at decode row counts (split-K)."""
     prefill, decode = _sizes(dims, smoke)
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else LINEARS
     for name, n, k in shapes:
         for m in [prefill] + (decode if name in ("toy", "wq_b", "wo_b", "shared w1") else []):
+            paths = ["auto"]
+            if m == prefill and name in ("toy", "wq_b", "wo_b"):
+                paths.append("fused")
+            if smoke and m == prefill:
+                paths.append("dequant")
             for block in ((32, 128) if name in ("toy", "wo_b") else (32,)):
-                def build(n=n, k=k, m=m, block=block, name=name):
-                    g = torch.Generator(device=device).manual_seed(m + n)
-                    w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, block)
-                    x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
-                    nbytes = m * k * 2 + n * k + ws.numel() + m * n * 2
-                    return _case("linear_mx", f"{name} M={m} b={block}", lambda: fast.linear_mx(x, w, ws, block),
-                                 2 * m * n * k, nbytes)
-                yield f"linear_mx {name} M={m} b={block}", build
+                for path in paths:
+                    def build(n=n, k=k, m=m, block=block, name=name, path=path):
+                        g = torch.Generator(device=device).manual_seed(m + n)
+                        w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, block)
+                        x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+                        nbytes = m * k * 2 + n * k + ws.numel() + m * n * 2
+                        chosen = linear_path(m, path)
+                        run = lambda: linear_mx(x, w, ws, block, path=path)  # noqa: E731
+                        note = chosen if chosen == "fused" else \
+                            f"{chosen}; " + _checked("linear_mx", name, run, lambda: ref.linear_mx(x, w, ws, block), 1e-2)
+                        return _case("linear_mx", f"{name} M={m} b={block} {chosen}", run, 2 * m * n * k, nbytes,
+                                     note=note)
+                    yield f"linear_mx {name} M={m} b={block} {path}", build
 
 
 def _moe_bytes(dims: V41Dims, idx: torch.Tensor) -> float:
@@ -49,7 +76,18 @@ def _moe_bytes(dims: V41Dims, idx: torch.Tensor) -> float:
     return idx.unique().numel() * per_expert + t * d * 2 * 2
 
 
+def _moe_case_inputs(dims: V41Dims, device, t: int, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(t, dims.hidden, generator=g, device=device).to(torch.bfloat16)
+    idx = torch.rand(t, dims.experts, generator=g, device=device).topk(dims.topk_experts, -1).indices
+    wt = torch.rand(t, dims.topk_experts, generator=g, device=device) + 0.1
+    return x, idx, wt
+
+
 def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    """Prefill (``auto`` = grouped: bf16 expert chunks + ``torch._grouped_mm``; and the FP8-MMA kernel it
+    replaced, ``fused``), the split-K / grouped crossover at 1024 tokens, decode batches (split-K) eager
+    and in CUDA graphs. Each non-``fused`` case is checked against ``ref_v41.moe_mx`` first."""
     prefill, decode = _sizes(dims, smoke)
     flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
     inputs = {}
@@ -59,27 +97,29 @@ def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callabl
             inputs["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
         return inputs["w"]
 
-    for t in [prefill] + decode:
-        def build(t=t):
-            g = torch.Generator(device=device).manual_seed(t)
-            x = torch.randn(t, dims.hidden, generator=g, device=device).to(torch.bfloat16)
-            idx = torch.rand(t, dims.experts, generator=g, device=device).topk(dims.topk_experts, -1).indices
-            wt = torch.rand(t, dims.topk_experts, generator=g, device=device) + 0.1
+    mid = 32 if smoke else 1024
+    plan = [(prefill, "auto"), (prefill, "fused")] + [(mid, "splitk"), (mid, "grouped")] + [(t, "auto") for t in decode]
+    if smoke:
+        plan.append((prefill, "grouped"))
+    for t, path in plan:
+        def build(t=t, path=path):
+            x, idx, wt = _moe_case_inputs(dims, device, t, t)
             w = weights()
-            return _case("moe_mx", f"T={t} (top-{dims.topk_experts} of {dims.experts})",
-                         lambda: fast.moe_mx(x, idx, wt, *w, 10.0), t * flops_per_token, _moe_bytes(dims, idx),
-                         note=f"{idx.unique().numel()} experts touched")
-        yield f"moe_mx T={t}", build
+            chosen = moe_path(t, path)
+            run = lambda: moe_mx(x, idx, wt, *w, 10.0, path=path)  # noqa: E731
+            note = f"{idx.unique().numel()} experts touched; {chosen}"
+            if chosen != "fused":
+                note += "; " + _checked("moe_mx", f"T={t}", run, lambda: ref.moe_mx(x, idx, wt, *w, 10.0), 3e-2)
+            return _case("moe_mx", f"T={t} (top-{dims.topk_experts} of {dims.experts}) {chosen}", run,
+                         t * flops_per_token, _moe_bytes(dims, idx), note=note)
+        yield f"moe_mx T={t} {path}", build
     if device.type == "cuda":
-        for t in decode[-2:]:
+        for t in decode:
             def build_graph(t=t):
-                g = torch.Generator(device=device).manual_seed(t + 1)
-                x = torch.randn(t, dims.hidden, generator=g, device=device).to(torch.bfloat16)
-                idx = torch.rand(t, dims.experts, generator=g, device=device).topk(dims.topk_experts, -1).indices
-                wt = torch.rand(t, dims.topk_experts, generator=g, device=device) + 0.1
+                x, idx, wt = _moe_case_inputs(dims, device, t, t + 1)
                 graph, out, eager = moe_graph(x, idx, wt, weights(), 10.0)
                 same = bool(torch.equal(out, eager))
-                return _case("moe_mx (CUDA graph)", f"T={t}", graph.replay, t * flops_per_token,
+                return _case("moe_mx (CUDA graph)", f"T={t} {moe_path(t)}", graph.replay, t * flops_per_token,
                              _moe_bytes(dims, idx), note=f"graph output == eager: {same}")
             yield f"moe_mx graph T={t}", build_graph
 

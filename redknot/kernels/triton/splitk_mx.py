@@ -14,8 +14,9 @@ order: the result is deterministic), and applies the epilogue:
 * ``reduce_combine``: MoE W2 partials -> each slot rounded to bf16, the token's k slots added in fp32 in
   slot order (§3.7).
 
-The slice count depends only on the weight shape (N, K), and the row tile is fixed, so a row's result
-does not depend on how many other rows share the call (batch invariance within this path).
+The slice count depends only on the weight shape (N, K) up to ``SPLIT_MAX_ROWS`` rows, and the row tile
+is fixed, so there a row's result does not depend on how many other rows share the call (batch
+invariance within this path).
 Packed FP4 weights hold element 2i in the low nibble and 2i+1 in the high one; instead of interleaving
 the nibbles in registers, the activation is stored de-interleaved and each K step runs two MMAs
 (even columns x low nibbles, odd columns x high nibbles): the same products, summed in another order.
@@ -35,6 +36,9 @@ from redknot.kernels.triton.quant_mx import e8m0_decode
 # Programs a split-K launch aims for (an H200 has 132 SMs; a few waves hide the load latency).
 TARGET_PROGRAMS = 4 * 132
 ROW_TILE = 16  # rows per program: the smallest MMA tile, fixed so that results are batch-invariant
+# Above this many output rows one K slice runs (the partials would outgrow the output; row tiles alone
+# fill the device). Up to it the slice count depends on the weight shape only.
+SPLIT_MAX_ROWS = 8192
 
 
 @triton.jit
@@ -167,7 +171,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     if K % 32:
         raise ValueError(f"splitk_mm: K={K} must be a multiple of 32")
     bk = min(256 if w_fp4 else 128, max(32, next_pow2(K)))
-    S = splits or split_count(N, K, block_n, bk)
+    S = splits or (split_count(N, K, block_n, bk) if rows <= SPLIT_MAX_ROWS else 1)
     ksplit = cdiv(cdiv(K, S), bk) * bk
     S = cdiv(K, ksplit)
     dual = w3 is not None
