@@ -70,8 +70,7 @@ class HostGraphCapture:
         class _Record(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                name = func._schema.name.split("::")[-1]
-                if name in _HOST_SYNC_OPS:
+                if _reads_on_host(func, args, kwargs):
                     raise RuntimeError(f"{func} reads a device value on the host inside a captured step")
                 out = func(*args, **kwargs)
                 if not func.is_view:  # a view aliases a recorded tensor: it follows it on replay
@@ -85,6 +84,20 @@ class HostGraphCapture:
             for func, args, kwargs, out in ops:
                 _refill(out, func(*args, **kwargs))
         return CapturedStep(replay, outputs, pool)
+
+
+def _reads_on_host(func, args, kwargs) -> bool:
+    """Whether ``func`` needs a device value on the host (its output size or a Python scalar)."""
+    name = func._schema.name.split("::")[-1]
+    if name in _HOST_SYNC_OPS:
+        return True
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_"):  # boolean masks: a nonzero inside
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+    if name == "repeat_interleave":  # tensor repeats without output_size: the total is read back
+        return isinstance(args[0], torch.Tensor) and args[0].dtype != torch.bool and len(args) >= 1 \
+            and func._overloadname == "Tensor" and kwargs.get("output_size") is None
+    return False
 
 
 def _refill(recorded, fresh) -> None:

@@ -1,0 +1,385 @@
+"""DSpark's variable-length verify steps of DeepSeek-V4.1 (model=tiny-v41) through :class:`VerifyGraphs`:
+the static buffers padded to a total-token tier, the logits, pre-head rows and taps as outputs of the
+recorded step, the first-replay check against eager, and the runner routing decode and verify steps
+through them.
+
+CUDA graphs do not exist on a CPU, so here the steps are recorded by :class:`HostGraphCapture`: it runs
+the step once while recording every ATen op with its tensors and replays those ops, never the step's
+Python; a step that read anything but the static buffers replays its capture-time values, as a real
+graph would (the first tests show that the stand-in behaves so). The ``gpu`` tests capture real graphs.
+"""
+import copy
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+from spec_testutil import features, record_logits
+
+from redknot.bench.typed import load_yaml_option
+from redknot.config.schema import Accelerator, DType, EngineConfig, HardwareConfig, ModelConfig, SchedulerConfig
+from redknot.engine import SamplingParams
+from redknot.engine.cuda_graphs import CudaGraphCapture, HostGraphCapture
+from redknot.engine.inputs import build_step_inputs
+from redknot.engine.messages import ScheduledRequest, SchedulerOutput
+from redknot.models.family import DSPARK
+from redknot.speculative.varlen import VerifyGraphs
+
+CONF = Path(__file__).resolve().parents[3] / "conf" / "model" / "tiny-v41.yaml"
+GAMMA = 3                 # drafts verified per request: 1..GAMMA+1 rows each
+MAX_SEQS = 4
+WINDOW = 16
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+LOGITS_ATOL = 2e-4        # fp32: the tensor-only step and the eager step round differently (engine tests' bound)
+STATE_TOL = 1e-4
+
+
+def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False):
+    from redknot.engine import LLM
+
+    model = load_yaml_option(CONF, ModelConfig)
+    model.max_position = 512
+    hardware = HardwareConfig()
+    if cuda:
+        hardware = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
+                                  kv_cache_dtype=DType.float32, cuda_graphs=graphs, memory_utilization=0.5,
+                                  cuda_graph_max_len=512)
+    sched = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=64, long_prefill_chunk=32, block_size=16)
+    eng = EngineConfig(scheduler=sched, seed=0, cache_dir=cache)
+    return LLM(model, hardware, features(dspark=dspark, max_draft=GAMMA, keep_tokens=WINDOW + GAMMA + 1), eng)
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("v41-verify-graphs"))
+    made = {}
+
+    def make(dspark: bool, cuda: bool = False, graphs: bool = False):
+        key = (dspark, cuda, graphs)
+        if key not in made:
+            made[key] = _make(cache, dspark, cuda, graphs)
+        return made[key]
+    yield make
+    for llm in made.values():
+        llm.close()
+
+
+def _host_graphs(llm) -> VerifyGraphs:
+    """The runner's verify graphs recorded by the host stand-in (every tier), first-replay check on."""
+    runner = llm.runner
+    runner.graph_max_len = 256
+    graphs = runner.use_verify_graphs(HostGraphCapture())
+    graphs.capture()
+    assert graphs.status.startswith("on:"), graphs.status
+    return graphs
+
+
+# ---------------------------------------------------------------------- the stand-in itself
+def test_host_capture_replays_recorded_ops_not_python():
+    """A replay recomputes from what the buffers hold now; a value taken from a Python object or a
+    fresh tensor at capture stays what it was then (exactly what a CUDA graph does)."""
+    buf = torch.arange(4, dtype=torch.float32)
+    dest = torch.zeros(6)
+    index = torch.tensor([1, 3, 5, 0])
+    per_step = {"k": 1.0}
+
+    def step():
+        y = buf * 2 + torch.tensor(per_step["k"])          # a Python value: baked at capture
+        dest.index_copy_(0, index, y)                      # a state write through a static index buffer
+        return (y, dest[index].sum(dim=0, keepdim=True))
+    got = HostGraphCapture().capture(step)
+    buf.copy_(torch.tensor([10.0, 20.0, 30.0, 40.0]))
+    index.copy_(torch.tensor([0, 1, 2, 3]))
+    per_step["k"] = 100.0
+    dest.zero_()
+    got.replay()
+    want = torch.tensor([21.0, 41.0, 61.0, 81.0])          # k stays 1.0
+    assert torch.equal(got.outputs[0], want)
+    assert torch.equal(dest[:4], want) and torch.equal(dest[4:], torch.zeros(2))
+    assert got.outputs[1].item() == want.sum().item()
+
+
+def test_host_capture_refuses_host_reads():
+    buf = torch.ones(3)
+    with pytest.raises(RuntimeError, match="reads a device value on the host"):
+        HostGraphCapture().capture(lambda: (buf * float(buf.sum()),))
+    with pytest.raises(RuntimeError, match="reads a device value on the host"):
+        HostGraphCapture().capture(lambda: (buf[buf > 0],))
+
+
+# ---------------------------------------------------------------------- steps by hand
+class Requests:
+    """MAX_SEQS requests driven by hand through the runner: slots 0.., their own blocks."""
+
+    def __init__(self, llm, prompts: List[int], seed: int = 0):
+        self.runner = llm.runner
+        per = self.runner.cache_spec.blocks_for(256)
+        self.tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
+        gen = torch.Generator().manual_seed(seed)
+        self.seqs = [torch.randint(3, 120000, (256,), generator=gen).tolist() for _ in prompts]
+        self.lens = [0] * len(prompts)
+        self.step_id = 0
+        self.draft = llm.runner.family.draft_models(llm.runner.model)[DSPARK]
+        self.forward(list(range(len(prompts))), prompts)
+
+    def inputs(self, reqs: List[int], counts: List[int]):
+        srs = []
+        for b, n in zip(reqs, counts):
+            tok = self.seqs[b][self.lens[b]:self.lens[b] + n]
+            srs.append(ScheduledRequest(f"r{b}", b, self.tables[b], self.lens[b], tok, num_logits=n,
+                                        draft_token_ids=tok[1:], seq_len=self.lens[b] + 1))
+        self.step_id += 1
+        return build_step_inputs(SchedulerOutput(self.step_id, srs))
+
+    def forward(self, reqs: List[int], counts: List[int]):
+        out = self.runner.eager_forward(self.inputs(reqs, counts))
+        for b, n in zip(reqs, counts):
+            self.lens[b] += n
+        return out
+
+
+def real_state(runner) -> List[torch.Tensor]:
+    """Every state tensor without the spare slot's rows and the spare block's pages (padding writes there)."""
+    st = runner.state
+    out = [w[:-1] for w in st.windows]
+    for src in st.sources.values():
+        out += [src.entries[:-1], src.keys[:-1]] + [t[:-1] for t in (src.kv_rows, src.gate_rows) if t is not None]
+    if st.engram_ids is not None:
+        out.append(st.engram_ids[:-1])
+    return out
+
+
+def _assert_state_close(a: List[torch.Tensor], b: List[torch.Tensor], what: str) -> None:
+    for x, y in zip(a, b):
+        if x.dtype in (torch.uint8, torch.long, torch.int32):
+            assert torch.equal(x, y), what
+        else:
+            assert (x.float() - y.float()).abs().max().item() <= STATE_TOL, what
+
+
+# Rows per request per step (1..GAMMA+1 each) and how many of them are kept (the rest is rejected and
+# rolled back: the next step starts right after the kept rows). Totals 10, 16, 1, 3, 7, 4 -> tiers 12, 16,
+# 1, 3, 8, 4.
+SCHEDULE = [([0, 1, 2, 3], [1, 4, 2, 3], [1, 2, 2, 1]),
+            ([0, 1, 2, 3], [4, 4, 4, 4], [4, 1, 3, 2]),
+            ([2], [1], [1]),
+            ([3, 0], [2, 1], [1, 1]),
+            ([1, 3, 0], [3, 3, 1], [3, 2, 1]),
+            ([0, 1, 2, 3], [1, 1, 1, 1], [1, 1, 1, 1])]
+
+
+def test_verify_steps_through_graphs_equal_eager(v41):
+    """Mixed per-request lengths 1..GAMMA+1 over six tiers: the replayed step's logits, pre-head rows,
+    taps (as the drafter reads them) and every real state byte equal the eager step's, each step
+    starting from the same state (rejected rows of the previous step left in it, as verification
+    leaves them)."""
+    llm = v41(True)
+    graphs = _host_graphs(llm)
+    graphs.check_first_replay = False          # compare the replay itself, not the checked eager result
+    runner = llm.runner
+    reqs = Requests(llm, prompts=[13, 6, 21, 30])
+    tiers = set()
+    try:
+        for step, (ids, counts, kept) in enumerate(SCHEDULE):
+            inputs = reqs.inputs(ids, counts)
+            assert graphs.can_run(inputs), counts
+            n = sum(counts)
+            before = [t.clone() for t in runner.state.tensors()]
+            replays = graphs.num_replays
+            streams, logits = runner._forward(inputs)
+            assert graphs.num_replays == replays + 1
+            tiers.add(min(t for t in graphs.tiers if t >= n))
+            taps = reqs.draft.last_taps(n).clone()
+            streams, logits = streams.clone(), logits.clone()
+            after_graph = [t.clone() for t in real_state(runner)]
+            for t, b in zip(runner.state.tensors(), before):
+                t.copy_(b)
+            eager_streams, eager_logits = runner.eager_forward(inputs)
+            eager_taps = reqs.draft.last_taps(n)
+            assert logits.shape == eager_logits.shape == (n, runner.vocab_size)
+            torch.testing.assert_close(logits, eager_logits, atol=LOGITS_ATOL, rtol=0, msg=f"step {step}")
+            torch.testing.assert_close(streams, eager_streams, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+            torch.testing.assert_close(taps, eager_taps, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+            _assert_state_close(after_graph, real_state(runner), f"step {step}")
+            for b, k in zip(ids, kept):  # verification kept k rows; the rest are rolled back
+                reqs.lens[b] += k
+    finally:
+        graphs.check_first_replay = True
+        runner.verify_graphs = None
+    assert tiers == {12, 16, 1, 3, 8, 4}
+
+
+def test_a_step_reading_per_step_python_values_fails(v41):
+    """Negative control of the stand-in: a captured step that takes its rows from the step it was
+    captured with (a per-step Python object) instead of the static buffers replays that step's rows,
+    and the first-replay check reports the mismatch and turns the graphs off."""
+    llm = v41(True)
+    runner = llm.runner
+    graphs = _host_graphs(llm)
+    reqs = Requests(llm, prompts=[9, 17, 5, 11], seed=3)
+    try:
+        captured_with = reqs.inputs([0, 1], [2, 2])          # 4 rows: tier 4
+
+        class Leaky(VerifyGraphs):
+            def _step_fn(self, tier):
+                meta = captured_with.meta
+
+                def step():
+                    x = runner.family.varlen_forward(runner.model, runner.state, input_ids=meta.input_ids,
+                                                     positions=meta.positions, query_start_loc=meta.query_start_loc,
+                                                     seq_slots=meta.seq_slots, block_tables=meta.block_tables)
+                    return (x, runner.model.compute_logits(x))
+                return step
+        leaky = Leaky(runner, MAX_SEQS, GAMMA, capture=HostGraphCapture(), max_len=256)
+        leaky._allocate()
+        leaky.graphs[4] = leaky.capturer.capture(leaky._step_fn(4))
+        leaky.graphs.update({t: graphs.graphs[t] for t in graphs.tiers if t != 4})
+        reqs.forward([0, 1], [2, 2])                           # the capture step happened; move on
+        inputs = reqs.inputs([2, 3], [3, 1])                   # another step of 4 rows
+        assert leaky.can_run(inputs)
+        leaky.run(inputs)
+        assert leaky.checks[4].startswith("mismatch: logits"), leaky.checks
+        assert leaky.status.startswith("off: replay of tier 4 disagreed with eager execution"), leaky.status
+        assert not leaky.can_run(inputs)
+    finally:
+        runner.verify_graphs = None
+
+
+def test_first_replay_check_serves_eager_and_catches_a_stale_replay(v41):
+    """A tier whose replay leaves its outputs stale is caught on its first replay: the step returns the
+    eager result, the graphs go off and the status names the tier and the error."""
+    llm = v41(True)
+    runner = llm.runner
+    graphs = _host_graphs(llm)
+    reqs = Requests(llm, prompts=[12, 7, 25, 3], seed=5)
+    try:
+        ok = reqs.inputs([0, 1], [1, 2])                       # tier 3: a good replay passes the check
+        graphs.run(ok)
+        assert graphs.checks[3].startswith("ok"), graphs.checks
+        reqs.lens[0] += 1
+        reqs.lens[1] += 2
+        graphs.graphs[8].replay = lambda: None                 # tier 8 replays nothing
+        inputs = reqs.inputs([0, 1, 2], [3, 2, 2])
+        before = [t.clone() for t in runner.state.tensors()]
+        streams, logits = graphs.run(inputs)
+        for t, b in zip(runner.state.tensors(), before):
+            t.copy_(b)
+        want = runner.eager_forward(inputs)[1]
+        torch.testing.assert_close(logits, want, atol=0, rtol=0)
+        assert graphs.checks[8].startswith("mismatch"), graphs.checks
+        assert graphs.status.startswith("off: replay of tier 8 disagreed"), graphs.status
+    finally:
+        runner.verify_graphs = None
+
+
+# ---------------------------------------------------------------------- through the engine
+def _oracle(prompts, ref):
+    """Draft hook: the plain run's tokens at the drafted positions, every third position wrong."""
+    def hook(rid, first_pos, drafts):
+        out = ref[rid].token_ids
+        start = first_pos - len(prompts[rid])
+        got = []
+        for j in range(len(drafts)):
+            i = start + j
+            tok = out[i] if 0 <= i < len(out) else 7
+            got.append(tok + 1 if (first_pos + j) % 3 == 0 else tok)
+        return got
+    return hook
+
+
+def _greedy_through_graphs(off, on, prompts) -> VerifyGraphs:
+    graphs = on.runner.verify_graphs
+    ref, ref_lg = record_logits(off, prompts, GREEDY)
+    spec = on.runner.speculator
+    spec.draft_hook = _oracle(prompts, ref)
+    replays = graphs.num_replays
+    try:
+        got, got_lg = record_logits(on, prompts, GREEDY)
+    finally:
+        spec.draft_hook = None
+    for rid in prompts:
+        assert got[rid].token_ids == ref[rid].token_ids, rid
+        n = len(ref[rid].token_ids)
+        torch.testing.assert_close(got_lg[rid][:n], ref_lg[rid][:n], atol=LOGITS_ATOL, rtol=0)
+    accepted = sum(o.metrics.num_draft_accepted for o in got.values())
+    proposed = sum(o.metrics.num_draft_proposed for o in got.values())
+    assert accepted > 0 and proposed > accepted, (accepted, proposed)  # accepted in part, rolled back in part
+    assert graphs.status.startswith("on:"), graphs.status
+    assert all(c.startswith("ok") for c in graphs.checks.values()), graphs.checks
+    # replays past the checked first ones served the step from the graph itself
+    assert graphs.num_replays - replays >= len(graphs.checks) + 4, (graphs.num_replays, graphs.checks)
+    on.scheduler.cache.assert_empty()
+    return graphs
+
+
+def test_greedy_with_dspark_through_graphs_equals_plain_greedy(v41):
+    """A mixed batch with chunked prefill: every decode and verify step replays a recorded tier (the
+    drafter fed from the replayed taps), greedy tokens and logits equal plain greedy decoding, blocks
+    accepted in part and rolled back in part."""
+    on = v41(True)
+    graphs = _host_graphs(on)
+    try:
+        prompts = {f"m{k}": [(53 * i + 101 * k) % 120000 + 3 for i in range(n)] for k, n in enumerate((5, 19, 40, 70))}
+        _greedy_through_graphs(v41(False), on, prompts)
+        assert on.stats().cuda_graphs == graphs.status
+    finally:
+        on.runner.verify_graphs = None
+
+
+def test_v4_keeps_verify_steps_eager(engines):
+    """DeepSeek-V4's tensor-only forward is one token per sequence: its verify graphs stay off with
+    that reason and its DSpark steps run eagerly."""
+    llm = engines(arch="dspark")
+    runner = llm.runner
+    try:
+        graphs = runner.use_verify_graphs(HostGraphCapture())
+        graphs.capture()
+        assert graphs.status.startswith("off: the model's tensor-only forward handles one token per sequence")
+        assert runner.cuda_graphs_status == graphs.status and not graphs.graphs
+    finally:
+        runner.verify_graphs = None
+
+
+# ---------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_engine_verifies_in_cuda_graphs(v41):
+    """hardware.cuda_graphs=true with DSpark on tiny-v41 (fp32): the runner captures every tier at start,
+    decode and verify steps replay them, greedy equals plain greedy (no DSpark, eager)."""
+    on = v41(True, cuda=True, graphs=True)
+    assert on.runner.verify_graphs is not None and on.runner.graphs is None
+    prompts = {f"g{k}": [(29 * i + 7 * k) % 120000 + 3 for i in range(n)] for k, n in enumerate((6, 33, 70, 12))}
+    _greedy_through_graphs(v41(False, cuda=True), on, prompts)
+    assert on.stats().num_cuda_graph_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_verify_replay_equals_eager_and_taps(v41):
+    """Real CUDA graphs: every scheduled verify step's replay against the eager step (logits, pre-head
+    rows, taps, state), as the host test does."""
+    llm = v41(True, cuda=True, graphs=True)
+    runner = llm.runner
+    graphs = runner.verify_graphs
+    assert graphs.status.startswith("on:"), graphs.status
+    graphs.check_first_replay = False
+    reqs = Requests(llm, prompts=[13, 6, 21, 30])
+    try:
+        for step, (ids, counts, kept) in enumerate(SCHEDULE):
+            inputs = reqs.inputs(ids, counts)
+            n = sum(counts)
+            before = [t.clone() for t in runner.state.tensors()]
+            streams, logits = (v.clone() for v in graphs.run(inputs))
+            taps = reqs.draft.last_taps(n).clone()
+            after_graph = [t.clone() for t in real_state(runner)]
+            for t, b in zip(runner.state.tensors(), before):
+                t.copy_(b)
+            eager_streams, eager_logits = runner.eager_forward(inputs)
+            torch.testing.assert_close(logits, eager_logits, atol=LOGITS_ATOL, rtol=0, msg=f"step {step}")
+            torch.testing.assert_close(streams, eager_streams, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+            torch.testing.assert_close(taps, reqs.draft.last_taps(n), atol=1e-4, rtol=1e-4, msg=f"step {step}")
+            _assert_state_close(after_graph, real_state(runner), f"step {step}")
+            for b, k in zip(ids, kept):
+                reqs.lens[b] += k
+    finally:
+        graphs.check_first_replay = True
