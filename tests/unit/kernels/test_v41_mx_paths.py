@@ -1,0 +1,129 @@
+"""The size-chosen paths of ``linear_mx`` and ``moe_mx`` (split-K weight streams; exact bf16 decoding +
+library GEMMs) against ``ref_v41`` at small sizes with fresh random inputs, and their exact decoders
+against ``mx_formats`` bit for bit. Runs on the GPU when there is one, else under Triton's interpreter."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redknot.kernels import mx_formats as mx  # noqa: E402
+from redknot.kernels import ref_v41  # noqa: E402
+from redknot.kernels.triton import dequant_mx, gemm_mx, moe_mx  # noqa: E402
+from redknot.kernels.triton.checks_mx import TOY_V41, V41Dims, moe_inputs  # noqa: E402
+
+ODD = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, tokens=9)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def test_qdq_bf16_equals_the_reference_quantise_dequantise(kernel_device):
+    g = torch.Generator(device=kernel_device).manual_seed(1)
+    x = (torch.randn(19, 256, generator=g, device=kernel_device)
+         * torch.logspace(-5, 4, 256, device=kernel_device)).to(torch.bfloat16)
+    x[3] = 0  # an all-zero row: the scale floor
+    want = mx.act_quant_ref(x.float(), "fp8").to(torch.bfloat16)
+    assert torch.equal(dequant_mx.qdq_bf16(x), want)
+    halves = dequant_mx.qdq_bf16(x, split=True)
+    assert torch.equal(halves[0], want[:, 0::2]) and torch.equal(halves[1], want[:, 1::2])
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_fp8_weight_decodes_exactly(block, kernel_device):
+    g = torch.Generator(device=kernel_device).manual_seed(block)
+    w, ws = mx.quant_fp8_blocks(torch.randn(200, 320, generator=g, device=kernel_device)
+                                * torch.logspace(-3, 1, 200, device=kernel_device)[:, None], block)
+    want = mx.dequant_fp8_blocks(w, ws, block)
+    assert torch.equal(dequant_mx.dequant_fp8_bf16(w, ws, block).float(), want)
+    assert torch.equal(dequant_mx.dequant_fp8_bf16(w, ws, block, 40, 170).float(), want[40:170])
+
+
+def test_mxfp4_experts_decode_exactly(kernel_device):
+    _, _, _, (w1, s1, *_rest) = moe_inputs(ODD, kernel_device, seed=3)
+    e, n, kh = w1.shape
+    out = torch.zeros(3, 2 * n, 2 * kh, dtype=torch.bfloat16, device=kernel_device)
+    dequant_mx.dequant_fp4_bf16(w1, s1, 2, 5, out[:, n:])  # experts 2..4 into the second half of the rows
+    for j in range(3):
+        assert torch.equal(out[j, n:].float(), mx.dequant_mxfp4(w1[2 + j], s1[2 + j]))
+        assert not out[j, :n].any()
+
+
+def test_chunk_rows_move_only_the_chunk(kernel_device):
+    offs = torch.tensor([2, 2, 5, 9], dtype=torch.int32, device=kernel_device)  # expert 1 is empty
+    bounds = torch.cat([offs.new_zeros(1), offs])
+    src = torch.arange(40, dtype=torch.float32, device=kernel_device).view(10, 4)
+    rowid = torch.tensor([9, 8, 7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.int32, device=kernel_device)
+    dst = torch.full((9, 4), -1.0, device=kernel_device)
+    dequant_mx.chunk_rows(src, dst, bounds, 1, 3, gather=True, rowid=rowid)  # experts 1, 2: sorted rows 2..4
+    assert torch.equal(dst[:3], src[[7, 6, 5]]) and bool((dst[3:] == -1).all())
+    back = torch.full((9, 4), -1.0, device=kernel_device)
+    dequant_mx.chunk_rows(dst, back, bounds, 1, 3, gather=False)
+    assert torch.equal(back[2:5], src[[7, 6, 5]]) and bool((back[:2] == -1).all()) and bool((back[5:] == -1).all())
+
+
+@pytest.mark.parametrize("path", ["splitk", "dequant"])
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("rows", [1, 7, 37])
+def test_linear_paths_match_reference(path, block, rows, kernel_device):
+    g = torch.Generator(device=kernel_device).manual_seed(rows * block)
+    w, ws = mx.quant_fp8_blocks(torch.randn(160, 512, generator=g, device=kernel_device) * 0.02, block)
+    x = torch.randn(rows, 512, generator=g, device=kernel_device).to(torch.bfloat16)
+    out = gemm_mx.linear_mx(x, w, ws, block, path=path)
+    assert out.shape == (rows, 160) and out.dtype == torch.bfloat16
+    assert _rel(out, ref_v41.linear_mx(x, w, ws, block)) <= 1e-2
+
+
+def test_linear_dequant_path_in_weight_chunks(kernel_device, monkeypatch):
+    monkeypatch.setattr(gemm_mx, "DEQUANT_MAX_ELEMS", 64 * 256)  # 64 rows per chunk of a [200, 256] weight
+    g = torch.Generator(device=kernel_device).manual_seed(9)
+    w, ws = mx.quant_fp8_blocks(torch.randn(200, 256, generator=g, device=kernel_device) * 0.02, 32)
+    x = torch.randn(3, 5, 256, generator=g, device=kernel_device).to(torch.bfloat16)
+    out = gemm_mx.linear_mx(x, w, ws, 32, path="dequant")
+    assert out.shape == (3, 5, 200)
+    assert _rel(out, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
+
+
+def test_linear_splitk_rows_are_batch_invariant(kernel_device):
+    g = torch.Generator(device=kernel_device).manual_seed(5)
+    w, ws = mx.quant_fp8_blocks(torch.randn(96, 1024, generator=g, device=kernel_device) * 0.02, 32)
+    x = torch.randn(40, 1024, generator=g, device=kernel_device).to(torch.bfloat16)
+    full = gemm_mx.linear_mx(x, w, ws, 32, path="splitk")
+    assert torch.equal(gemm_mx.linear_mx(x[17:18], w, ws, 32, path="splitk"), full[17:18])
+
+
+def test_paths_by_size_and_bad_path():
+    assert gemm_mx.linear_path(1) == "splitk" and gemm_mx.linear_path(gemm_mx.SPLITK_MAX_ROWS + 1) == "dequant"
+    assert gemm_mx.moe_path(1) == "splitk" and gemm_mx.moe_path(moe_mx.GROUPED_MIN_TOKENS + 1) == "grouped"
+    with pytest.raises(ValueError, match="path='fast'"):
+        gemm_mx.linear_path(4, "fast")
+    with pytest.raises(ValueError, match="path='fast'"):
+        gemm_mx.moe_path(4, "fast")
+
+
+@pytest.mark.parametrize("dims", [TOY_V41, ODD], ids=["toy", "odd"])
+@pytest.mark.parametrize("path,chunk", [("splitk", 0), ("grouped", 2), ("grouped", 3)])
+@pytest.mark.parametrize("tokens", [1, 11])
+def test_moe_paths_match_reference(dims, path, chunk, tokens, kernel_device, monkeypatch):
+    monkeypatch.setattr(moe_mx, "CHUNK_EXPERTS", chunk or moe_mx.CHUNK_EXPERTS)
+    x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + chunk, tokens=tokens)
+    out = gemm_mx.moe_mx(x, idx, wt, *w, 10.0, path=path)
+    want = ref_v41.moe_mx(x, idx, wt, *w, 10.0)
+    assert out.shape == want.shape and out.dtype == torch.bfloat16
+    assert _rel(out, want) <= 3e-2
+
+
+def test_moe_splitk_token_is_batch_invariant(kernel_device):
+    x, idx, wt, w = moe_inputs(ODD, kernel_device, seed=8, tokens=9)
+    full = gemm_mx.moe_mx(x, idx, wt, *w, 10.0, path="splitk")
+    alone = gemm_mx.moe_mx(x[4:5], idx[4:5], wt[4:5], *w, 10.0, path="splitk")
+    assert torch.equal(alone, full[4:5])
+
+
+def test_moe_paths_detect_a_wrong_weight(kernel_device):
+    """The tolerance separates right from wrong: swapped nibbles (element order) fail it."""
+    x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(TOY_V41, kernel_device, seed=2)
+    want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
+    swapped = ((w2 >> 4) | (w2 << 4)).to(torch.uint8)
+    for path in ("splitk", "grouped"):
+        assert _rel(gemm_mx.moe_mx(x, idx, wt, w1, s1, w3, s3, swapped, s2, 10.0, path=path), want) > 0.1
