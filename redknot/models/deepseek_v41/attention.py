@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from redknot.kernels import mx_formats as mx
-from redknot.models.deepseek_v41.kernel_ops import attend_spans, index_spans, insert_rows, ops_of
+from redknot.models.deepseek_v41.kernel_ops import (
+    attend_spans, block_table, host_ints, index_spans, insert_rows, ops_of, page_rows, segments, span_rows)
 from redknot.models.deepseek_v41.ref_math import (
     Numerics, Weights, acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, rms_norm, topk_ids)
 from redknot.models.deepseek_v41.state import V41State
@@ -129,9 +130,8 @@ class AttentionLayer:
         q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), pos, self.inv)
         kv = rms_norm(linear(u, w, f"{p}.wkv.weight", num), w.float(f"{p}.kv_norm.weight"), cfg.norm_eps)
         kv = apply_rope(kv, pos, self.inv)
-        if cfg.is_kv_source(self.layer):
-            for sp in spans:
-                self._compress(u[sp.start:sp.start + sp.n], sp, state)
+        if cfg.is_kv_source(self.layer) and spans:
+            self._compress(u, spans, state)
         if cfg.is_index_source(self.layer):
             self._index(u, qr, pos, spans, state, slots)
         o = torch.empty(t, cfg.n_heads, cfg.head_dim, dtype=num.acc, device=u.device)
@@ -191,43 +191,59 @@ class AttentionLayer:
             out[sp.start + r0:sp.start + r1] = sparse_attend(qs, cand, valid, sink, cfg.head_dim ** -0.5)
 
     # ------------------------------------------------------------------ compressor (kv sources)
-    def _compress(self, u: torch.Tensor, sp: Span, state: V41State) -> None:
+    def _compress(self, u: torch.Tensor, spans: List[Span], state: V41State) -> None:
+        """The compressor over every span at once: one projection of all rows, the ratio-2 groups that
+        complete in this step pooled together (carry-over rows from each sequence's ring), one write of
+        the index keys and one of the compressed entries (one registry insert each when routed)."""
         cfg, w, num, p = self.cfg, self.w, self.num, self.p
         src = state.sources[self.layer]
         r = self.ratio
         dev = u.device
+        row0, acc = [], 0
+        for sp in spans:
+            row0.append(acc)
+            acc += sp.n
+        first = [sp.ctx // r if r != 1 else sp.ctx for sp in spans]     # first entry completing here
+        count = [sp.end // r - f if r != 1 else sp.n for sp, f in zip(spans, first)]
+        keep = [min(sp.n, src.kv_rows.shape[1]) if r != 1 else 0 for sp in spans]
+        row0_, first_, count_, ctx, slot, n, keep_ = host_ints(
+            list(zip(row0, first, count, [sp.ctx for sp in spans], [sp.slot for sp in spans],
+                     [sp.n for sp in spans], keep)), dev).unbind(1)
+        x = u[span_rows(spans)]
+        gseg, k = segments(count_, sum(count))
+        ent = first_[gseg] + k                                                     # [G] entry ids
         if r == 1:
-            latent = rms_norm(plain_linear(u, w, f"{p}.compressor.wkv.weight", num.dtype),
+            latent = rms_norm(plain_linear(x, w, f"{p}.compressor.wkv.weight", num.dtype),
                               w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
-            first = sp.ctx
         else:
             a = acc_dtype(num.dtype)
-            kv_a = plain_linear(u.to(a), w, f"{p}.compressor.wkv.weight", a)   # [n, Dh]
-            gate = plain_linear(u.to(a), w, f"{p}.compressor.wgate.weight", a)
+            kv_a = plain_linear(x.to(a), w, f"{p}.compressor.wkv.weight", a)       # [rows, Dh]
+            gate = plain_linear(x.to(a), w, f"{p}.compressor.wgate.weight", a)
             ring = src.kv_rows.shape[1]
-            first = sp.ctx // r                                                  # first group completing here
-            last = sp.end // r                                                   # one past the last
-            if last <= first:
-                latent = None
-            else:
-                gpos = (torch.arange(first, last, device=dev)[:, None] * r + torch.arange(r, device=dev))  # [G, r]
-                in_chunk = gpos >= sp.ctx
-                li = (gpos - sp.ctx).clamp(min=0)
-                ka = torch.where(in_chunk[..., None], kv_a[li], src.kv_rows[sp.slot, gpos % ring].to(a))
-                ga = torch.where(in_chunk[..., None], gate[li], src.gate_rows[sp.slot, gpos % ring].to(a))
+            kv_ring = src.kv_rows.view(-1, src.kv_rows.shape[-1])
+            gate_ring = src.gate_rows.view(-1, src.gate_rows.shape[-1])
+            latent = None
+            if sum(count):
+                gpos = ent[:, None] * r + torch.arange(r, device=dev)              # [G, r]
+                start = ctx[gseg][:, None]
+                in_chunk = (gpos >= start)[..., None]
+                li = row0_[gseg][:, None] + (gpos - start).clamp(min=0)
+                old = slot[gseg][:, None] * ring + gpos % ring
+                ka = torch.where(in_chunk, kv_a[li], kv_ring[old].to(a))
+                ga = torch.where(in_chunk, gate[li], gate_ring[old].to(a))
                 pooled = (ka * torch.softmax(ga, dim=1)).sum(1)
                 latent = rms_norm(pooled.to(num.dtype), w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
-            keep = min(sp.n, ring)
-            npos = torch.arange(sp.end - keep, sp.end, device=dev)
-            src.kv_rows[sp.slot, npos % ring] = kv_a[-keep:]
-            src.gate_rows[sp.slot, npos % ring] = gate[-keep:]
+            ks, kk = segments(keep_, sum(keep))
+            local = n[ks] - keep_[ks] + kk                                         # each span's last ``keep`` rows
+            dst = slot[ks] * ring + (ctx[ks] + local) % ring
+            kv_ring[dst] = kv_a[row0_[ks] + local].to(kv_ring.dtype)
+            gate_ring[dst] = gate[row0_[ks] + local].to(gate_ring.dtype)
             if latent is None:
                 return
-        ent = torch.arange(first, first + latent.shape[0], device=dev)
         epos = ent * r
         keys = rms_norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype),
                         w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
-        dest = _page_index(sp, ent, r, state.layout.block_size)
+        dest = page_rows(block_table(spans), gseg, ent, r, state.layout.block_size)
         ops = ops_of(w)
         if ops is not None and ops.attention:  # quantised on insert by the registry op
             insert_rows(ops, src.keys, dest, apply_rope(keys, epos, self.inv), "index")

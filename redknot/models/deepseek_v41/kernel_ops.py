@@ -139,6 +139,52 @@ def ops_of(w: Weights) -> Optional[V41Ops]:
     return getattr(w, "ops", None)
 
 
+# ---------------------------------------------------------------------- per-step index tensors
+SMALL_SPAN = 16               # spans of at most this many rows share one indexer launch (decode, verify)
+KEY_BATCH_ENTRIES = 1 << 22   # index-key entries gathered for one shared launch (68 B each: 272 MiB)
+
+
+def host_ints(rows, device: torch.device) -> torch.Tensor:
+    """Host integers (a list, or a list of tuples) as an int64 tensor on ``device``. On a GPU the copy
+    goes through pinned memory and does not block: a pageable copy would wait for the whole queue."""
+    t = torch.tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def segments(lengths: torch.Tensor, total: int):
+    """Concatenated ranges 0..lengths[b]-1 of segments b ([B] on the device; ``total`` their host-side sum)
+    -> (seg [total], k [total]): element e is number k of segment seg. No host sync (output size given)."""
+    seg = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths, output_size=total)
+    first = torch.cumsum(lengths, 0) - lengths
+    return seg, torch.arange(total, device=lengths.device) - first[seg]
+
+
+def block_table(spans) -> torch.Tensor:
+    """[B, max_blocks] block tables of the spans (one row each)."""
+    if len(spans) == 1:
+        return spans[0].blocks[None]
+    return torch.nn.utils.rnn.pad_sequence([sp.blocks for sp in spans], batch_first=True)
+
+
+def page_rows(table: torch.Tensor, seg: torch.Tensor, entry: torch.Tensor, ratio: int, block_size: int) -> torch.Tensor:
+    """Flat page rows of entries ``entry`` of spans ``seg`` (broadcast together); entry j of a sequence
+    lives in the block of position j*ratio (``attention._page_index`` for many spans at once)."""
+    per = block_size // ratio
+    pos = entry * ratio
+    return table[seg, pos // block_size] * per + (pos % block_size) // ratio
+
+
+def span_rows(spans):
+    """The step rows of the spans, in span order: a slice when they are contiguous (they are, in every
+    step the model builds), else an index tensor."""
+    contiguous = all(b.start == a.start + a.n for a, b in zip(spans, spans[1:]))
+    if contiguous:
+        return slice(spans[0].start, spans[-1].start + spans[-1].n)
+    return torch.cat([torch.arange(sp.start, sp.start + sp.n, device=spans[0].blocks.device) for sp in spans])
+
+
 # ---------------------------------------------------------------------- attention (routed bodies)
 def insert_rows(ops: V41Ops, cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, fmt: str) -> None:
     """Quantise x [n, D] into the flat rows ``rows`` of a paged uint8 cache [..., bytes] (in place)."""
@@ -148,74 +194,78 @@ def insert_rows(ops: V41Ops, cache: torch.Tensor, rows: torch.Tensor, x: torch.T
 def attend_spans(layer, q: torch.Tensor, kv: torch.Tensor, spans, state, slots, out: torch.Tensor) -> None:
     """Window + selected compressed entries for every span in one ``sparse_attention_mx`` call.
 
-    The window rows a span reads (the ring's previous rows, then its own new rows, quantised on
-    insert) are laid out in one byte scratch; the ring keeps the last ``window_ring`` of them."""
-    from redknot.models.deepseek_v41.attention import _page_index
-
+    The window rows each span reads (the ring's previous rows, then its own new rows, quantised on
+    insert) are laid out span after span in one byte scratch; the ring keeps the last ``window_ring``
+    of each. Every step of it runs once for all spans (one gather from the rings, one insert, one ring
+    write), with the per-span numbers in one small tensor."""
     ops = ops_of(layer.w)
     cfg = layer.cfg
     dev = q.device
     win = cfg.window_size
-    nbytes = state.windows[layer.layer].shape[-1]
-    pieces: List[torch.Tensor] = []
-    widx: List[torch.Tensor] = []
-    cidx: List[torch.Tensor] = []
-    at = 0
     ring = state.windows[layer.layer]
-    size = ring.shape[1]
+    size, nbytes = ring.shape[1], ring.shape[2]
+    flat_ring = ring.view(-1, nbytes)
+    lo = [max(sp.floor, sp.ctx - win + 1, 0) for sp in spans]
+    n_old = [sp.ctx - x for sp, x in zip(spans, lo)]
+    keep = [min(sp.n, size) for sp in spans]
+    at, total = [], 0
+    for o, sp in zip(n_old, spans):
+        at.append(total)
+        total += o + sp.n
+    t = sum(sp.n for sp in spans)
+    lo_, nold, at_, ctx, slot, n, floor, keep_ = host_ints(
+        list(zip(lo, n_old, at, [sp.ctx for sp in spans], [sp.slot for sp in spans], [sp.n for sp in spans],
+                 [max(sp.floor, 0) for sp in spans], keep)), dev).unbind(1)
+    scratch = torch.empty(total, nbytes, dtype=torch.uint8, device=dev)
+    if sum(n_old):
+        seg, k = segments(nold, sum(n_old))
+        scratch[at_[seg] + k] = flat_ring[slot[seg] * size + (lo_[seg] + k) % size]
+    rows = span_rows(spans)
+    seg, i = segments(n, t)                                              # every row of the spans, in order
+    ops.cache_insert_mx(scratch, at_[seg] + nold[seg] + i, kv[rows], "window")
+    ks, kk = segments(keep_, sum(keep))
+    local = n[ks] - keep_[ks] + kk                                       # the last ``keep`` new rows
+    flat_ring[slot[ks] * size + (ctx[ks] + local) % size] = scratch[at_[ks] + nold[ks] + local]
+    w = torch.arange(win, device=dev)
+    loc = (nold[seg] + i)[:, None] - w                                   # [t, W] rows of the span's window
+    valid = ((ctx[seg] + i)[:, None] - w >= floor[seg][:, None]) & (loc >= 0)
+    widx = torch.where(valid, loc + at_[seg][:, None], -1)
     comp = layer.ratio and any(sp.end // layer.ratio for sp in spans)
-    src = state.sources[layer.kv_source] if comp else None
-    for sp in spans:
-        lo = max(sp.floor, sp.ctx - win + 1, 0)
-        old_pos = torch.arange(lo, sp.ctx, device=dev)
-        new_pos = torch.arange(sp.ctx, sp.end, device=dev)
-        n_old = old_pos.shape[0]
-        scratch = torch.empty(n_old + sp.n, nbytes, dtype=torch.uint8, device=dev)
-        scratch[:n_old] = ring[sp.slot, old_pos % size]
-        ops.cache_insert_mx(scratch, torch.arange(n_old, n_old + sp.n, device=dev), kv[sp.start:sp.start + sp.n],
-                            "window")
-        keep = min(sp.n, size)
-        ring[sp.slot, new_pos[-keep:] % size] = scratch[-keep:]
-        loc = (n_old + torch.arange(sp.n, device=dev))[:, None] - torch.arange(win, device=dev)   # [n, W]
-        lpos = new_pos[:, None] - torch.arange(win, device=dev)
-        valid = (lpos >= max(sp.floor, 0)) & (loc >= 0)
-        widx.append(torch.where(valid, loc + at, -1))
-        pieces.append(scratch)
-        at += scratch.shape[0]
-        if comp:
-            sel = slots.topk[sp.start:sp.start + sp.n]
-            if sp.end // layer.ratio:
-                rows = _page_index(sp, sel.clamp(min=0), layer.ratio, state.layout.block_size)
-                cidx.append(torch.where(sel >= 0, rows, -1))
-            else:
-                cidx.append(torch.full_like(sel, -1))
-    window = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    widx_all = torch.cat(widx)
+    comp_cache = comp_idx = None
+    if comp:
+        src = state.sources[layer.kv_source]
+        sel = slots.topk[rows]
+        live = ((ctx + n) // layer.ratio > 0)[seg][:, None]
+        prow = page_rows(block_table(spans), seg[:, None], sel.clamp(min=0), layer.ratio, state.layout.block_size)
+        comp_idx = torch.where((sel >= 0) & live, prow, -1)
+        comp_cache = src.entries.view(-1, src.entries.shape[-1])
     sink = layer.w.float(f"{layer.p}.attn_sink")
-    comp_cache = src.entries.view(-1, src.entries.shape[-1]) if comp else None
-    comp_idx = torch.cat(cidx) if comp else None
-    t0, t1 = spans[0].start, spans[-1].start + spans[-1].n
-    qs = q[t0:t1] if (t0, t1) != (0, q.shape[0]) else q
-    out[t0:t1] = ops.sparse_attention_mx(qs, window, widx_all, sink, cfg.head_dim ** -0.5, comp_cache, comp_idx)
+    o = ops.sparse_attention_mx(q[rows], scratch, widx, sink, cfg.head_dim ** -0.5, comp_cache, comp_idx)
+    out[rows] = o
 
 
 def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, spans, state, slots,
                 topk: torch.Tensor) -> None:
     """The indexer of one index source over every span: top-k (inside the candidate blocks on the
-    layers that read them) and, on the candidate source, the candidate blocks it publishes."""
-    from redknot.models.deepseek_v41.attention import _page_index
+    layers that read them) and, on the candidate source, the candidate blocks it publishes.
 
+    Spans of at most ``SMALL_SPAN`` rows (decode, verify) share one ``indexer_topk_mx`` launch: their
+    keys are gathered one sequence after the other, each padded to whole candidate blocks, and each
+    row may only pick from its own sequence's blocks (the op's candidate-block list: the blocks it
+    read from the candidate source, or all of its sequence's blocks) below its own visibility bound;
+    the picked ids are shifted back. The candidate source (its op takes no block list) and longer
+    spans run one launch each."""
     ops = ops_of(layer.w)
     cfg = layer.cfg
     r = layer.ratio
     dev = q.device
     is_cand = cfg.is_candidate_source(layer.layer)
-    reads = cfg.reads_candidates(layer.layer)
-    bf16 = layer.num.act_quant
     last_src = max(cfg.kv_source_layers)
+    bs = cfg.candidate_block_size
     blocks = None
     if is_cand:
         blocks = torch.full((q.shape[0], cfg.candidate_topk_blocks), -1, dtype=torch.int32, device=dev)
+    batches = {}   # owner -> lists of spans sharing a launch
     for sp in spans:
         n = sp.end // r
         if n == 0:
@@ -224,19 +274,73 @@ def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, sp
         if (layer.index_keys == "shipped" and sp.n == 1 and r == 2 and cfg.is_kv_source(layer.layer)
                 and (sp.ctx + 1) % r != 0 and last_src != layer.layer):
             owner = last_src   # the shipped reference scores the last published keys (§5.2)
-        src = state.sources[owner]
-        keys = src.keys.view(-1, src.keys.shape[-1])[
-            _page_index(sp, torch.arange(n, device=dev), src.ratio, state.layout.block_size)]
-        rows = slice(sp.start, sp.start + sp.n)
-        visible = (pos[rows] + 1) // r
-        if is_cand:
-            sel, blk = ops.indexer_source_mx(q[rows], wts[rows], keys, visible, cfg.index_topk,
-                                             cfg.candidate_topk_blocks, cfg.candidate_block_size, bf16)
-            blocks[rows] = blk.to(torch.int32)
-        else:
-            cand = slots.cand_blocks[rows] if reads else None
-            sel = ops.indexer_topk_mx(q[rows], wts[rows], keys, visible, cfg.index_topk, cand,
-                                      cfg.candidate_block_size, bf16)
-        topk[rows] = sel.long()
+        if is_cand or sp.n > SMALL_SPAN:
+            _index_one(layer, ops, q, wts, pos, sp, state.sources[owner], state, slots, topk, blocks)
+            continue
+        groups = batches.setdefault(owner, [[]])
+        used = sum(-(-(s.end // r) // bs) * bs for s in groups[-1])
+        if groups[-1] and used + -(-n // bs) * bs > KEY_BATCH_ENTRIES:
+            groups.append([])
+        groups[-1].append(sp)
+    for owner, groups in batches.items():
+        for group in groups:
+            if len(group) == 1:
+                _index_one(layer, ops, q, wts, pos, group[0], state.sources[owner], state, slots, topk, blocks)
+            else:
+                _index_many(layer, ops, q, wts, pos, group, state.sources[owner], state, slots, topk)
     if is_cand:
         slots.cand_blocks = blocks
+
+
+def _index_one(layer, ops, q, wts, pos, sp, src, state, slots, topk, blocks) -> None:
+    from redknot.models.deepseek_v41.attention import _page_index
+
+    cfg = layer.cfg
+    r = layer.ratio
+    n = sp.end // r
+    keys = src.keys.view(-1, src.keys.shape[-1])[
+        _page_index(sp, torch.arange(n, device=q.device), src.ratio, state.layout.block_size)]
+    rows = slice(sp.start, sp.start + sp.n)
+    visible = (pos[rows] + 1) // r
+    bf16 = layer.num.act_quant
+    if blocks is not None:
+        sel, blk = ops.indexer_source_mx(q[rows], wts[rows], keys, visible, cfg.index_topk,
+                                         cfg.candidate_topk_blocks, cfg.candidate_block_size, bf16)
+        blocks[rows] = blk.to(torch.int32)
+    else:
+        cand = slots.cand_blocks[rows] if cfg.reads_candidates(layer.layer) else None
+        sel = ops.indexer_topk_mx(q[rows], wts[rows], keys, visible, cfg.index_topk, cand,
+                                  cfg.candidate_block_size, bf16)
+    topk[rows] = sel.long()
+
+
+def _index_many(layer, ops, q, wts, pos, group, src, state, slots, topk) -> None:
+    """One ``indexer_topk_mx`` launch for the rows of several short spans (see :func:`index_spans`)."""
+    cfg = layer.cfg
+    r = layer.ratio
+    bs = cfg.candidate_block_size
+    dev = q.device
+    n = [sp.end // r for sp in group]
+    nb = [-(-x // bs) for x in n]
+    off, acc = [], 0
+    for x in nb:
+        off.append(acc)
+        acc += x
+    n_, nb_, off_, rows_n = host_ints(list(zip(n, nb, off, [sp.n for sp in group])), dev).unbind(1)
+    seg, j = segments(nb_ * bs, acc * bs)
+    ent = torch.minimum(j, n_[seg] - 1)          # the padding of a sequence's last block: any row (never visible)
+    keys = src.keys.view(-1, src.keys.shape[-1])[
+        page_rows(block_table(group), seg, ent, src.ratio, state.layout.block_size)]
+    rows = span_rows(group)
+    rseg, _ = segments(rows_n, sum(sp.n for sp in group))
+    first = (off_ * bs)[rseg]                    # each row's first entry in the gathered keys
+    visible = (pos[rows] + 1) // r + first
+    if cfg.reads_candidates(layer.layer):
+        cand = slots.cand_blocks[rows].long()
+        cand = torch.where(cand >= 0, cand + off_[rseg][:, None], -1)
+    else:
+        b = torch.arange(max(nb), device=dev)[None]
+        cand = torch.where(b < nb_[rseg][:, None], b + off_[rseg][:, None], -1)
+    sel = ops.indexer_topk_mx(q[rows], wts[rows], keys, visible, cfg.index_topk, cand, bs,
+                              layer.num.act_quant).long()
+    topk[rows] = torch.where(sel >= 0, sel - first[:, None], -1)
