@@ -1,14 +1,13 @@
 #!/usr/bin/env python3
-"""DSpark (V4-Flash-0731 draft stages) on a real-dimension cut: what drafting, verifying and
-scheduling cost per step (timings only).
+"""DSpark on real-dimension cuts of DeepSeek-V4-Flash-0731 and DeepSeek-V4.1-Flash: what drafting,
+verifying and scheduling cost per step (timings only).
 
-The cut: V4-Flash width (D=4096, 64 heads of 512, q_lora 1024, indexer 64x128 top-512, window
-128, real vocabulary) with 3 target layers (SWA, CSA, HCA like real layers 1-3, tapped by the
-draft as 0731 taps layers 40-42) and the three DSpark stages of §2.3 at real width (rank-256
-Markov head, confidence head); 8 routed experts per layer and stage instead of 256 (6 active)
-so the seeded weights fit a quick start. Weights are random: acceptance is never measured.
-
-Per batch size (1 and 32, contexts of ``--context`` tokens, prefilled first):
+``--model v4`` (default) -- the V4-0731 cut: V4-Flash width (D=4096, 64 heads of 512, q_lora 1024,
+indexer 64x128 top-512, window 128, real vocabulary) with 3 target layers (SWA, CSA, HCA like real
+layers 1-3, tapped by the draft as 0731 taps layers 40-42) and the three DSpark stages of §2.3 at
+real width (rank-256 Markov head, confidence head); 8 routed experts per layer and stage instead of
+256 (6 active) so the seeded weights fit a quick start. Per batch size (1 and 32, contexts of
+``--context`` tokens, prefilled first):
 
 * draft ms per step: the stages' block forward + the Markov chain + confidences;
 * verify ms at 1..g+1 tokens per request: the target forward + logits of the verify rows, and
@@ -16,10 +15,25 @@ Per batch size (1 and 32, contexts of ``--context`` tokens, prefilled first):
 * schedule overhead: budget + global top-B allocation for the batch;
 * plain decode step (1 token per request) eager vs CUDA-graph replay; the first replay of every
   captured graph is checked against eager execution (a mismatch is reported and disables graphs);
-* the status of variable-length verify graphs.
+* the status of variable-length verify graphs (off for V4: its tensor-only step is one token per
+  sequence).
 
-    python benchmarks/dspark.py --out $OUT            # H200 (sm90-port kernels), about 2-4 minutes
-    python benchmarks/dspark.py --smoke --out /tmp/x  # CPU: the same paths at toy width, seconds
+``--model v41`` -- the V4.1 cut: real widths (dim 5120, 64 heads x 512, 384 experts top-6 in FP8 /
+MXFP4 random bytes), five layers with the roles of the real schedule (ratio-2 kv/index source with
+Engram, ratio-2 consumer, ratio-1 kv and candidate source, ratio-1 consumer, candidate index source)
+and the three DSpark stages at real width (128 experts top-3, rank-256 Markov head), tapping the
+inputs of layers 2, 3, 4 (as V4.1 taps the inputs of 37-39). Per batch (1 and 32): draft ms per
+step, and verify ms at 1..g+1 tokens per request eager (the engine's span path) vs replayed from
+``VerifyGraphs`` (one CUDA graph per total-token tier, the taps refilled on replay); the first replay
+of every tier is checked against the eager step (logits and taps, ``VerifyGraphs.checks``) and also
+against the same tensor-only step run unpadded and uncaptured (a capture fault vs a difference of the
+two step paths). ``--model both`` runs the two.
+
+``features.dspark.block_attention`` (``--block-attention``) reaches both drafts' block forward.
+
+    python benchmarks/dspark.py --out $OUT                 # H200, V4-0731 cut, about 2-4 minutes
+    python benchmarks/dspark.py --model v41 --out $OUT     # H200, V4.1 cut, about 2-3 minutes
+    python benchmarks/dspark.py --smoke --model both --out /tmp/x  # CPU: the same paths at toy width
 """
 from __future__ import annotations
 
@@ -48,7 +62,7 @@ from redknot.speculative.draft_sampling import MarkovSampler
 from redknot.speculative.profile import time_once_ms
 from redknot.speculative.rejection import block_sample, speculative_sample
 from redknot.speculative.schedule import CostModel, CostTable, VerifyScheduler
-from redknot.speculative.varlen import VerifyGraphs
+from redknot.speculative.varlen import VerifyGraphs, row_error, tier_for
 from redknot.step.metadata import StepMetadata
 
 DSPARK_KEYS = dict(dspark_block_size=5, dspark_target_layer_ids=[0, 1, 2], dspark_markov_rank=256,
@@ -69,7 +83,8 @@ def timed_ms(device: torch.device, fn: Callable[[], object], repeats: int, warmu
 class Bench:
     """Target + draft + state on one device, ``batch`` requests prefilled to ``context`` tokens."""
 
-    def __init__(self, arch: Dict, device: torch.device, kernels: KernelSet, max_batch: int, context: int):
+    def __init__(self, arch: Dict, device: torch.device, kernels: KernelSet, max_batch: int, context: int,
+                 features: FeaturesConfig):
         hf = V4Config.flash().to_hf_dict()
         hf.update(arch)
         self.cfg = V4Config.from_hf_dict(hf)
@@ -90,8 +105,6 @@ class Bench:
         self.state = family.allocate_state(self.cfg, self.layout, num_slots=self.num_slots,
                                            num_blocks=self.num_blocks, device=device, dtype=dtype)
         self.tables = [list(range(i * per_req, (i + 1) * per_req)) for i in range(max_batch)]
-        features = FeaturesConfig()
-        features.dspark.method, features.dspark.draft_sampling = "dspark", "greedy"
         from redknot.speculative.dspark_drafter import DSparkDrafter
         self.sampler = Sampler(device)
         self.drafter = DSparkDrafter(self.draft, self.state, self.sampler, features, max_model_len=context + 64)
@@ -120,19 +133,24 @@ class Bench:
     def verify_forward(self, meta: StepMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model.forward(meta, self.state)[meta.logits_indices])
 
-    @torch.no_grad()
     def draft_step(self, batch: int) -> None:
-        d, device = self.draft, self.device
-        anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
-        positions = torch.full((batch,), self.context, dtype=torch.long, device=device)
-        slots = torch.arange(batch, dtype=torch.long, device=device)
-        h, base = d.forward_block(anchors, positions, self.drafter.rings, slots)
-        rows = [SamplingRow(f"r{i}", SamplingParams(temperature=1.0), seed=i, output_index=0) for i in range(batch)]
-        blocks = MarkovSampler(self.sampler, "greedy").sample(base, d.markov_bias, anchors, rows,
-                                                              [self.context + 1] * batch)
-        tokens = torch.tensor([b.token_ids for b in blocks], device=device)
-        prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
-        torch.sigmoid(d.confidence_logits(h, prev)).tolist()
+        draft_step(self.draft, self.drafter, self.sampler, batch, self.context)
+
+
+@torch.no_grad()
+def draft_step(d, drafter, sampler, batch: int, context: int) -> None:
+    """One drafting step of ``batch`` requests: the stages' block forward (the block attention of
+    ``features.dspark.block_attention``), the Markov chain, the confidences (read back)."""
+    device = d.device
+    anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
+    positions = torch.full((batch,), context, dtype=torch.long, device=device)
+    slots = torch.arange(batch, dtype=torch.long, device=device)
+    h, base = d.forward_block(anchors, positions, drafter.rings, slots, drafter.causal)
+    rows = [SamplingRow(f"r{i}", SamplingParams(temperature=1.0), seed=i, output_index=0) for i in range(batch)]
+    blocks = MarkovSampler(sampler, "greedy").sample(base, d.markov_bias, anchors, rows, [context + 1] * batch)
+    tokens = torch.tensor([b.token_ids for b in blocks], device=device)
+    prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+    torch.sigmoid(d.confidence_logits(h, prev)).tolist()
 
 
 def bench_verify_math(bench: Bench, batch: int, q: int, repeats: int) -> Dict[str, float]:
@@ -188,16 +206,226 @@ def bench_graphs(bench: Bench, batches: List[int], repeats: int) -> Dict:
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="directory for dspark_bench.json")
-    ap.add_argument("--smoke", action="store_true", help="toy width on the CPU")
-    ap.add_argument("--context", type=int, default=None, help="prefilled tokens per request (4096; smoke 300)")
-    ap.add_argument("--kernels", default=None, help="kernel backend (cuda: triton, cpu: reference)")
-    ap.add_argument("--repeats", type=int, default=None)
-    args = ap.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
+# ---------------------------------------------------------------------- V4.1
+V41_ROLES = dict(num_hidden_layers=5, compress_ratios=[2, 2, 1, 1, 1, 0, 0, 0], kv_source_layer_ids=[0, 2],
+                 index_source_layer_ids=[0, 2, 4], candidate_source_layer_id=2, engram_layer_ids=[0],
+                 num_nextn_predict_layers=3, dspark_target_layer_ids=[2, 3, 4], engram_vocab_size=10000,
+                 engram_compressed_vocab_size=1027)
+V41_SMOKE = dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
+                 q_lora_rank=64, o_lora_rank=64, o_groups=2, n_routed_experts=8, num_experts_per_tok=2,
+                 sliding_window=16, index_n_heads=4, index_head_dim=64, index_topk=8, candidate_topk_blocks=3,
+                 candidate_block_size=4, engram_n_heads=2, engram_head_dim=32, vocab_size=2048, engram_vocab_size=100,
+                 dspark_markov_rank=32, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2,
+                 dspark_noise_token_id=2047)
+
+
+def v41_random_tensors(cfg, device):
+    """(backbone, draft) tensors as stored: FP8 e4m3 values of spread 1/sqrt(K) with unit E8M0 scales,
+    MXFP4 random codes with a per-32 scale of the same spread, norms near 1, small mHC weights."""
+    import math
+
+    from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, FP4, FP8, checkpoint_spec
+
+    g = torch.Generator(device=device).manual_seed(0)
+    main: Dict[str, torch.Tensor] = {}
+    draft: Dict[str, torch.Tensor] = {}
+    for spec in checkpoint_spec(cfg, include_draft=True):
+        out, shape, name = (draft if spec.draft else main), spec.shape, spec.name
+        if spec.kind == FP4:
+            out[name] = torch.randint(0, 256, spec.stored_shape, generator=g, device=device, dtype=torch.uint8)
+            e = 127 - round(math.log2(2.9 * math.sqrt(shape[-1])))
+            out[spec.scale_name] = torch.full(spec.scale_shape, e, dtype=torch.uint8, device=device)
+        elif spec.kind in (FP8, ENGRAM):
+            std = shape[-1] ** -0.5 if spec.kind == FP8 else 1.0
+            out[name] = (torch.randn(shape, generator=g, device=device) * std).to(torch.float8_e4m3fn)
+            out[spec.scale_name] = torch.full(spec.scale_shape, 127, dtype=torch.uint8, device=device)
+        else:
+            v = torch.randn(shape, generator=g, device=device)
+            if name.endswith(("norm.weight", "q_weight", "k_weight")):
+                v = 1 + 0.1 * v
+            elif "hc_" in name:
+                v = (0.5 + 0.1 * v) if name.endswith("_scale") else 0.05 * v
+            elif name.endswith("attn_sink"):
+                pass
+            elif name == "embed.weight":
+                v = 0.5 * v
+            elif len(shape) > 1:
+                v = v / math.sqrt(shape[-1])
+            else:
+                v = 0.1 * v
+            out[name] = v.to(torch.bfloat16 if spec.kind == BF16 else torch.float32)
+    return main, draft
+
+
+class Bench41:
+    """V4.1 target + DSpark draft + paged state; request 0 prefilled to ``context`` tokens and copied to
+    the other ``max_batch - 1`` slots (equal contexts without ``max_batch`` prefills)."""
+
+    def __init__(self, smoke: bool, device: torch.device, backend: str, max_batch: int, context: int,
+                 features: FeaturesConfig):
+        from redknot.models.deepseek_v41.config import V41Config
+        from redknot.models.deepseek_v41.dspark_draft import V41DSparkDraft
+        from redknot.models.deepseek_v41.kernel_ops import V41Ops
+        from redknot.models.deepseek_v41.model import DeepseekV41
+        from redknot.models.deepseek_v41.ref_math import Numerics, Weights
+        from redknot.speculative.dspark_drafter import DSparkDrafter
+
+        t0 = time.perf_counter()
+        over = dict(V41_ROLES, **(V41_SMOKE if smoke else {}))
+        self.cfg = cfg = V41Config().with_overrides(over)
+        self.device, self.dtype, self.context = device, torch.bfloat16, context
+        self.kernels = KernelSet(default=backend)
+        ops = V41Ops.create(self.kernels)   # as the engine builds it (None: PyTorch math, the CPU's path)
+        main, draft = v41_random_tensors(cfg, device)
+        self.weight_gib = sum(t.numel() * t.element_size() for t in list(main.values()) + list(draft.values())) / 2**30
+        tmap = (torch.arange(cfg.vocab_size) * 7919) % cfg.engram_compressed_vocab_size
+        num = Numerics("reference", self.dtype)
+        self.model = DeepseekV41(cfg, Weights(main, self.dtype, keep=True), tmap, int(tmap[cfg.engram_pad_id]), num,
+                                 device=device, ops=ops)
+        self.draft = V41DSparkDraft(cfg, Weights(draft, self.dtype, keep=True), num, device=device).attach(self.model)
+        self.family = load_family("deepseek_v41")
+        g = cfg.dspark_block_size
+        self.layout = self.family.state_layout(cfg, block_size=256, max_backtrack=g, kv_bytes=2)
+        self.max_len = context + 64
+        per = self.layout.blocks_for(self.max_len)
+        self.num_slots, self.num_blocks = max_batch + 1, max_batch * per + 1
+        self.state = self.family.allocate_state(cfg, self.layout, num_slots=self.num_slots,
+                                                num_blocks=self.num_blocks, device=device, dtype=self.dtype)
+        self.tables = [list(range(i * per, (i + 1) * per)) for i in range(max_batch)]
+        self.sampler = Sampler(device)
+        self.drafter = DSparkDrafter(self.draft, self.state, self.sampler, features, max_model_len=self.max_len)
+        self.build_s = time.perf_counter() - t0
+        self._prefill(max_batch)
+        self.step_id = 0
+
+    @torch.no_grad()
+    def _prefill(self, batch: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, self.cfg.vocab_size, (self.context,), generator=gen).tolist()
+        chunk = 4096
+        for start in range(0, self.context, chunk):
+            part = ids[start:start + chunk]
+            meta = StepMetadata.build([part], [start], [0], [self.tables[0]], device=self.device)
+            streams = self.model.forward(meta, self.state)
+            keep = list(range(max(0, len(part) - self.draft.window), len(part)))
+            self.drafter.write_context(streams.shape[0], [0] * len(keep), [start + i for i in keep], keep)
+        st = self.state
+        for i in range(1, batch):  # request i: a copy of request 0 (slot i, its own blocks)
+            for win in st.windows:
+                win[i] = win[0]
+            for src in st.sources.values():
+                src.entries[self.tables[i]] = src.entries[self.tables[0]]
+                src.keys[self.tables[i]] = src.keys[self.tables[0]]
+                if src.kv_rows is not None:
+                    src.kv_rows[i] = src.kv_rows[0]
+                    src.gate_rows[i] = src.gate_rows[0]
+            if st.engram_ids is not None:
+                st.engram_ids[i] = st.engram_ids[0]
+            for ring in self.drafter.rings:
+                ring[i] = ring[0]
+
+    def draft_step(self, batch: int) -> None:
+        draft_step(self.draft, self.drafter, self.sampler, batch, self.context)
+
+    def inputs(self, batch: int, q: int):
+        """The engine's StepInputs of a verify step: ``batch`` requests, ``q`` rows each, at the context."""
+        from redknot.engine.inputs import build_step_inputs
+        from redknot.engine.messages import ScheduledRequest, SchedulerOutput
+
+        self.step_id += 1
+        reqs = [ScheduledRequest(f"r{b}", b, self.tables[b], self.context, [5 + b] * q, num_logits=q,
+                                 draft_token_ids=[5 + b] * (q - 1), seq_len=self.context + 1) for b in range(batch)]
+        return build_step_inputs(SchedulerOutput(self.step_id, reqs))
+
+    @torch.no_grad()
+    def eager_forward(self, inputs):
+        """(pre-head rows, logits) of the step on the model's span path (the runner's eager step)."""
+        meta = inputs.to(self.device)
+        streams = self.model.forward(meta, self.state)
+        return streams, self.model.compute_logits(streams[meta.logits_indices])
+
+    @torch.no_grad()
+    def tensor_step_logits(self, inputs) -> torch.Tensor:
+        """Logits of the same step through the tensor-only step, unpadded and not captured."""
+        meta = inputs.to(self.device)
+        x = self.family.varlen_forward(self.model, self.state, input_ids=meta.input_ids, positions=meta.positions,
+                                       query_start_loc=meta.query_start_loc, seq_slots=meta.seq_slots,
+                                       block_tables=meta.block_tables)
+        return self.model.compute_logits(x)
+
+    def runner(self):
+        """What :class:`VerifyGraphs` reads of an engine runner."""
+        return types.SimpleNamespace(
+            model=self.model, family=self.family, state=self.state, device=self.device, dtype=self.dtype,
+            kernels=self.kernels, cache_spec=CacheSpec.from_layout(self.layout), padding_slot=self.num_slots - 1,
+            padding_block=self.num_blocks - 1, graph_pool=None, eager_forward=self.eager_forward)
+
+
+def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) -> Dict:
+    from redknot.engine.cuda_graphs import CudaGraphCapture, HostGraphCapture
+
+    t_start = time.perf_counter()
+    backend = args.kernels or ("triton" if cuda else "reference")
+    context = args.context or (4096 if cuda else 40)
+    repeats = args.repeats or (10 if cuda else 2)
+    batches = [1, 32] if cuda else [1, 3]
+    torch.manual_seed(0)
+    bench = Bench41(args.smoke or not cuda, device, backend, max(batches), context, features)
+    g = bench.cfg.dspark_block_size
+    report: Dict = {"model": "v41", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                    "kernels": backend, "ops": bench.model.ops.choice if bench.model.ops else None,
+                    "context": context, "block_size": g, "stages": bench.cfg.n_mtp_layers,
+                    "routed_experts": bench.cfg.n_routed_experts,
+                    "draft_routed_experts": bench.cfg.dspark_n_routed_experts, "weights_gib": round(bench.weight_gib, 2),
+                    "block_attention": features.dspark.block_attention,
+                    "build_and_prefill_s": round(time.perf_counter() - t_start, 1),
+                    "note": "random weights: timings only, acceptance is not measured"}
+    print(json.dumps(report), flush=True)
+    graphs = VerifyGraphs(bench.runner(), max_num_seqs=max(batches), block=g,
+                          capture=CudaGraphCapture() if cuda else HostGraphCapture(),
+                          tap_layers=bench.draft.dcfg.target_layer_ids, max_len=bench.max_len)
+    needed = sorted({tier_for(b * q, graphs.tiers) for b in batches for q in range(1, g + 2)})
+    t0 = time.perf_counter()
+    graphs.capture(needed)
+    report["verify_graphs"] = {"tiers": needed, "capture_s": round(time.perf_counter() - t0, 1),
+                               "status_after_capture": graphs.status}
+    print(json.dumps(report["verify_graphs"]), flush=True)
+    vs_tensor_step: Dict[int, str] = {}
+    eager_repeats = max(2, repeats // 3)
+    for b in batches:
+        row: Dict = {"batch": b, "draft_ms": timed_ms(device, lambda: bench.draft_step(b), repeats)}
+        for q in range(1, g + 2):
+            inputs = bench.inputs(b, q)
+            row[f"verify_eager_ms_q{q}"] = timed_ms(device, lambda: bench.eager_forward(inputs), eager_repeats, 1)
+            tier = tier_for(b * q, graphs.tiers)
+            if not graphs.can_run(inputs):
+                row[f"verify_graph_q{q}"] = graphs.status
+                continue
+            first = tier not in graphs.checks
+            streams, logits = graphs.run(inputs)      # the first replay of a tier: checked against eager
+            if first:
+                graphs.check_first_replay = False
+                _, logits = graphs.run(inputs)            # the replay itself, against the unpadded tensor step
+                graphs.check_first_replay = True
+                err = row_error(logits, bench.tensor_step_logits(inputs))
+                vs_tensor_step[tier] = f"row error {err:.3g}"
+            if graphs.disabled_reason is not None:   # a mismatch: timed anyway, and the status says so
+                row[f"verify_graph_q{q}_status"] = graphs.status
+                reason, graphs.disabled_reason = graphs.disabled_reason, None
+                row[f"verify_graph_ms_q{q}"] = timed_ms(device, lambda: graphs.run(inputs), repeats)
+                graphs.disabled_reason = reason
+            else:
+                row[f"verify_graph_ms_q{q}"] = timed_ms(device, lambda: graphs.run(inputs), repeats)
+        print(json.dumps(row), flush=True)
+        report[f"batch_{b}"] = row
+    report["verify_graphs"].update(first_replay_vs_eager=graphs.checks, first_replay_vs_tensor_step=vs_tensor_step,
+                                   status=graphs.status)
+    report["total_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps({"verify_graphs": report["verify_graphs"], "total_s": report["total_s"]}), flush=True)
+    return report
+
+
+def bench_v4(args, cuda: bool, device: torch.device, features: FeaturesConfig) -> Dict:
     backend = args.kernels or ("triton" if cuda else "reference")
     try:
         kernels = KernelSet(backend)
@@ -209,11 +437,13 @@ def main() -> None:
     batches = [1, 32] if cuda else [1, 4]
     torch.manual_seed(0)
     t_start = time.perf_counter()
-    bench = Bench(ARCH_SMOKE if args.smoke else ARCH_CUT, device, kernels, max(batches), context)
-    report: Dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "kernels": backend,
-                    "context": context, "block_size": bench.dcfg.block_size, "stages": bench.dcfg.num_stages,
-                    "routed_experts_per_layer": bench.cfg.n_routed_experts, "build_and_prefill_s":
-                    round(time.perf_counter() - t_start, 1),
+    bench = Bench(ARCH_SMOKE if args.smoke or not cuda else ARCH_CUT, device, kernels, max(batches), context,
+                  features)
+    report: Dict = {"model": "v4-0731", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                    "kernels": backend, "context": context, "block_size": bench.dcfg.block_size,
+                    "stages": bench.dcfg.num_stages, "routed_experts_per_layer": bench.cfg.n_routed_experts,
+                    "block_attention": features.dspark.block_attention,
+                    "build_and_prefill_s": round(time.perf_counter() - t_start, 1),
                     "note": "random weights: timings only, acceptance is not measured"}
     print(json.dumps(report), flush=True)
     g = bench.dcfg.block_size
@@ -230,9 +460,37 @@ def main() -> None:
     report["varlen_verify_graphs"] = VerifyGraphs(types.SimpleNamespace(model=bench.model), max(batches), g).status
     report["total_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps({k: report[k] for k in ("decode_graphs", "varlen_verify_graphs", "total_s")}), flush=True)
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="directory for dspark_bench.json")
+    ap.add_argument("--model", default="v4", choices=("v4", "v41", "both"),
+                    help="v4: the V4-Flash-0731 cut (default); v41: the V4.1-Flash cut with verify graphs")
+    ap.add_argument("--smoke", action="store_true", help="toy width on the CPU")
+    ap.add_argument("--context", type=int, default=None, help="prefilled tokens per request (4096; smoke 300/40)")
+    ap.add_argument("--kernels", default=None, help="kernel backend (cuda: triton, cpu: reference)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--block-attention", default=FeaturesConfig().dspark.block_attention,
+                    help="features.dspark.block_attention of the drafts (bidirectional | causal)")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(1)   # toy shapes: a second thread only contends with whatever else runs
+    features = FeaturesConfig()
+    features.dspark.method, features.dspark.draft_sampling = "dspark", "greedy"
+    features.dspark.block_attention = args.block_attention   # a bad value is refused by the drafter
+    report: Dict = {}
+    if args.model in ("v4", "both"):
+        report["v4"] = bench_v4(args, cuda, device, features)
+    if args.model in ("v41", "both"):
+        report["v41"] = bench_v41(args, cuda, device, features)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dspark_bench.json").write_text(json.dumps(report, indent=1))
+    (out / "dspark_bench.json").write_text(json.dumps(report if args.model == "both" else report[args.model],
+                                                      indent=1))
 
 
 if __name__ == "__main__":

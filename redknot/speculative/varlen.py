@@ -170,11 +170,17 @@ class VerifyGraphs:
             return (x, logits) + tuple(taps[i] for i in layers if hook is not None)
         return step
 
-    def capture(self) -> None:
-        """One graph per tier, largest first (smaller ones reuse its memory), in the runner's pool."""
+    def capture(self, tiers: Optional[Sequence[int]] = None) -> None:
+        """One graph per tier (``tiers``: a subset, e.g. a benchmark's; default all), largest first
+        (smaller ones reuse its memory), in the runner's pool."""
         if self.disabled_reason is not None:
             log.warning("verify graphs: %s", self.disabled_reason)
             return
+        if tiers is not None:
+            bad = sorted(set(tiers) - set(self.tiers))
+            if bad:
+                raise ValueError(f"verify graph tiers {bad} are not among the tiers {self.tiers}")
+            self.tiers = sorted(set(tiers))
         self._allocate()
         self._pad(0, 0)
         pool = getattr(self.runner, "graph_pool", None)
