@@ -327,28 +327,35 @@ def _combine(y_ptr, inv_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, BL
 
 def moe_path(tokens: int, path: str = "auto") -> str:
     """The ``moe_mx`` path that runs for ``tokens`` tokens (``auto``: split-K up to
-    ``moe_mx.GROUPED_MIN_TOKENS``, then grouped)."""
+    ``moe_mx.GROUPED_MIN_TOKENS``, then ``prefill``: the plan measured fastest, grouped or tiled)."""
     from redknot.kernels.triton import moe_mx as fast_moe
-    allowed = fast_moe.PATHS + ("fused",)
+    allowed = fast_moe.PATHS + ("prefill", "fused")
     if path not in allowed:
         raise ValueError(f"moe_mx: path={path!r}: must be one of {allowed}")
     if path != "auto":
         return path
-    return "splitk" if tokens <= fast_moe.GROUPED_MIN_TOKENS else "grouped"
+    return "splitk" if tokens <= fast_moe.GROUPED_MIN_TOKENS else "prefill"
 
 
 def moe_mx(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
            w1_scale: torch.Tensor, w3: torch.Tensor, w3_scale: torch.Tensor, w2: torch.Tensor,
            w2_scale: torch.Tensor, swiglu_limit: float, config: Optional[MxGemmConfig] = None,
            path: str = "auto") -> torch.Tensor:
-    """Routed experts with MXFP4 weights (see ``ref_v41.moe_mx``). ``path``: ``splitk`` / ``grouped``
-    (``moe_mx.py``), ``fused`` (below: route on device, fused W1/W3 GEMM with SwiGLU + FP8
-    re-quantisation, W2 GEMM, fixed-order combine; three kernels), ``auto`` by token count. No host sync."""
+    """Routed experts with MXFP4 weights (see ``ref_v41.moe_mx``). ``path``: ``splitk`` / ``grouped`` /
+    ``tiled`` / ``prefill`` (the measured choice of the last two; ``moe_mx.py``), ``fused`` (below: route
+    on device, fused W1/W3 GEMM with SwiGLU + FP8 re-quantisation, W2 GEMM, fixed-order combine; three
+    kernels), ``auto`` by token count. No host sync."""
     chosen = moe_path(topk_idx.shape[0], path)
     if chosen != "fused" and x.dtype == torch.bfloat16:
         from redknot.kernels.triton import moe_mx as fast_moe
-        run = fast_moe.moe_splitk if chosen == "splitk" else fast_moe.moe_grouped
-        return run(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit)
+        args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit)
+        if chosen == "splitk":
+            return fast_moe.moe_splitk(*args)
+        if chosen == "grouped":
+            return fast_moe.moe_grouped(*args)
+        if chosen == "tiled":
+            return fast_moe.moe_splitk(*args, plan=fast_moe.PREFILL_TUNER.candidates[1])
+        return fast_moe.moe_prefill(*args)
     T, k = topk_idx.shape
     E, inter = w1.shape[0], w1.shape[1]
     D = w2.shape[1]

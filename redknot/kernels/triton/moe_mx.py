@@ -5,7 +5,9 @@
 reduction applies the SwiGLU and the FP8 QDQ of the W2 input, the W2 launch, and one reduction that
 rounds every slot to bf16 and adds a token's k slots in slot order. Six launches in all, CUDA-graph safe.
 
-``moe_grouped`` (prefill, many rows per expert): experts are decoded, a chunk of ``CHUNK_EXPERTS`` at a
+``moe_prefill`` (many rows per expert) runs the plan measured fastest per token-count class: the
+split-K kernel as a plain tiled grouped GEMM (FP4 decoded in registers, one K slice), or
+``moe_grouped``: experts are decoded, a chunk of ``CHUNK_EXPERTS`` at a
 time, into a bf16 scratch (``e2m1 · 2^s`` is exact in bf16) and multiplied by ``torch._grouped_mm``
 (cuBLAS-class grouped GEMM, fp32 accumulation) against the token rows, which hold their exact per-32
 FP8 QDQ values in bf16. Only the summation order differs from the reference. Each chunk's rows are
@@ -15,32 +17,59 @@ the host never learns the routing counts. Scratch: the bf16 weights of one chunk
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from redknot.kernels.triton._common import ConfigTuner, next_pow2
 from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, qdq_bf16
-from redknot.kernels.triton.moe import route_by_expert
-from redknot.kernels.triton.splitk_mx import reduce_combine, reduce_swiglu, splitk_mm
+from redknot.kernels.triton.splitk_mx import ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm, tile_map
 
 # Experts decoded to bf16 per grouped-GEMM chunk: 32 V4.1 experts are 2.26 GB of bf16 scratch.
 CHUNK_EXPERTS = 32
-# Above this many tokens per call the grouped (bf16 scratch + library GEMM) path runs; at or below it the
-# split-K stream. At 1024 tokens (top-6 of 384) an expert sees ~16 rows: one split-K row tile.
+# Above this many tokens per call a prefill plan runs (measured choice, ``PREFILL_TUNER``); at or below
+# it the split-K stream. At 1024 tokens (top-6 of 384) an expert sees ~16 rows: one split-K row tile.
 GROUPED_MIN_TOKENS = 1024
-PATHS = ("auto", "splitk", "grouped")
+PATHS = ("auto", "splitk", "grouped", "tiled")
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """A prefill plan: ``grouped`` (bf16 expert chunks + ``torch._grouped_mm``) or ``tiled`` (the split-K
+    kernel as a plain grouped GEMM: one K slice, ``block_m`` rows per tile, FP4 decoded in registers)."""
+    path: str
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    num_warps: int = 8
+
+
+# Measured per token-count class on the first call (the first plan off the GPU or under graph capture).
+PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
+    MoePlan("grouped"), MoePlan("tiled", 64, 128, 128, 8), MoePlan("tiled", 128, 128, 64, 8),
+    MoePlan("tiled", 64, 64, 256, 4),
+])
 
 
 def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: int):
-    """(token row of each expert-sorted pair, sorted position of each pair, per-expert ends, routing
-    weight per sorted pair fp32)."""
-    rows, inv, offs = route_by_expert(topk_idx, experts)
-    order = torch.empty_like(inv)
-    order[inv] = torch.arange(inv.numel(), device=inv.device)
+    """(token row of each expert-sorted pair int32, sorted position of each pair int32, per-expert ends
+    int32, routing weight per sorted pair fp32); stable order, no host sync."""
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    order = torch.sort(flat, stable=True).indices
+    inv = torch.empty(order.numel(), dtype=torch.int32, device=flat.device)
+    inv[order] = torch.arange(order.numel(), dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = (order // topk_idx.shape[1]).to(torch.int32)
     wt = topk_weight.reshape(-1).float()[order].contiguous()
     return rows, inv, offs, wt
 
 
-def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float):
-    """``moe_mx`` as split-K weight streams (see the module docstring)."""
+def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
+               plan: MoePlan = None):
+    """``moe_mx`` as split-K weight streams (see the module docstring); with a ``tiled`` plan the same
+    kernels run as plain grouped GEMMs (one K slice, larger row tiles) for prefill."""
     T, k = topk_idx.shape
     E, inter = w1.shape[0], w1.shape[1]
     D = w2.shape[1]
@@ -49,12 +78,31 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
         return out
     rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
     M = T * k
+    if plan is None:
+        launch = dict(block_m=ROW_TILE)
+    else:
+        launch = dict(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k, num_warps=plan.num_warps,
+                      splits=1)
+    tiles = tile_map(offs, launch["block_m"], M)  # one map for both GEMMs
     xq = qdq_bf16(x, split=True)  # [2, T, D/2] even / odd columns
-    p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows.to(torch.int32), offs=offs, w3=w3, ws3=w3_scale)
+    p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows, offs=offs, w3=w3, ws3=w3_scale, tiles=tiles,
+                       **launch)
     act = torch.empty(2, M, inter // 2, dtype=torch.bfloat16, device=x.device)
     reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=True)
-    p2 = splitk_mm(act, w2, w2_scale, M, w_fp4=True, offs=offs)
-    return reduce_combine(p2, inv.to(torch.int32), k, out)
+    p2 = splitk_mm(act, w2, w2_scale, M, w_fp4=True, offs=offs, tiles=tiles, **launch)
+    return reduce_combine(p2, inv, k, out)
+
+
+def moe_prefill(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
+                plan: MoePlan = None):
+    """The prefill plan measured fastest for this token-count class (``PREFILL_TUNER``), or ``plan``."""
+    args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit)
+    if plan is None:
+        key = (min(next_pow2(topk_idx.shape[0]), 65536), topk_idx.shape[1], tuple(w1.shape), tuple(w2.shape))
+        plan = PREFILL_TUNER.pick(key, lambda p: moe_prefill(*args, plan=p), x.device)
+    if plan.path == "grouped":
+        return moe_grouped(*args)
+    return moe_splitk(*args, plan=plan)
 
 
 def moe_grouped(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
@@ -68,7 +116,6 @@ def moe_grouped(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_sca
         return out
     rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
     bounds = torch.cat([offs.new_zeros(1), offs])  # [E+1]: 0, then per-expert ends
-    rows32 = rows.to(torch.int32)
     M = T * k
     xq = qdq_bf16(x)  # [T, D] exact FP8 QDQ values
     C = min(E, chunk_experts or CHUNK_EXPERTS)
@@ -84,10 +131,10 @@ def moe_grouped(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_sca
         dequant_fp4_bf16(w3, w3_scale, e0, e1, w13[:, inter:])
         dequant_fp4_bf16(w2, w2_scale, e0, e1, w2b)
         offs_c = offs[e0:e1] - bounds[e0]  # chunk-relative ends, on the device
-        chunk_rows(xq, a_c, bounds, e0, e1, gather=True, rowid=rows32)
+        chunk_rows(xq, a_c, bounds, e0, e1, gather=True, rowid=rows)
         h = torch._grouped_mm(a_c, w13[:n].transpose(-2, -1), offs=offs_c)  # [M, 2I]; rows past the chunk unused
         reduce_swiglu(h[None, :, :inter], h[None, :, inter:], wt, swiglu_limit, act, split=False, bounds=bounds,
                       e0=e0, e1=e1)
         y_c = torch._grouped_mm(act, w2b[:n].transpose(-2, -1), offs=offs_c)
         chunk_rows(y_c, y, bounds, e0, e1, gather=False)
-    return reduce_combine(y[None], inv.to(torch.int32), k, out)
+    return reduce_combine(y[None], inv, k, out)

@@ -130,39 +130,60 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
 
 def split_count(N: int, K: int, block_n: int, block_k: int) -> int:
     """K slices for an [N, K] weight: enough programs for the device from the column tiles alone, each
-    slice at least 4 K steps. A function of the weight shape only (batch invariance)."""
+    slice at least 2 K steps. A function of the weight shape only (batch invariance)."""
     n_tiles = cdiv(N, block_n)
-    s = max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (4 * block_k)))
+    s = max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (2 * block_k)))
     return s
 
 
+@triton.jit
+def _tile_map_kernel(offs_ptr, group_ptr, row0_ptr, end_ptr, G, bound, BLOCK_M: tl.constexpr,
+                     G_POW2: tl.constexpr, BLOCK_J: tl.constexpr):
+    g = tl.arange(0, G_POW2)
+    gmask = g < G
+    ends = tl.load(offs_ptr + g, mask=gmask, other=0)
+    starts = tl.load(offs_ptr + g - 1, mask=gmask & (g > 0), other=0)
+    tiles = tl.where(gmask, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, 0)  # tiles of groups 0..g
+    j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    # group of tile j = number of groups whose cumulative tile count is <= j (searchsorted, right)
+    grp = tl.sum((cum[None, :] <= j[:, None]).to(tl.int32) * gmask[None, :].to(tl.int32), 1)
+    valid = grp < G
+    sel = (g[None, :] == grp[:, None]).to(tl.int32)  # one-hot of the tile's group
+    g_start = tl.sum(sel * starts[None, :], 1)
+    g_end = tl.sum(sel * ends[None, :], 1)
+    g_first = tl.sum(sel * (cum - tiles)[None, :], 1)
+    jm = j < bound
+    tl.store(group_ptr + j, tl.where(valid, grp, -1), mask=jm)
+    tl.store(row0_ptr + j, g_start + (j - g_first) * BLOCK_M, mask=jm)
+    tl.store(end_ptr + j, g_end, mask=jm)
+
+
 def tile_map(offs: torch.Tensor, block_m: int, rows: int):
-    """Per row tile (group, first row, group end) for rows grouped by ``offs`` (per-group ends, on the
-    device); tiles past the last are group -1. At most ``cdiv(rows, bm) + min(groups, rows)`` tiles (every
-    non-empty group adds at most one partial tile), so a decode step launches few idle programs."""
-    ends = offs.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles = (ends - starts + block_m - 1) // block_m
-    cum = torch.cumsum(tiles, 0)
-    bound = cdiv(rows, block_m) + min(offs.numel(), rows)
-    j = torch.arange(bound, device=offs.device)
-    grp = torch.searchsorted(cum, j, right=True)
-    valid = grp < offs.numel()
-    g = grp.clamp(max=offs.numel() - 1)
-    row0 = starts[g] + (j - (cum[g] - tiles[g])) * block_m
-    group = torch.where(valid, g, torch.full_like(g, -1))
-    return group.to(torch.int32), row0.to(torch.int32), ends[g].to(torch.int32), bound
+    """Per row tile (group, first row, group end) for rows grouped by ``offs`` (per-group ends, int32 on
+    the device), from one kernel; tiles past the last are group -1. At most ``cdiv(rows, bm) +
+    min(groups, rows)`` tiles (every non-empty group adds at most one partial tile), so a decode step
+    launches few idle programs."""
+    G = offs.numel()
+    bound = cdiv(rows, block_m) + min(G, rows)
+    out = torch.empty(3, bound, dtype=torch.int32, device=offs.device)
+    bj = 32
+    _tile_map_kernel[(cdiv(bound, bj),)](offs, out[0], out[1], out[2], G, bound, BLOCK_M=block_m,
+                                         G_POW2=max(16, next_pow2(G)), BLOCK_J=bj, num_warps=4)
+    return out[0], out[1], out[2], bound
 
 
 def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, w_fp4: bool, wb: int = 32,
               rowid: Optional[torch.Tensor] = None, offs: Optional[torch.Tensor] = None,
-              w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_n: int = 64,
-              splits: Optional[int] = None):
+              w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_m: int = ROW_TILE,
+              block_n: int = 64, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
+              tiles=None):
     """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
 
     a: bf16 QDQ'd activations, [R, K] (FP8 weight) or de-interleaved [2, R, K/2] (MXFP4 weight); the
     output row r reads activation row ``rowid[r]`` (or r). w: e4m3 [N, K] with tiles of ``wb``, or packed
-    [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group ends)."""
+    [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group ends; ``tiles``: its
+    ``tile_map`` for ``block_m``, when the caller shares one between launches)."""
     grouped = offs is not None
     w3d = w if grouped else w.unsqueeze(0)
     s3d = (ws if grouped else ws.unsqueeze(0)).view(torch.uint8)
@@ -170,7 +191,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     K = w3d.shape[2] * (2 if w_fp4 else 1)
     if K % 32:
         raise ValueError(f"splitk_mm: K={K} must be a multiple of 32")
-    bk = min(256 if w_fp4 else 128, max(32, next_pow2(K)))
+    bk = min(block_k or (256 if w_fp4 else 128), max(32, next_pow2(K)))
     S = splits or (split_count(N, K, block_n, bk) if rows <= SPLIT_MAX_ROWS else 1)
     ksplit = cdiv(cdiv(K, S), bk) * bk
     S = cdiv(K, ksplit)
@@ -179,9 +200,9 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     p3 = torch.empty_like(p) if dual else p
     if rows == 0:
         return (p, p3) if dual else p
-    bm = ROW_TILE
+    bm = block_m
     if grouped:
-        tg, tr, te, n_tiles = tile_map(offs, bm, rows)
+        tg, tr, te, n_tiles = tiles if tiles is not None else tile_map(offs, bm, rows)
     else:
         n_tiles = cdiv(rows, bm)
         tg = tr = te = p  # unused
@@ -193,7 +214,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
         a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
         a_m, a_h, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
         W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, BLOCK_M=bm, BLOCK_N=block_n,
-        BLOCK_K=bk, num_warps=4, num_stages=3)
+        BLOCK_K=bk, num_warps=num_warps, num_stages=3)
     return (p, p3) if dual else p
 
 

@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
-from redknot.kernels.triton import dequant_mx, gemm_mx, moe_mx  # noqa: E402
+from redknot.kernels.triton import dequant_mx, gemm_mx, moe_mx, splitk_mx  # noqa: E402
 from redknot.kernels.triton.checks_mx import TOY_V41, V41Dims, moe_inputs  # noqa: E402
 
 ODD = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, tokens=9)
@@ -62,6 +62,21 @@ def test_chunk_rows_move_only_the_chunk(kernel_device):
     assert torch.equal(back[2:5], src[[7, 6, 5]]) and bool((back[:2] == -1).all()) and bool((back[5:] == -1).all())
 
 
+def test_tile_map_covers_every_row_once(kernel_device):
+    counts = [0, 3, 0, 17, 1, 19, 0, 0, 37]
+    offs = torch.tensor(counts, device=kernel_device).cumsum(0).to(torch.int32)
+    for bm in (4, 16):
+        group, row0, end, bound = splitk_mx.tile_map(offs, bm, int(offs[-1]))
+        seen = []
+        for g, r0, e in zip(group.tolist(), row0.tolist(), end.tolist()):
+            if g < 0:
+                continue
+            assert e == int(offs[g]) and int(offs[g]) - counts[g] <= r0 < e
+            seen += list(range(r0, min(r0 + bm, e)))
+        assert sorted(seen) == list(range(int(offs[-1])))
+        assert int((group >= 0).sum()) == sum(-(-c // bm) for c in counts) <= bound
+
+
 @pytest.mark.parametrize("path", ["splitk", "dequant"])
 @pytest.mark.parametrize("block", [32, 128])
 @pytest.mark.parametrize("rows", [1, 7, 37])
@@ -94,7 +109,7 @@ def test_linear_splitk_rows_are_batch_invariant(kernel_device):
 
 def test_paths_by_size_and_bad_path():
     assert gemm_mx.linear_path(1) == "splitk" and gemm_mx.linear_path(gemm_mx.SPLITK_MAX_ROWS + 1) == "dequant"
-    assert gemm_mx.moe_path(1) == "splitk" and gemm_mx.moe_path(moe_mx.GROUPED_MIN_TOKENS + 1) == "grouped"
+    assert gemm_mx.moe_path(1) == "splitk" and gemm_mx.moe_path(moe_mx.GROUPED_MIN_TOKENS + 1) == "prefill"
     with pytest.raises(ValueError, match="path='fast'"):
         gemm_mx.linear_path(4, "fast")
     with pytest.raises(ValueError, match="path='fast'"):
@@ -102,7 +117,7 @@ def test_paths_by_size_and_bad_path():
 
 
 @pytest.mark.parametrize("dims", [TOY_V41, ODD], ids=["toy", "odd"])
-@pytest.mark.parametrize("path,chunk", [("splitk", 0), ("grouped", 2), ("grouped", 3)])
+@pytest.mark.parametrize("path,chunk", [("splitk", 0), ("grouped", 2), ("grouped", 3), ("tiled", 0)])
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_moe_paths_match_reference(dims, path, chunk, tokens, kernel_device, monkeypatch):
     monkeypatch.setattr(moe_mx, "CHUNK_EXPERTS", chunk or moe_mx.CHUNK_EXPERTS)
@@ -125,5 +140,5 @@ def test_moe_paths_detect_a_wrong_weight(kernel_device):
     x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(TOY_V41, kernel_device, seed=2)
     want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
     swapped = ((w2 >> 4) | (w2 << 4)).to(torch.uint8)
-    for path in ("splitk", "grouped"):
+    for path in ("splitk", "grouped", "tiled", "prefill"):
         assert _rel(gemm_mx.moe_mx(x, idx, wt, w1, s1, w3, s3, swapped, s2, 10.0, path=path), want) > 0.1
