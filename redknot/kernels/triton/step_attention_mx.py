@@ -8,7 +8,8 @@ the step's freshly packed rows, the older ones from the layer's ring (``slot·ri
 read before this step's rows are stored); positions below 0 are masked. Then the row's compressed
 entries (flat page rows, -1 = none) follow. Decoding and arithmetic are those of the span kernel:
 bytes decoded in registers, fp32 scores, online softmax started at the sink logit, probabilities cast to
-bf16 for PV, fp32 denominator. Rows may be split over programs (``splits``) and merged on the device.
+bf16 for PV, fp32 denominator. Rows may be split over programs (``splits``) and merged on the device
+(the span kernel's merge).
 
 Shapes depend only on the row count, the window and the compressed list width, never on values, so a
 graph captured for one row count replays any step of that row count.
@@ -22,8 +23,8 @@ import triton
 import triton.language as tl
 
 from redknot.kernels import mx_formats as mx
-from redknot.kernels.triton._common import LOG2E, cdiv, next_pow2, sm_count
-from redknot.kernels.triton.attention_mx import _compressed_keys, _softmax_step
+from redknot.kernels.triton._common import LOG2E, cdiv, next_pow2
+from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER, AttnMxConfig, _compressed_keys, _softmax_step
 from redknot.kernels.triton.quant_mx import e8m0_decode
 
 
@@ -92,25 +93,22 @@ def _step_attn_mx(q_ptr, ring_ptr, new_ptr, slot_ptr, pos_ptr, back_ptr, comp_pt
                  o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
-def default_splits(t: int, h: int, block_h: int, rows: int, block_n: int, device_sms: int) -> int:
-    """Row splits per query: enough programs to cover the device twice, at least one row block each."""
-    programs = t * cdiv(h, block_h)
-    want = cdiv(2 * device_sms, max(programs, 1))
-    return max(1, min(want, cdiv(rows, block_n), 16))
-
-
 def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_rows: torch.Tensor,
                       slot: torch.Tensor, pos: torch.Tensor, back: torch.Tensor, window: int,
                       sinks: torch.Tensor, scale: float, comp_cache: Optional[torch.Tensor] = None,
-                      comp_idx: Optional[torch.Tensor] = None, splits: Optional[int] = None,
-                      block_h: int = 16, block_n: int = 32, num_warps: int = 8) -> torch.Tensor:
+                      comp_idx: Optional[torch.Tensor] = None, config: Optional[AttnMxConfig] = None,
+                      splits: Optional[int] = None) -> torch.Tensor:
     """Attention of rows q [T, H, D] (bf16, rotated) over their window and compressed entries.
 
     ring uint8 [S·ring_size, D + D/32]: the layer's window rings, flat (row ``slot·ring_size + p mod
     ring_size`` holds position p), as they were before this step; new_rows uint8 [T, D + D/32]: this
     step's rows packed; slot, pos, back [T]: each row's state slot, position and the number of rows of
     its request before it in this step; comp_cache uint8 [N, D/2 + D/16] with comp_idx [T, K] flat rows
-    (-1 = none). Returns [T, H, D] in q.dtype (see :func:`step_attention_reference`)."""
+    (-1 = none). Returns [T, H, D] in q.dtype (see :func:`step_attention_reference`).
+
+    ``config=None``: the launch shape of the span kernel's problem class with the same row count, heads,
+    window and compressed width (one tuner for both, so the eager span kernel and this one block and
+    split the rows alike and round alike); ``splits`` overrides the split count (tests)."""
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -119,9 +117,12 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
     cidx = comp_idx.contiguous() if has_comp else pos
     ccache = comp_cache if has_comp else ring
     nc = cidx.shape[1] if has_comp else 0
-    block_h = min(block_h, max(16, next_pow2(H)))
-    if splits is None:
-        splits = default_splits(T, H, block_h, window + nc, block_n, sm_count(q))
+    if config is None:
+        key = (min(next_pow2(T), 4096), H, D, window, nc)
+        config = ATTN_MX_TUNER.pick(key, lambda c: step_attention_mx(
+            q, ring, ring_size, new_rows, slot, pos, back, window, sinks, scale, comp_cache, comp_idx, c), q.device)
+    block_h, block_n, num_warps = config.block_h, config.block_n, config.num_warps
+    splits = config.splits if splits is None else splits
     w_chunk = cdiv(cdiv(window, splits), block_n) * block_n
     c_chunk = cdiv(cdiv(nc, splits), block_n) * block_n if nc else block_n
     sink = sinks.float().contiguous()

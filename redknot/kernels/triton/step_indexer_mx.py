@@ -84,7 +84,7 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     out = torch.full((t, topk), -1, dtype=torch.long, device=scores.device)
     if k == 0:
         return out
-    vals, ids = torch.topk(scores, k, dim=-1, sorted=False)
+    vals, ids = torch.topk(scores, k, dim=-1)
     big = torch.iinfo(torch.long).max
     ids = torch.where(vals > float("-inf"), ids, torch.full_like(ids, big))
     ids = torch.sort(ids, dim=-1).values

@@ -24,9 +24,12 @@ block-table width ``W``, and every per-step fact is a tensor computed on the dev
 Padding rows belong to padding requests whose slot is the spare slot and whose block table
 names only the spare block, so they touch nothing a real request reads. The spare slot and
 block are the last ones of the state (the engine runner's ``padding_slot``/``padding_block``).
-Attention, indexer and compressor here are the PyTorch math of the eager path (the registry's
-span kernels take host spans); the dense linears and the grouped MoE go through the registry
-where the model has ops.
+Attention, indexer and compressor are the PyTorch math of the eager path, unless the model's
+attention ops resolve to Triton: then the window/compressed attention and the indexer scores run the
+graph-safe kernels of :mod:`redknot.kernels.triton.step_attention_mx` and ``step_indexer_mx`` (every
+per-row fact read on the device; the registry's span kernels take host spans) and cache rows are
+quantised on insert by ``cache_insert_mx``. The dense linears and the grouped MoE go through the
+registry where the model has ops.
 """
 from __future__ import annotations
 
@@ -201,6 +204,15 @@ def _moe(u: torch.Tensor, w, layer: int, cfg, num) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- attention
+def step_kernels(w) -> bool:
+    """Whether the step runs the graph-safe Triton attention/indexer kernels: the model routes its
+    attention ops and they resolve to Triton (elsewhere the PyTorch math below is the step)."""
+    ops = ops_of(w)
+    return (ops is not None and ops.attention
+            and all(ops.choice.get(op) == "triton" for op in ("sparse_attention_mx", "indexer_topk_mx",
+                                                               "cache_insert_mx")))
+
+
 def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tensor:
     cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
     t = u.shape[0]
@@ -218,6 +230,38 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
 
 
 def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
+    if step_kernels(layer.w):
+        return _attend_kernel(layer, q, kv, rows, state, topk)
+    return _attend_torch(layer, q, kv, rows, state, topk)
+
+
+def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
+    """The step's rows packed once (quantise on insert), attention over ring + step rows + selected
+    compressed pages in one kernel, then the ring write (after the read, as in the eager order)."""
+    from redknot.kernels.triton.step_attention_mx import step_attention_mx
+
+    cfg = layer.cfg
+    ops = ops_of(layer.w)
+    ring_t = state.windows[layer.layer]                                         # [S, ring, bytes]
+    nbytes = ring_t.shape[-1]
+    packed = torch.empty(rows.t, nbytes, dtype=torch.uint8, device=q.device)
+    ops.cache_insert_mx(packed, rows.row, kv, "window")
+    comp_cache = comp_idx = None
+    if layer.ratio:
+        src = state.sources[layer.kv_source]
+        idx = rows.page(topk.clamp(min=0), layer.ratio, src.entries.shape[1])
+        comp_idx = torch.where(topk >= 0, idx, torch.full_like(idx, -1))
+        comp_cache = src.entries.view(-1, src.entries.shape[-1])
+    ring = ring_t.shape[1]
+    flat = ring_t.view(-1, nbytes)
+    sink = layer.w.float(f"{layer.p}.attn_sink")
+    o = step_attention_mx(q, flat, ring, packed, rows.slot, rows.pos, rows.back, cfg.window_size, sink,
+                          cfg.head_dim ** -0.5, comp_cache, comp_idx)
+    flat.index_copy_(0, rows.ring_dest(ring), packed)
+    return o
+
+
+def _attend_torch(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
     cfg, num = layer.cfg, layer.num
     ring_t = state.windows[layer.layer]                                         # [S, ring, bytes]
     win = cfg.window_size
@@ -271,6 +315,12 @@ def _compress(layer, u, rows: _Rows, state) -> None:
     epos = ent * r
     keys = rms_norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype),
                     w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
+    if step_kernels(w):  # quantised on insert (bit-exact with the packing below)
+        ops = ops_of(w)
+        ops.cache_insert_mx(src.keys.view(-1, src.keys.shape[-1]), dest, apply_rope(keys, epos, layer.inv), "index")
+        ops.cache_insert_mx(src.entries.view(-1, src.entries.shape[-1]), dest, apply_rope(latent, epos, layer.inv),
+                            "compressed")
+        return
     src.keys.view(-1, src.keys.shape[-1]).index_copy_(0, dest, mx.pack_index_keys(apply_rope(keys, epos, layer.inv)))
     src.entries.view(-1, src.entries.shape[-1]).index_copy_(
         0, dest, mx.pack_compressed_entries(apply_rope(latent, epos, layer.inv)))
@@ -288,7 +338,34 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     r = layer.ratio
     src = state.sources[layer.kv_source]
     n_max = rows.blocks.shape[1] * rows.block_size // r                          # entries a table addresses
-    ent = torch.arange(n_max, device=dev)
+    visible = (rows.pos + 1) // r
+    fast = step_kernels(w)
+    if fast:
+        from redknot.kernels.triton.step_indexer_mx import select_topk, step_index_scores
+
+        sc = step_index_scores(q, wts, src.keys.view(-1, src.keys.shape[-1]), rows.blocks, visible, r,
+                               rows.block_size, bf16_scores=num.act_quant)
+    else:
+        sc = _index_scores_torch(q, wts, rows, src, r, n_max, num)
+    if cfg.is_candidate_source(layer.layer):
+        shared["cand"] = candidate_blocks(sc, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+    elif cfg.reads_candidates(layer.layer):
+        sc = sc.masked_fill(~shared["cand"][:, :n_max], float("-inf"))
+    if fast:
+        shared["topk"] = select_topk(sc, cfg.index_topk)
+        return
+    k = min(cfg.index_topk, n_max)
+    sel = topk_ids(sc, k)
+    sel = torch.where(sc.gather(1, sel) > float("-inf"), sel, torch.full_like(sel, -1))
+    topk = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=dev)
+    topk[:, :k] = sel
+    shared["topk"] = topk
+
+
+def _index_scores_torch(q, wts, rows: _Rows, src, r: int, n_max: int, num) -> torch.Tensor:
+    """[T, n_max] scores of every entry a row's table addresses (-inf past its visible count)."""
+    t = q.shape[0]
+    ent = torch.arange(n_max, device=q.device)
     idx = rows.page(ent.expand(t, n_max), r, src.keys.shape[1])
     keys = mx.unpack_index_keys(src.keys.view(-1, src.keys.shape[-1])[idx.reshape(-1)],
                                 num.dtype).view(t, n_max, -1)
@@ -299,14 +376,4 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     else:
         sc = (F.relu(dots) * wts[:, None, :]).sum(-1)
     visible = (rows.pos + 1) // r
-    sc = sc.masked_fill(ent[None, :] >= visible[:, None], float("-inf"))
-    if cfg.is_candidate_source(layer.layer):
-        shared["cand"] = candidate_blocks(sc, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
-    elif cfg.reads_candidates(layer.layer):
-        sc = sc.masked_fill(~shared["cand"][:, :n_max], float("-inf"))
-    k = min(cfg.index_topk, n_max)
-    sel = topk_ids(sc, k)
-    sel = torch.where(sc.gather(1, sel) > float("-inf"), sel, torch.full_like(sel, -1))
-    topk = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=dev)
-    topk[:, :k] = sel
-    shared["topk"] = topk
+    return sc.masked_fill(ent[None, :] >= visible[:, None], float("-inf"))

@@ -1,0 +1,153 @@
+"""The tensor-only step with its graph-safe Triton kernels (step attention, paged indexer scores, cache
+inserts; Triton's CPU interpreter here) against the same step's PyTorch math, layer by layer on the same
+inputs: attention outputs within the kernels' bf16 rounding, identical cache bytes, tie-aware equal
+top-k sets and equal candidate masks. Decode and verify rows, padding requests, both numerics."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import redknot.models.deepseek_v41.tensor_step as ts  # noqa: E402
+from redknot.kernels import KernelSet  # noqa: E402
+from redknot.models.deepseek_v41.kernel_ops import V41Ops  # noqa: E402
+from redknot.models.deepseek_v41.model import DeepseekV41  # noqa: E402
+from redknot.models.deepseek_v41.ref_math import Numerics, Weights  # noqa: E402
+from v41_forward.test_v41_tensor_step import Batch  # noqa: E402
+from v41_forward.v41util import random_weights, token_map_for, tokens  # noqa: E402
+from v41_forward.v41util import test_config as tiny_config  # noqa: E402
+
+ATTENTION_OPS = ("cache_insert_mx", "sparse_attention_mx", "indexer_topk_mx", "indexer_source_mx")
+
+
+def _model(numerics: str, kernels: bool) -> DeepseekV41:
+    cfg = tiny_config()
+    tensors = random_weights(cfg, 0)
+    tmap = token_map_for(cfg)
+    ops = None
+    if kernels:  # only the attention ops (the GEMMs stay PyTorch: the comparison is about the step kernels)
+        ops = V41Ops(KernelSet(default="triton"))
+        for op in list(ops.choice):
+            if op not in ATTENTION_OPS:
+                setattr(ops, op, None)
+                ops.choice[op] = "pytorch"
+    return DeepseekV41(cfg, Weights(tensors, torch.bfloat16), tmap, int(tmap[cfg.engram_pad_id]),
+                       Numerics(numerics, torch.bfloat16), device="cpu", ops=ops)
+
+
+def _tie_aware_equal(a: torch.Tensor, b: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Per row: the selections [T, K] (-1 pad) pick scores of equal values (ties at the cut may differ)."""
+    def vals(sel):
+        v = torch.where(sel >= 0, scores.gather(1, sel.clamp(min=0)), torch.full(sel.shape, float("nan")))
+        return torch.sort(v.nan_to_num(nan=float("-inf")), dim=1).values
+    return ((a >= 0).sum(1) == (b >= 0).sum(1)) & (vals(a) == vals(b)).all(1)
+
+
+class Twins:
+    """Runs every attention / compressor / indexer call of the kernel step also as PyTorch math on a
+    copy of the state and the published slots, and records the differences."""
+
+    def __init__(self, monkeypatch):
+        self.attn_err, self.bytes_differ, self.topk_rows, self.topk_equal, self.cand_differ = 0.0, 0, 0, 0, 0
+        self.calls = {"attend": 0, "compress": 0, "index": 0}
+        self.mp = monkeypatch
+        self.scores = None
+        self.kernel_attend, self.kernel_compress, self.kernel_index = ts._attend, ts._compress, ts._index
+        scores_torch = ts._index_scores_torch
+
+        def keep_scores(*a):
+            self.scores = scores_torch(*a)
+            return self.scores
+        monkeypatch.setattr(ts, "_index_scores_torch", keep_scores)
+        monkeypatch.setattr(ts, "_attend", self.attend)
+        monkeypatch.setattr(ts, "_compress", self.compress)
+        monkeypatch.setattr(ts, "_index", self.index)
+
+    def _torch(self, fn, *args):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(ts, "step_kernels", lambda w: False)
+            return fn(*args)
+
+    def _bytes(self, a, b):
+        for x, y in zip(a.tensors(), b.tensors()):
+            if x.dtype == torch.uint8:
+                self.bytes_differ += int((x != y).sum())
+
+    def attend(self, layer, q, kv, rows, state, topk):
+        self.calls["attend"] += 1
+        twin = copy.deepcopy(state)
+        want = self._torch(self.kernel_attend, layer, q, kv, rows, twin, topk).float()
+        got = self.kernel_attend(layer, q, kv, rows, state, topk)
+        self.attn_err = max(self.attn_err, ((got.float() - want).abs().max() / want.abs().max()).item())
+        self._bytes(state, twin)
+        return got
+
+    def compress(self, layer, u, rows, state):
+        self.calls["compress"] += 1
+        twin = copy.deepcopy(state)
+        self._torch(self.kernel_compress, layer, u, rows, twin)
+        self.kernel_compress(layer, u, rows, state)
+        self._bytes(state, twin)
+
+    def index(self, layer, u, qr, rows, state, shared):
+        self.calls["index"] += 1
+        mine = dict(shared)
+        self._torch(self.kernel_index, layer, u, qr, rows, state, mine)
+        self.kernel_index(layer, u, qr, rows, state, shared)
+        if mine.get("cand") is not None and shared.get("cand") is not None:
+            self.cand_differ += int((mine["cand"] != shared["cand"]).sum())
+        same = _tie_aware_equal(shared["topk"], mine["topk"], self.scores)
+        self.topk_rows += same.numel()
+        self.topk_equal += int(same.sum())
+
+
+def _prefilled(model, n_req: int, prompts):
+    b = Batch(model, n_req)
+    seqs = [tokens(64, seed=30 + i) for i in range(n_req)]
+    pre = [seqs[i][:prompts[i]] for i in range(n_req)]
+    model.forward(b.meta(pre), b.state)
+    b.advance(pre)
+    return b, seqs
+
+
+@pytest.mark.parametrize("numerics", ["bf16", "reference"])
+def test_kernel_step_matches_pytorch_step_layer_by_layer(numerics, monkeypatch):
+    model = _model(numerics, kernels=True)
+    assert ts.step_kernels(model.w)
+    b, seqs = _prefilled(model, 3, [21, 6, 13])
+    tw = Twins(monkeypatch)
+    for counts, pads in (([1, 1, 1], (1,)), ([4, 1, 3], (2,)), ([2, 3, 1], ()), ([1, 1, 1], (1, 1))):
+        chunks = [seqs[i][b.lens[i]:b.lens[i] + n] for i, n in enumerate(counts)]
+        out = ts.tensor_forward(model, b.tensor_step(chunks, pads), b.state)
+        assert torch.isfinite(out).all()
+        b.advance(chunks)
+    assert tw.calls["attend"] == 4 * model.cfg.n_layers and tw.calls["index"] > 0 and tw.calls["compress"] > 0
+    assert tw.attn_err < 1.5e-2, tw.attn_err     # bf16 probabilities before PV, bf16 output
+    assert tw.bytes_differ == 0                  # rings, pages and keys: quantised on insert, bit-exact
+    assert tw.cand_differ == 0
+    assert tw.topk_equal == tw.topk_rows > 0
+
+
+def test_pytorch_step_is_used_without_triton_ops():
+    assert not ts.step_kernels(_model("bf16", kernels=False).w)
+    ref = V41Ops(KernelSet(default="reference"), route_all=True)
+    assert ref.attention and not ts.step_kernels(type("W", (), {"ops": ref})())
+
+
+def test_kernel_step_equals_eager_span_kernels_end_to_end():
+    """The eager step with the span kernels and the tensor step with the step kernels compute the same
+    arithmetic (same launch shapes, same row order): their outputs agree far inside what the PyTorch
+    math vs kernel rounding gives after a few layers."""
+    model = _model("bf16", kernels=True)
+    b, seqs = _prefilled(model, 2, [21, 13])
+    twin = copy.deepcopy(b.state)
+    chunks = [[seqs[0][21]], [seqs[1][13]]]
+    got = ts.tensor_forward(model, b.tensor_step(chunks, ()), b.state).float()
+    eager_state, b.state = b.state, twin
+    want = model.forward(b.meta(chunks), b.state).float()
+    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    assert rel < 1e-3, rel
+    b.state = eager_state
