@@ -188,8 +188,9 @@ def tuned_choices() -> List[str]:
     from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
     from redknot.kernels.triton.gemm_mx import MX_GEMM_TUNER
     from redknot.kernels.triton.indexer_mx import INDEX_MX_TUNER
+    from redknot.kernels.triton.moe_mx import PREFILL_TUNER
     out = []
-    for tuner in (MX_GEMM_TUNER, ATTN_MX_TUNER, INDEX_MX_TUNER):
+    for tuner in (MX_GEMM_TUNER, PREFILL_TUNER, ATTN_MX_TUNER, INDEX_MX_TUNER):
         for key, cfg in tuner.choices.items():
             times = sorted(tuner.timings.get(key, []), key=lambda r: r[1])
             runner = f"; next {times[1][0]} at {times[1][1]:.4f} ms" if len(times) > 1 else ""

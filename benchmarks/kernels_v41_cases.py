@@ -41,6 +41,19 @@ def _checked(op: str, label: str, fn, want_fn, tol: float) -> str:
     return f"err vs ref {err:.2g}"
 
 
+def _linear_case(device, name: str, n: int, k: int, m: int, block: int, path: str):
+    g = torch.Generator(device=device).manual_seed(m + n)
+    w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, block)
+    x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+    nbytes = m * k * 2 + n * k + ws.numel() + m * n * 2
+    chosen = linear_path(m, path)
+    run = lambda: linear_mx(x, w, ws, block, path=path)  # noqa: E731
+    note = chosen
+    if chosen != "fused":
+        note += "; " + _checked("linear_mx", name, run, lambda: ref.linear_mx(x, w, ws, block), 1e-2)
+    return _case("linear_mx", f"{name} M={m} b={block} {chosen}", run, 2 * m * n * k, nbytes, note=note)
+
+
 def linear_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
     """Every dense linear at the prefill row count (the ``auto`` path: bf16 weight chunks + library GEMM,
     and for wq_b / wo_b the FP8-MMA kernel it replaced, ``fused``) and at decode row counts (split-K)."""
@@ -55,18 +68,8 @@ def linear_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Call
                 paths.append("dequant")
             for block in ((32, 128) if name in ("toy", "wo_b") else (32,)):
                 for path in paths:
-                    def build(n=n, k=k, m=m, block=block, name=name, path=path):
-                        g = torch.Generator(device=device).manual_seed(m + n)
-                        w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, block)
-                        x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
-                        nbytes = m * k * 2 + n * k + ws.numel() + m * n * 2
-                        chosen = linear_path(m, path)
-                        run = lambda: linear_mx(x, w, ws, block, path=path)  # noqa: E731
-                        note = chosen if chosen == "fused" else \
-                            f"{chosen}; " + _checked("linear_mx", name, run, lambda: ref.linear_mx(x, w, ws, block), 1e-2)
-                        return _case("linear_mx", f"{name} M={m} b={block} {chosen}", run, 2 * m * n * k, nbytes,
-                                     note=note)
-                    yield f"linear_mx {name} M={m} b={block} {path}", build
+                    yield (f"linear_mx {name} M={m} b={block} {path}",
+                           lambda a=(device, name, n, k, m, block, path): _linear_case(*a))
 
 
 def _moe_bytes(dims: V41Dims, idx: torch.Tensor) -> float:
@@ -85,8 +88,9 @@ def _moe_case_inputs(dims: V41Dims, device, t: int, seed: int):
 
 
 def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
-    """Prefill (``auto`` = grouped: bf16 expert chunks + ``torch._grouped_mm``; and the FP8-MMA kernel it
-    replaced, ``fused``), the split-K / grouped crossover at 1024 tokens, decode batches (split-K) eager
+    """Prefill (``auto``: the plan ``moe_mx.PREFILL_TUNER`` measured fastest; each plan by name: ``grouped``
+    bf16 expert chunks + ``torch._grouped_mm``, ``tiled`` FP4 decoded in registers; ``fused`` the FP8-MMA
+    kernel they replace), the split-K / prefill crossover at 1024 tokens, decode batches (split-K) eager
     and in CUDA graphs. Each non-``fused`` case is checked against ``ref_v41.moe_mx`` first."""
     prefill, decode = _sizes(dims, smoke)
     flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
@@ -98,9 +102,17 @@ def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callabl
         return inputs["w"]
 
     mid = 32 if smoke else 1024
-    plan = [(prefill, "auto"), (prefill, "fused")] + [(mid, "splitk"), (mid, "grouped")] + [(t, "auto") for t in decode]
-    if smoke:
-        plan.append((prefill, "grouped"))
+    plan = [(prefill, p) for p in ("auto", "grouped", "tiled", "fused")]
+    plan += [(mid, p) for p in ("splitk", "grouped", "tiled")]
+    plan += [(t, "auto") for t in decode]
+    wanted = {}
+
+    def want(t, x, idx, wt, w):
+        if t not in wanted:  # one reference per token count (inputs depend only on t)
+            wanted.clear()
+            wanted[t] = ref.moe_mx(x, idx, wt, *w, 10.0)
+        return wanted[t]
+
     for t, path in plan:
         def build(t=t, path=path):
             x, idx, wt = _moe_case_inputs(dims, device, t, t)
@@ -109,7 +121,7 @@ def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callabl
             run = lambda: moe_mx(x, idx, wt, *w, 10.0, path=path)  # noqa: E731
             note = f"{idx.unique().numel()} experts touched; {chosen}"
             if chosen != "fused":
-                note += "; " + _checked("moe_mx", f"T={t}", run, lambda: ref.moe_mx(x, idx, wt, *w, 10.0), 3e-2)
+                note += "; " + _checked("moe_mx", f"T={t}", run, lambda: want(t, x, idx, wt, w), 3e-2)
             return _case("moe_mx", f"T={t} (top-{dims.topk_experts} of {dims.experts}) {chosen}", run,
                          t * flops_per_token, _moe_bytes(dims, idx), note=note)
         yield f"moe_mx T={t} {path}", build
