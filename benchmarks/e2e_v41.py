@@ -227,25 +227,24 @@ def graph_decode(b: Batch, bs: int, steps: int, device) -> dict:
             "graph_ms_per_step": ms, "graph_rel_err": rel}
 
 
-def warm_classes(model, ctxs: List[int], chunk: int, device, over_budget) -> None:
-    """Run one chunk at the first start of every shape class the timed prefills will meet, so JIT
-    compilation and tuning stay out of the timings. Kernel tuners key on the power of two above the
-    number of cached entries a chunk scores, so a chunk at start s stands for every chunk whose
-    entries round to the same power of two (for ratio 1 and 2). The chunk runs at start s on an
-    empty state (its lengths set, nothing prefilled): the caches read are zero bytes, the shapes
-    are those of the timed run."""
-    starts, seen = [], set()
-    for s in range(0, max(ctxs), chunk):
-        key = tuple((max(1, (s + chunk) // r) - 1).bit_length() for r in (1, 2))   # log2 of the power of two
-        if key not in seen:
-            seen.add(key)
+def warm_classes(model, ctx: int, chunk: int, device, warmed: set) -> None:
+    """Run one chunk at the first start of every shape class a prefill to ``ctx`` meets and ``warmed``
+    does not hold yet, so JIT compilation and tuning stay out of the timings. Kernel tuners key on the
+    power of two above the number of cached entries a chunk scores, so a chunk at start s stands for
+    every chunk whose entries round to the same powers of two (ratio 1 and 2). It runs at start s on
+    an empty state (its length set, nothing prefilled): the caches read are zero bytes, the shapes
+    those of the timed run."""
+    starts = []
+    for s in range(0, ctx, chunk):
+        key = tuple((max(1, (s + chunk) // r) - 1).bit_length() for r in (1, 2))   # log2 of the powers of two
+        if key not in warmed:
+            warmed.add(key)
             starts.append(s)
-    w = Batch(model, 1, max(ctxs) + chunk + 8)
+    if not starts:
+        return
+    w = Batch(model, 1, starts[-1] + chunk + 8)
     ids = tokens(chunk, model.cfg.vocab_size, 1)
     for s in starts:
-        if over_budget(30):
-            print(f"warm-up: budget reached before start {s}")
-            break
         t = time.perf_counter()
         w.lens[0] = s
         w.step([ids])
@@ -581,9 +580,7 @@ def main(argv=None) -> dict:
             report["parity"].append(p)
     model = build(cfg, tensors, "reference", ops, device)   # timed: reference numerics, routed ops
     ctxs = [int(c) for c in a.prefill.split(",") if c]
-    if ctxs:   # JIT compilation and tuning of every chunk shape class stay out of the timings
-        warm_classes(model, ctxs, a.chunk, device, over_budget)
-        print(f"warm-up done ({time.perf_counter() - t_start:.1f} s)")
+    warmed: set = set()   # shape classes compiled and tuned (see warm_classes)
     dctx = {int(c) for c in a.decode_context.split(",") if c}
     batches = [int(x) for x in a.decode_batch.split(",") if x]
     last = None
@@ -591,13 +588,15 @@ def main(argv=None) -> dict:
     for ctx in ctxs:
         if last is not None:
             proj = last[1] * (ctx / last[0]) ** 1.6
-            if over_budget(proj + 20):
+            if over_budget(1.5 * proj + 20):   # the untimed warm-up chunks of its new shape classes: <= proj / 2
                 print(f"prefill {ctx}: skipped (projected {proj:.0f} s passes --budget-s)")
                 report["prefill"].append({"context": ctx, "skipped": f"projected {proj:.0f} s"})
                 continue
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        warm_classes(model, ctx, a.chunk, device, warmed)   # JIT + tuning of its chunk shapes, untimed
+        print(f"warm-up for {ctx} done ({time.perf_counter() - t_start:.1f} s)")
         nseq = max(batches) if ctx in dctx and batches else 1
         b = Batch(model, nseq, ctx + 2 * a.chunk + (a.decode_steps + 4) * (len(batches) + 1) + 64)
         ids = tokens(ctx, cfg.vocab_size, seed=ctx)

@@ -1,19 +1,25 @@
 """Two-level V4.1 indexer over FP4 index keys (68-byte rows: packed e2m1 + E8M0 per 32), §3.5(d).
 
-``I[t, s] = Σ_h w[t, h] · relu(q[t, h] · k[s])`` is computed by a Triton kernel that decodes key
-bytes in registers (``BLOCK_T`` tokens share each key block: one tensor-core dot of
-``[BLOCK_T·Hi, Di] x [Di, BLOCK_N]``) and writes fp32 scores for a chunk of tokens; ``torch.topk``
-selects from the chunk. Three uses:
+``I[t, s] = Σ_h w[t, h] · relu(q[t, h] · k[s])`` is computed by Triton kernels that decode key bytes
+in registers (``BLOCK_T`` tokens share each key block: one tensor-core dot of ``[BLOCK_T·Hi, Di] x
+[Di, BLOCK_N]``). Uses:
 
-* ``indexer_topk_mx`` without candidates: every visible entry competes (index sources 2/8/14/20).
+* ``indexer_topk_mx`` without candidates: every visible entry competes (index sources 2/8/14/20). With
+  a power-of-two ``topk`` the selection streams: no score matrix is written. Each token keeps a
+  thresholded candidate buffer of packed (score, id) keys, cut back to ``topk`` by a bitonic top-k
+  when it fills (the V4 indexer's scheme, ``triton/indexer.py``, whose packing, compaction and
+  split merge it reuses); ties go to the lower entry id, the model's rule. Few tokens (decode) split
+  their entries over several programs and a second kernel merges the lists.
 * ``indexer_topk_mx`` with candidate blocks: only the ``NB·bs`` entries of the token's candidate blocks
-  are scored (a gathered launch over their entry ids, expanded on the device), so layers 24/28/32/36
-  never score the whole cache.
+  are scored (a gathered launch over their entry ids, expanded on the device) into a chunk of scores
+  and selected by ``torch.topk``, so layers 24/28/32/36 never score the whole cache.
 * ``indexer_candidates_mx``: the kernel reduces each block of ``bs`` entries to its max in registers and
   writes only block scores (``N/bs`` per token); the newest visible block is pinned, top blocks kept.
-* ``indexer_source_mx`` (layer 20): one scoring pass gives both its own top-k and the candidate blocks.
+* ``indexer_source_mx`` (layer 20): its top-k streams as above and its candidate blocks come from the
+  block-max pass; with a ``topk`` that is not a power of two, one scoring pass into a chunk of scores
+  gives both.
 
-Token chunks bound the scratch to ``max_scratch_bytes``; the selection itself is torch's top-k.
+Token chunks bound every score scratch to ``max_scratch_bytes``.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.ref_v41 import _select
-from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
+from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2, sm_count
+from redknot.kernels.triton.indexer import _EMPTY, _compact, _indexer_merge, _pack
 from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
 
 MAX_SCRATCH_BYTES = 1 << 30
@@ -82,6 +89,99 @@ def _index_scores(q_ptr, w_ptr, key_ptr, vis_ptr, cand_ptr, out_ptr, T, N, NCOLS
                  mask=tmask[:, None] & (cols[None, :] < NCOLS))
 
 
+@triton.jit
+def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, T, nsplit,
+                  stride_qt, stride_qh, stride_wt, stride_k,
+                  HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+    """Streaming top-K of one tile of tokens over its split of the entries (newest block first): the
+    scores of ``_index_scores``, packed with their ids, kept in the token's buffer when above its bar."""
+    pid_s = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows_ok = toks < T
+    t64 = toks.to(tl.int64)
+    vis = tl.load(vis_ptr + toks, mask=rows_ok, other=0)
+    n_max = tl.max(vis, 0)
+    chunk = tl.cdiv(tl.cdiv(n_max, nsplit), BLOCK_N) * BLOCK_N
+    e_lo = pid_s * chunk
+    e_hi = tl.minimum(e_lo + chunk, n_max)
+    n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0), BLOCK_N)
+    hs = tl.arange(0, HP)   # heads padded to a tensor-core shape: padded rows have q = 0 and weight 0
+    hmask = rows_ok[:, None] & (hs < HI)[None, :]
+    q = tl.load(q_ptr + t64[:, None, None] * stride_qt + hs[None, :, None] * stride_qh +
+                tl.arange(0, DI)[None, None, :], mask=hmask[:, :, None], other=0.0).to(tl.bfloat16)
+    q = tl.reshape(q, (BLOCK_T * HP, DI))
+    w = tl.load(w_ptr + t64[:, None] * stride_wt + hs[None, :], mask=hmask, other=0.0).to(tl.float32)
+    if BF16:
+        w = w.to(tl.bfloat16).to(tl.float32)
+    rows = t64 * nsplit + pid_s
+    buf = buf_ptr + rows[:, None] * CAP
+    count = tl.zeros([BLOCK_T], tl.int32)
+    theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
+    for j in range(n_blocks):
+        ents = e_hi - (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = ents >= e_lo
+        keys = _index_keys(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI, BLOCK_N)   # [BN, DI]
+        d = tl.reshape(tl.dot(q, tl.trans(keys)), (BLOCK_T, HP, BLOCK_N))
+        if BF16:
+            d = d.to(tl.bfloat16).to(tl.float32)
+            s = tl.sum((tl.maximum(d, 0.0) * w[:, :, None]).to(tl.bfloat16).to(tl.float32), 1)
+            s = s.to(tl.bfloat16).to(tl.float32)
+        else:
+            s = tl.sum(tl.maximum(d, 0.0) * w[:, :, None], 1)                          # [BT, BN]
+        s = tl.where(s == 0.0, 0.0, s)   # -0.0 (relu 0 times a negative weight) ties with 0.0, as in torch
+        key = _pack(s, ents[None, :])
+        keep = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None] & (key > theta[:, None])
+        if tl.max(count, 0) + BLOCK_N > CAP:
+            count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
+            keep = keep & (key > theta[:, None])
+        slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
+        tl.store(buf + slot, key, mask=keep)
+        count += tl.sum(keep.to(tl.int32), 1)
+    count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
+    offs_k = tl.arange(0, K)
+    best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
+                   other=_EMPTY)
+    tl.store(cand_ptr + rows[:, None] * K + offs_k[None, :], best, mask=rows_ok[:, None])
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    block_t: int = 2     # tokens sharing each decoded key block (1 when a token's entries are split)
+    block_n: int = 64    # entries per step of the stream
+    num_warps: int = 4
+    num_splits: int = 0  # 0: chosen from the problem size (enough programs for the device)
+
+
+def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor, topk: int,
+                bf16_scores: bool = False, config: StreamConfig = StreamConfig()) -> torch.Tensor:
+    """Top-``topk`` (a power of two) entry ids per token, ascending then -1, without a score matrix.
+    Equal scores go to the lower id. q [T, Hi, Di], weights [T, Hi], index_keys uint8 [N, bytes],
+    visible [T] int32 (contiguous)."""
+    T, HI, DI = q.shape
+    if topk & (topk - 1):
+        raise ValueError(f"stream_topk: topk={topk} must be a power of two")
+    out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
+    if T == 0:
+        return out
+    n = index_keys.shape[0]
+    sms = sm_count(q)
+    nsplit = config.num_splits or (1 if T >= 2 * sms else max(1, min(cdiv(2 * sms, T), cdiv(n, 8 * config.block_n),
+                                                                     32)))
+    bt = 1 if nsplit > 1 else config.block_t
+    cap = max(2 * topk, next_pow2(topk + config.block_n))
+    buf = torch.empty(T * nsplit, cap, dtype=torch.int64, device=q.device)
+    cand = torch.empty(T * nsplit, topk, dtype=torch.int64, device=q.device)
+    _index_stream[(cdiv(T, bt), nsplit)](
+        q, weights, index_keys, visible, buf, cand, T, nsplit, q.stride(0), q.stride(1), weights.stride(0),
+        index_keys.stride(0), HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
+        BLOCK_N=config.block_n, BF16=bf16_scores, num_warps=config.num_warps)
+    _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
+    big = torch.iinfo(torch.int32).max
+    ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last
+    return torch.where(ids == big, -1, ids)
+
+
 @dataclass(frozen=True)
 class IndexMxConfig:
     block_t: int = 2    # tokens sharing each decoded key block (1 with candidates: entries differ per token)
@@ -130,6 +230,8 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
     visible = visible.to(torch.int32).contiguous()
     n = index_keys.shape[0]
     out = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
+    if cand_blocks is None and not topk & (topk - 1):
+        return stream_topk(q, weights, index_keys, visible, topk, bf16_scores)
     if cand_blocks is None:
         for t0, t1 in _chunks(q.shape[0], 4 * n, max_scratch_bytes):
             s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
@@ -164,7 +266,12 @@ def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int
 def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor,
                       topk: int, num_blocks: int = 2048, block_size: int = 8, bf16_scores: bool = False,
                       max_scratch_bytes: int = MAX_SCRATCH_BYTES):
-    """See ``ref_v41.indexer_source_mx``: one scoring pass, block maxima taken from the written scores."""
+    """See ``ref_v41.indexer_source_mx``: the streamed top-k and the block-max pass, or (``topk`` not a power
+    of two) one scoring pass with the block maxima taken from the written scores."""
+    if not topk & (topk - 1) and not 128 % block_size:   # streamed top-k, candidates from the block maxima
+        return (indexer_topk_mx(q, weights, index_keys, visible, topk, bf16_scores=bf16_scores),
+                indexer_candidates_mx(q, weights, index_keys, visible, num_blocks, block_size, bf16_scores,
+                                      max_scratch_bytes))
     q, weights = q.contiguous(), weights.contiguous()
     visible = visible.to(torch.int32).contiguous()
     n = index_keys.shape[0]

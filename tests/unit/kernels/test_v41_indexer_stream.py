@@ -1,0 +1,66 @@
+"""The V4.1 indexer's streamed top-k (``indexer_mx.stream_topk``, Triton interpreter) against the PyTorch
+scores with the model's tie rule (equal scores: the lower entry first), so the comparison is exact:
+prefill tiles, a decode token whose entries are split over programs, rows with nothing or fewer than
+top-k entries visible, fp32 and the reference's bf16 score arithmetic (few distinct values: many ties).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels import ref_v41
+from redknot.kernels.triton import indexer_mx
+from redknot.models.deepseek_v41.ref_math import index_qdq, topk_ids
+
+
+def _inputs(t, n, heads=4, dim=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = index_qdq(torch.randn(t, heads, dim, generator=g).bfloat16()).float()
+    keys = mx.pack_index_keys(torch.randn(n, dim, generator=g))
+    w = torch.randn(t, heads, generator=g) * dim ** -0.5
+    vis = torch.randint(1, n + 1, (t,), generator=g, dtype=torch.int32)
+    vis[0] = n
+    if t > 2:
+        vis[1], vis[2] = 0, 3
+    return q, w, keys, vis
+
+
+def _lower_first(q, w, keys, vis, k, bf16):
+    n = keys.shape[0]
+    s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
+    s = s.masked_fill(torch.arange(n)[None] >= vis.long()[:, None], float("-inf"))
+    kk = min(k, n)
+    ids = topk_ids(s, kk)
+    ids = torch.where(s.gather(1, ids) > float("-inf"), ids, -1)
+    big = torch.iinfo(torch.int32).max
+    ids = torch.where(ids < 0, big, ids).sort(1).values
+    ids = torch.where(ids == big, -1, ids)
+    return torch.cat([ids, ids.new_full((ids.shape[0], k - kk), -1)], 1)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("t,n,k", [(5, 300, 16), (1, 700, 16), (3, 10, 16)])
+def test_streamed_topk_equals_the_lower_first_selection(t, n, k, bf16):
+    q, w, keys, vis = _inputs(t, n, seed=t + n)
+    got = indexer_mx.stream_topk(q, w, keys, vis, k, bf16)
+    assert torch.equal(got.long(), _lower_first(q, w, keys, vis, k, bf16))
+
+
+def test_the_registry_paths_stream_without_a_score_matrix(monkeypatch):
+    """``indexer_topk_mx`` (no candidates) and ``indexer_source_mx``'s top-k never write entry scores;
+    the source's candidate blocks come from the block-max pass and equal the reference's."""
+    q, w, keys, vis = _inputs(4, 200, seed=5)
+    bs, nb = 4, 6
+    want_blocks = ref_v41.indexer_candidates_mx(q, w, keys, vis, nb, bs, True)
+    scores = indexer_mx._scores
+
+    def blockmax_only(*a, blockmax=False, **kw):
+        assert blockmax, "an entry score matrix was written"
+        return scores(*a, blockmax=blockmax, **kw)
+    monkeypatch.setattr(indexer_mx, "_scores", blockmax_only)
+    want = _lower_first(q, w, keys, vis, 16, True)
+    assert torch.equal(indexer_mx.indexer_topk_mx(q, w, keys, vis, 16, bf16_scores=True).long(), want)
+    idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, 16, nb, bs, True)
+    assert torch.equal(idx.long(), want)
+    assert torch.equal(blocks, want_blocks)
