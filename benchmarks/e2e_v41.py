@@ -12,7 +12,20 @@ cut to ``--engram-vocab`` (their row count does not change the per-token work).
 Parity runs layer by layer: each attention block, MoE and Engram of the PyTorch path is run again
 through the kernel path on the same inputs and a copy of the state (so one quantisation step flipped by
 rounding cannot make the two models drift apart), under ``reference`` numerics (every op routed) and
-``bf16`` numerics (attention, caches, indexer, Engram routed; linears are plain bf16 there).
+``bf16`` numerics (attention, caches, indexer, Engram routed; linears are plain bf16 there). The
+indexer's selections (top-k, and layer 20's candidate blocks, which the consumers then read from the
+PyTorch path on both sides) are compared tie-aware against the PyTorch path's scores: rows equal,
+equal up to ties at the cut score, and different. Reference numerics rounds the scores to bf16 (the
+reference's einsum) and FP4 x FP4 dots take few values, so most long rows tie at the 512th score:
+an exact comparison found 3618/6156 rows equal on the H200. At the real indexer width on a CPU
+(random FP4 queries and keys, Triton interpreter) the kernel's scores equal the PyTorch path's bit for
+bit, 35 of 64 rows have a tie straddling the 512th score, and the 28 rows whose sets differed all
+differed only inside that tie. The streamed top-k breaks ties to the lower entry, as the PyTorch path
+does.
+
+Every prefill first runs one untimed chunk per new shape class (kernel tuners key on the power of two
+above the entries a chunk scores), and a profiled prefill chunk runs once untimed at the same
+position first, so the timings and shares are steady-state.
 
 Decode runs eager; ``--decode-graphs`` also runs it through the tensor-only step
 (``deepseek_v41/tensor_step.py``) captured in a CUDA graph, timed per replay and compared with the
