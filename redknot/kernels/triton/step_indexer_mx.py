@@ -7,8 +7,8 @@ Here each query row reads its own request's pages on the device: entry ``e`` of 
 ``I[t, e] = Σ_h w[t, h] · relu(q[t, h] · k[e])`` (fp32, or with the reference's bf16 roundings), and
 writes -inf for entries the row cannot see (``e >= visible[t]``); a block wholly past ``visible`` loads
 nothing. Every row scores the ``n_max`` entries its block table can address, so the launch shape
-depends only on the row count and the table width. The selection is ``torch.topk`` on the device:
-valid ids ascending, then -1 (ties at the cut are implementation-defined, as in ``indexer_topk_mx``).
+depends only on the row count and the table width. The selection is a top-k on the device: valid ids
+ascending, then -1, exact ties to the lower entry id (the model's rule; ``indexer_topk_mx`` leaves them open).
 """
 from __future__ import annotations
 
@@ -78,15 +78,21 @@ def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """[T, n] scores (-inf: not selectable) -> int64 [T, topk]: the chosen entry ids ascending, then -1."""
+    """[T, n] fp32 scores (-inf: not selectable) -> int64 [T, topk]: the ``topk`` best entry ids
+    ascending, then -1. Exact ties go to the lower entry id (the model's ``topk_ids`` rule), so the
+    choice does not depend on ``n`` or on the device's top-k: each score becomes an order-preserving
+    integer key with the complemented entry id below it, and the top-k runs on those unique keys."""
     t, n = scores.shape
     k = min(topk, n)
     out = torch.full((t, topk), -1, dtype=torch.long, device=scores.device)
     if k == 0:
         return out
-    vals, ids = torch.topk(scores, k, dim=-1)
+    bits = (scores.float() + 0.0).view(torch.int32).long()          # + 0.0: -0 and +0 are one key
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)              # float order as integer order
+    ent = torch.arange(n, device=scores.device)
+    ids = torch.topk(key * (1 << 32) + ((1 << 32) - 1 - ent), k, dim=-1).indices
     big = torch.iinfo(torch.long).max
-    ids = torch.where(vals > float("-inf"), ids, torch.full_like(ids, big))
+    ids = torch.where(scores.gather(1, ids) > float("-inf"), ids, torch.full_like(ids, big))
     ids = torch.sort(ids, dim=-1).values
     out[:, :k] = torch.where(ids == big, torch.full_like(ids, -1), ids)
     return out

@@ -153,3 +153,19 @@ def test_gpu_step_index_scores_real_width(bf16):
     assert ((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1e-3 * want[fin].abs().max())).all()
     sel = select_topk(got, 512)
     assert sel.shape == (32, 512) and (sel >= 0).all()
+
+
+def test_select_topk_breaks_ties_to_the_lower_entry(kernel_device):
+    """Exact ties (bf16 scores, relu zeros, signed zeros) go to the lower entry id, as the model's topk_ids."""
+    from redknot.models.deepseek_v41.ref_math import topk_ids
+
+    g = torch.Generator().manual_seed(4)
+    sc = torch.randint(-3, 4, (6, 300), generator=g).float() * 0.25        # many exact ties
+    sc[0, :] = 0.0
+    sc[1, ::2] = -0.0
+    sc[2, 100:] = float("-inf")
+    sc = sc.to(kernel_device)
+    got = select_topk(sc, 40).cpu()
+    want = topk_ids(sc.cpu(), 40)
+    want = torch.where(sc.cpu().gather(1, want) > float("-inf"), want, -1)
+    assert torch.equal(got, want)

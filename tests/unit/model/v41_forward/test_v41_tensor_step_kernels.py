@@ -5,6 +5,7 @@ top-k sets and equal candidate masks. Decode and verify rows, padding requests, 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -23,9 +24,14 @@ from v41_forward.v41util import test_config as tiny_config  # noqa: E402
 ATTENTION_OPS = ("cache_insert_mx", "sparse_attention_mx", "indexer_topk_mx", "indexer_source_mx")
 
 
-def _model(numerics: str, kernels: bool) -> DeepseekV41:
+@functools.lru_cache(maxsize=None)
+def _tensors():
     cfg = tiny_config()
-    tensors = random_weights(cfg, 0)
+    return cfg, random_weights(cfg, 0)
+
+
+def _model(numerics: str, kernels: bool) -> DeepseekV41:
+    cfg, tensors = _tensors()
     tmap = token_map_for(cfg)
     ops = None
     if kernels:  # only the attention ops (the GEMMs stay PyTorch: the comparison is about the step kernels)
@@ -105,10 +111,12 @@ class Twins:
 
 
 def _prefilled(model, n_req: int, prompts):
+    """A batch of ``model`` whose prompts were prefilled by the PyTorch path (same state bytes, faster
+    than the span kernels under the interpreter)."""
     b = Batch(model, n_req)
     seqs = [tokens(64, seed=30 + i) for i in range(n_req)]
     pre = [seqs[i][:prompts[i]] for i in range(n_req)]
-    model.forward(b.meta(pre), b.state)
+    _model(model.num.mode, kernels=False).forward(b.meta(pre), b.state)
     b.advance(pre)
     return b, seqs
 
@@ -119,12 +127,12 @@ def test_kernel_step_matches_pytorch_step_layer_by_layer(numerics, monkeypatch):
     assert ts.step_kernels(model.w)
     b, seqs = _prefilled(model, 3, [21, 6, 13])
     tw = Twins(monkeypatch)
-    for counts, pads in (([1, 1, 1], (1,)), ([4, 1, 3], (2,)), ([2, 3, 1], ()), ([1, 1, 1], (1, 1))):
+    for counts, pads in (([1, 1, 1], (1,)), ([4, 1, 3], (2,)), ([2, 3, 1], ())):
         chunks = [seqs[i][b.lens[i]:b.lens[i] + n] for i, n in enumerate(counts)]
         out = ts.tensor_forward(model, b.tensor_step(chunks, pads), b.state)
         assert torch.isfinite(out).all()
         b.advance(chunks)
-    assert tw.calls["attend"] == 4 * model.cfg.n_layers and tw.calls["index"] > 0 and tw.calls["compress"] > 0
+    assert tw.calls["attend"] == 3 * model.cfg.n_layers and tw.calls["index"] > 0 and tw.calls["compress"] > 0
     assert tw.attn_err < 1.5e-2, tw.attn_err     # bf16 probabilities before PV, bf16 output
     assert tw.bytes_differ == 0                  # rings, pages and keys: quantised on insert, bit-exact
     assert tw.cand_differ == 0
