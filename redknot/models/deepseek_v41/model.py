@@ -23,7 +23,7 @@ import torch
 from redknot.models.deepseek_v41.attention import AttentionLayer, Slots, Span
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.engram_hash import EngramHasher, EngramLayout
-from redknot.models.deepseek_v41.kernel_ops import V41Ops
+from redknot.models.deepseek_v41.kernel_ops import V41Ops, host_ints, segments, span_rows
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from redknot.models.deepseek_v41.moe import moe_forward
 from redknot.models.deepseek_v41.ref_math import (
@@ -140,21 +140,34 @@ class DeepseekV41:
         return torch.tensor(rows, dtype=torch.long, device=meta.positions.device), tail
 
     def _hashes(self, ids: torch.Tensor, spans: List[Span], state: V41State) -> Optional[torch.Tensor]:
-        """Engram row ids of the step; the look-back of each sequence comes from its id ring."""
-        if self.hasher is None:
+        """Engram row ids of the step, every row at once: each row's look-back comes from its own
+        step rows or, before the step, from its sequence's id ring (then the ring is updated)."""
+        if self.hasher is None or not spans:
             return None
         lb = self.hasher.layout.lookback
         ring = state.engram_ids.shape[1]
-        out = []
+        dev = ids.device
+        row0, at = [], 0
         for sp in spans:
-            comp = self.token_map[ids[sp.start:sp.start + sp.n]]
-            prev_pos = torch.arange(sp.ctx - lb, sp.ctx, device=ids.device)
-            prev = state.engram_ids[sp.slot, prev_pos % ring]                    # positions < 0 are blocked
-            out.append(self.hasher.hash(torch.cat([prev, comp])[None], sp.ctx)[0])
-            keep = min(sp.n, ring)
-            new_pos = torch.arange(sp.end - keep, sp.end, device=ids.device)
-            state.engram_ids[sp.slot, new_pos % ring] = comp[-keep:]
-        return torch.cat(out)
+            row0.append(at)
+            at += sp.n
+        keep = [min(sp.n, ring) for sp in spans]
+        ctx, slot, n, row0_, keep_ = host_ints(
+            list(zip([sp.ctx for sp in spans], [sp.slot for sp in spans], [sp.n for sp in spans], row0, keep)),
+            dev).unbind(1)
+        comp = self.token_map[ids[span_rows(spans)]]                          # [T] in span order
+        seg, i = segments(n, at)
+        pos = ctx[seg] + i
+        hist_pos = pos[:, None] - lb + torch.arange(lb + 1, device=dev)       # [T, lb+1], oldest first
+        local = hist_pos - ctx[seg][:, None]                                  # >= 0: a row of this step
+        flat = state.engram_ids.view(-1)
+        hist = torch.where(local >= 0, comp[row0_[seg][:, None] + local.clamp(min=0)],
+                           flat[slot[seg][:, None] * ring + hist_pos % ring])  # positions < 0 are blocked
+        out = self.hasher.hash(hist, pos)[:, 0]                               # [T, L, cols]
+        ks, kk = segments(keep_, sum(keep))
+        last = n[ks] - keep_[ks] + kk                                         # each span's last ``keep`` rows
+        flat[slot[ks] * ring + (ctx[ks] + last) % ring] = comp[row0_[ks] + last]
+        return out
 
     def _layers(self, layers, h, pre, pos, spans, state, slots, hashes, rows=None):
         """``rows``: the step rows ``h`` holds (bounded replay's tail), None for all of them."""
