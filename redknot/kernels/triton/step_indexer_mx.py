@@ -12,6 +12,7 @@ ascending, then -1, exact ties to the lower entry id (the model's rule; ``indexe
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels import mx_formats as mx
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.indexer_mx import _index_keys
 
 
@@ -55,13 +56,26 @@ def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, out_ptr, NMAX, P
     tl.store(out_ptr + t * stride_ot + cols, s, mask=cols < NMAX)
 
 
+@dataclass(frozen=True)
+class StepIndexConfig:
+    block_n: int = 64   # entries per program
+    num_warps: int = 4
+
+
+STEP_INDEX_TUNER = ConfigTuner("step_index_scores", [
+    StepIndexConfig(64, 4), StepIndexConfig(128, 4), StepIndexConfig(128, 8), StepIndexConfig(256, 8),
+    StepIndexConfig(32, 4),
+])
+
+
 def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
                       visible: torch.Tensor, ratio: int, block_size: int, bf16_scores: bool = False,
-                      block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                      config: Optional[StepIndexConfig] = None) -> torch.Tensor:
     """Scores [T, n_max] fp32 (-inf where invisible) of rows q [T, Hi, Di] (rotated, FP4-QDQ'd) with
     weights [T, Hi] (scale folded in) over their pages: keys uint8 [pages·per, Di/2 + Di/32] (the source's
     flat key cache, ``per = block_size // ratio`` entries a page), table [T, W] each row's block ids,
-    visible [T]. n_max = W·block_size // ratio (see :func:`step_index_scores_reference`)."""
+    visible [T]. n_max = W·block_size // ratio (see :func:`step_index_scores_reference`). ``config=None``:
+    the launch shape is measured once per problem class on a GPU (outside graph capture)."""
     T, HI, DI = q.shape
     n_max = table.shape[1] * block_size // ratio
     out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
@@ -69,11 +83,15 @@ def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         return out
     q = q.contiguous()
     weights = weights.contiguous()
-    block_n = max(16, min(block_n, next_pow2(n_max)))
+    if config is None:
+        key = (min(next_pow2(T), 4096), HI, DI, next_pow2(n_max), bf16_scores)
+        config = STEP_INDEX_TUNER.pick(key, lambda c: step_index_scores(
+            q, weights, keys, table, visible, ratio, block_size, bf16_scores, c), q.device)
+    block_n = max(16, min(config.block_n, next_pow2(n_max)))
     _step_index_scores[(T, cdiv(n_max, block_n))](
         q, weights, keys, table, visible, out, n_max, block_size // ratio, ratio, block_size, HI,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0), out.stride(0),
-        HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, num_warps=num_warps)
+        HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, num_warps=config.num_warps)
     return out
 
 

@@ -169,3 +169,22 @@ def test_select_topk_breaks_ties_to_the_lower_entry(kernel_device):
     want = topk_ids(sc.cpu(), 40)
     want = torch.where(sc.cpu().gather(1, want) > float("-inf"), want, -1)
     assert torch.equal(got, want)
+
+
+def test_every_launch_config_matches_reference(kernel_device):
+    """The tuners may pick any candidate on a GPU: each one computes the same thing."""
+    from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
+    from redknot.kernels.triton.step_indexer_mx import STEP_INDEX_TUNER
+
+    args = _attention_case(kernel_device, 7, *ATTN_CASES[1])
+    want = step_attention_reference(*args).float()
+    for cfg in ATTN_MX_TUNER.candidates:
+        got = step_attention_mx(*args, config=cfg).float()
+        assert (got - want).abs().max().item() / want.abs().max().item() < 1.5e-2, cfg
+    iargs = _index_case(kernel_device, 7, *INDEX_CASES[1])
+    want = step_index_scores_reference(*iargs)
+    fin = torch.isfinite(want)
+    for cfg in STEP_INDEX_TUNER.candidates:
+        got = step_index_scores(*iargs, config=cfg)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), cfg
+        assert ((got[fin] - want[fin]).abs() <= 1e-5 * (want[fin].abs() + 1e-3)).all(), cfg
