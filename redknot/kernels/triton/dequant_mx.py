@@ -43,7 +43,7 @@ def store_split(out_ptr, rows64, col0, v, mask_r, N, stride_om, stride_oh, SPLIT
     if SPLIT:
         lo, hi = tl.split(tl.reshape(v, (BLOCK_M, BLOCK_N // 2, 2)))
         hc = col0 // 2 + tl.arange(0, BLOCK_N // 2)
-        m = mask_r[:, None] & (hc[None, :] * 2 < N)
+        m = mask_r[:, None] & (hc[None, :] < N // 2)
         tl.store(out_ptr + rows64[:, None] * stride_om + hc[None, :], lo, mask=m)
         tl.store(out_ptr + stride_oh + rows64[:, None] * stride_om + hc[None, :], hi, mask=m)
     else:
@@ -118,7 +118,7 @@ def dequant_fp8_bf16(w: torch.Tensor, ws: torch.Tensor, block: int, n0: int = 0,
 
 
 @triton.jit
-def _dequant_fp4(w_ptr, s_ptr, out_ptr, e0, N, K, stride_we, stride_wn, stride_se, stride_sn, stride_oe,
+def _dequant_fp4(w_ptr, s_ptr, out_ptr, e0, N, K, KH, KG, stride_we, stride_wn, stride_se, stride_sn, stride_oe,
                  stride_on, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e = e0 + tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,10 +126,10 @@ def _dequant_fp4(w_ptr, s_ptr, out_ptr, e0, N, K, stride_we, stride_wn, stride_s
     rmask = rows < N
     r64 = rows.to(tl.int64)
     p = tl.load(w_ptr + e.to(tl.int64) * stride_we + r64[:, None] * stride_wn + hc[None, :],
-                mask=rmask[:, None] & (hc[None, :] * 2 < K), other=0).to(tl.int32)
+                mask=rmask[:, None] & (hc[None, :] < KH), other=0).to(tl.int32)
     gs = tl.program_id(2) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
     s = tl.load(s_ptr + e.to(tl.int64) * stride_se + r64[:, None] * stride_sn + gs[None, :],
-                mask=rmask[:, None] & (gs[None, :] * 32 < K), other=127)
+                mask=rmask[:, None] & (gs[None, :] < KG), other=127)
     codes = tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), (BLOCK_N, BLOCK_K // 32, 32))
     v = tl.reshape(e2m1_scaled(codes, e8m0_decode(s)[:, :, None]), (BLOCK_N, BLOCK_K))
     cols = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -145,7 +145,7 @@ def dequant_fp4_bf16(w: torch.Tensor, ws: torch.Tensor, e0: int, e1: int, out: t
     if e1 > e0:
         bn, bk = 16, 256
         _dequant_fp4[(e1 - e0, cdiv(N, bn), cdiv(K, bk))](
-            w, ws, out, e0, N, K, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
+            w, ws, out, e0, N, K, K // 2, K // 32, w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), out.stride(0),
             out.stride(1), BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return out
 

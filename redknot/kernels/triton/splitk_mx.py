@@ -42,12 +42,11 @@ SPLIT_MAX_ROWS = 8192
 
 
 @triton.jit
-def _fp4_tile(b_ptr, sb_ptr, c64, cmask, kh, kmask, gs, gmask, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
+def _fp4_tile(b_ptr, sb_ptr, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
     """Low- and high-nibble halves [BN, BK/2] of a packed MXFP4 tile as bf16, scales folded in."""
-    p = tl.load(b_ptr + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None] & kmask[None, :],
-                other=0).to(tl.int32)
-    s = e8m0_decode(tl.load(sb_ptr + c64[:, None] * stride_sbn + gs[None, :], mask=cmask[:, None] & gmask[None, :],
+    p = tl.load(b_ptr + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None], other=0).to(tl.int32)
+    s = e8m0_decode(tl.load(sb_ptr + c64[:, None] * stride_sbn + gs[None, :], mask=cmask[:, None],
                             other=127))[:, :, None]
     lo = tl.reshape(p & 0xF, (BLOCK_N, BLOCK_K // 32, 16))
     hi = tl.reshape((p >> 4) & 0xF, (BLOCK_N, BLOCK_K // 32, 16))
@@ -62,6 +61,8 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
                stride_am, stride_ah, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
                W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
                DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K and KSPLIT are multiples of BLOCK_K (the host picks BLOCK_K so): no K masks in the loop, so the
+    weight rows load as full 16-byte vectors."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -91,34 +92,29 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
         k_hi = tl.minimum(K, k_lo + KSPLIT)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k_step in range(k_lo, k_hi, BLOCK_K):
+            k0 = tl.multiple_of(k_step, BLOCK_K)
             gs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            gmask = gs * 32 < k_hi
             if W_FP4:  # activations de-interleaved: half 0 = even K columns, half 1 = odd
-                kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                kmask = kh * 2 < k_hi
-                am = rmask[:, None] & kmask[None, :]
-                ae = tl.load(a_ptr + arow[:, None] * stride_am + kh[None, :], mask=am, other=0.0)
-                ao = tl.load(a_ptr + stride_ah + arow[:, None] * stride_am + kh[None, :], mask=am, other=0.0)
-                wlo, whi = _fp4_tile(bg, sbg, c64, cmask, kh, kmask, gs, gmask, stride_bn, stride_sbn, BLOCK_N,
-                                     BLOCK_K)
+                kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2),
+                                       BLOCK_K // 2)
+                ae = tl.load(a_ptr + arow[:, None] * stride_am + kh[None, :], mask=rmask[:, None], other=0.0)
+                ao = tl.load(a_ptr + stride_ah + arow[:, None] * stride_am + kh[None, :], mask=rmask[:, None],
+                             other=0.0)
+                wlo, whi = _fp4_tile(bg, sbg, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N, BLOCK_K)
                 acc = tl.dot(ae, tl.trans(wlo), acc)
                 acc = tl.dot(ao, tl.trans(whi), acc)
                 if DUAL:
-                    w3lo, w3hi = _fp4_tile(b3g, sb3g, c64, cmask, kh, kmask, gs, gmask, stride_bn, stride_sbn,
-                                           BLOCK_N, BLOCK_K)
+                    w3lo, w3hi = _fp4_tile(b3g, sb3g, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N, BLOCK_K)
                     acc3 = tl.dot(ae, tl.trans(w3lo), acc3)
                     acc3 = tl.dot(ao, tl.trans(w3hi), acc3)
             else:  # FP8 weight, E8M0 per WB x WB tile
-                kk = k0 + tl.arange(0, BLOCK_K)
-                kmask = kk < k_hi
-                a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None] & kmask[None, :],
-                            other=0.0)
-                w = tl.load(bg + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None] & kmask[None, :],
-                            other=0.0).to(tl.float32)
+                kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+                a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
+                w = tl.load(bg + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None], other=0.0)
                 s = tl.load(sbg + (cols // WB).to(tl.int64)[:, None] * stride_sbn + (gs * 32 // WB)[None, :],
-                            mask=cmask[:, None] & gmask[None, :], other=127)
-                w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * e8m0_decode(s)[:, :, None],
+                            mask=cmask[:, None], other=127)
+                w = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * e8m0_decode(s)[:, :, None],
                                (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
                 acc = tl.dot(a, tl.trans(w), acc)
         out = pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
@@ -128,12 +124,13 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
             tl.store(p3_ptr + out, acc3, mask=omask)
 
 
-def split_count(N: int, K: int, block_n: int, block_k: int) -> int:
-    """K slices for an [N, K] weight: enough programs for the device from the column tiles alone, each
-    slice at least 2 K steps. A function of the weight shape only (batch invariance)."""
-    n_tiles = cdiv(N, block_n)
-    s = max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (2 * block_k)))
-    return s
+def block_k_for(K: int, w_fp4: bool, block_k: int = 0) -> int:
+    """The K step: the largest power of two up to ``block_k`` (default 128 FP4 / 128 FP8) that divides K
+    (K is a multiple of 32), so that no step needs a K mask."""
+    bk = block_k or 128
+    while K % bk:
+        bk //= 2
+    return bk
 
 
 @triton.jit
@@ -191,7 +188,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     K = w3d.shape[2] * (2 if w_fp4 else 1)
     if K % 32:
         raise ValueError(f"splitk_mm: K={K} must be a multiple of 32")
-    bk = min(block_k or (256 if w_fp4 else 128), max(32, next_pow2(K)))
+    bk = block_k_for(K, w_fp4, block_k)
     S = splits or (split_count(N, K, block_n, bk) if rows <= SPLIT_MAX_ROWS else 1)
     ksplit = cdiv(cdiv(K, S), bk) * bk
     S = cdiv(K, ksplit)
