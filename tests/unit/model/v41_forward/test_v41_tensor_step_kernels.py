@@ -17,7 +17,7 @@ from redknot.kernels import KernelSet  # noqa: E402
 from redknot.models.deepseek_v41.kernel_ops import V41Ops  # noqa: E402
 from redknot.models.deepseek_v41.model import DeepseekV41  # noqa: E402
 from redknot.models.deepseek_v41.ref_math import Numerics, Weights  # noqa: E402
-from v41_forward.test_v41_tensor_step import Batch  # noqa: E402
+from v41_forward.test_v41_tensor_step import Batch, _real_state  # noqa: E402
 from v41_forward.v41util import random_weights, token_map_for, tokens  # noqa: E402
 from v41_forward.v41util import test_config as tiny_config  # noqa: E402
 
@@ -30,8 +30,9 @@ def _tensors():
     return cfg, random_weights(cfg, 0)
 
 
-def _model(numerics: str, kernels: bool) -> DeepseekV41:
+def _model(numerics: str, kernels: bool, device: str = "cpu") -> DeepseekV41:
     cfg, tensors = _tensors()
+    tensors = {k: v.to(device) for k, v in tensors.items()}
     tmap = token_map_for(cfg)
     ops = None
     if kernels:  # only the attention ops (the GEMMs stay PyTorch: the comparison is about the step kernels)
@@ -41,7 +42,7 @@ def _model(numerics: str, kernels: bool) -> DeepseekV41:
                 setattr(ops, op, None)
                 ops.choice[op] = "pytorch"
     return DeepseekV41(cfg, Weights(tensors, torch.bfloat16), tmap, int(tmap[cfg.engram_pad_id]),
-                       Numerics(numerics, torch.bfloat16), device="cpu", ops=ops)
+                       Numerics(numerics, torch.bfloat16), device=device, ops=ops)
 
 
 def _tie_aware_equal(a: torch.Tensor, b: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -113,17 +114,17 @@ class Twins:
 def _prefilled(model, n_req: int, prompts):
     """A batch of ``model`` whose prompts were prefilled by the PyTorch path (same state bytes, faster
     than the span kernels under the interpreter)."""
-    b = Batch(model, n_req)
+    dev = str(model.device)
+    b = Batch(model, n_req, device=dev)
     seqs = [tokens(64, seed=30 + i) for i in range(n_req)]
     pre = [seqs[i][:prompts[i]] for i in range(n_req)]
-    _model(model.num.mode, kernels=False).forward(b.meta(pre), b.state)
+    _model(model.num.mode, kernels=False, device=dev).forward(b.meta(pre), b.state)
     b.advance(pre)
     return b, seqs
 
 
-@pytest.mark.parametrize("numerics", ["bf16", "reference"])
-def test_kernel_step_matches_pytorch_step_layer_by_layer(numerics, monkeypatch):
-    model = _model(numerics, kernels=True)
+def _layer_by_layer(numerics: str, monkeypatch, device: str = "cpu") -> None:
+    model = _model(numerics, kernels=True, device=device)
     assert ts.step_kernels(model.w)
     b, seqs = _prefilled(model, 3, [21, 6, 13])
     tw = Twins(monkeypatch)
@@ -137,6 +138,11 @@ def test_kernel_step_matches_pytorch_step_layer_by_layer(numerics, monkeypatch):
     assert tw.bytes_differ == 0                  # rings, pages and keys: quantised on insert, bit-exact
     assert tw.cand_differ == 0
     assert tw.topk_equal == tw.topk_rows > 0
+
+
+@pytest.mark.parametrize("numerics", ["bf16", "reference"])
+def test_kernel_step_matches_pytorch_step_layer_by_layer(numerics, monkeypatch):
+    _layer_by_layer(numerics, monkeypatch)
 
 
 def test_pytorch_step_is_used_without_triton_ops():
@@ -159,3 +165,54 @@ def test_kernel_step_equals_eager_span_kernels_end_to_end():
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
     assert rel < 1e-3, rel
     b.state = eager_state
+
+
+# ---------------------------------------------------------------------- GPU
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numerics", ["bf16", "reference"])
+def test_gpu_kernel_step_matches_pytorch_step_layer_by_layer(numerics, monkeypatch):
+    _needs_cuda()
+    _layer_by_layer(numerics, monkeypatch, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_step_graph_replay_no_sync():
+    """The kernel step runs without a host sync, is captured in a CUDA graph, and every replay (fresh
+    step contents, same shape) equals the same step run uncaptured on a twin state: real rows and
+    the real requests' state bytes."""
+    _needs_cuda()
+    model = _model("reference", kernels=True, device="cuda")
+    b, seqs = _prefilled(model, 3, [21, 6, 13])
+    shape, pads = [2, 1, 3], (2,)
+    chunks = [seqs[i][b.lens[i]:b.lens[i] + n] for i, n in enumerate(shape)]
+    static = b.tensor_step(chunks, pads)
+    ts.tensor_forward(model, static, copy.deepcopy(b.state))            # warm-up: weight caches, tuners
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ts.tensor_forward(model, static, copy.deepcopy(b.state))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ts.tensor_forward(model, static, b.state)
+    for step in range(3):
+        counts = [shape[(i + step) % 3] for i in range(3)]
+        chunks = [seqs[i][b.lens[i]:b.lens[i] + n] for i, n in enumerate(counts)]
+        fresh = b.tensor_step(chunks, pads)
+        for name in ("input_ids", "positions", "query_start_loc", "seq_slots", "block_tables"):
+            getattr(static, name).copy_(getattr(fresh, name))
+        twin = copy.deepcopy(b.state)
+        want = ts.tensor_forward(model, fresh, twin)
+        graph.replay()
+        torch.cuda.synchronize()
+        n_real = sum(counts)     # padding rows share the spare slot/block, whose racing writes may differ
+        assert torch.equal(out[:n_real], want[:n_real]), step
+        for x, y in zip(_real_state(b, b.state), _real_state(b, twin)):
+            assert torch.equal(x, y), step
+        b.advance(chunks)
