@@ -133,6 +133,13 @@ def block_k_for(K: int, w_fp4: bool, block_k: int = 0) -> int:
     return bk
 
 
+def split_count(N: int, K: int, block_n: int, block_k: int) -> int:
+    """K slices for an [N, K] weight: enough programs for the device from the column tiles alone, each
+    slice at least 2 K steps. A function of the weight shape only (batch invariance)."""
+    n_tiles = cdiv(N, block_n)
+    return max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (2 * block_k)))
+
+
 @triton.jit
 def _tile_map_kernel(offs_ptr, group_ptr, row0_ptr, end_ptr, G, bound, BLOCK_M: tl.constexpr,
                      G_POW2: tl.constexpr, BLOCK_J: tl.constexpr):
