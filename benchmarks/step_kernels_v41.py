@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Check and time the V4.1 tensor-only step's graph-safe kernels at real V4.1 widths.
+
+    PYTHONUNBUFFERED=1 python benchmarks/step_kernels_v41.py --out DIR   # on an H200, about 1-2 minutes
+    python benchmarks/step_kernels_v41.py --smoke --out DIR              # CPU: Triton interpreter, toy sizes
+
+Per (context, batch) of decode rows (one request per row, each at its own context): the step attention
+(``step_attention_mx``: 64 heads of 512 over a 128-row FP8 window ring and 512 compressed FP4 entries) and
+the paged indexer (``step_index_scores`` + ``select_topk``: 32 heads of 128 over FP4 index keys, top-512
+of the visible entries, ratio 1) against their PyTorch references (the math the tensor step ran before:
+gathered, decoded, einsum, sort). Each is checked (attention: relative error; indexer: scores and the
+selection) and timed (CUDA events around a CUDA-graph replay of the call, median of repetitions), with
+the fraction of the bandwidth floor: bytes a call must read once at 4.17 TB/s (stored formats).
+Results: ``DIR/step_kernels_v41.md`` and ``.json`` (``$OUT`` if --out is not given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+HBM_BYTES_PER_S = 4.17e12
+REAL = dict(heads=64, dim=512, window=128, topk=512, index_heads=32, index_dim=128, block_size=256)
+SMOKE = dict(heads=4, dim=64, window=16, topk=8, index_heads=4, index_dim=64, block_size=16)
+
+
+def _time_ms(fn, device, reps: int) -> float:
+    """Median ms of ``fn``: a CUDA graph of one call replayed ``reps`` times on a GPU, plain calls on a CPU."""
+    import time
+
+    import torch
+
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def case(ctx: int, batch: int, dims: dict, device, reps: int, reference: bool) -> dict:
+    import torch
+
+    from redknot.kernels import mx_formats as mx
+    from redknot.kernels.triton.step_attention_mx import step_attention_mx, step_attention_reference
+    from redknot.kernels.triton.step_indexer_mx import (select_topk, step_index_scores,
+                                                          step_index_scores_reference)
+
+    torch.manual_seed(ctx + batch)
+    h, d, win, k = dims["heads"], dims["dim"], dims["window"], dims["topk"]
+    hi, di, bs = dims["index_heads"], dims["index_dim"], dims["block_size"]
+    dev = device
+    pos = torch.tensor([ctx + 3 * i for i in range(batch)], device=dev)
+    back = torch.zeros(batch, dtype=torch.long, device=dev)
+    slot = torch.arange(batch, device=dev)
+    ring = mx.pack_window_rows(torch.randn(batch * win, d, device=dev))
+    new = mx.pack_window_rows(torch.randn(batch, d, device=dev))
+    n_ent = ctx + 3 * batch + 1
+    pages = -(-n_ent // bs)
+    comp = mx.pack_compressed_entries(torch.randn(pages * bs, d, device=dev))
+    # Index keys of every request as random stored bytes (any e2m1 code, scales 2^-9..2^0): batch x 1M
+    # entries would not fit as fp32 values to pack.
+    keys = torch.randint(0, 256, (batch * pages * bs, mx.index_key_bytes(di)), dtype=torch.uint8, device=dev)
+    keys[:, di // 2:] = torch.randint(118, 128, (keys.shape[0], di // 32), dtype=torch.uint8, device=dev)
+    table = (torch.arange(batch)[:, None] * pages + torch.arange(pages)[None, :]).to(dev, torch.int32)
+    q = (torch.randn(batch, h, d, device=dev) * 0.2).to(torch.bfloat16)
+    sinks = torch.randn(h, device=dev)
+    cidx = torch.sort(torch.randint(0, n_ent, (batch, k), device=dev), 1).values
+    qi = mx.act_quant_ref(torch.randn(batch, hi, di, device=dev), "fp4", mx.MX_GROUP, "ue8m0")
+    wi = torch.randn(batch, hi, device=dev) * (di ** -0.5 * hi ** -0.5)
+    vis = pos + 1
+    row = {"context": ctx, "batch": batch}
+    attn_args = (q, ring, win, new, slot, pos, back, win, sinks, d ** -0.5, comp, cidx)
+    got = step_attention_mx(*attn_args).float()
+    attn_bytes = batch * (win * mx.window_row_bytes(d) + k * mx.compressed_entry_bytes(d) + 2 * h * d * 2)
+    row["attention_ms"] = _time_ms(lambda: step_attention_mx(*attn_args), dev, reps)
+    row["attention_floor_ms"] = attn_bytes / HBM_BYTES_PER_S * 1e3
+    row["attention_fraction"] = row["attention_floor_ms"] / row["attention_ms"]
+    idx_args = (qi, wi, keys, table, vis, 1, bs)
+    for bf16 in (False, True):
+        tag = "bf16" if bf16 else "fp32"
+        sc = step_index_scores(*idx_args, bf16_scores=bf16)
+        sel = select_topk(sc, k)
+        ib = int(vis.sum()) * mx.index_key_bytes(di) + sc.numel() * 4
+        row[f"index_{tag}_ms"] = _time_ms(lambda: select_topk(step_index_scores(*idx_args, bf16_scores=bf16), k),
+                                          dev, reps)
+        row[f"index_{tag}_floor_ms"] = ib / HBM_BYTES_PER_S * 1e3
+        row[f"index_{tag}_fraction"] = row[f"index_{tag}_floor_ms"] / row[f"index_{tag}_ms"]
+        if reference:
+            want = step_index_scores_reference(*idx_args, bf16_scores=bf16)
+            fin = torch.isfinite(want)
+            row[f"index_{tag}_inf_equal"] = bool(torch.equal(torch.isinf(sc), torch.isinf(want)))
+            row[f"index_{tag}_max_rel"] = float(((sc[fin] - want[fin]).abs() / want[fin].abs().clamp(min=1e-6)).max())
+            ref_sel = select_topk(want, k)
+            row[f"index_{tag}_rows_same_selection"] = int((ref_sel == sel).all(1).sum())
+            row[f"index_{tag}_reference_ms"] = _time_ms(
+                lambda: select_topk(step_index_scores_reference(*idx_args, bf16_scores=bf16), k), dev, 3)
+    if reference:
+        want = step_attention_reference(*attn_args).float()
+        row["attention_rel_err"] = float((got - want).abs().max() / want.abs().max())
+        row["attention_reference_ms"] = _time_ms(lambda: step_attention_reference(*attn_args), dev, 3)
+    return row
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "outputs/step_kernels_v41"))
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (Triton interpreter)")
+    ap.add_argument("--contexts", default="8192,131072,1048576")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reference-max-context", type=int, default=131072,
+                    help="run the PyTorch references (check and time) up to this context")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    device = torch.device("cpu" if a.smoke else "cuda")
+    dims = SMOKE if a.smoke else REAL
+    ctxs = [int(c) for c in a.contexts.split(",") if c] if not a.smoke else [40]
+    batches = [int(b) for b in a.batches.split(",") if b] if not a.smoke else [1, 3]
+    rows = []
+    for ctx in ctxs:
+        for b in batches:
+            r = case(ctx, b, dims, device, a.reps, ctx <= a.reference_max_context)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            rows.append(r)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dims": dims,
+              "rows": rows}
+    (out / "step_kernels_v41.json").write_text(json.dumps(report, indent=1))
+    lines = ["# V4.1 tensor-step kernels", "", f"device: {report['device']}", "",
+             "| context | batch | attention ms (% floor) | ref ms | index fp32 ms (% floor) | index bf16 ms | "
+             "ref fp32 ms | attn rel err | rows same top-k fp32/bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['batch']} | {r['attention_ms']:.3f} ({100 * r['attention_fraction']:.0f} %) "
+                     f"| {r.get('attention_reference_ms', float('nan')):.3f} | {r['index_fp32_ms']:.3f} "
+                     f"({100 * r['index_fp32_fraction']:.0f} %) | {r['index_bf16_ms']:.3f} | "
+                     f"{r.get('index_fp32_reference_ms', float('nan')):.3f} | {r.get('attention_rel_err', float('nan')):.1e} | "
+                     f"{r.get('index_fp32_rows_same_selection', '-')}/{r.get('index_bf16_rows_same_selection', '-')} |")
+    (out / "step_kernels_v41.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return report
+
+
+if __name__ == "__main__":
+    main()
