@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.ref_v41 import _select
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2, sm_count
 from redknot.kernels.triton.indexer import _EMPTY, _compact, _indexer_merge, _pack
 from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
@@ -217,6 +216,29 @@ def _scores(q, weights, keys, visible, ncols, cand=None, bs=8, blockmax=False, b
     return out
 
 
+SELECT_BYTES = 16   # per score of a chunk: the fp32 score, its packed int64 key, the int32 bits
+
+
+def _select(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-k ids per row of scores [T, N] (-inf: not selectable): valid ids ascending, then -1; equal
+    scores go to the lower id (the model's rule; ``torch.topk`` leaves ties open). The top-k runs on
+    keys packing the score's order-preserving bits over the inverted id, so every key is unique."""
+    k = min(topk, scores.shape[1])
+    t, n = scores.shape
+    if n == 0 or t == 0:
+        return torch.full((t, topk), -1, dtype=torch.int32, device=scores.device)
+    bits = torch.where(scores == 0, 0.0, scores).contiguous().view(torch.int32)   # -0.0 ties with 0.0
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32
+    key |= 2147483647 - torch.arange(n, device=scores.device)
+    ids = torch.topk(key, k, dim=-1).indices
+    big = torch.iinfo(torch.int32).max
+    ids = torch.where(scores.gather(1, ids) > float("-inf"), ids, big).sort(dim=-1).values
+    ids = torch.where(ids == big, -1, ids).to(torch.int32)
+    if k < topk:
+        ids = torch.cat([ids, ids.new_full((t, topk - k), -1)], 1)
+    return ids
+
+
 def _chunks(t: int, per_token_bytes: int, limit: int):
     step = max(1, min(t, limit // max(per_token_bytes, 1)))
     return [(t0, min(t, t0 + step)) for t0 in range(0, t, step)]
@@ -233,13 +255,13 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
     if cand_blocks is None and not topk & (topk - 1):
         return stream_topk(q, weights, index_keys, visible, topk, bf16_scores)
     if cand_blocks is None:
-        for t0, t1 in _chunks(q.shape[0], 4 * n, max_scratch_bytes):
+        for t0, t1 in _chunks(q.shape[0], SELECT_BYTES * n, max_scratch_bytes):
             s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
             out[t0:t1] = _select(s, topk)
         return out
     cand = cand_blocks.to(torch.int32)
     ncols = cand.shape[1] * block_size
-    for t0, t1 in _chunks(q.shape[0], 8 * ncols, max_scratch_bytes):
+    for t0, t1 in _chunks(q.shape[0], (SELECT_BYTES + 4) * ncols, max_scratch_bytes):
         c = cand[t0:t1, :, None]
         ids = torch.where(c >= 0, c * block_size + torch.arange(block_size, device=c.device, dtype=c.dtype), -1)
         ids = ids.flatten(1).contiguous()  # [t, NB*bs] entry ids of the candidate blocks (-1: none)
@@ -278,7 +300,7 @@ def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.
     nb = cdiv(n, block_size)
     idx = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
     blocks = torch.empty(q.shape[0], num_blocks, dtype=torch.int32, device=q.device)
-    for t0, t1 in _chunks(q.shape[0], 4 * n, max_scratch_bytes):
+    for t0, t1 in _chunks(q.shape[0], SELECT_BYTES * n, max_scratch_bytes):
         s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
         idx[t0:t1] = _select(s, topk)
         padded = torch.nn.functional.pad(s, (0, nb * block_size - n), value=float("-inf"))
@@ -298,7 +320,7 @@ def indexer_candidates_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: to
     out = torch.empty(q.shape[0], num_blocks, dtype=torch.int32, device=q.device)
     if 128 % block_size:
         raise ValueError(f"indexer_candidates_mx: block_size={block_size} must divide 128")
-    for t0, t1 in _chunks(q.shape[0], 4 * nb, max_scratch_bytes):
+    for t0, t1 in _chunks(q.shape[0], SELECT_BYTES * nb, max_scratch_bytes):
         s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], nb, bs=block_size, blockmax=True,
                     bf16=bf16_scores)
         out[t0:t1] = _pin_and_select(s, visible[t0:t1], num_blocks, block_size)

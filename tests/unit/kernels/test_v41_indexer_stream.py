@@ -64,3 +64,21 @@ def test_the_registry_paths_stream_without_a_score_matrix(monkeypatch):
     idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, 16, nb, bs, True)
     assert torch.equal(idx.long(), want)
     assert torch.equal(blocks, want_blocks)
+
+
+def test_the_chunk_selection_breaks_ties_to_the_lower_id():
+    """The selection of a written score chunk (candidate lists, block scores) is the model's: heavy ties
+    (two-decimal scores), -0.0 against 0.0, -inf entries never chosen, rows with fewer than k finite."""
+    g = torch.Generator().manual_seed(1)
+    s = (torch.randn(6, 300, generator=g) * 4).round() / 4
+    s[s == 0] = -0.0
+    s[0, ::2] = 0.0
+    s[1, 5:] = float("-inf")
+    s[2, 0] = float("inf")
+    got = indexer_mx._select(s, 32)
+    k = 32
+    ids = topk_ids(s, k)
+    ids = torch.where(s.gather(1, ids) > float("-inf"), ids, torch.iinfo(torch.int32).max).sort(1).values
+    want = torch.where(ids == torch.iinfo(torch.int32).max, -1, ids)
+    assert torch.equal(got.long(), want)
+    assert int((got[1] >= 0).sum()) == 5
