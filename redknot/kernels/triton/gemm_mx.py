@@ -17,6 +17,10 @@ A second MMA mode computes the same products another way: both operands are deco
 bf16 with their scales folded in (an e4m3 or e2m1 value times a power of two is exact in bf16), and one
 bf16 MMA per 64/128-deep K step accumulates in place, so no scaling sits between MMAs. The tuner
 measures both per problem class and keeps the faster (``MxGemmConfig.mma``).
+
+``linear_mx`` and ``moe_mx`` run this kernel only as ``path="fused"``; by default they choose by size
+between split-K weight streams (``splitk_mx.py``, decode) and exact bf16 decoding with library GEMMs
+(``dequant_mx.py``, ``moe_mx.py``, prefill), which keep the scales out of the MMA loop altogether.
 """
 from __future__ import annotations
 
