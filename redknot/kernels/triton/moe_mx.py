@@ -42,13 +42,14 @@ class MoePlan:
     block_n: int = 128
     block_k: int = 128
     num_warps: int = 8
+    swap: bool = False  # the decoded weight tile as the MMA's first operand (it never leaves registers)
 
 
 # Measured per token-count class on the first call (the first plan off the GPU or under graph capture).
 # The tiled shapes compile for sm90 without register spills (two fp32 accumulators, decoded FP4 tiles).
 PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
-    MoePlan("grouped"), MoePlan("tiled", 64, 128, 64, 8), MoePlan("tiled", 128, 64, 64, 8),
-    MoePlan("tiled", 64, 128, 128, 8), MoePlan("tiled", 128, 128, 32, 8),
+    MoePlan("grouped"), MoePlan("tiled", 64, 128, 64, 8, True), MoePlan("tiled", 128, 128, 64, 8, True),
+    MoePlan("tiled", 128, 64, 64, 8),
 ])
 
 
@@ -83,7 +84,7 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
         launch = dict(block_m=ROW_TILE)
     else:
         launch = dict(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k, num_warps=plan.num_warps,
-                      splits=1)
+                      splits=1, swap=plan.swap)
     tiles = tile_map(offs, launch["block_m"], M)  # one map for both GEMMs
     xq = qdq_bf16(x, split=True)  # [2, T, D/2] even / odd columns
     p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows, offs=offs, w3=w3, ws3=w3_scale, tiles=tiles,

@@ -56,11 +56,22 @@ def _fp4_tile(b_ptr, sb_ptr, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N:
 
 
 @triton.jit
+def _mma(a, w, acc, SWAP: tl.constexpr):
+    """acc + a · wᵀ ([BM, BK] x [BN, BK]); SWAP: the transposed product w · aᵀ into acc [BN, BM]."""
+    if SWAP:
+        out = tl.dot(w, tl.trans(a), acc)
+    else:
+        out = tl.dot(a, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
 def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
                tile_group_ptr, tile_row_ptr, tile_end_ptr, M, N, K, KSPLIT,
                stride_am, stride_ah, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
                W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
-               DUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               DUAL: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     """K and KSPLIT are multiples of BLOCK_K (the host picks BLOCK_K so): no K masks in the loop, so the
     weight rows load as full 16-byte vectors."""
     pid_m = tl.program_id(0)
@@ -90,8 +101,12 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
         sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
         k_lo = pid_s * KSPLIT
         k_hi = tl.minimum(K, k_lo + KSPLIT)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SWAP:  # weights as the MMA's first operand (decoded in registers), rows as its second
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k_step in range(k_lo, k_hi, BLOCK_K):
             k0 = tl.multiple_of(k_step, BLOCK_K)
             gs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -102,12 +117,12 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
                 ao = tl.load(a_ptr + stride_ah + arow[:, None] * stride_am + kh[None, :], mask=rmask[:, None],
                              other=0.0)
                 wlo, whi = _fp4_tile(bg, sbg, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N, BLOCK_K)
-                acc = tl.dot(ae, tl.trans(wlo), acc)
-                acc = tl.dot(ao, tl.trans(whi), acc)
+                acc = _mma(ae, wlo, acc, SWAP)
+                acc = _mma(ao, whi, acc, SWAP)
                 if DUAL:
                     w3lo, w3hi = _fp4_tile(b3g, sb3g, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N, BLOCK_K)
-                    acc3 = tl.dot(ae, tl.trans(w3lo), acc3)
-                    acc3 = tl.dot(ao, tl.trans(w3hi), acc3)
+                    acc3 = _mma(ae, w3lo, acc3, SWAP)
+                    acc3 = _mma(ao, w3hi, acc3, SWAP)
             else:  # FP8 weight, E8M0 per WB x WB tile
                 kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
                 a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
@@ -116,7 +131,10 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
                             mask=cmask[:, None], other=127)
                 w = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * e8m0_decode(s)[:, :, None],
                                (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
-                acc = tl.dot(a, tl.trans(w), acc)
+                acc = _mma(a, w, acc, SWAP)
+        if SWAP:
+            acc = tl.trans(acc)
+            acc3 = tl.trans(acc3)
         out = pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
         omask = rmask[:, None] & cmask[None, :]
         tl.store(p_ptr + out, acc, mask=omask)
@@ -181,7 +199,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
               rowid: Optional[torch.Tensor] = None, offs: Optional[torch.Tensor] = None,
               w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_m: int = ROW_TILE,
               block_n: int = 64, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
-              tiles=None):
+              tiles=None, swap: bool = False):
     """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
 
     a: bf16 QDQ'd activations, [R, K] (FP8 weight) or de-interleaved [2, R, K/2] (MXFP4 weight); the
@@ -217,7 +235,8 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     _splitk_mm[(n_tiles, cdiv(N, block_n), S)](
         a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
         a_m, a_h, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
-        W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, BLOCK_M=bm, BLOCK_N=block_n,
+        W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, SWAP=swap, BLOCK_M=bm,
+        BLOCK_N=block_n,
         BLOCK_K=bk, num_warps=num_warps, num_stages=3)
     return (p, p3) if dual else p
 

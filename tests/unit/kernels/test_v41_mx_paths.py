@@ -89,6 +89,17 @@ def test_linear_paths_match_reference(path, block, rows, kernel_device):
     assert _rel(out, ref_v41.linear_mx(x, w, ws, block)) <= 1e-2
 
 
+@pytest.mark.parametrize("block_m,swap", [(16, True), (32, False), (32, True)])
+def test_splitk_launch_shapes_match_reference(block_m, swap, kernel_device):
+    """Row tiles and the swapped MMA (weights as the first operand) compute the same linear."""
+    g = torch.Generator(device=kernel_device).manual_seed(block_m)
+    w, ws = mx.quant_fp8_blocks(torch.randn(96, 256, generator=g, device=kernel_device) * 0.02, 32)
+    x = torch.randn(21, 256, generator=g, device=kernel_device).to(torch.bfloat16)
+    p = splitk_mx.splitk_mm(dequant_mx.qdq_bf16(x), w, ws, 21, w_fp4=False, block_m=block_m, swap=swap)
+    out = splitk_mx.reduce_rows(p, torch.empty(21, 96, dtype=torch.bfloat16, device=kernel_device))
+    assert _rel(out, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
+
+
 def test_linear_dequant_path_in_weight_chunks(kernel_device, monkeypatch):
     monkeypatch.setattr(gemm_mx, "DEQUANT_MAX_ELEMS", 64 * 256)  # 64 rows per chunk of a [200, 256] weight
     g = torch.Generator(device=kernel_device).manual_seed(9)
