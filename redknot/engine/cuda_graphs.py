@@ -11,6 +11,13 @@ tensors, with shapes fixed by the graph's block-table width
 the host) leaves decode eager with the reason reported; the first replay of
 every batch size is checked against an eager run, so a wrong replay is never
 served.
+
+Recording sits behind a small interface (``capture(fn, pool) -> CapturedStep``):
+:class:`CudaGraphCapture` records a CUDA graph; :class:`HostGraphCapture` is its
+stand-in on a device without graphs (tests), which replays the recorded ATen ops
+rather than the callable's Python, so a step that reads anything but its static
+buffers fails there as it would on a GPU. DSpark's variable-length verify steps use
+it through :class:`redknot.speculative.varlen.VerifyGraphs`.
 """
 from __future__ import annotations
 
