@@ -253,8 +253,11 @@ def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, sp
     keys are gathered one sequence after the other, each padded to whole candidate blocks, and each
     row may only pick from its own sequence's blocks (the op's candidate-block list: the blocks it
     read from the candidate source, or all of its sequence's blocks) below its own visibility bound;
-    the picked ids are shifted back. The candidate source (its op takes no block list) and longer
-    spans run one launch each."""
+    the picked ids are shifted back. The candidate source shares the launch for its top-k when no
+    short span has more blocks than it keeps (``candidate_topk_blocks``; below 16,384 entries on
+    V4.1-Flash): its candidates are then every block holding a visible entry, which is what the
+    selection returns (each such block has a finite max or is pinned). Otherwise, and for longer
+    spans, one launch per span (``indexer_source_mx`` on the candidate source)."""
     ops = ops_of(layer.w)
     cfg = layer.cfg
     r = layer.ratio
@@ -265,6 +268,9 @@ def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, sp
     blocks = None
     if is_cand:
         blocks = torch.full((q.shape[0], cfg.candidate_topk_blocks), -1, dtype=torch.int32, device=dev)
+    short = [sp for sp in spans if 0 < sp.n <= SMALL_SPAN and sp.end // r]
+    share_cand = is_cand and len(short) > 1 and all(
+        -(-(sp.end // r) // cfg.candidate_block_size) <= cfg.candidate_topk_blocks for sp in short)
     batches = {}   # owner -> lists of spans sharing a launch
     for sp in spans:
         n = sp.end // r
@@ -274,7 +280,7 @@ def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, sp
         if (layer.index_keys == "shipped" and sp.n == 1 and r == 2 and cfg.is_kv_source(layer.layer)
                 and (sp.ctx + 1) % r != 0 and last_src != layer.layer):
             owner = last_src   # the shipped reference scores the last published keys (§5.2)
-        if is_cand or sp.n > SMALL_SPAN:
+        if (is_cand and not share_cand) or sp.n > SMALL_SPAN:
             _index_one(layer, ops, q, wts, pos, sp, state.sources[owner], state, slots, topk, blocks)
             continue
         groups = batches.setdefault(owner, [[]])
@@ -287,7 +293,7 @@ def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, sp
             if len(group) == 1:
                 _index_one(layer, ops, q, wts, pos, group[0], state.sources[owner], state, slots, topk, blocks)
             else:
-                _index_many(layer, ops, q, wts, pos, group, state.sources[owner], state, slots, topk)
+                _index_many(layer, ops, q, wts, pos, group, state.sources[owner], state, slots, topk, blocks)
     if is_cand:
         slots.cand_blocks = blocks
 
@@ -314,8 +320,9 @@ def _index_one(layer, ops, q, wts, pos, sp, src, state, slots, topk, blocks) -> 
     topk[rows] = sel.long()
 
 
-def _index_many(layer, ops, q, wts, pos, group, src, state, slots, topk) -> None:
-    """One ``indexer_topk_mx`` launch for the rows of several short spans (see :func:`index_spans`)."""
+def _index_many(layer, ops, q, wts, pos, group, src, state, slots, topk, blocks=None) -> None:
+    """One ``indexer_topk_mx`` launch for the rows of several short spans (see :func:`index_spans`);
+    ``blocks``: the candidate source's published blocks, every block holding a visible entry."""
     cfg = layer.cfg
     r = layer.ratio
     bs = cfg.candidate_block_size
@@ -344,3 +351,7 @@ def _index_many(layer, ops, q, wts, pos, group, src, state, slots, topk) -> None
     sel = ops.indexer_topk_mx(q[rows], wts[rows], keys, visible, cfg.index_topk, cand, bs,
                               layer.num.act_quant).long()
     topk[rows] = torch.where(sel >= 0, sel - first[:, None], -1)
+    if blocks is not None:
+        b = torch.arange(blocks.shape[1], device=dev)[None]
+        held = (visible - first + bs - 1) // bs                                  # blocks with a visible entry
+        blocks[rows] = torch.where(b < held[:, None], b, -1).to(torch.int32)

@@ -45,7 +45,8 @@ class Many:
         self.lens = [0] * n
 
     def step(self, chunks):
-        """chunks: {sequence: ids}, one step -> (pre-head rows [T, D], {layer: selections [T, K]})."""
+        """chunks: {sequence: ids}, one step -> (pre-head rows [T, D], {layer: selections [T, K]}, plus the
+        candidate blocks on the routed path)."""
         seqs = sorted(chunks)
         meta = StepMetadata.build([list(chunks[s]) for s in seqs], [self.lens[s] for s in seqs],
                                   [s + 1 for s in seqs], [self.blocks[s] for s in seqs],
@@ -53,7 +54,11 @@ class Many:
         x = self.model.forward(meta, self.state)
         for s in seqs:
             self.lens[s] += len(chunks[s])
-        return x, {k: v.clone() for k, v in self.model.last_slots.record.items()}
+        slots = self.model.last_slots
+        out = {k: v.clone() for k, v in slots.record.items()}
+        if slots.cand_blocks is not None:   # the routed path's published candidate blocks
+            out["candidate blocks"] = slots.cand_blocks.clone()
+        return x, out
 
 
 def _model(routed: bool):
@@ -65,9 +70,9 @@ def _model(routed: bool):
                        Numerics("bf16", torch.float64), ops=ops)
 
 
-def _prefilled(model):
-    many = Many(model, len(PROMPTS))
-    for s, n in enumerate(PROMPTS):
+def _prefilled(model, prompts=PROMPTS):
+    many = Many(model, len(prompts))
+    for s, n in enumerate(prompts):
         many.step({s: v41util.tokens(n, seed=s)})
     return many
 
@@ -82,9 +87,9 @@ def _same_state(a, b) -> None:
             assert torch.equal(x, y)
 
 
-def _check(model, steps):
+def _check(model, steps, prompts=PROMPTS):
     """Run ``steps`` (lists of {sequence: ids}) batched on one copy and one sequence at a time on another."""
-    batched = _prefilled(model)
+    batched = _prefilled(model, prompts)
     single = copy.deepcopy(batched)
     single.model = batched.model
     for chunks in steps:
@@ -124,11 +129,13 @@ def test_a_mixed_step_equals_one_sequence_at_a_time(model):
     _check(model, steps)
 
 
-def test_the_indexer_shares_one_launch_across_short_spans(monkeypatch):
-    """The routed decode step makes one ``indexer_topk_mx`` call per index source that is not the
-    candidate source, and one cache insert per cache and layer, whatever the batch."""
-    model = _model(True)
-    many = _prefilled(model)
+def test_short_contexts_share_the_candidate_source_launch(model):
+    """Contexts within the candidate coverage (3 blocks x 4 entries): the candidate source's top-k shares
+    the launch and publishes every block with a visible entry, as its op would."""
+    _check(model, [{s: [60 + 3 * i + s] for s in range(3)} for i in range(2)], prompts=(2, 5, 9))
+
+
+def _counted_calls(model, monkeypatch):
     calls = {}
     for op in ("indexer_topk_mx", "indexer_source_mx", "cache_insert_mx", "sparse_attention_mx"):
         impl = getattr(model.ops, op)
@@ -137,6 +144,15 @@ def test_the_indexer_shares_one_launch_across_short_spans(monkeypatch):
             calls[_op] = calls.get(_op, 0) + 1
             return _impl(*a, **kw)
         monkeypatch.setattr(model.ops, op, counted)
+    return calls
+
+
+def test_the_indexer_shares_one_launch_across_short_spans(monkeypatch):
+    """The routed decode step makes one ``indexer_topk_mx`` call per index source that is not the
+    candidate source, and one cache insert per cache and layer, whatever the batch."""
+    model = _model(True)
+    many = _prefilled(model)
+    calls = _counted_calls(model, monkeypatch)
     many.step({s: [40 + s] for s in range(len(PROMPTS))})
     cfg = model.cfg
     cand = cfg.candidate_source_layer
@@ -145,3 +161,7 @@ def test_the_indexer_shares_one_launch_across_short_spans(monkeypatch):
     assert calls["sparse_attention_mx"] == cfg.n_layers
     # window: one per layer; kv sources: index keys + entries, when a group completes somewhere
     assert cfg.n_layers <= calls["cache_insert_mx"] <= cfg.n_layers + 2 * len(cfg.kv_source_layers)
+    short = _prefilled(model, (2, 5, 9))
+    calls.clear()
+    short.step({s: [40 + s] for s in range(3)})
+    assert calls["indexer_topk_mx"] == len(cfg.index_source_layers) and "indexer_source_mx" not in calls
