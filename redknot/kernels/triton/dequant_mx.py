@@ -25,6 +25,11 @@ from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte storage tensor (E8M0 scales, packed FP4 as int8 / float4 pairs) viewed as uint8."""
+    return t if t.dtype in (torch.uint8, torch.float8_e4m3fn) else t.view(torch.uint8)
+
+
 @triton.jit
 def fp8_qdq_groups(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 [BM, BK] -> the per-32 FP8 QDQ values (fp32, exact in bf16), the ``mx_formats`` scale rule."""
@@ -112,7 +117,7 @@ def dequant_fp8_bf16(w: torch.Tensor, ws: torch.Tensor, block: int, n0: int = 0,
     if n1 > n0:
         bn, bk = 32, 256
         _dequant_fp8[(cdiv(n1 - n0, bn), cdiv(K, bk))](
-            w, ws.view(torch.uint8), out, n1, K, n0, w.stride(0), ws.stride(0), out.stride(0), WB=block,
+            w, as_bytes(ws), out, n1, K, n0, w.stride(0), ws.stride(0), out.stride(0), WB=block,
             BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return out
 
@@ -142,6 +147,7 @@ def dequant_fp4_bf16(w: torch.Tensor, ws: torch.Tensor, e0: int, e1: int, out: t
     (``out`` may be a column-offset view, e.g. the W3 half of a stacked W1 | W3 buffer)."""
     E, N, KH = w.shape
     K = 2 * KH
+    w, ws = as_bytes(w), as_bytes(ws)
     if e1 > e0:
         bn, bk = 16, 256
         _dequant_fp4[(e1 - e0, cdiv(N, bn), cdiv(K, bk))](

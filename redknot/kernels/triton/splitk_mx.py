@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv, next_pow2
-from redknot.kernels.triton.dequant_mx import chunk_bounds, e2m1_scaled, fp8_qdq_groups, store_split
+from redknot.kernels.triton.dequant_mx import as_bytes, chunk_bounds, e2m1_scaled, fp8_qdq_groups, store_split
 from redknot.kernels.triton.quant_mx import e8m0_decode
 
 # Programs a split-K launch aims for (an H200 has 132 SMs; a few waves hide the load latency).
@@ -207,8 +207,9 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group ends; ``tiles``: its
     ``tile_map`` for ``block_m``, when the caller shares one between launches)."""
     grouped = offs is not None
+    w, ws = as_bytes(w), as_bytes(ws)
     w3d = w if grouped else w.unsqueeze(0)
-    s3d = (ws if grouped else ws.unsqueeze(0)).view(torch.uint8)
+    s3d = ws if grouped else ws.unsqueeze(0)
     N = w3d.shape[1]
     K = w3d.shape[2] * (2 if w_fp4 else 1)
     if K % 32:
@@ -230,8 +231,8 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
         tg = tr = te = p  # unused
     a_h = a.stride(0) if w_fp4 else 0
     a_m = a.stride(-2)
-    w3g = w3 if dual else w3d
-    s3g = ws3.view(torch.uint8) if dual else s3d
+    w3g = as_bytes(w3) if dual else w3d
+    s3g = as_bytes(ws3) if dual else s3d
     _splitk_mm[(n_tiles, cdiv(N, block_n), S)](
         a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
         a_m, a_h, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),

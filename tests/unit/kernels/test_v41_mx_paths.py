@@ -153,3 +153,17 @@ def test_moe_paths_detect_a_wrong_weight(kernel_device):
     swapped = ((w2 >> 4) | (w2 << 4)).to(torch.uint8)
     for path in ("splitk", "grouped", "tiled", "prefill"):
         assert _rel(gemm_mx.moe_mx(x, idx, wt, w1, s1, w3, s3, swapped, s2, 10.0, path=path), want) > 0.1
+
+
+def test_stored_dtypes_are_read_as_bytes(kernel_device):
+    """Scales as ``float8_e8m0fnu`` and packed FP4 as int8 (how checkpoints may type them) give the same result."""
+    x, idx, wt, w = moe_inputs(TOY_V41, kernel_device, seed=12, tokens=5)
+    typed = [t.view(torch.int8) if i % 2 == 0 else t.view(torch.float8_e8m0fnu) for i, t in enumerate(w)]
+    for path in ("splitk", "grouped"):
+        assert torch.equal(gemm_mx.moe_mx(x, idx, wt, *typed, 10.0, path=path),
+                           gemm_mx.moe_mx(x, idx, wt, *w, 10.0, path=path))
+    wf, ws = mx.quant_fp8_blocks(torch.randn(64, 128, device=kernel_device) * 0.02, 32)
+    xl = torch.randn(3, 128, device=kernel_device).to(torch.bfloat16)
+    for path in ("splitk", "dequant"):
+        assert torch.equal(gemm_mx.linear_mx(xl, wf, ws.view(torch.float8_e8m0fnu), 32, path=path),
+                           gemm_mx.linear_mx(xl, wf, ws, 32, path=path))
