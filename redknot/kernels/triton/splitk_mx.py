@@ -36,9 +36,10 @@ from redknot.kernels.triton.quant_mx import e8m0_decode
 # Programs a split-K launch aims for (an H200 has 132 SMs; a few waves hide the load latency).
 TARGET_PROGRAMS = 4 * 132
 ROW_TILE = 16  # rows per program: the smallest MMA tile, fixed so that results are batch-invariant
-# Above this many output rows one K slice runs (the partials would outgrow the output; row tiles alone
-# fill the device). Up to it the slice count depends on the weight shape only.
-SPLIT_MAX_ROWS = 8192
+# Above this many output rows one K slice runs (row tiles alone fill the device, and the partials would
+# cost more traffic than they save). Up to it the slice count depends on the weight shape only: decode
+# batches (MoE up to 341 tokens at top-6, every dense linear on the split-K path) are batch-invariant.
+SPLIT_MAX_ROWS = 2048
 
 
 @triton.jit
