@@ -109,6 +109,7 @@ class VerifyGraphs:
         self.checks: Dict[int, str] = {}      # tier -> outcome of its first replay against eager
         self.num_replays = 0
         self.disabled_reason: Optional[str] = None
+        self.capture_note = ""                # tiers left out after a failed capture
         model = runner.model
         kernels = getattr(runner, "kernels", None)
         host_ops = sorted(op for op, b in kernels.choice.items() if b == "batch_invariant") if kernels else []
@@ -128,7 +129,8 @@ class VerifyGraphs:
             return f"off: {self.disabled_reason}"
         if not self.graphs:
             return "off: not captured yet; verify steps run eagerly"
-        return f"on: verify steps in CUDA graphs, total-token tiers {self.tiers}"
+        note = f"; {self.capture_note}" if self.capture_note else ""
+        return f"on: verify steps in CUDA graphs, total-token tiers {self.tiers}{note}"
 
     def requests_of(self, tier: int) -> int:
         """Requests a tier's graph holds (the unused ones have no rows)."""
@@ -171,8 +173,9 @@ class VerifyGraphs:
         return step
 
     def capture(self, tiers: Optional[Sequence[int]] = None) -> None:
-        """One graph per tier (``tiers``: a subset, e.g. a benchmark's; default all), largest first
-        (smaller ones reuse its memory), in the runner's pool."""
+        """One graph per tier (``tiers``: a subset, e.g. a benchmark's; default all) in the runner's
+        shared pool, smallest first: a tier whose capture fails (an op that reads the device on the
+        host, memory) keeps the smaller tiers in graphs and sends larger steps to the eager path."""
         if self.disabled_reason is not None:
             log.warning("verify graphs: %s", self.disabled_reason)
             return
@@ -184,16 +187,23 @@ class VerifyGraphs:
         self._allocate()
         self._pad(0, 0)
         pool = getattr(self.runner, "graph_pool", None)
-        try:
-            for tier in reversed(self.tiers):
+        for tier in self.tiers:
+            try:
                 got = self.capturer.capture(self._step_fn(tier), pool)
-                pool = got.pool
-                self.graphs[tier] = got
-            self.runner.graph_pool = pool
-        except RuntimeError as exc:
-            self.graphs.clear()
-            self.disabled_reason = f"capture failed ({str(exc).splitlines()[0]}); verify steps run eagerly"
-            log.warning("verify graphs: %s", self.disabled_reason)
+            except RuntimeError as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                if not self.graphs:
+                    self.disabled_reason = f"capture failed ({reason}); verify steps run eagerly"
+                    log.warning("verify graphs: %s", self.disabled_reason)
+                    return
+                self.capture_note = (f"steps above {max(self.graphs)} tokens run eagerly: the capture of tier "
+                                     f"{tier} failed ({reason})")
+                log.warning("verify graphs: %s", self.capture_note)
+                self.tiers = sorted(self.graphs)
+                break
+            pool = got.pool
+            self.graphs[tier] = got
+        self.runner.graph_pool = pool
 
     # ------------------------------------------------------------------ replay
     def can_run(self, inputs) -> bool:

@@ -272,6 +272,41 @@ def test_first_replay_check_serves_eager_and_catches_a_stale_replay(v41):
         runner.verify_graphs = None
 
 
+class _FailingCapture(HostGraphCapture):
+    """The host stand-in, refusing its ``fail_at``-th capture (as a CUDA capture refuses a host read)."""
+
+    def __init__(self, fail_at: int):
+        self.fail_at, self.calls = fail_at, 0
+
+    def capture(self, fn, pool=None):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(fn, pool)
+
+
+def test_a_failed_tier_keeps_the_smaller_tiers(v41):
+    """Tiers are captured smallest first; the one that fails and those above it are left to the eager
+    path (the status says so), the smaller ones replay; a failure of the first tier turns graphs off."""
+    llm = v41(True)
+    runner = llm.runner
+    runner.graph_max_len = 256
+    try:
+        graphs = runner.use_verify_graphs(_FailingCapture(fail_at=6))   # tiers 1 2 3 4 6 | 8 fails
+        graphs.capture()
+        assert sorted(graphs.graphs) == graphs.tiers == [1, 2, 3, 4, 6]
+        assert graphs.status.endswith("steps above 6 tokens run eagerly: the capture of tier 8 failed "
+                                      "(operation not permitted when stream is capturing)"), graphs.status
+        reqs = Requests(llm, prompts=[10, 8, 14, 5], seed=7)
+        assert graphs.can_run(reqs.inputs([0, 1], [3, 3]))
+        assert not graphs.can_run(reqs.inputs([0, 1], [4, 3]))
+        off = runner.use_verify_graphs(_FailingCapture(fail_at=1))
+        off.capture()
+        assert off.status.startswith("off: capture failed (operation not permitted"), off.status
+    finally:
+        runner.verify_graphs = None
+
+
 # ---------------------------------------------------------------------- through the engine
 def _oracle(prompts, ref):
     """Draft hook: the plain run's tokens at the drafted positions, every third position wrong."""
