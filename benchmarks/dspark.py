@@ -398,10 +398,10 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
         for q in range(1, g + 2):
             inputs = bench.inputs(b, q)
             row[f"verify_eager_ms_q{q}"] = timed_ms(device, lambda: bench.eager_forward(inputs), eager_repeats, 1)
-            tier = tier_for(b * q, graphs.tiers)
-            if not graphs.can_run(inputs):   # capture failed: the status says why
+            if not graphs.can_run(inputs):   # capture failed (for this tier): the status says why
                 row[f"verify_graph_q{q}"] = graphs.status
                 continue
+            tier = tier_for(b * q, graphs.tiers)
             if tier not in graphs.checks:
                 graphs.run(inputs)                    # the first replay of the tier: checked against eager
                 if graphs.disabled_reason is not None:   # a mismatch: reported, and the other tiers still run
