@@ -61,13 +61,13 @@ class Many:
         return x, out
 
 
-def _model(routed: bool):
+def _model(routed: bool, device="cpu"):
     cfg = v41util.test_config()
-    tensors = v41util.random_weights(cfg, 0)
+    tensors = {k: v.to(device) for k, v in v41util.random_weights(cfg, 0).items()}
     tmap = v41util.token_map_for(cfg)
     ops = V41Ops(KernelSet(default="reference"), route_all=True) if routed else None
-    return DeepseekV41(cfg, Weights(dict(tensors), torch.float64, keep=True), tmap, int(tmap[cfg.engram_pad_id]),
-                       Numerics("bf16", torch.float64), ops=ops)
+    return DeepseekV41(cfg, Weights(tensors, torch.float64, keep=True), tmap, int(tmap[cfg.engram_pad_id]),
+                       Numerics("bf16", torch.float64), device=device, ops=ops)
 
 
 def _prefilled(model, prompts=PROMPTS):
@@ -165,3 +165,18 @@ def test_the_indexer_shares_one_launch_across_short_spans(monkeypatch):
     calls.clear()
     short.step({s: [40 + s] for s in range(3)})
     assert calls["indexer_topk_mx"] == len(cfg.index_source_layers) and "indexer_source_mx" not in calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routed", [False, True])
+def test_batched_steps_on_cuda(routed, monkeypatch):
+    """The same on a CUDA device (per-step index tensors through pinned memory, no host sync)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if routed:
+        from redknot.kernels import ref_v41
+
+        monkeypatch.setattr(ref_v41, "_select", _select_lower_first)
+    model = _model(routed, "cuda")
+    _check(model, [{s: [100 + 7 * i + s] for s in range(len(PROMPTS))} for i in range(3)])
+    _check(model, [{0: v41util.tokens(SMALL_SPAN + 4, seed=9), 1: [5], 2: [6], 3: [7, 8, 9]}])
