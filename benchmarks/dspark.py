@@ -226,15 +226,24 @@ def v41_random_tensors(cfg, device):
 
     from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, FP4, FP8, checkpoint_spec
 
+    import re
+
     g = torch.Generator(device=device).manual_seed(0)
     main: Dict[str, torch.Tensor] = {}
     draft: Dict[str, torch.Tensor] = {}
+    stacks: Dict[str, torch.Tensor] = {}
     for spec in checkpoint_spec(cfg, include_draft=True):
         out, shape, name = (draft if spec.draft else main), spec.shape, spec.name
-        if spec.kind == FP4:
-            out[name] = torch.randint(0, 256, spec.stored_shape, generator=g, device=device, dtype=torch.uint8)
-            e = 127 - round(math.log2(2.9 * math.sqrt(shape[-1])))
-            out[spec.scale_name] = torch.full(spec.scale_shape, e, dtype=torch.uint8, device=device)
+        if spec.kind == FP4:   # each layer's experts back to back in one stack (the grouped kernel's view)
+            key = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
+            if key not in stacks:
+                n = cfg.dspark_n_routed_experts if spec.draft else cfg.n_routed_experts
+                stacks[key] = torch.randint(0, 256, (n, *spec.stored_shape), generator=g, device=device,
+                                            dtype=torch.uint8)
+                e = 127 - round(math.log2(2.9 * math.sqrt(shape[-1])))
+                stacks[key + "s"] = torch.full((n, *spec.scale_shape), e, dtype=torch.uint8, device=device)
+            out[name] = stacks[key][spec.expert]
+            out[spec.scale_name] = stacks[key + "s"][spec.expert]
         elif spec.kind in (FP8, ENGRAM):
             std = shape[-1] ** -0.5 if spec.kind == FP8 else 1.0
             out[name] = (torch.randn(shape, generator=g, device=device) * std).to(torch.float8_e4m3fn)
@@ -396,6 +405,9 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
     for b in batches:
         row: Dict = {"batch": b, "draft_ms": timed_ms(device, lambda: bench.draft_step(b), repeats)}
         for q in range(1, g + 2):
+            if time.perf_counter() - t_start > args.budget_s:
+                row[f"verify_q{q}"] = f"skipped: past --budget-s {args.budget_s:g}"
+                continue
             inputs = bench.inputs(b, q)
             row[f"verify_eager_ms_q{q}"] = timed_ms(device, lambda: bench.eager_forward(inputs), eager_repeats, 1)
             if not graphs.can_run(inputs):   # capture failed (for this tier): the status says why
@@ -469,6 +481,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=None, help="prefilled tokens per request (4096; smoke 300/40)")
     ap.add_argument("--kernels", default=None, help="kernel backend (cuda: triton, cpu: reference)")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="--model v41: verify cases starting after this many seconds are skipped (and listed)")
     ap.add_argument("--block-attention", default=FeaturesConfig().dspark.block_attention,
                     help="features.dspark.block_attention of the drafts (bidirectional | causal)")
     args = ap.parse_args()
