@@ -20,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-from redknot.kernels.triton._common import ConfigTuner, next_pow2
+from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, qdq_bf16
 from redknot.kernels.triton.splitk_mx import ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm, tile_map
 
@@ -53,16 +55,67 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
 ])
 
 
+# Pairs (T·k) up to which one routing kernel replaces the sort and its companions (decode batches).
+ROUTE_KERNEL_MAX_PAIRS = 8192
+
+
+@triton.jit
+def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, M, E, TOPK: tl.constexpr,
+                  BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Stable expert order without a sort: the sorted position of pair i is the number of pairs with a
+    smaller expert id, plus those with the same id and a smaller index. Programs also count the pairs
+    with id <= e for their slice of experts (the per-expert ends)."""
+    pid = tl.program_id(0)
+    if pid * BLOCK_I < M:
+        i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+        im = i < M
+        idi = tl.load(ids_ptr + i, mask=im, other=0).to(tl.int32)
+        pos = tl.zeros([BLOCK_I], tl.int32)
+        for j0 in range(0, M, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            jm = j < M
+            idj = tl.load(ids_ptr + j, mask=jm, other=0).to(tl.int32)
+            before = (idj[None, :] < idi[:, None]) | ((idj[None, :] == idi[:, None]) & (j[None, :] < i[:, None]))
+            pos += tl.sum((before & jm[None, :]).to(tl.int32), 1)
+        tl.store(inv_ptr + i, pos, mask=im)
+        tl.store(rows_ptr + pos, i // TOPK, mask=im)
+        tl.store(wt_ptr + pos, tl.load(w_ptr + i, mask=im, other=0.0).to(tl.float32), mask=im)
+    if pid * BLOCK_E < E:
+        e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+        cnt = tl.zeros([BLOCK_E], tl.int32)
+        for j0 in range(0, M, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            jm = j < M
+            idj = tl.load(ids_ptr + j, mask=jm, other=0).to(tl.int32)
+            cnt += tl.sum(((idj[None, :] <= e[:, None]) & jm[None, :]).to(tl.int32), 1)
+        tl.store(offs_ptr + e, cnt, mask=e < E)
+
+
 def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: int):
     """(token row of each expert-sorted pair int32, sorted position of each pair int32, per-expert ends
-    int32, routing weight per sorted pair fp32); stable order, no host sync."""
+    int32, routing weight per sorted pair fp32); stable order, no host sync. Up to
+    ``ROUTE_KERNEL_MAX_PAIRS`` pairs one kernel, above it a sort."""
     flat = topk_idx.reshape(-1)
+    M = flat.numel()
+    dev = flat.device
+    if M <= ROUTE_KERNEL_MAX_PAIRS:
+        w = topk_weight.reshape(-1)
+        w = w if w.is_contiguous() else w.contiguous()
+        flat = flat if flat.is_contiguous() else flat.contiguous()
+        inv = torch.empty(M, dtype=torch.int32, device=dev)
+        rows = torch.empty(M, dtype=torch.int32, device=dev)
+        wt = torch.empty(M, dtype=torch.float32, device=dev)
+        offs = torch.empty(experts, dtype=torch.int32, device=dev)
+        bi, be = 64, 64
+        grid = max(cdiv(M, bi), cdiv(experts, be))
+        _route_kernel[(grid,)](flat, w, inv, rows, wt, offs, M, experts, TOPK=topk_idx.shape[1], BLOCK_I=bi,
+                               BLOCK_J=64, BLOCK_E=be, num_warps=4)
+        return rows, inv, offs, wt
     ids, order = torch.sort(flat, stable=True)
-    inv = torch.empty(order.numel(), dtype=torch.int32, device=flat.device)
-    inv[order] = torch.arange(order.numel(), dtype=torch.int32, device=flat.device)
+    inv = torch.empty(M, dtype=torch.int32, device=dev)
+    inv[order] = torch.arange(M, dtype=torch.int32, device=dev)
     # per-expert ends straight from the sorted ids (fewer launches than counting and a prefix sum)
-    offs = torch.searchsorted(ids, torch.arange(experts, dtype=ids.dtype, device=flat.device), right=True,
-                              out_int32=True)
+    offs = torch.searchsorted(ids, torch.arange(experts, dtype=ids.dtype, device=dev), right=True, out_int32=True)
     rows = (order // topk_idx.shape[1]).to(torch.int32)
     wt = topk_weight.reshape(-1).float()[order].contiguous()
     return rows, inv, offs, wt

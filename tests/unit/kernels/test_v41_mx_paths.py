@@ -167,3 +167,20 @@ def test_stored_dtypes_are_read_as_bytes(kernel_device):
     for path in ("splitk", "dequant"):
         assert torch.equal(gemm_mx.linear_mx(xl, wf, ws.view(torch.float8_e8m0fnu), 32, path=path),
                            gemm_mx.linear_mx(xl, wf, ws, 32, path=path))
+
+
+@pytest.mark.parametrize("tokens,k,experts", [(1, 6, 384), (37, 6, 384), (9, 3, 7)])
+def test_routing_kernel_equals_the_stable_sort(tokens, k, experts, kernel_device, monkeypatch):
+    g = torch.Generator(device=kernel_device).manual_seed(tokens)
+    idx = torch.randint(0, experts, (tokens, k), generator=g, device=kernel_device)  # repeats allowed
+    w = torch.rand(tokens, k, generator=g, device=kernel_device)
+    got = moe_mx._sorted_pairs(idx, w, experts)
+    monkeypatch.setattr(moe_mx, "ROUTE_KERNEL_MAX_PAIRS", 0)
+    flat = idx.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=experts)
+    rows, inv, offs, wt = got
+    assert torch.equal(rows.long(), order // k) and torch.equal(wt, w.reshape(-1)[order])
+    assert torch.equal(inv.long()[order], torch.arange(flat.numel(), device=kernel_device))
+    assert torch.equal(offs.long(), counts.cumsum(0))
+    assert all(torch.equal(a, b) for a, b in zip(moe_mx._sorted_pairs(idx, w, experts), got))
