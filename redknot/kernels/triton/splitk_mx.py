@@ -154,9 +154,10 @@ def block_k_for(K: int, w_fp4: bool, block_k: int = 0) -> int:
 
 def split_count(N: int, K: int, block_n: int, block_k: int) -> int:
     """K slices for an [N, K] weight: enough programs for the device from the column tiles alone, each
-    slice at least 2 K steps. A function of the weight shape only (batch invariance)."""
+    slice at least 4 K steps (a program's load pipeline fills and drains once per slice). A function of
+    the weight shape only (batch invariance)."""
     n_tiles = cdiv(N, block_n)
-    return max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (2 * block_k)))
+    return max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (4 * block_k)))
 
 
 @triton.jit
