@@ -285,8 +285,9 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
                    out: torch.Tensor) -> torch.Tensor:
     from redknot.kernels.triton.dequant_mx import qdq_bf16
-    from redknot.kernels.triton.splitk_mx import reduce_rows, splitk_mm
-    p = splitk_mm(qdq_bf16(x2), weight, ws, x2.shape[0], w_fp4=False, wb=block)
+    from redknot.kernels.triton.splitk_mx import RAW_MAX_ROWS, reduce_rows, splitk_mm
+    raw = x2.shape[0] <= RAW_MAX_ROWS  # quantised inside the GEMM (the same values, one launch fewer)
+    p = splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, x2.shape[0], w_fp4=False, wb=block, raw=raw)
     return reduce_rows(p, out)
 
 

@@ -25,7 +25,8 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, qdq_bf16
-from redknot.kernels.triton.splitk_mx import ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm, tile_map
+from redknot.kernels.triton.splitk_mx import (RAW_MAX_ROWS, ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm,
+                                              tile_map)
 
 # Experts decoded to bf16 per grouped-GEMM chunk: 32 V4.1 experts are 2.26 GB of bf16 scratch.
 CHUNK_EXPERTS = 32
@@ -139,9 +140,11 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
         launch = dict(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k, num_warps=plan.num_warps,
                       splits=1, swap=plan.swap)
     tiles = tile_map(offs, launch["block_m"], M)  # one map for both GEMMs
-    xq = qdq_bf16(x, split=True)  # [2, T, D/2] even / odd columns
+    raw = plan is None and T <= RAW_MAX_ROWS  # decode: the W1 | W3 kernel quantises its x slices itself
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    xq = x if raw else qdq_bf16(x, split=True)  # else [2, T, D/2]: even / odd columns, QDQ'd
     p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows, offs=offs, w3=w3, ws3=w3_scale, tiles=tiles,
-                       **launch)
+                       raw=raw, **launch)
     act = torch.empty(2, M, inter // 2, dtype=torch.bfloat16, device=x.device)
     reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=True)
     p2 = splitk_mm(act, w2, w2_scale, M, w_fp4=True, offs=offs, tiles=tiles, **launch)

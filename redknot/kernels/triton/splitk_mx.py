@@ -31,11 +31,14 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv, next_pow2
 from redknot.kernels.triton.dequant_mx import as_bytes, chunk_bounds, e2m1_scaled, fp8_qdq_groups, store_split
-from redknot.kernels.triton.quant_mx import e8m0_decode
+from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
 
 # Programs a split-K launch aims for (an H200 has 132 SMs; a few waves hide the load latency).
 TARGET_PROGRAMS = 4 * 132
 ROW_TILE = 16  # rows per program: the smallest MMA tile, fixed so that results are batch-invariant
+# Up to this many activation rows the split-K kernel quantises its activation slices itself (one launch
+# fewer; every program repeats a few hundred values of work), above it a separate ``qdq_bf16`` pass.
+RAW_MAX_ROWS = 128
 # Above this many output rows one K slice runs (row tiles alone fill the device, and the partials would
 # cost more traffic than they save). Up to it the slice count depends on the weight shape only: decode
 # batches (MoE up to 341 tokens at top-6, every dense linear on the split-K path) are batch-invariant.
@@ -57,6 +60,19 @@ def _fp4_tile(b_ptr, sb_ptr, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N:
 
 
 @triton.jit
+def _qdq_pair(xe, xo, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-32 FP8 QDQ of a row slice held as its even and odd columns [BM, BK/2] each (a group of 32
+    columns is 16 even + 16 odd ones) -> the two halves as bf16 (exact values)."""
+    ge = tl.reshape(xe, (BLOCK_M, BLOCK_K // 32, 16))
+    go = tl.reshape(xo, (BLOCK_M, BLOCK_K // 32, 16))
+    e = e8m0_exponent(tl.maximum(tl.max(tl.abs(ge), 2), tl.max(tl.abs(go), 2)), 448.0, 1e-4)[:, :, None]
+    qe = tl.minimum(tl.maximum(ge * pow2(-e), -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * pow2(e)
+    qo = tl.minimum(tl.maximum(go * pow2(-e), -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * pow2(e)
+    return (tl.reshape(qe, (BLOCK_M, BLOCK_K // 2)).to(tl.bfloat16),
+            tl.reshape(qo, (BLOCK_M, BLOCK_K // 2)).to(tl.bfloat16))
+
+
+@triton.jit
 def _mma(a, w, acc, SWAP: tl.constexpr):
     """acc + a · wᵀ ([BM, BK] x [BN, BK]); SWAP: the transposed product w · aᵀ into acc [BN, BM]."""
     if SWAP:
@@ -71,8 +87,8 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
                tile_group_ptr, tile_row_ptr, tile_end_ptr, M, N, K, KSPLIT,
                stride_am, stride_ah, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
                W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
-               DUAL: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               DUAL: tl.constexpr, SWAP: tl.constexpr, A_RAW: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """K and KSPLIT are multiples of BLOCK_K (the host picks BLOCK_K so): no K masks in the loop, so the
     weight rows load as full 16-byte vectors."""
     pid_m = tl.program_id(0)
@@ -114,9 +130,16 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
             if W_FP4:  # activations de-interleaved: half 0 = even K columns, half 1 = odd
                 kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2),
                                        BLOCK_K // 2)
-                ae = tl.load(a_ptr + arow[:, None] * stride_am + kh[None, :], mask=rmask[:, None], other=0.0)
-                ao = tl.load(a_ptr + stride_ah + arow[:, None] * stride_am + kh[None, :], mask=rmask[:, None],
-                             other=0.0)
+                if A_RAW:  # raw bf16 rows: even / odd columns, quantised here (group g = halves' 16g..16g+15)
+                    xe = tl.load(a_ptr + arow[:, None] * stride_am + 2 * kh[None, :], mask=rmask[:, None],
+                                 other=0.0).to(tl.float32)
+                    xo = tl.load(a_ptr + arow[:, None] * stride_am + 2 * kh[None, :] + 1, mask=rmask[:, None],
+                                 other=0.0).to(tl.float32)
+                    ae, ao = _qdq_pair(xe, xo, BLOCK_M, BLOCK_K)
+                else:
+                    ae = tl.load(a_ptr + arow[:, None] * stride_am + kh[None, :], mask=rmask[:, None], other=0.0)
+                    ao = tl.load(a_ptr + stride_ah + arow[:, None] * stride_am + kh[None, :], mask=rmask[:, None],
+                                 other=0.0)
                 wlo, whi = _fp4_tile(bg, sbg, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N, BLOCK_K)
                 acc = _mma(ae, wlo, acc, SWAP)
                 acc = _mma(ao, whi, acc, SWAP)
@@ -127,6 +150,8 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
             else:  # FP8 weight, E8M0 per WB x WB tile
                 kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
                 a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
+                if A_RAW:
+                    a = fp8_qdq_groups(a.to(tl.float32), BLOCK_M, BLOCK_K).to(tl.bfloat16)
                 w = tl.load(bg + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None], other=0.0)
                 s = tl.load(sbg + (cols // WB).to(tl.int64)[:, None] * stride_sbn + (gs * 32 // WB)[None, :],
                             mask=cmask[:, None], other=127)
@@ -201,10 +226,11 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
               rowid: Optional[torch.Tensor] = None, offs: Optional[torch.Tensor] = None,
               w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_m: int = ROW_TILE,
               block_n: int = 64, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
-              tiles=None, swap: bool = False):
+              tiles=None, swap: bool = False, raw: bool = False):
     """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
 
-    a: bf16 QDQ'd activations, [R, K] (FP8 weight) or de-interleaved [2, R, K/2] (MXFP4 weight); the
+    a: bf16 QDQ'd activations, [R, K] (FP8 weight) or de-interleaved [2, R, K/2] (MXFP4 weight), or with
+    ``raw`` the bf16 rows [R, K] themselves, quantised per 32 inside the kernel (decode sizes); the
     output row r reads activation row ``rowid[r]`` (or r). w: e4m3 [N, K] with tiles of ``wb``, or packed
     [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group ends; ``tiles``: its
     ``tile_map`` for ``block_m``, when the caller shares one between launches)."""
@@ -231,14 +257,14 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     else:
         n_tiles = cdiv(rows, bm)
         tg = tr = te = p  # unused
-    a_h = a.stride(0) if w_fp4 else 0
+    a_h = a.stride(0) if w_fp4 and not raw else 0
     a_m = a.stride(-2)
     w3g = as_bytes(w3) if dual else w3d
     s3g = as_bytes(ws3) if dual else s3d
     _splitk_mm[(n_tiles, cdiv(N, block_n), S)](
         a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
         a_m, a_h, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
-        W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, SWAP=swap, BLOCK_M=bm,
+        W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, SWAP=swap, A_RAW=raw, BLOCK_M=bm,
         BLOCK_N=block_n,
         BLOCK_K=bk, num_warps=num_warps, num_stages=3)
     return (p, p3) if dual else p

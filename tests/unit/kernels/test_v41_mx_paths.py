@@ -184,3 +184,16 @@ def test_routing_kernel_equals_the_stable_sort(tokens, k, experts, kernel_device
     assert torch.equal(inv.long()[order], torch.arange(flat.numel(), device=kernel_device))
     assert torch.equal(offs.long(), counts.cumsum(0))
     assert all(torch.equal(a, b) for a, b in zip(moe_mx._sorted_pairs(idx, w, experts), got))
+
+
+def test_in_kernel_quantisation_equals_the_separate_pass(kernel_device, monkeypatch):
+    """Decode sizes quantise activations inside the split-K kernel; the bits equal the separate QDQ pass."""
+    g = torch.Generator(device=kernel_device).manual_seed(21)
+    w, ws = mx.quant_fp8_blocks(torch.randn(64, 256, generator=g, device=kernel_device) * 0.02, 32)
+    x = (torch.randn(5, 256, generator=g, device=kernel_device) * 30).to(torch.bfloat16)
+    xm, idx, wt, wm = moe_inputs(ODD, kernel_device, seed=21, tokens=4)
+    fused = gemm_mx.linear_mx(x, w, ws, 32, path="splitk"), gemm_mx.moe_mx(xm, idx, wt, *wm, 10.0, path="splitk")
+    monkeypatch.setattr(splitk_mx, "RAW_MAX_ROWS", 0)
+    monkeypatch.setattr(moe_mx, "RAW_MAX_ROWS", 0)
+    assert torch.equal(gemm_mx.linear_mx(x, w, ws, 32, path="splitk"), fused[0])
+    assert torch.equal(gemm_mx.moe_mx(xm, idx, wt, *wm, 10.0, path="splitk"), fused[1])
