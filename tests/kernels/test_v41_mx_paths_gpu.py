@@ -96,3 +96,17 @@ def test_moe_grouped_has_no_host_sync(moe_weights):
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out, eager) <= 1e-3
+
+
+def test_in_kernel_quantisation_equals_the_separate_pass(moe_weights, monkeypatch):
+    from redknot.kernels.triton import moe_mx, splitk_mx
+    g = torch.Generator(device="cuda").manual_seed(8)
+    w, ws = mx.quant_fp8_blocks(torch.randn(5120, 8192, generator=g, device="cuda") * 0.02, 32)
+    x = torch.randn(7, 8192, generator=g, device="cuda").to(torch.bfloat16)
+    xm, idx, wt = _moe_batch(7, 8)
+    fused = gemm_mx.linear_mx(x, w, ws, 32, path="splitk"), gemm_mx.moe_mx(xm, idx, wt, *moe_weights, 10.0,
+                                                                          path="splitk")
+    monkeypatch.setattr(splitk_mx, "RAW_MAX_ROWS", 0)
+    monkeypatch.setattr(moe_mx, "RAW_MAX_ROWS", 0)
+    assert torch.equal(gemm_mx.linear_mx(x, w, ws, 32, path="splitk"), fused[0])
+    assert torch.equal(gemm_mx.moe_mx(xm, idx, wt, *moe_weights, 10.0, path="splitk"), fused[1])
