@@ -70,6 +70,37 @@ def linear_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Call
                 for path in paths:
                     yield (f"linear_mx {name} M={m} b={block} {path}",
                            lambda a=(device, name, n, k, m, block, path): _linear_case(*a))
+    if device.type == "cuda":
+        for name, n, k in (("wq_b", 32768, 1280), ("wo_b", 5120, 8192)):
+            for m in decode:
+                yield (f"linear_mx graph {name} M={m}",
+                       lambda a=(device, name, n, k, m): _linear_graph_case(*a))
+
+
+def _capture(fn):
+    """``fn`` captured in a CUDA graph after a warm-up on a side stream: (graph, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def _linear_graph_case(device, name: str, n: int, k: int, m: int):
+    """A decode linear replayed from a CUDA graph (launch overhead gone, as in the engine's decode)."""
+    g = torch.Generator(device=device).manual_seed(m + n + 1)
+    w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
+    x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+    eager = linear_mx(x, w, ws, 32)
+    graph, out = _capture(lambda: linear_mx(x, w, ws, 32))
+    return _case("linear_mx (CUDA graph)", f"{name} M={m} b=32 {linear_path(m)}", graph.replay, 2 * m * n * k,
+                 m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"graph output == eager: {torch.equal(out, eager)}")
 
 
 def _moe_bytes(dims: V41Dims, idx: torch.Tensor) -> float:
