@@ -1,19 +1,20 @@
-"""Two paths for the V4.1 routed experts (MXFP4 weights), both on the device with no host sync.
+"""Paths for the V4.1 routed experts (MXFP4 weights), all on the device with no host sync.
 
-``moe_splitk`` (decode, a few rows per expert): the batch is a weight stream. Split-K grouped GEMMs
-(``splitk_mx``) read every touched expert's packed FP4 slice once, W1 and W3 in one launch, then one
-reduction applies the SwiGLU and the FP8 QDQ of the W2 input, the W2 launch, and one reduction that
-rounds every slot to bf16 and adds a token's k slots in slot order. Six launches in all, CUDA-graph safe.
+``moe_splitk`` (decode, a few rows per expert): the batch is a weight stream. One routing kernel sorts
+the (token, slot) pairs by expert (stable), one builds the row-tile map; split-K grouped GEMMs
+(``splitk_mx``) read every touched expert's packed FP4 slice once, W1 and W3 in one launch that also
+quantises its slices of x; one reduction applies the SwiGLU, the routing weight and the FP8 QDQ of the
+W2 input; the W2 launch; one reduction rounds every slot to bf16 and adds a token's k slots in slot
+order. Six launches, CUDA-graph safe.
 
-``moe_prefill`` (many rows per expert) runs the plan measured fastest per token-count class: the
-split-K kernel as a plain tiled grouped GEMM (FP4 decoded in registers, one K slice), or
-``moe_grouped``: experts are decoded, a chunk of ``CHUNK_EXPERTS`` at a
-time, into a bf16 scratch (``e2m1 · 2^s`` is exact in bf16) and multiplied by ``torch._grouped_mm``
-(cuBLAS-class grouped GEMM, fp32 accumulation) against the token rows, which hold their exact per-32
-FP8 QDQ values in bf16. Only the summation order differs from the reference. Each chunk's rows are
-gathered into a chunk buffer by a kernel that reads the chunk's row range from the device offsets, so
-the host never learns the routing counts. Scratch: the bf16 weights of one chunk plus row buffers of
-``T·k`` rows.
+``moe_prefill`` (many rows per expert) runs the plan ``PREFILL_TUNER`` measured fastest per token-count
+class: ``tiled``, the split-K kernel as a plain grouped GEMM (FP4 decoded in registers, one K slice,
+larger row tiles), or ``moe_grouped``: experts decoded ``CHUNK_EXPERTS`` at a time into a bf16 scratch
+(``e2m1 · 2^s`` is exact in bf16) and multiplied by ``torch._grouped_mm`` (a library grouped GEMM, fp32
+accumulation) against token rows that hold their exact per-32 FP8 QDQ values in bf16. Only the
+summation order differs from the reference. Each chunk's rows are gathered into a chunk buffer by a
+kernel that reads the chunk's row range from the device offsets, so the host never learns the routing
+counts. Scratch: the bf16 weights of one chunk plus row buffers of ``T·k`` rows.
 """
 from __future__ import annotations
 
