@@ -298,29 +298,30 @@ def reduce_rows(p: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def _reduce_swiglu(p_ptr, p3_ptr, wt_ptr, bounds_ptr, out_ptr, M, I, S, e0, e1, stride_ps, stride_pm, stride_om,
                    stride_oh, limit, CHUNK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if CHUNK:  # rows of an expert chunk: count and routing-weight offset from the device bounds
         start, end = chunk_bounds(bounds_ptr, e0, e1)
-        rmask = rows < end - start
-        wrow = start + rows
+        count = end - start
     else:
-        rmask = rows < M
-        wrow = rows
-    m = rmask[:, None] & (cols[None, :] < I)
-    off = rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
-    g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for s in range(S):
-        g += tl.load(p_ptr + s * stride_ps + off, mask=m, other=0.0).to(tl.float32)
-        u += tl.load(p3_ptr + s * stride_ps + off, mask=m, other=0.0).to(tl.float32)
-    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), limit)
-    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -limit), limit)
-    wt = tl.load(wt_ptr + wrow, mask=rmask, other=0.0)
-    act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
-    v = fp8_qdq_groups(act, BLOCK_M, BLOCK_N).to(tl.bfloat16)
-    store_split(out_ptr, rows.to(tl.int64), tl.program_id(1) * BLOCK_N, v, rmask, I, stride_om, stride_oh, SPLIT,
-                BLOCK_M, BLOCK_N)
+        start = 0
+        count = M
+    if tl.program_id(0) * BLOCK_M < count:  # a chunk's buffer is sized for every row: most programs idle
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < count
+        m = rmask[:, None] & (cols[None, :] < I)
+        off = rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+        g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(S):
+            g += tl.load(p_ptr + s * stride_ps + off, mask=m, other=0.0).to(tl.float32)
+            u += tl.load(p3_ptr + s * stride_ps + off, mask=m, other=0.0).to(tl.float32)
+        g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -limit), limit)
+        wt = tl.load(wt_ptr + start + rows, mask=rmask, other=0.0)
+        act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+        v = fp8_qdq_groups(act, BLOCK_M, BLOCK_N).to(tl.bfloat16)
+        store_split(out_ptr, rows.to(tl.int64), tl.program_id(1) * BLOCK_N, v, rmask, I, stride_om, stride_oh,
+                    SPLIT, BLOCK_M, BLOCK_N)
 
 
 def reduce_swiglu(p: torch.Tensor, p3: torch.Tensor, wt: torch.Tensor, limit: float, out: torch.Tensor, *,
