@@ -385,7 +385,8 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
                     "kernels": backend, "ops": bench.model.ops.choice if bench.model.ops else None,
                     "context": context, "block_size": g, "stages": bench.cfg.n_mtp_layers,
                     "routed_experts": bench.cfg.n_routed_experts,
-                    "draft_routed_experts": bench.cfg.dspark_n_routed_experts, "weights_gib": round(bench.weight_gib, 2),
+                    "draft_routed_experts": bench.cfg.dspark_n_routed_experts,
+                    "weights_gib": round(bench.weight_gib, 2),
                     "block_attention": features.dspark.block_attention,
                     "build_and_prefill_s": round(time.perf_counter() - t_start, 1),
                     "note": "random weights: timings only, acceptance is not measured"}

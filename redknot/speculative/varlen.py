@@ -278,7 +278,8 @@ class VerifyGraphs:
         for i, h in zip(self.tap_layers, taps):
             want, rows = eager_taps.get(i, (None, None))
             if want is not None:
-                errs[f"tap{i}"] = row_error((h if rows is None else h[rows]).float().flatten(1), want.float().flatten(1))
+                got = h if rows is None else h[rows]
+                errs[f"tap{i}"] = row_error(got.float().flatten(1), want.float().flatten(1))
         tol = 1e-4 if self.runner.dtype in (torch.float32, torch.float64) else 3e-2
         worst = max(errs.values())
         if worst <= tol:

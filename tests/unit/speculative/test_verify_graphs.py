@@ -8,9 +8,8 @@ the step once while recording every ATen op with its tensors and replays those o
 Python; a step that read anything but the static buffers replays its capture-time values, as a real
 graph would (the first tests show that the stand-in behaves so). The ``gpu`` tests capture real graphs.
 """
-import copy
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from spec_testutil import features, record_logits
 from redknot.bench.typed import load_yaml_option
 from redknot.config.schema import Accelerator, DType, EngineConfig, HardwareConfig, ModelConfig, SchedulerConfig
 from redknot.engine import SamplingParams
-from redknot.engine.cuda_graphs import CudaGraphCapture, HostGraphCapture
+from redknot.engine.cuda_graphs import HostGraphCapture
 from redknot.engine.inputs import build_step_inputs
 from redknot.engine.messages import ScheduledRequest, SchedulerOutput
 from redknot.models.family import DSPARK
