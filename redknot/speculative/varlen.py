@@ -179,6 +179,8 @@ class VerifyGraphs:
         if self.disabled_reason is not None:
             log.warning("verify graphs: %s", self.disabled_reason)
             return
+        if self.graphs:  # captured already (the graphs hold the buffers they were recorded with)
+            return
         if tiers is not None:
             bad = sorted(set(tiers) - set(self.tiers))
             if bad:
