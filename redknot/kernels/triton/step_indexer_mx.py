@@ -25,21 +25,30 @@ from redknot.kernels.triton.indexer_mx import _index_keys
 
 
 @triton.jit
-def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, out_ptr, NMAX, PER, RATIO, BS, HI,
-                       stride_qt, stride_qh, stride_wt, stride_k, stride_tt, stride_ot,
-                       HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, out_ptr, NMAX, NCOLS, PER, RATIO, BS, HI,
+                       stride_qt, stride_qh, stride_wt, stride_k, stride_tt, stride_ct, stride_ot,
+                       HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
+                       CAND: tl.constexpr):
+    """Columns are entries 0..NMAX-1, or (CAND) the row's listed entries cand[t, :NCOLS] (-1: none)."""
     t = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * BLOCK_N
     cols = c0 + tl.arange(0, BLOCK_N)
     vis = tl.load(vis_ptr + t).to(tl.int64)
-    ok = (cols < NMAX) & (cols < vis)
-    p = cols.to(tl.int64) * RATIO
+    if CAND:
+        ent = tl.load(cand_ptr + t * stride_ct + cols, mask=cols < NCOLS, other=-1).to(tl.int64)
+        ok = (ent >= 0) & (ent < NMAX) & (ent < vis)
+        live = c0 < NCOLS
+    else:
+        ent = cols.to(tl.int64)
+        ok = (ent < NMAX) & (ent < vis)
+        live = c0 < vis
+    p = tl.where(ok, ent, 0) * RATIO
     blk = tl.load(tab_ptr + t * stride_tt + p // BS, mask=ok, other=0).to(tl.int64)
     row = blk * PER + (p % BS) // RATIO
     hs = tl.arange(0, HI_P)
     hmask = hs < HI
     s = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if c0 < vis:
+    if live:
         keys = _index_keys(key_ptr, tl.where(ok, row, 0), ok, stride_k, DI, BLOCK_N)        # [BN, DI]
         q = tl.load(q_ptr + t * stride_qt + hs[:, None] * stride_qh + tl.arange(0, DI)[None, :],
                     mask=hmask[:, None], other=0.0).to(tl.bfloat16)
@@ -53,7 +62,7 @@ def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, out_ptr, NMAX, P
         else:
             sc = tl.sum(tl.maximum(d, 0.0) * w[:, None], 0)
         s = tl.where(ok, sc, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + cols, s, mask=cols < NMAX)
+    tl.store(out_ptr + t * stride_ot + cols, s, mask=cols < NCOLS)
 
 
 @dataclass(frozen=True)
@@ -70,29 +79,51 @@ STEP_INDEX_TUNER = ConfigTuner("step_index_scores", [
 
 def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
                       visible: torch.Tensor, ratio: int, block_size: int, bf16_scores: bool = False,
-                      config: Optional[StepIndexConfig] = None) -> torch.Tensor:
+                      entries: Optional[torch.Tensor] = None, config: Optional[StepIndexConfig] = None
+                      ) -> torch.Tensor:
     """Scores [T, n_max] fp32 (-inf where invisible) of rows q [T, Hi, Di] (rotated, FP4-QDQ'd) with
     weights [T, Hi] (scale folded in) over their pages: keys uint8 [pages·per, Di/2 + Di/32] (the source's
     flat key cache, ``per = block_size // ratio`` entries a page), table [T, W] each row's block ids,
-    visible [T]. n_max = W·block_size // ratio (see :func:`step_index_scores_reference`). ``config=None``:
-    the launch shape is measured once per problem class on a GPU (outside graph capture)."""
+    visible [T]. n_max = W·block_size // ratio (see :func:`step_index_scores_reference`).
+    ``entries`` [T, C] (-1: none): score only those entry ids of each row -> [T, C] (candidate lists).
+    ``config=None``: the launch shape is measured once per problem class on a GPU (outside capture)."""
     T, HI, DI = q.shape
     n_max = table.shape[1] * block_size // ratio
-    out = torch.empty(T, n_max, dtype=torch.float32, device=q.device)
-    if T == 0 or n_max == 0:
+    ncols = n_max if entries is None else entries.shape[1]
+    out = torch.empty(T, ncols, dtype=torch.float32, device=q.device)
+    if T == 0 or ncols == 0:
         return out
     q = q.contiguous()
     weights = weights.contiguous()
+    cand = visible if entries is None else entries.contiguous()
     if config is None:
-        key = (min(next_pow2(T), 4096), HI, DI, next_pow2(n_max), bf16_scores)
+        key = (min(next_pow2(T), 4096), HI, DI, next_pow2(ncols), bf16_scores, entries is not None)
         config = STEP_INDEX_TUNER.pick(key, lambda c: step_index_scores(
-            q, weights, keys, table, visible, ratio, block_size, bf16_scores, c), q.device)
-    block_n = max(16, min(config.block_n, next_pow2(n_max)))
-    _step_index_scores[(T, cdiv(n_max, block_n))](
-        q, weights, keys, table, visible, out, n_max, block_size // ratio, ratio, block_size, HI,
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0), out.stride(0),
-        HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, num_warps=config.num_warps)
+            q, weights, keys, table, visible, ratio, block_size, bf16_scores, entries, c), q.device)
+    block_n = max(16, min(config.block_n, next_pow2(ncols)))
+    _step_index_scores[(T, cdiv(ncols, block_n))](
+        q, weights, keys, table, visible, cand, out, n_max, ncols, block_size // ratio, ratio, block_size, HI,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0),
+        cand.stride(0) if entries is not None else 0, out.stride(0),
+        HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, CAND=entries is not None,
+        num_warps=config.num_warps)
     return out
+
+
+def candidate_entries(scores: torch.Tensor, visible: torch.Tensor, num_blocks: int, block: int
+                      ) -> torch.Tensor:
+    """The candidate source's blocks as entry lists (§3.5(d)): block score = max of its ``block``
+    entries, the newest visible entry's block pinned, the best ``num_blocks`` blocks with a finite score
+    (ties to the lower block) -> int64 [T, num_blocks·block] entry ids ascending, -1 for none."""
+    t, n = scores.shape
+    nblk = -(-n // block)
+    pad = torch.nn.functional.pad(scores, (0, nblk * block - n), value=float("-inf"))
+    bscore = pad.view(t, nblk, block).amax(-1)
+    blk = torch.arange(nblk, device=scores.device)
+    pinned = (visible[:, None] > 0) & (blk[None, :] == ((visible - 1).clamp(min=0) // block)[:, None])
+    ids = select_topk(bscore.masked_fill(pinned, float("inf")), num_blocks)           # [T, NB] ascending
+    ent = ids[:, :, None] * block + torch.arange(block, device=scores.device)
+    return torch.where(ids[:, :, None] >= 0, ent, torch.full_like(ent, -1)).flatten(1)
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -118,8 +149,14 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 def step_index_scores_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                                 table: torch.Tensor, visible: torch.Tensor, ratio: int, block_size: int,
-                                bf16_scores: bool = False) -> torch.Tensor:
+                                bf16_scores: bool = False, entries: Optional[torch.Tensor] = None
+                                ) -> torch.Tensor:
     """The same scores in plain PyTorch (exact decoding; fp32, or rounded as the reference's bf16 einsum)."""
+    if entries is not None:
+        full = step_index_scores_reference(q, weights, keys, table, visible, ratio, block_size, bf16_scores)
+        n = full.shape[1]
+        got = full.gather(1, entries.clamp(min=0, max=n - 1))
+        return got.masked_fill((entries < 0) | (entries >= n), float("-inf"))
     t = q.shape[0]
     n_max = table.shape[1] * block_size // ratio
     ent = torch.arange(n_max, device=q.device)

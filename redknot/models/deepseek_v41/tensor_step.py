@@ -33,6 +33,7 @@ registry where the model has ops.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -150,7 +151,7 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
     e = w.dense("embed.weight", model.dtype)[step.input_ids]
     h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     pre = one_hot_pre(h.shape[0], cfg.hc_mult, model.dtype, h.device)
-    shared = {"topk": None, "cand": None}
+    shared = {"topk": None, "cand": None, "cand_entries": None}
     mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
     for i in range(cfg.n_layers):
         p = f"layers.{i}"
@@ -339,27 +340,48 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     src = state.sources[layer.kv_source]
     n_max = rows.blocks.shape[1] * rows.block_size // r                          # entries a table addresses
     visible = (rows.pos + 1) // r
-    fast = step_kernels(w)
-    if fast:
-        from redknot.kernels.triton.step_indexer_mx import select_topk, step_index_scores
-
-        sc = step_index_scores(q, wts, src.keys.view(-1, src.keys.shape[-1]), rows.blocks, visible, r,
-                               rows.block_size, bf16_scores=num.act_quant)
-    else:
-        sc = _index_scores_torch(q, wts, rows, src, r, n_max, num)
+    if step_kernels(w):
+        _index_kernel(layer, q, wts, rows, src, visible, n_max, shared)
+        return
+    sc = _index_scores_torch(q, wts, rows, src, r, n_max, num)
     if cfg.is_candidate_source(layer.layer):
         shared["cand"] = candidate_blocks(sc, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
     elif cfg.reads_candidates(layer.layer):
         sc = sc.masked_fill(~shared["cand"][:, :n_max], float("-inf"))
-    if fast:
-        shared["topk"] = select_topk(sc, cfg.index_topk)
-        return
     k = min(cfg.index_topk, n_max)
     sel = topk_ids(sc, k)
     sel = torch.where(sc.gather(1, sel) > float("-inf"), sel, torch.full_like(sel, -1))
     topk = torch.full((t, cfg.index_topk), -1, dtype=torch.long, device=dev)
     topk[:, :k] = sel
     shared["topk"] = topk
+
+
+def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) -> None:
+    """The indexer through the paged step kernel: every addressable entry on the index sources (the
+    candidate source also publishes its blocks as entry lists); only the candidate entries on the
+    layers that re-index inside them, when those are fewer than the table addresses."""
+    from redknot.kernels.triton.step_indexer_mx import candidate_entries, select_topk, step_index_scores
+
+    cfg, num = layer.cfg, layer.num
+    keys = src.keys.view(-1, src.keys.shape[-1])
+    score = functools.partial(step_index_scores, q, wts, keys, rows.blocks, visible, layer.ratio, rows.block_size,
+                              bf16_scores=num.act_quant)
+    if cfg.reads_candidates(layer.layer) and shared["cand_entries"].shape[1] < n_max:
+        cand = shared["cand_entries"]                                             # [T, NB·bs] ascending, -1
+        at = select_topk(score(entries=cand), cfg.index_topk)                     # positions in the list
+        ent = cand.gather(1, at.clamp(min=0))
+        shared["topk"] = torch.where(at >= 0, ent, torch.full_like(ent, -1))
+        return
+    sc = score()
+    if cfg.is_candidate_source(layer.layer):
+        shared["cand_entries"] = candidate_entries(sc, visible, cfg.candidate_topk_blocks,
+                                                   cfg.candidate_block_size)
+    elif cfg.reads_candidates(layer.layer):
+        ent = shared["cand_entries"]
+        keep = torch.zeros(sc.shape[0], n_max + 1, dtype=torch.bool, device=sc.device)
+        keep.scatter_(1, torch.where((ent >= 0) & (ent < n_max), ent, n_max), True)
+        sc = sc.masked_fill(~keep[:, :n_max], float("-inf"))
+    shared["topk"] = select_topk(sc, cfg.index_topk)
 
 
 def _index_scores_torch(q, wts, rows: _Rows, src, r: int, n_max: int, num) -> torch.Tensor:

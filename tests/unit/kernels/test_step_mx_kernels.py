@@ -188,3 +188,41 @@ def test_every_launch_config_matches_reference(kernel_device):
         got = step_index_scores(*iargs, config=cfg)
         assert torch.equal(torch.isinf(got), torch.isinf(want)), cfg
         assert ((got[fin] - want[fin]).abs() <= 1e-5 * (want[fin].abs() + 1e-3)).all(), cfg
+
+
+@pytest.mark.parametrize("case", [0, 2])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_step_index_scores_over_entry_lists(case, bf16, kernel_device):
+    """Scoring only listed entries (candidate blocks): the full scores at those ids, -inf for -1, for
+    ids past the row's visible count and for ids past the table."""
+    args = _index_case(kernel_device, 9, *INDEX_CASES[case])
+    t = args[0].shape[0]
+    n_max = args[3].shape[1] * args[6] // args[5]
+    g = torch.Generator().manual_seed(9)
+    ent = torch.randint(-1, n_max + 4, (t, 24), generator=g).to(kernel_device)
+    got = step_index_scores(*args, bf16_scores=bf16, entries=ent)
+    want = step_index_scores_reference(*args, bf16_scores=bf16, entries=ent)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert fin.any() and (~fin).any()
+    tol = 2 ** -7 if bf16 else 1e-5
+    assert ((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1e-3)).all()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_candidate_entries_are_the_models_candidate_blocks(seed, kernel_device):
+    from redknot.kernels.triton.step_indexer_mx import candidate_entries
+    from redknot.models.deepseek_v41.attention import candidate_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    n, bs, nb = 61, 4, 5
+    vis = torch.tensor([61, 40, 9, 1, 0, 22])
+    sc = (torch.randint(-4, 5, (6, n), generator=g).float() * 0.5)      # ties between blocks too
+    sc = sc.masked_fill(torch.arange(n)[None, :] >= vis[:, None], float("-inf"))
+    mask = candidate_blocks(sc, vis, nb, bs)                             # [T, n] bool, the PyTorch path
+    got = candidate_entries(sc.to(kernel_device), vis.to(kernel_device), nb, bs).cpu()
+    for r in range(6):
+        listed = set(int(e) for e in got[r] if 0 <= e < n)
+        assert listed == set(int(e) for e in torch.nonzero(mask[r]).flatten()), r
+        valid = got[r][got[r] >= 0]
+        assert torch.equal(valid, torch.sort(valid).values) and (got[r][len(valid):] == -1).all()

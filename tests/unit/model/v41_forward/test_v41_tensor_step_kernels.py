@@ -62,6 +62,7 @@ class Twins:
         self.calls = {"attend": 0, "compress": 0, "index": 0}
         self.mp = monkeypatch
         self.scores = None
+        self.torch_cand, self.cand_layers = None, 0
         self.kernel_attend, self.kernel_compress, self.kernel_index = ts._attend, ts._compress, ts._index
         scores_torch = ts._index_scores_torch
 
@@ -101,11 +102,17 @@ class Twins:
 
     def index(self, layer, u, qr, rows, state, shared):
         self.calls["index"] += 1
-        mine = dict(shared)
+        mine = dict(shared, cand=self.torch_cand)         # the PyTorch step's slots of this forward
         self._torch(self.kernel_index, layer, u, qr, rows, state, mine)
         self.kernel_index(layer, u, qr, rows, state, shared)
-        if mine.get("cand") is not None and shared.get("cand") is not None:
-            self.cand_differ += int((mine["cand"] != shared["cand"]).sum())
+        if layer.cfg.is_candidate_source(layer.layer):
+            self.torch_cand = mine["cand"]                 # [T, n] bool
+            ent = shared["cand_entries"]                   # [T, NB·bs] entry ids, -1
+            n = self.torch_cand.shape[1]
+            keep = torch.zeros(ent.shape[0], n + 1, dtype=torch.bool, device=ent.device)
+            keep.scatter_(1, torch.where((ent >= 0) & (ent < n), ent, n), True)
+            self.cand_differ += int((keep[:, :n] != self.torch_cand).sum())
+            self.cand_layers += 1
         same = _tie_aware_equal(shared["topk"], mine["topk"], self.scores)
         self.topk_rows += same.numel()
         self.topk_equal += int(same.sum())
@@ -136,7 +143,7 @@ def _layer_by_layer(numerics: str, monkeypatch, device: str = "cpu") -> None:
     assert tw.calls["attend"] == 3 * model.cfg.n_layers and tw.calls["index"] > 0 and tw.calls["compress"] > 0
     assert tw.attn_err < 1.5e-2, tw.attn_err     # bf16 probabilities before PV, bf16 output
     assert tw.bytes_differ == 0                  # rings, pages and keys: quantised on insert, bit-exact
-    assert tw.cand_differ == 0
+    assert tw.cand_differ == 0 and tw.cand_layers == 3
     assert tw.topk_equal == tw.topk_rows > 0
 
 
