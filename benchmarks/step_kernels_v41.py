@@ -154,12 +154,15 @@ def main(argv=None) -> dict:
     lines = ["# V4.1 tensor-step kernels", "", f"device: {report['device']}", "",
              "| context | batch | attention ms (% floor) | ref ms | index fp32 ms (% floor) | index bf16 ms | "
              "ref fp32 ms | attn rel err | rows same top-k fp32/bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in rows:
-        lines.append(f"| {r['context']} | {r['batch']} | {r['attention_ms']:.3f} ({100 * r['attention_fraction']:.0f} %) "
-                     f"| {r.get('attention_reference_ms', float('nan')):.3f} | {r['index_fp32_ms']:.3f} "
-                     f"({100 * r['index_fp32_fraction']:.0f} %) | {r['index_bf16_ms']:.3f} | "
-                     f"{r.get('index_fp32_reference_ms', float('nan')):.3f} | {r.get('attention_rel_err', float('nan')):.1e} | "
-                     f"{r.get('index_fp32_rows_same_selection', '-')}/{r.get('index_bf16_rows_same_selection', '-')} |")
+        cells = [str(r["context"]), str(r["batch"]),
+                 f"{r['attention_ms']:.3f} ({100 * r['attention_fraction']:.0f} %)",
+                 f"{r.get('attention_reference_ms', nan):.3f}",
+                 f"{r['index_fp32_ms']:.3f} ({100 * r['index_fp32_fraction']:.0f} %)", f"{r['index_bf16_ms']:.3f}",
+                 f"{r.get('index_fp32_reference_ms', nan):.3f}", f"{r.get('attention_rel_err', nan):.1e}",
+                 f"{r.get('index_fp32_rows_same_selection', '-')}/{r.get('index_bf16_rows_same_selection', '-')}"]
+        lines.append("| " + " | ".join(cells) + " |")
     (out / "step_kernels_v41.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return report
