@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, toy dimensions")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="directory for the results (default $OUT)")
-    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting timed cases after this")
+    ap.add_argument("--budget-s", type=float, default=300.0,
+                    help="stop starting timed cases after this many seconds (keeps a run under ~6 minutes)")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per case (median)")
     ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 131072, 1048576],
                     help="compressed entries visible to attention / indexer cases")

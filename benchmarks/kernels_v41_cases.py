@@ -54,23 +54,24 @@ def _linear_case(device, name: str, n: int, k: int, m: int, block: int, path: st
     return _case("linear_mx", f"{name} M={m} b={block} {chosen}", run, 2 * m * n * k, nbytes, note=note)
 
 
-def linear_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
-    """Every dense linear at the prefill row count (the ``auto`` path: bf16 weight chunks + library GEMM,
-    and for wq_b / wo_b the FP8-MMA kernel it replaced, ``fused``) and at decode row counts (split-K)."""
+def linear_cases(dims: V41Dims, device, smoke: bool, extras: bool = False) -> Iterator[Tuple[str, Callable]]:
+    """Every dense linear at the prefill row count (the ``auto`` path: bf16 weight chunks + library GEMM)
+    and at decode row counts (split-K), eager and replayed from CUDA graphs. ``extras``: only the
+    comparison rows, the FP8-MMA kernel the default paths replaced (``fused``) for wq_b / wo_b."""
     prefill, decode = _sizes(dims, smoke)
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else LINEARS
     for name, n, k in shapes:
         for m in [prefill] + (decode if name in ("toy", "wq_b", "wo_b", "shared w1") else []):
-            paths = ["auto"]
-            if m == prefill and name in ("toy", "wq_b", "wo_b"):
+            paths = ["auto"] if not extras else []
+            if extras and m == prefill and name in ("toy", "wq_b", "wo_b"):
                 paths.append("fused")
-            if smoke and m == prefill:
+            if extras and smoke and m == prefill:
                 paths.append("dequant")
             for block in ((32, 128) if name in ("toy", "wo_b") else (32,)):
                 for path in paths:
                     yield (f"linear_mx {name} M={m} b={block} {path}",
                            lambda a=(device, name, n, k, m, block, path): _linear_case(*a))
-    if device.type == "cuda":
+    if device.type == "cuda" and not extras:
         for name, n, k in (("wq_b", 32768, 1280), ("wo_b", 5120, 8192)):
             for m in decode:
                 yield (f"linear_mx graph {name} M={m}",
@@ -118,11 +119,12 @@ def _moe_case_inputs(dims: V41Dims, device, t: int, seed: int):
     return x, idx, wt
 
 
-def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
-    """Prefill (``auto``: the plan ``moe_mx.PREFILL_TUNER`` measured fastest; each plan by name: ``grouped``
-    bf16 expert chunks + ``torch._grouped_mm``, ``tiled`` FP4 decoded in registers; ``fused`` the FP8-MMA
-    kernel they replace), the split-K / prefill crossover at 1024 tokens, decode batches (split-K) eager
-    and in CUDA graphs. Each non-``fused`` case is checked against ``ref_v41.moe_mx`` first."""
+def moe_cases(dims: V41Dims, device, smoke: bool, extras: bool = False) -> Iterator[Tuple[str, Callable]]:
+    """Prefill (``auto``: the plan ``moe_mx.PREFILL_TUNER`` measured fastest) and decode batches (split-K),
+    eager and in CUDA graphs. ``extras``: only the comparison rows, each prefill plan by name (``grouped``
+    bf16 expert chunks + ``torch._grouped_mm``, ``tiled`` FP4 decoded in registers), ``fused`` the FP8-MMA
+    kernel they replace, and the split-K / prefill crossover at 1024 tokens. Each non-``fused`` case is
+    checked against ``ref_v41.moe_mx`` first."""
     prefill, decode = _sizes(dims, smoke)
     flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
     inputs = {}
@@ -133,9 +135,11 @@ def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callabl
         return inputs["w"]
 
     mid = 32 if smoke else 1024
-    plan = [(prefill, p) for p in ("auto", "grouped", "tiled", "fused")]
-    plan += [(mid, p) for p in ("splitk", "grouped", "tiled")]
-    plan += [(t, "auto") for t in decode]
+    if extras:  # comparison rows: each prefill plan by name, the kernel they replace, the crossover
+        plan = [(prefill, p) for p in ("grouped", "tiled", "fused")]
+        plan += [(mid, p) for p in ("splitk", "grouped", "tiled")]
+    else:
+        plan = [(prefill, "auto")] + [(t, "auto") for t in decode]
     wanted = {}
 
     def want(t, x, idx, wt, w):
@@ -156,7 +160,7 @@ def moe_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callabl
             return _case("moe_mx", f"T={t} (top-{dims.topk_experts} of {dims.experts}) {chosen}", run,
                          t * flops_per_token, _moe_bytes(dims, idx), note=note)
         yield f"moe_mx T={t} {path}", build
-    if device.type == "cuda":
+    if device.type == "cuda" and not extras:
         for t in decode:
             def build_graph(t=t):
                 x, idx, wt = _moe_case_inputs(dims, device, t, t + 1)
@@ -319,9 +323,13 @@ def engram_transfer(dims: V41Dims, device, smoke: bool, log) -> List[dict]:
 
 
 def timed_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    """Every op's default path first; the GEMM comparison rows (other paths, the kernels they replaced)
+    last, so that a run cut by its time budget loses those first."""
     yield from linear_cases(dims, device, smoke)
     yield from moe_cases(dims, device, smoke)
     yield from cache_insert_cases(dims, device, smoke)
     yield from engram_cases(dims, device, smoke)
     yield from attention_cases(dims, device, contexts, smoke)
     yield from indexer_cases(dims, device, contexts, smoke)
+    yield from linear_cases(dims, device, smoke, extras=True)
+    yield from moe_cases(dims, device, smoke, extras=True)
