@@ -48,7 +48,7 @@ def _model(numerics: str, kernels: bool, device: str = "cpu") -> DeepseekV41:
 def _tie_aware_equal(a: torch.Tensor, b: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """Per row: the selections [T, K] (-1 pad) pick scores of equal values (ties at the cut may differ)."""
     def vals(sel):
-        v = torch.where(sel >= 0, scores.gather(1, sel.clamp(min=0)), torch.full(sel.shape, float("nan")))
+        v = torch.where(sel >= 0, scores.gather(1, sel.clamp(min=0)), torch.full(sel.shape, float("nan"), device=sel.device))
         return torch.sort(v.nan_to_num(nan=float("-inf")), dim=1).values
     return ((a >= 0).sum(1) == (b >= 0).sum(1)) & (vals(a) == vals(b)).all(1)
 
