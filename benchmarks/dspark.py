@@ -220,50 +220,10 @@ V41_SMOKE = dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads
 
 
 def v41_random_tensors(cfg, device):
-    """(backbone, draft) tensors as stored: FP8 e4m3 values of spread 1/sqrt(K) with unit E8M0 scales,
-    MXFP4 random codes with a per-32 scale of the same spread, norms near 1, small mHC weights."""
-    import math
+    """(backbone, draft) tensors as stored, the V4.1 cut's random bytes (``e2e_v41.random_stored``)."""
+    from e2e_v41 import random_stored   # benchmarks/ is the script's directory
 
-    from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, FP4, FP8, checkpoint_spec
-
-    import re
-
-    g = torch.Generator(device=device).manual_seed(0)
-    main: Dict[str, torch.Tensor] = {}
-    draft: Dict[str, torch.Tensor] = {}
-    stacks: Dict[str, torch.Tensor] = {}
-    for spec in checkpoint_spec(cfg, include_draft=True):
-        out, shape, name = (draft if spec.draft else main), spec.shape, spec.name
-        if spec.kind == FP4:   # each layer's experts back to back in one stack (the grouped kernel's view)
-            key = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
-            if key not in stacks:
-                n = cfg.dspark_n_routed_experts if spec.draft else cfg.n_routed_experts
-                stacks[key] = torch.randint(0, 256, (n, *spec.stored_shape), generator=g, device=device,
-                                            dtype=torch.uint8)
-                e = 127 - round(math.log2(2.9 * math.sqrt(shape[-1])))
-                stacks[key + "s"] = torch.full((n, *spec.scale_shape), e, dtype=torch.uint8, device=device)
-            out[name] = stacks[key][spec.expert]
-            out[spec.scale_name] = stacks[key + "s"][spec.expert]
-        elif spec.kind in (FP8, ENGRAM):
-            std = shape[-1] ** -0.5 if spec.kind == FP8 else 1.0
-            out[name] = (torch.randn(shape, generator=g, device=device) * std).to(torch.float8_e4m3fn)
-            out[spec.scale_name] = torch.full(spec.scale_shape, 127, dtype=torch.uint8, device=device)
-        else:
-            v = torch.randn(shape, generator=g, device=device)
-            if name.endswith(("norm.weight", "q_weight", "k_weight")):
-                v = 1 + 0.1 * v
-            elif "hc_" in name:
-                v = (0.5 + 0.1 * v) if name.endswith("_scale") else 0.05 * v
-            elif name.endswith("attn_sink"):
-                pass
-            elif name == "embed.weight":
-                v = 0.5 * v
-            elif len(shape) > 1:
-                v = v / math.sqrt(shape[-1])
-            else:
-                v = 0.1 * v
-            out[name] = v.to(torch.bfloat16 if spec.kind == BF16 else torch.float32)
-    return main, draft
+    return random_stored(cfg, device, include_draft=True)
 
 
 class Bench41:

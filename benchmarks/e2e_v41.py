@@ -87,21 +87,23 @@ def cut_config(smoke: bool, engram_vocab: int):
     return V41Config().with_overrides(over)
 
 
-def random_tensors(cfg, device) -> Dict[str, torch.Tensor]:
+def random_stored(cfg, device, include_draft: bool = False):
     """Random stored bytes per checkpoint tensor: FP8 e4m3 values with unit E8M0 scales (values ~1/sqrt(K)),
     MXFP4 random codes with a per-32 scale of the same spread (each layer's experts back to back in one
-    stack, as the grouped kernel reads them), norms near 1, small mHC weights."""
+    stack, as the grouped kernel reads them), norms near 1, small mHC weights -> (backbone, draft) tensors
+    (the draft empty unless ``include_draft``)."""
     from redknot.models.deepseek_v41.checkpoint import BF16, ENGRAM, F32, FP4, FP8, checkpoint_spec
 
     g = torch.Generator(device=device).manual_seed(0)
-    out: Dict[str, torch.Tensor] = {}
+    main: Dict[str, torch.Tensor] = {}
+    draft: Dict[str, torch.Tensor] = {}
     stacks: Dict[str, torch.Tensor] = {}
-    for spec in checkpoint_spec(cfg, include_draft=False):
-        shape, name = spec.shape, spec.name
+    for spec in checkpoint_spec(cfg, include_draft=include_draft):
+        out, shape, name = (draft if spec.draft else main), spec.shape, spec.name
         if spec.kind == FP4:
             key = re.sub(r"\.experts\.\d+\.", ".experts.*.", name)
             if key not in stacks:
-                n = cfg.n_routed_experts
+                n = cfg.dspark_n_routed_experts if spec.draft else cfg.n_routed_experts
                 stacks[key] = torch.randint(0, 256, (n, *spec.stored_shape), generator=g, device=device,
                                             dtype=torch.uint8)
                 e = 127 - round(math.log2(2.9 * math.sqrt(shape[-1])))
@@ -127,7 +129,12 @@ def random_tensors(cfg, device) -> Dict[str, torch.Tensor]:
             else:
                 v = 0.1 * v
             out[name] = v.to(torch.bfloat16 if spec.kind == BF16 else torch.float32)
-    return out
+    return main, draft
+
+
+def random_tensors(cfg, device) -> Dict[str, torch.Tensor]:
+    """The backbone's tensors of :func:`random_stored`."""
+    return random_stored(cfg, device)[0]
 
 
 def build(cfg, tensors, numerics: str, ops, device):
