@@ -54,7 +54,17 @@ def _serve(ctx) -> int:
     serve(llm)
     llm.close()
     llm.parallel.destroy()
+    _destroy_default_group()
     return 0
+
+
+def _destroy_default_group() -> None:
+    """Tear the default group down before the interpreter exits: a gloo group left to exit-time
+    destructors can abort the process after its work is done (``terminate called ...``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def active_runtimes() -> list:
@@ -78,6 +88,7 @@ def front_of_world(ctx, tracker) -> Iterator[None]:
             runtime.destroy()
         if not runtimes:
             release_workers(ctx.cfg, env)
+        _destroy_default_group()
 
 
 def record_layout(tracker, runtime) -> None:
