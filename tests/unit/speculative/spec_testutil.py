@@ -284,3 +284,17 @@ def poison_dead_state(llm, req_id: str) -> int:
     for name, (t, idx) in where.items():
         t[idx] = saved[name]
     return total - sum(v.numel() for v in saved.values())
+
+
+def oracle_hook(prompts, ref):
+    """Draft hook: the plain run's tokens at the drafted positions, every third position wrong."""
+    def hook(rid, first_pos, drafts):
+        out = ref[rid].token_ids
+        start = first_pos - len(prompts[rid])
+        got = []
+        for j in range(len(drafts)):
+            i = start + j
+            tok = out[i] if 0 <= i < len(out) else 7
+            got.append(tok + 1 if (first_pos + j) % 3 == 0 else tok)
+        return got
+    return hook

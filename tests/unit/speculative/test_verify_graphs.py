@@ -13,7 +13,7 @@ from typing import List
 
 import pytest
 import torch
-from spec_testutil import features, record_logits
+from spec_testutil import features, oracle_hook, record_logits
 
 from redknot.bench.typed import load_yaml_option
 from redknot.config.schema import Accelerator, DType, EngineConfig, HardwareConfig, ModelConfig, SchedulerConfig
@@ -307,25 +307,11 @@ def test_a_failed_tier_keeps_the_smaller_tiers(v41):
 
 
 # ---------------------------------------------------------------------- through the engine
-def _oracle(prompts, ref):
-    """Draft hook: the plain run's tokens at the drafted positions, every third position wrong."""
-    def hook(rid, first_pos, drafts):
-        out = ref[rid].token_ids
-        start = first_pos - len(prompts[rid])
-        got = []
-        for j in range(len(drafts)):
-            i = start + j
-            tok = out[i] if 0 <= i < len(out) else 7
-            got.append(tok + 1 if (first_pos + j) % 3 == 0 else tok)
-        return got
-    return hook
-
-
 def _greedy_through_graphs(off, on, prompts) -> VerifyGraphs:
     graphs = on.runner.verify_graphs
     ref, ref_lg = record_logits(off, prompts, GREEDY)
     spec = on.runner.speculator
-    spec.draft_hook = _oracle(prompts, ref)
+    spec.draft_hook = oracle_hook(prompts, ref)
     replays = graphs.num_replays
     try:
         got, got_lg = record_logits(on, prompts, GREEDY)
