@@ -15,9 +15,11 @@ in registers (``BLOCK_T`` tokens share each key block: one tensor-core dot of ``
   and selected by ``torch.topk``, so layers 24/28/32/36 never score the whole cache.
 * ``indexer_candidates_mx``: the kernel reduces each block of ``bs`` entries to its max in registers and
   writes only block scores (``N/bs`` per token); the newest visible block is pinned, top blocks kept.
-* ``indexer_source_mx`` (layer 20): its top-k streams as above and its candidate blocks come from the
-  block-max pass; with a ``topk`` that is not a power of two, one scoring pass into a chunk of scores
-  gives both.
+* ``indexer_source_mx`` (layer 20): one streamed pass gives its top-k and writes the max score of every
+  candidate block as it goes (``[T, N/bs]`` fp32, token-chunked), so the whole cache is scored once per
+  chunk, not twice; while no row sees more than ``num_blocks`` blocks (16,384 entries on V4.1-Flash) the
+  candidates are every held block and nothing is written. With a ``topk`` that is not a power of two,
+  one scoring pass into a chunk of scores gives both.
 
 Token chunks bound every score scratch to ``max_scratch_bytes``.
 """
@@ -89,12 +91,17 @@ def _index_scores(q_ptr, w_ptr, key_ptr, vis_ptr, cand_ptr, out_ptr, T, N, NCOLS
 
 
 @triton.jit
-def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, T, nsplit,
-                  stride_qt, stride_qh, stride_wt, stride_k,
+def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, T, nsplit, NB,
+                  stride_qt, stride_qh, stride_wt, stride_k, stride_bm,
                   HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr):
+                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
+                  BS: tl.constexpr):
     """Streaming top-K of one tile of tokens over its split of the entries (newest block first): the
-    scores of ``_index_scores``, packed with their ids, kept in the token's buffer when above its bar."""
+    scores of ``_index_scores``, packed with their ids, kept in the token's buffer when above its bar.
+    Blocks of ``BLOCK_N`` entries are aligned to multiples of ``BLOCK_N`` (every split starts on one),
+    so with ``BLOCKMAX`` each step also writes the max score of each of its ``BS``-entry candidate
+    blocks (-inf where no entry of the block is visible) to ``bm_ptr`` [T, NB]: the candidate source's
+    block scores come from the same pass as its top-k."""
     pid_s = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_ok = toks < T
@@ -118,8 +125,8 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, T, nsplit,
     count = tl.zeros([BLOCK_T], tl.int32)
     theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
     for j in range(n_blocks):
-        ents = e_hi - (j + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = ents >= e_lo
+        ents = e_lo + (n_blocks - 1 - j) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = ents < e_hi
         keys = _index_keys(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI, BLOCK_N)   # [BN, DI]
         d = tl.reshape(tl.dot(q, tl.trans(keys)), (BLOCK_T, HP, BLOCK_N))
         if BF16:
@@ -129,8 +136,14 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, T, nsplit,
         else:
             s = tl.sum(tl.maximum(d, 0.0) * w[:, :, None], 1)                          # [BT, BN]
         s = tl.where(s == 0.0, 0.0, s)   # -0.0 (relu 0 times a negative weight) ties with 0.0, as in torch
+        seen = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None]
+        if BLOCKMAX:
+            bm = tl.max(tl.reshape(tl.where(seen, s, float("-inf")), (BLOCK_T, BLOCK_N // BS, BS)), 2)
+            bcols = (e_lo + (n_blocks - 1 - j) * BLOCK_N) // BS + tl.arange(0, BLOCK_N // BS)
+            tl.store(bm_ptr + t64[:, None] * stride_bm + bcols[None, :], bm,
+                     mask=rows_ok[:, None] & (bcols[None, :] < NB))
         key = _pack(s, ents[None, :])
-        keep = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None] & (key > theta[:, None])
+        keep = seen & (key > theta[:, None])
         if tl.max(count, 0) + BLOCK_N > CAP:
             count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
             keep = keep & (key > theta[:, None])
@@ -152,11 +165,23 @@ class StreamConfig:
     num_splits: int = 0  # 0: chosen from the problem size (enough programs for the device)
 
 
+# More tokens per program decode each key block for more query rows (the decode of FP4 key bytes,
+# not the MMA, bounds the stream at two tokens); the first entry is the untuned default.
+STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
+    StreamConfig(2, 64, 4), StreamConfig(4, 64, 4), StreamConfig(4, 64, 8), StreamConfig(8, 64, 8),
+    StreamConfig(2, 128, 8), StreamConfig(4, 128, 8),
+])
+STREAM_TUNE_ENTRIES = 1 << 16   # entry counts above this share one tuning class (the per-block work is alike)
+
+
 def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor, topk: int,
-                bf16_scores: bool = False, config: StreamConfig = StreamConfig()) -> torch.Tensor:
+                bf16_scores: bool = False, config: Optional[StreamConfig] = None,
+                block_scores: Optional[torch.Tensor] = None, block_size: int = 8) -> torch.Tensor:
     """Top-``topk`` (a power of two) entry ids per token, ascending then -1, without a score matrix.
     Equal scores go to the lower id. q [T, Hi, Di], weights [T, Hi], index_keys uint8 [N, bytes],
-    visible [T] int32 (contiguous)."""
+    visible [T] int32 (contiguous). ``block_scores`` (fp32 [T, NB], filled with -inf by the caller):
+    the same pass also writes the max score of every ``block_size``-entry block a token sees.
+    ``config=None``: the launch shape is measured per problem class on a GPU."""
     T, HI, DI = q.shape
     if topk & (topk - 1):
         raise ValueError(f"stream_topk: topk={topk} must be a power of two")
@@ -165,16 +190,26 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
         return out
     n = index_keys.shape[0]
     sms = sm_count(q)
+    if config is None:
+        key = (min(next_pow2(T), 8192), T >= 2 * sms, HI, DI, topk, min(next_pow2(max(n, 1)), STREAM_TUNE_ENTRIES),
+               bf16_scores, block_scores is not None)
+        config = STREAM_TUNER.pick(key, lambda cfg: stream_topk(q, weights, index_keys, visible, topk, bf16_scores,
+                                                               cfg, block_scores, block_size), q.device)
+    if block_scores is not None and config.block_n % block_size:
+        raise ValueError(f"stream_topk: block_size={block_size} must divide the stream's block_n={config.block_n}")
     nsplit = config.num_splits or (1 if T >= 2 * sms else max(1, min(cdiv(2 * sms, T), cdiv(n, 8 * config.block_n),
                                                                      32)))
     bt = 1 if nsplit > 1 else config.block_t
     cap = max(2 * topk, next_pow2(topk + config.block_n))
     buf = torch.empty(T * nsplit, cap, dtype=torch.int64, device=q.device)
     cand = torch.empty(T * nsplit, topk, dtype=torch.int64, device=q.device)
+    bm = block_scores if block_scores is not None else visible
     _index_stream[(cdiv(T, bt), nsplit)](
-        q, weights, index_keys, visible, buf, cand, T, nsplit, q.stride(0), q.stride(1), weights.stride(0),
-        index_keys.stride(0), HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
-        BLOCK_N=config.block_n, BF16=bf16_scores, num_warps=config.num_warps)
+        q, weights, index_keys, visible, buf, cand, bm, T, nsplit, bm.shape[-1] if block_scores is not None else 0,
+        q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), bm.stride(0),
+        HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
+        BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
+        num_warps=config.num_warps)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     big = torch.iinfo(torch.int32).max
     ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last
@@ -285,19 +320,41 @@ def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int
     return _select(bscore, num_blocks)
 
 
+def held_blocks(visible: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Candidate blocks when a row sees at most ``num_blocks`` blocks: every block holding a visible
+    entry (each has a finite max, the newest is pinned), ascending, then -1 -> int32 [T, num_blocks]."""
+    held = (visible.long() + block_size - 1) // block_size
+    b = torch.arange(num_blocks, device=visible.device)[None]
+    return torch.where(b < held[:, None], b, -1).to(torch.int32)
+
+
 def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor,
                       topk: int, num_blocks: int = 2048, block_size: int = 8, bf16_scores: bool = False,
                       max_scratch_bytes: int = MAX_SCRATCH_BYTES):
-    """See ``ref_v41.indexer_source_mx``: the streamed top-k and the block-max pass, or (``topk`` not a power
-    of two) one scoring pass with the block maxima taken from the written scores."""
-    if not topk & (topk - 1) and not 128 % block_size:   # streamed top-k, candidates from the block maxima
-        return (indexer_topk_mx(q, weights, index_keys, visible, topk, bf16_scores=bf16_scores),
-                indexer_candidates_mx(q, weights, index_keys, visible, num_blocks, block_size, bf16_scores,
-                                      max_scratch_bytes))
+    """See ``ref_v41.indexer_source_mx``. With a power-of-two ``topk``: one streamed pass gives the top-k
+    and, when some row sees more than ``num_blocks`` blocks, the block maxima (token chunks bound the
+    [tokens, blocks] fp32 block scores to ``max_scratch_bytes``); below that the candidates are every
+    held block without scoring. Otherwise one scoring pass into a chunk of scores gives both."""
     q, weights = q.contiguous(), weights.contiguous()
     visible = visible.to(torch.int32).contiguous()
     n = index_keys.shape[0]
     nb = cdiv(n, block_size)
+    if not topk & (topk - 1) and not 128 % block_size:
+        if nb <= num_blocks:
+            return (stream_topk(q, weights, index_keys, visible, topk, bf16_scores),
+                    held_blocks(visible, num_blocks, block_size))
+        t = q.shape[0]
+        idx = torch.empty(t, topk, dtype=torch.int32, device=q.device)
+        blocks = torch.empty(t, num_blocks, dtype=torch.int32, device=q.device)
+        for t0, t1 in _chunks(t, 4 * nb, max_scratch_bytes):
+            bscore = torch.full((t1 - t0, nb), float("-inf"), dtype=torch.float32, device=q.device)
+            idx[t0:t1] = stream_topk(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], topk, bf16_scores,
+                                     block_scores=bscore, block_size=block_size)
+            for s0, s1 in _chunks(t1 - t0, SELECT_BYTES * nb, max_scratch_bytes):
+                blocks[t0 + s0:t0 + s1] = _pin_and_select(bscore[s0:s1], visible[t0 + s0:t0 + s1], num_blocks,
+                                                          block_size)
+            del bscore
+        return idx, blocks
     idx = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
     blocks = torch.empty(q.shape[0], num_blocks, dtype=torch.int32, device=q.device)
     for t0, t1 in _chunks(q.shape[0], SELECT_BYTES * n, max_scratch_bytes):

@@ -82,3 +82,38 @@ def test_the_chunk_selection_breaks_ties_to_the_lower_id():
     want = torch.where(ids == torch.iinfo(torch.int32).max, -1, ids)
     assert torch.equal(got.long(), want)
     assert int((got[1] >= 0).sum()) == 5
+
+
+def _block_maxima(q, w, keys, vis, bs, bf16):
+    n = keys.shape[0]
+    s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
+    s = s.masked_fill(torch.arange(n)[None] >= vis.long()[:, None], float("-inf"))
+    nb = -(-n // bs)
+    return torch.nn.functional.pad(s, (0, nb * bs - n), value=float("-inf")).view(-1, nb, bs).amax(-1)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("t,n,bs", [(5, 300, 8), (1, 700, 4), (3, 61, 8)])
+def test_the_stream_writes_the_block_maxima_of_its_pass(t, n, bs, bf16):
+    """One pass, two outputs: the top-k is unchanged by the block-max output and the block maxima equal
+    the PyTorch scores' (partly visible blocks, blocks past a row's visibility -inf, a decode token
+    whose entries are split over programs, an entry count that is not a multiple of the block)."""
+    q, w, keys, vis = _inputs(t, n, seed=3 * t + n)
+    nb = -(-n // bs)
+    bm = torch.full((t, nb), float("-inf"))
+    got = indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, block_scores=bm, block_size=bs)
+    assert torch.equal(got.long(), _lower_first(q, w, keys, vis, 16, bf16))
+    assert torch.equal(bm, _block_maxima(q, w, keys, vis, bs, bf16))
+
+
+def test_the_source_selection_in_token_chunks_and_below_the_block_budget():
+    """indexer_source_mx: token chunks of its block scores (a tiny scratch budget) give the reference's
+    selections; with no more blocks than it keeps, the candidates are every held block (nothing scored)."""
+    q, w, keys, vis = _inputs(7, 240, seed=11)
+    want_idx = _lower_first(q, w, keys, vis, 16, True)
+    want_blocks = ref_v41.indexer_candidates_mx(q, w, keys, vis, 5, 8, True)
+    idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, 16, 5, 8, True, max_scratch_bytes=3 * 4 * 30)
+    assert torch.equal(idx.long(), want_idx) and torch.equal(blocks, want_blocks)
+    idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, 16, 32, 8, True)
+    assert torch.equal(idx.long(), want_idx)
+    assert torch.equal(blocks, ref_v41.indexer_candidates_mx(q, w, keys, vis, 32, 8, True))
