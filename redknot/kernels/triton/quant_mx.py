@@ -15,8 +15,11 @@ from redknot.kernels.triton._common import cdiv, next_pow2
 
 @triton.jit
 def e8m0_exponent(amax, FMAX: tl.constexpr, FLOOR: tl.constexpr):
-    """ceil(log2(max(amax, FLOOR) / FMAX)) as int32, from the exponent bits (ratio is a normal fp32)."""
-    ratio = tl.maximum(amax, FLOOR) / FMAX
+    """ceil(log2(max(amax, FLOOR) / FMAX)) as int32, from the exponent bits (ratio is a normal fp32).
+    The ratio is divided with IEEE rounding (``div_rn``) as PyTorch divides: Triton's ``/`` is
+    ``div.full.f32`` on NVIDIA GPUs, which may land 1 ulp off an exact power of two and move the scale."""
+    a = tl.maximum(amax, FLOOR)
+    ratio = tl.div_rn(a, tl.zeros_like(a) + FMAX)
     bits = ratio.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return tl.minimum(tl.maximum(e, -127), 127)
@@ -128,7 +131,10 @@ def _insert_rows(x_ptr, slot_ptr, cache_ptr, T, stride_x, stride_c,
         xg = tl.reshape(x, (BLOCK_R, D // G, G))
         amax = tl.max(tl.abs(xg), 2)
         if FMT == 1:
-            s8 = (tl.maximum(amax, 0.01171875) / 6.0).to(tl.float8e4nv)
+            # IEEE division (Triton's ``/`` is approximate on GPUs): amax/6 often lies exactly on an
+            # e4m3 rounding midpoint (bf16 inputs), where a 1-ulp error picks the other scale.
+            a = tl.maximum(amax, 0.01171875)
+            s8 = tl.div_rn(a, tl.zeros_like(a) + 6.0).to(tl.float8e4nv)
             s = s8.to(tl.float32)
             sbyte = s8.to(tl.uint8, bitcast=True)
             v = tl.div_rn(xg, s[:, :, None])

@@ -226,3 +226,76 @@ def test_candidate_entries_are_the_models_candidate_blocks(seed, kernel_device):
         assert listed == set(int(e) for e in torch.nonzero(mask[r]).flatten()), r
         valid = got[r][got[r] >= 0]
         assert torch.equal(valid, torch.sort(valid).values) and (got[r][len(valid):] == -1).all()
+
+
+# ---------------------------------------------------------------------- quantise on insert at rounding boundaries
+E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)      # midpoints of the e2m1 grid
+
+
+def _e4m3_values(lo: float, hi: float) -> list:
+    """Positive normal e4m3 values in [lo, hi]."""
+    return [(1 + m / 8) * 2.0 ** e for e in range(-6, 8) for m in range(8) if lo <= (1 + m / 8) * 2.0 ** e <= hi]
+
+
+def _boundary_rows(fmt: str, rows: int, d: int, seed: int) -> torch.Tensor:
+    """bf16 rows whose every group sits on a rounding boundary of its format, all values exact in bf16:
+
+    * compressed (e4m3 scale per 16): the group's amax is 6·m with m the midpoint of two e4m3 values, so
+      the scale amax/6 is an exact tie of the e4m3 rounding; the other values are e2m1 midpoints times
+      the round-to-nearest-even scale;
+    * index (E8M0 per 32) / window (E8M0 per 32, FP8 values): amax/fmax is exactly a power of two
+      (one ulp more would double the scale); the other values are e2m1 / e4m3 midpoints times it.
+    A quotient one ulp off (an approximate division) lands on the other side of these ties."""
+    g = torch.Generator().manual_seed(seed)
+    group = 16 if fmt == "compressed" else 32
+    n = rows * d // group
+    out = torch.empty(n, group, dtype=torch.float64)
+    if fmt == "compressed":
+        vals = _e4m3_values(2.0 ** -4, 4.0)
+        pairs = [(a, b) for a, b in zip(vals, vals[1:]) if b < 2 * a]
+        pick = torch.randint(len(pairs), (n,), generator=g)
+        for i, j in enumerate(pick.tolist()):
+            a, b = pairs[j]
+            mid = (a + b) / 2
+            even = float(torch.tensor(mid).to(torch.float8_e4m3fn).float())        # ties to even
+            ties = torch.tensor(E2M1_TIES)[torch.randint(len(E2M1_TIES), (group,), generator=g)] * even
+            out[i] = ties.clamp(max=6 * mid)
+            out[i, torch.randint(group, (1,), generator=g)] = 6 * mid
+    else:
+        fmax = 448.0 if fmt == "window" else 6.0
+        ties = [(1 + (2 * m + 1) / 16) * 2.0 ** e for e in range(-3, 8) for m in range(8)] if fmt == "window" \
+            else list(E2M1_TIES)
+        ties = torch.tensor([t for t in ties if t < fmax])
+        k = torch.randint(-12, 4, (n,), generator=g).double()
+        out = ties[torch.randint(len(ties), (n, group), generator=g)] * torch.exp2(k)[:, None]
+        out[torch.arange(n), torch.randint(group, (n,), generator=g)] = fmax * torch.exp2(k)
+    sign = torch.where(torch.rand(n, group, generator=g) < 0.5, -1.0, 1.0)
+    x = (out * sign).view(rows, d)
+    assert torch.equal(x.to(torch.bfloat16).double(), x)          # every value exact in bf16
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt,d", [("compressed", 512), ("index", 128), ("window", 512)])
+def test_cache_insert_is_bit_exact_at_rounding_boundaries(fmt, d, kernel_device):
+    """The Triton insert writes the bytes of the PyTorch packing where the scale division is an exact tie
+    (an approximate ``/`` flips these; the GPU's ``div.full.f32`` did for a few cache bytes per step)."""
+    from redknot.kernels.triton.quant_mx import cache_insert_mx
+
+    pack = {"compressed": mx.pack_compressed_entries, "index": mx.pack_index_keys, "window": mx.pack_window_rows}[fmt]
+    x = _boundary_rows(fmt, 48, d, seed=11).to(kernel_device)
+    want = pack(x)
+    # The cases bite: the scale of every group changes when its division is one ulp high.
+    group = 16 if fmt == "compressed" else 32
+    amax = x.float().view(-1, group).abs().amax(-1)
+    ratio = amax / (6.0 if fmt != "window" else 448.0)
+    high = torch.nextafter(ratio, torch.full_like(ratio, float("inf")))
+    if fmt == "compressed":
+        flips = mx.fp8_encode(ratio).view(torch.uint8) != mx.fp8_encode(high).view(torch.uint8)
+        assert flips.float().mean() > 0.3
+    else:
+        assert (mx.e8m0_encode(ratio) != mx.e8m0_encode(high)).all()
+    cache = torch.zeros(50, want.shape[1], dtype=torch.uint8, device=kernel_device)
+    slots = torch.arange(48, device=kernel_device) + 1
+    cache_insert_mx(cache, slots, x, fmt)
+    got = cache[1:49]
+    assert int((got != want).sum()) == 0, int((got != want).sum())
