@@ -34,6 +34,13 @@ CACHE_FORMATS = {
 }
 
 
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs: an fp64 model (the exact tests) keeps fp64 through the routed ops.
+    fp32 GEMMs on a GPU pick kernels by shape, so a step of several sequences would round otherwise
+    than the same sequences one at a time."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _check_fmt(fmt: str) -> None:
     if fmt not in CACHE_FORMATS:
         raise ValueError(f"fmt={fmt!r}: must be one of {sorted(CACHE_FORMATS)}")
@@ -104,9 +111,10 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
     """o[t, h] = Σ_j e^{z_j} KV_j / (Σ_j e^{z_j} + e^{sink_h}), z_j = scale · q[t, h] · KV_j, over the
     window rows window_cache[window_idx[t]] and compressed entries comp_cache[comp_idx[t]] (-1 = none;
     K = V). q [T, H, D]; window_cache uint8 [Nw, D + D/32]; comp_cache uint8 [Nc, D/2 + D/16];
-    sinks [H] fp32. A row with no valid index returns 0. fp32 math, q.dtype out."""
+    sinks [H] fp32. A row with no valid index returns 0. fp32 math (fp64 for an fp64 q), q.dtype out."""
     out = torch.empty_like(q)
-    sink = sinks.float().view(1, -1, 1)
+    acc = _acc(q)
+    sink = sinks.to(acc).view(1, -1, 1)
     for t0 in range(0, q.shape[0], q_tile):
         rows = slice(t0, t0 + q_tile)
         keys = [_gather_rows(window_cache, window_idx[rows], "window")]
@@ -114,8 +122,8 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
         if comp_idx is not None:
             keys.append(_gather_rows(comp_cache, comp_idx[rows], "compressed"))
             valid.append(comp_idx[rows] >= 0)
-        kv, ok = torch.cat(keys, 1), torch.cat(valid, 1)  # [q, J, D], [q, J]
-        z = torch.einsum("qhd,qjd->qhj", q[rows].float(), kv) * scale
+        kv, ok = torch.cat(keys, 1).to(acc), torch.cat(valid, 1)  # [q, J, D], [q, J]
+        z = torch.einsum("qhd,qjd->qhj", q[rows].to(acc), kv) * scale
         z = z.masked_fill(~ok[:, None, :], float("-inf"))
         m = torch.maximum(z.amax(-1, keepdim=True), sink)
         p = torch.exp(z - m)
@@ -126,14 +134,15 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, bf16_scores: bool = False
                  ) -> torch.Tensor:
-    """I[t, s] = Σ_h w[t, h] · relu(q[t, h] · k[s]) in fp32 ([T, N]); ``bf16_scores`` rounds each dot
-    and each weighted term to bf16 as the reference's bf16 einsum does (§3.5(d), §8 item 6)."""
-    d = torch.einsum("thd,sd->ths", q.float(), keys.float())
+    """I[t, s] = Σ_h w[t, h] · relu(q[t, h] · k[s]) in fp32 ([T, N]; fp64 for an fp64 q); ``bf16_scores``
+    rounds each dot and each weighted term to bf16 as the reference's bf16 einsum does (§3.5(d), §8 item 6)."""
+    acc = _acc(q)
+    d = torch.einsum("thd,sd->ths", q.to(acc), keys.to(acc))
     if bf16_scores:
-        d = d.to(torch.bfloat16).float()
-        terms = (torch.relu(d) * weights.to(torch.bfloat16).float()[..., None]).to(torch.bfloat16).float()
-        return terms.sum(1).to(torch.bfloat16).float()
-    return (torch.relu(d) * weights.float()[..., None]).sum(1)
+        d = d.to(torch.bfloat16).to(acc)
+        terms = (torch.relu(d) * weights.to(torch.bfloat16).to(acc)[..., None]).to(torch.bfloat16).to(acc)
+        return terms.sum(1).to(torch.bfloat16).to(acc)
+    return (torch.relu(d) * weights.to(acc)[..., None]).sum(1)
 
 
 def _select(scores: torch.Tensor, topk: int) -> torch.Tensor:
