@@ -34,8 +34,15 @@ eager step (that step's attention and indexer are PyTorch math, not the registry
 is ``benchmarks/e2e_cut.py``.
 
     python benchmarks/e2e_v41.py --out outputs/e2e_v41      (or: benchmarks/e2e_cut.py --model v41 ...)
-    python benchmarks/e2e_v41.py --out outputs/e2e_v41_1m --prefill 131072,1048576 --decode-context '' \
-        --skip-parity --skip-profile --budget-s 540       # the 1M-token prefill (128K first: it sets the projection)
+    python benchmarks/e2e_v41.py --out outputs/e2e_v41_1m --prefill 32768,131072,1048576 --decode-batch '' \
+        --decode-context '' --skip-parity --skip-profile --budget-s 540   # long prefills, up to 1M tokens
+
+Each prefill is timed chunk by chunk (synchronised): the chunk times are fitted to ``a + b * start``
+(``v41_prefill_profile.ChunkFit``; the indexer's scoring of every visible entry is the part that grows),
+which projects the next context for the budget. The profiled chunk also gets a self-time breakdown by
+region (registry ops and the PyTorch parts by function: ``v41_prefill_profile.region_shares``). Peak
+memory is reported with and without the weights, and the global cache bytes per token against the cut's
+expected value and scaled to V4.1-Flash's four kv sources (890 B/token).
 
 Every case is skipped, with a note in the report, when its projected end passes ``--budget-s``.
 """
@@ -605,11 +612,15 @@ def main(argv=None) -> dict:
     batches = [int(x) for x in a.decode_batch.split(",") if x]
     last = None
     profiles = [1 if a.smoke else 100]   # the CPU profiler is slow to start: one profile in a smoke run
+    from v41_prefill_profile import ChunkFit, cache_bytes, group_regions, region_shares
+    fit = ChunkFit()   # per-chunk seconds = a + b * start, over the chunks of the last timed prefill
     for ctx in ctxs:
         if last is not None:
-            proj = last[1] * (ctx / last[0]) ** 1.6
-            if over_budget(1.5 * proj + 20):   # the untimed warm-up chunks of its new shape classes: <= proj / 2
-                print(f"prefill {ctx}: skipped (projected {proj:.0f} s passes --budget-s)")
+            proj = fit.prefill(ctx, a.chunk)
+            # The untimed warm-up chunks of its new shape classes (one per power of two of the entries,
+            # each tuned a few times) stay below half of it.
+            if over_budget(1.5 * proj + 20):
+                print(f"prefill {ctx}: skipped (projected {proj:.0f} s from the chunk fit passes --budget-s)")
                 report["prefill"].append({"context": ctx, "skipped": f"projected {proj:.0f} s"})
                 continue
         if device.type == "cuda":
@@ -622,18 +633,29 @@ def main(argv=None) -> dict:
         ids = tokens(ctx, cfg.vocab_size, seed=ctx)
         sync(device)
         t = time.perf_counter()
+        points = []   # (chunk start, seconds): synchronised per chunk, so the growth with context shows
         for s in range(0, ctx, a.chunk):
+            t_c = time.perf_counter()
             b.step([ids[s:min(ctx, s + a.chunk)]], seqs=[0])
-        sync(device)
+            sync(device)
+            points.append((s, time.perf_counter() - t_c))
         dt = time.perf_counter() - t
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         floor = prefill_floor_s(cfg, ctx)
+        full = [p for p in points if p[0] + a.chunk <= ctx]
+        fit = ChunkFit.fit(full or points)
+        cb = cache_bytes(b.state, b.layout, ctx, cfg)
         row = {"context": ctx, "chunk": a.chunk, "seconds": dt, "tokens_per_s": ctx / dt, "peak_gib": peak,
+               "peak_above_weights_gib": peak - wbytes / 2**30 if device.type == "cuda" else 0.0,
                "state_slots": nseq, "floor_s": floor, "fraction_of_floor": floor / dt,
-               "global_cache_bytes_per_token": b.global_cache_bytes() / ctx,
-               "window_ring_bytes_per_sequence": sum(w[0].numel() for w in b.state.windows)}
+               "global_cache_bytes_per_token": b.global_cache_bytes() / ctx, "cache_bytes": cb,
+               "window_ring_bytes_per_sequence": sum(w[0].numel() for w in b.state.windows),
+               "chunk_seconds": [[p, round(x, 5)] for p, x in points], "chunk_fit": fit.as_dict()}
         print(f"prefill {ctx}: {dt:.3f} s ({ctx / dt:.0f} tok/s, {100 * floor / dt:.1f} % of the floor), peak "
-              f"{peak:.1f} GiB, global cache {row['global_cache_bytes_per_token']:.1f} B/token")
+              f"{peak:.1f} GiB, global cache {row['global_cache_bytes_per_token']:.1f} B/token (cut expected "
+              f"{cb['expected_cut_bytes_per_token']:.1f}; V4.1-Flash {cb['v41_flash_bytes_per_token'] or 0.0:.1f} of "
+              f"{cb['v41_flash_expected']:.0f}); chunk s = {fit.a:.4f} + {fit.b * 1e6:.4f}e-6 * start "
+              f"(first {points[0][1]:.3f} s, last {points[-1][1]:.3f} s)")
         report["prefill"].append(row)
         last = (ctx, dt)
         if ctx in dctx and batches:
@@ -685,6 +707,9 @@ def main(argv=None) -> dict:
             sync(device)
             name = f"prefill chunk {a.chunk} after {ctx}"
             report["op_shares"][name] = registry_shares(ops, chunk, device)
+            regions = region_shares(chunk, device, ops)
+            report.setdefault("regions", {})[name] = regions
+            report.setdefault("region_groups", {})[name] = group_regions(regions)
             if profiles[0] and not over_budget(dt * a.chunk / ctx + 10):
                 profiles[0] -= 1
                 report["profile"][name] = op_shares(chunk, device)
@@ -711,15 +736,19 @@ def write(report: dict, out: str) -> None:
                                   f"({v['worst_shortfall_rel']:.2g})" for v in p["selections"].values()) + " |")
     for p in report["parity"]:
         lines += ["", f"{p['numerics']}: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(p["errors"].items()))]
-    lines += ["", "## Prefill", "", "| context | s | tok/s | % of floor | peak GiB | global cache B/token |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Prefill", "", "| context | s | tok/s | % of floor | peak GiB (above weights) | global cache "
+              "B/token (V4.1-Flash scaled) | chunk s: first / last | chunk fit a s + b s/token |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in report["prefill"]:
         if "skipped" in r:
-            lines.append(f"| {r['context']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['context']} | skipped: {r['skipped']} | | | | | | |")
             continue
+        cb, cs, fit = r.get("cache_bytes", {}), r.get("chunk_seconds") or [[0, 0.0]], r.get("chunk_fit", {})
         lines.append(f"| {r['context']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
-                     f"{100 * r['fraction_of_floor']:.1f} | {r['peak_gib']:.1f} | "
-                     f"{r['global_cache_bytes_per_token']:.1f} |")
+                     f"{100 * r['fraction_of_floor']:.1f} | {r['peak_gib']:.1f} "
+                     f"({r.get('peak_above_weights_gib', 0.0):.1f}) | {r['global_cache_bytes_per_token']:.1f} "
+                     f"({cb.get('v41_flash_bytes_per_token') or 0.0:.1f}) | {cs[0][1]:.3f} / {cs[-1][1]:.3f} | "
+                     f"{fit.get('a_s', 0.0):.4f} + {fit.get('b_s_per_token', 0.0):.3g} |")
     lines += ["", "expected global cache bytes/token for this cut: "
               f"{report['expected_global_cache_bytes_per_token']:.1f} (V4.1-Flash: 890)", "", "## Decode (eager)", "",
               "| context | batch | ms/step | floor ms | % of floor |", "|---|---|---|---|---|"]
@@ -738,6 +767,12 @@ def write(report: dict, out: str) -> None:
     for name, rows in report["op_shares"].items():
         lines += ["", f"## Registry ops: {name}", "", "| op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| {r['op']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
+    for name, rows in report.get("region_groups", {}).items():
+        lines += ["", f"## Regions (grouped): {name}", "", "| group | share | ms |", "|---|---|---|"]
+        lines += [f"| {r['group']} | {100 * r['share']:.1f} % | {r['ms']:.3f} |" for r in rows]
+    for name, rows in report.get("regions", {}).items():
+        lines += ["", f"## Regions (self time): {name}", "", "| region | share | ms | calls |", "|---|---|---|---|"]
+        lines += [f"| {r['region']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
     for name, rows in report["profile"].items():
         lines += ["", f"## Time shares: {name}", "", "| kernel / op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| `{r['op']}` | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]

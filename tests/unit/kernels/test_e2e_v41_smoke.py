@@ -45,3 +45,28 @@ def test_e2e_v41_smoke_with_the_triton_kernels_interpreted(tmp_path):
     res = json.loads((tmp_path / "e2e_v41.json").read_text())
     assert all(b == "triton" for b in res["ops"].values())
     assert [p["ok"] for p in res["parity"]] == [True, True], res["parity"]
+
+
+def test_the_prefill_profile_regions_add_up_and_the_chunk_fit_predicts(tmp_path):
+    """The region profile's self times plus the time between regions add up to the chunk's wall time, the
+    routed ops and the PyTorch parts (mHC, norms, compressor) each appear, and the chunk fit recovers a
+    linear growth exactly."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import e2e_v41
+        from v41_prefill_profile import ChunkFit
+    finally:
+        sys.path.pop(0)
+    res = e2e_v41.main(["--smoke", "--skip-parity", "--decode-batch", "", "--out", str(tmp_path)])
+    (name, rows), = res["regions"].items()
+    assert rows[-1]["region"] == "(step, wall)"
+    assert abs(sum(r["ms"] for r in rows[:-1]) - rows[-1]["ms"]) < 1e-6 * rows[-1]["ms"]
+    names = {r["region"] for r in rows}
+    assert {"op moe_mx", "op sparse_attention_mx", "model.hc_mixes", "attention.AttentionLayer._compress"} <= names
+    assert all(r["calls"] > 0 for r in rows[:-2])
+    row = res["prefill"][0]
+    assert row["chunk_seconds"]
+    assert row["cache_bytes"]["measured_bytes_per_token"] == row["global_cache_bytes_per_token"]
+    fit = ChunkFit.fit([(s, 0.5 + 2e-6 * s) for s in range(0, 65536, 8192)])
+    assert abs(fit.a - 0.5) < 1e-9 and abs(fit.b - 2e-6) < 1e-12
+    assert abs(fit.prefill(32768, 8192) - sum(0.5 + 2e-6 * s for s in range(0, 32768, 8192))) < 1e-9
