@@ -2,6 +2,7 @@
 """Check and time the V4.1 shipped-format kernels (``hardware=sm90-port``) at real V4.1 dimensions.
 
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --out DIR     # on an H200, about 4-6 minutes
+    PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only gemm --out DIR   # weight-stream GEMMs, before/after
     python benchmarks/kernels_v41.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
 
 Phase 1 (correctness): every op against its PyTorch reference (``redknot.kernels.ref_v41``) on fresh
@@ -11,6 +12,9 @@ Phase 2 (speed): prefill chunks and decode batches, compressed contexts 8K / 128
 attention and indexer; CUDA-event timing (warm-up, median of the repetitions); achieved TFLOP/s and TB/s
 and the fraction of the roofline floor. Phase 3: the Engram gather from HBM and from pinned host memory
 against the measured host-to-device copy bandwidth. A failing case is a FAIL row; the run goes on.
+``--only gemm``: only the before / after table of the weight-stream GEMMs (MoE and dense linears at
+decode sizes, eager and in CUDA graphs, with the split-K kernels' earlier weight decode and the current
+one; the MoE prefill plan), each row checked against its reference first.
 
 Roofline (the method of the project's cost model): an op's floor is ``max(FLOPs / peak, bytes / HBM)``
 with the H200 ceilings measured on the machine, FP8 1451 TFLOP/s (bf16 796 for the bf16-MMA ops) and
@@ -53,6 +57,8 @@ class Case:
     nbytes: float
     peak: str = "fp8"
     note: str = ""
+    key: str = ""      # rows with one key and variants "before" / "after" form a comparison pair
+    variant: str = ""
 
 
 @dataclass
@@ -66,6 +72,8 @@ class Row:
     roof: float = 0.0
     peak: str = ""
     note: str = ""
+    key: str = ""
+    variant: str = ""
 
 
 @dataclass
@@ -115,7 +123,8 @@ def timed(run: Run, build: Callable[[], Case], desc: str) -> None:
         case = build()
         ms = time_ms(case.run, run.device, run.args.reps, warmup=1 if run.args.smoke else 3)
         row = Row(case.op, case.label, "ok", ms, case.flops / ms / 1e9, case.nbytes / ms / 1e9,
-                  roofline_fraction(case.flops, case.nbytes, ms / 1e3, case.peak), case.peak, case.note)
+                  roofline_fraction(case.flops, case.nbytes, ms / 1e3, case.peak), case.peak, case.note, case.key,
+                  case.variant)
         run.log(f"{case.op:<22} {case.label:<34} {ms:9.3f} ms {row.tflops:8.1f} TF/s {row.tbps:7.3f} TB/s "
                 f"{100 * row.roof:5.1f}% of floor")
     except Exception as exc:  # a crash is a failed row, not the end of the run
@@ -155,13 +164,15 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 131072, 1048576],
                     help="compressed entries visible to attention / indexer cases")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--only", choices=("all", "gemm"), default="all",
+                    help="gemm: only the before/after table of the weight-stream GEMMs (no phase-1 checks)")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.reps = 1
     import torch
     from redknot.kernels.triton.checks_mx import REAL_V41, TOY_V41
-    from kernels_v41_cases import engram_transfer, timed_cases
+    from kernels_v41_cases import decode_compare_cases, engram_transfer, timed_cases
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -171,6 +182,10 @@ def main(argv=None) -> int:
     run = Run(args, device)
     run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
             f"dims {'toy' if args.smoke else 'V4.1'}")
+    if args.only == "gemm":
+        for desc, build in decode_compare_cases(dims, device, args.smoke):
+            timed(run, build, desc)
+        return write_results(run)
     if not args.skip_checks:
         run_checks(run, dims)
     contexts = [64] if args.smoke else args.contexts
@@ -200,6 +215,30 @@ def tuned_choices() -> List[str]:
     return out
 
 
+def comparison_lines(rows: List[Row]) -> List[str]:
+    """The before / after table: rows paired by ``key`` (ms and % of floor of each, speed-up)."""
+    from redknot.kernels.triton import splitk_mx
+    pairs = {}
+    for r in rows:
+        if r.key:
+            pairs.setdefault(r.key, {})[r.variant] = r
+    if not pairs:
+        return []
+    lines = ["", "## Weight-stream GEMMs: before / after", "",
+             "before: split-K with the weight decoded by hand in registers (``decode=registers``), MoE prefill "
+             "by the ``grouped`` plan; after: the current defaults (``decode=scaled``, the prefill plan measured "
+             f"fastest). scaled-decode build error on this device: {splitk_mx.SCALED_ERROR or 'none'}.", "",
+             "| case | before ms | before % of floor | after ms | after % of floor | speed-up | after note |",
+             "|---|---|---|---|---|---|---|"]
+    for key, pair in pairs.items():
+        b, a = pair.get("before"), pair.get("after")
+        cell = lambda r: (f"{r.ms:.4f} | {100 * r.roof:.1f}" if r and r.status == "ok"  # noqa: E731
+                          else f"{r.status if r else 'missing'} | ")
+        up = f"{b.ms / a.ms:.2f}x" if a and b and a.status == b.status == "ok" and a.ms > 0 else ""
+        lines.append(f"| {key} | {cell(b)} | {cell(a)} | {up} | {a.note if a else ''} |")
+    return lines
+
+
 def write_results(run: Run) -> int:
     failed_checks = [c for c in run.checks if not c["ok"]]
     failed_rows = [r for r in run.rows if r.status.startswith("FAIL")]
@@ -216,6 +255,7 @@ def write_results(run: Run) -> int:
         else:
             lines.append(f"| {r.op} | {r.label} | {r.ms:.4f} | {r.tflops:.1f} | {r.tbps:.3f} | {100 * r.roof:.1f} | "
                          f"{r.peak} | {r.note} |")
+    lines += comparison_lines(run.rows)
     lines += ["", "## Engram gather: HBM vs pinned host", "", "| case | ms | GB/s | note |", "|---|---|---|---|"]
     for t in run.transfer:
         lines.append(f"| {t.get('case')} | {t.get('ms', 0):.4f} | {t.get('gbps', 0):.1f} | "

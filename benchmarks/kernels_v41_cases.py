@@ -17,9 +17,9 @@ LINEARS = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo
            ("shared w1", 2304, 5120), ("shared w2", 5120, 2304)]
 
 
-def _case(op, label, run, flops, nbytes, peak="fp8", note=""):
+def _case(op, label, run, flops, nbytes, peak="fp8", note="", key="", variant=""):
     from kernels_v41 import Case
-    return Case(op, label, run, float(flops), float(nbytes), peak, note)
+    return Case(op, label, run, float(flops), float(nbytes), peak, note, key, variant)
 
 
 def _sizes(dims: V41Dims, smoke: bool):
@@ -333,3 +333,82 @@ def timed_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> Iter
     yield from indexer_cases(dims, device, contexts, smoke)
     yield from linear_cases(dims, device, smoke, extras=True)
     yield from moe_cases(dims, device, smoke, extras=True)
+
+
+def _graph_or_eager(fn, device, graph: bool):
+    """(callable to time, its output, note): ``fn`` itself, or its CUDA graph replayed (output checked
+    against an eager call)."""
+    if not graph:
+        return fn, fn(), "eager"
+    eager = fn()
+    g, out = _capture(fn)
+    return g.replay, out, f"graph output == eager: {bool(torch.equal(out, eager))}"
+
+
+def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    """Before / after pairs of the weight-stream GEMMs: each case once with the split-K kernels' earlier
+    weight decode (``decode="registers"``: nibble masks and fp32 scale multiplies in registers, activations
+    quantised inside the kernel up to 128 rows, 16-row tiles) and once with the default (``scaled``:
+    ``tl.dot_scaled``), eager and replayed from CUDA graphs; then the MoE prefill plans (``grouped``, the
+    earlier default, against the measured choice over all plans). Each row is checked against ``ref_v41``
+    on its own inputs first. Rows carry ``key`` / ``variant`` so the report pairs them."""
+    from redknot.kernels.triton import moe_mx as fast_moe
+    prefill, decode = _sizes(dims, smoke)
+    flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
+    graphs = [False, True] if device.type == "cuda" else [False]
+    shared = {}
+
+    def weights():
+        if "w" not in shared:
+            shared["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
+        return shared["w"]
+
+    def want_moe(t, x, idx, wt):
+        key = ("moe", t)
+        if key not in shared:
+            for k in [k for k in shared if k != "w"]:
+                del shared[k]
+            shared[key] = ref.moe_mx(x, idx, wt, *weights(), 10.0)
+        return shared[key]
+
+    for t in decode:
+        for graph in graphs:
+            for variant, dec in (("before", "registers"), ("after", "scaled")):
+                def build(t=t, graph=graph, variant=variant, dec=dec):
+                    x, idx, wt = _moe_case_inputs(dims, device, t, t)
+                    fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=dec)  # noqa: E731
+                    note = _checked("moe_mx", f"T={t}", fn, lambda: want_moe(t, x, idx, wt), 3e-2)
+                    run, _, how = _graph_or_eager(fn, device, graph)
+                    return _case("moe_mx split-K", f"T={t} {'graph' if graph else 'eager'}", run, t * flops_per_token,
+                                 _moe_bytes(dims, idx), note=f"decode={dec}; {how}; {note}",
+                                 key=f"moe T={t} {'graph' if graph else 'eager'}", variant=variant)
+                yield f"compare moe T={t} graph={graph} {variant}", build
+    shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
+    for name, n, k in shapes:
+        for m in decode:
+            for graph in graphs:
+                for variant, dec in (("before", "registers"), ("after", "scaled")):
+                    def build(name=name, n=n, k=k, m=m, graph=graph, variant=variant, dec=dec):
+                        g = torch.Generator(device=device).manual_seed(m + n)
+                        w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
+                        x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+                        fn = lambda: linear_mx(x, w, ws, 32, path="splitk", decode=dec)  # noqa: E731
+                        note = _checked("linear_mx", name, fn, lambda: ref.linear_mx(x, w, ws, 32), 1e-2)
+                        run, _, how = _graph_or_eager(fn, device, graph)
+                        label = f"{name} M={m} {'graph' if graph else 'eager'}"
+                        return _case("linear_mx split-K", label, run, 2 * m * n * k,
+                                     m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"decode={dec}; {how}; {note}",
+                                     key=f"linear {label}", variant=variant)
+                    yield f"compare linear {name} M={m} graph={graph} {variant}", build
+    plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
+    for variant, plan in plans:
+        def build(variant=variant, plan=plan):
+            x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
+            fn = lambda: fast_moe.moe_prefill(x, idx, wt, *weights(), 10.0, plan=plan)  # noqa: E731
+            note = _checked("moe_mx", f"T={prefill}", fn, lambda: want_moe(prefill, x, idx, wt), 3e-2)
+            chosen = plan or fast_moe.PREFILL_TUNER.choices.get(
+                (min(1 << (prefill - 1).bit_length(), 65536), dims.topk_experts, tuple(weights()[0].shape),
+                 tuple(weights()[4].shape)), "measured choice")
+            return _case("moe_mx prefill", f"T={prefill}", fn, prefill * flops_per_token, _moe_bytes(dims, idx),
+                         note=f"plan {chosen}; {note}", key=f"moe prefill T={prefill}", variant=variant)
+        yield f"compare moe prefill {variant}", build

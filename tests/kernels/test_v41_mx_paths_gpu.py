@@ -104,9 +104,40 @@ def test_in_kernel_quantisation_equals_the_separate_pass(moe_weights, monkeypatc
     w, ws = mx.quant_fp8_blocks(torch.randn(5120, 8192, generator=g, device="cuda") * 0.02, 32)
     x = torch.randn(7, 8192, generator=g, device="cuda").to(torch.bfloat16)
     xm, idx, wt = _moe_batch(7, 8)
-    fused = gemm_mx.linear_mx(x, w, ws, 32, path="splitk"), gemm_mx.moe_mx(xm, idx, wt, *moe_weights, 10.0,
-                                                                          path="splitk")
-    monkeypatch.setattr(splitk_mx, "RAW_MAX_ROWS", 0)
-    monkeypatch.setattr(moe_mx, "RAW_MAX_ROWS", 0)
-    assert torch.equal(gemm_mx.linear_mx(x, w, ws, 32, path="splitk"), fused[0])
-    assert torch.equal(gemm_mx.moe_mx(xm, idx, wt, *moe_weights, 10.0, path="splitk"), fused[1])
+    for decode, knobs in (("registers", ((splitk_mx, "RAW_MAX_ROWS", 0), (moe_mx, "RAW_MAX_ROWS", 0))),
+                          ("scaled", ((splitk_mx, "SCALED_RAW_MAX_ROWS", 128),))):
+        fused = (gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=decode),
+                 moe_mx.moe_splitk(xm, idx, wt, *moe_weights, 10.0, decode=decode))
+        with monkeypatch.context() as m:
+            for mod, name, value in knobs:
+                m.setattr(mod, name, value)
+            assert torch.equal(gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=decode), fused[0])
+            assert torch.equal(moe_mx.moe_splitk(xm, idx, wt, *moe_weights, 10.0, decode=decode), fused[1])
+
+
+@pytest.mark.parametrize("decode", ["scaled", "registers"])
+@pytest.mark.parametrize("rows", [1, 32, 128])
+def test_weight_stream_decodes_at_v41_shapes(decode, rows, moe_weights):
+    """Both split-K weight decodes against ``ref_v41`` at decode sizes (dense wo_b / wq_b, MoE); the
+    ``scaled`` kernel builds on this device (no fallback recorded)."""
+    from redknot.kernels.triton import moe_mx, splitk_mx
+    for n, k in ((5120, 8192), (32768, 1280)):
+        g = torch.Generator(device="cuda").manual_seed(rows + n + 2)
+        w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device="cuda") * 0.02, 32)
+        x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+        out = gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=decode)
+        assert _rel(out, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
+    x, idx, wt = _moe_batch(rows, 200 + rows)
+    out = moe_mx.moe_splitk(x, idx, wt, *moe_weights, 10.0, decode=decode)
+    assert _rel(out, ref_v41.moe_mx(x, idx, wt, *moe_weights, 10.0)) <= 3e-2
+    assert splitk_mx.SCALED_ERROR is None
+
+
+def test_scaled_prefill_plans_at_v41_shapes(moe_weights):
+    """Each ``tiled`` prefill plan (``scaled`` decode) against ``ref_v41`` at 2048 tokens."""
+    from redknot.kernels.triton import moe_mx
+    x, idx, wt = _moe_batch(2048, 17)
+    want = ref_v41.moe_mx(x, idx, wt, *moe_weights, 10.0)
+    for plan in moe_mx.PREFILL_TUNER.candidates:
+        if plan.path == "tiled":
+            assert _rel(moe_mx.moe_prefill(x, idx, wt, *moe_weights, 10.0, plan=plan), want) <= 3e-2, plan

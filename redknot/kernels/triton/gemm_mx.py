@@ -283,20 +283,35 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
-                   out: torch.Tensor) -> torch.Tensor:
+                   out: torch.Tensor, decode: Optional[str] = None) -> torch.Tensor:
+    """Split-K weight stream (``splitk_mx``) and the slice reduction. ``decode="scaled"``: activations
+    QDQ'd by a separate pass (each program would otherwise repeat the amax work for 16+ padded rows per
+    weight tile), row tiles of up to 64 rows (a weight tile is decoded once per row tile)."""
+    from redknot.kernels.triton import splitk_mx
     from redknot.kernels.triton.dequant_mx import qdq_bf16
-    from redknot.kernels.triton.splitk_mx import RAW_MAX_ROWS, reduce_rows, splitk_mm
-    raw = x2.shape[0] <= RAW_MAX_ROWS  # quantised inside the GEMM (the same values, one launch fewer)
-    p = splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, x2.shape[0], w_fp4=False, wb=block, raw=raw)
-    return reduce_rows(p, out)
+    decode = decode or splitk_mx.DECODE
+    rows = x2.shape[0]
+
+    def run(dec: str) -> torch.Tensor:
+        raw = rows <= (splitk_mx.RAW_MAX_ROWS if dec == "registers" else splitk_mx.SCALED_RAW_MAX_ROWS)
+        bm = splitk_mx.ROW_TILE if dec == "registers" else splitk_mx.dense_row_tile(rows)
+        p = splitk_mx.splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, rows, w_fp4=False, wb=block, raw=raw,
+                                decode=dec, block_m=bm)
+        return splitk_mx.reduce_rows(p, out)
+
+    if decode == "scaled":
+        return splitk_mx.with_fallback(x2.device, lambda: run("scaled"), lambda: run("registers"))
+    return run(decode)
 
 
 def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = 32,
-              act_group: int = 32, config: Optional[MxGemmConfig] = None, path: str = "auto") -> torch.Tensor:
+              act_group: int = 32, config: Optional[MxGemmConfig] = None, path: str = "auto",
+              decode: Optional[str] = None) -> torch.Tensor:
     """x [..., K] bf16 · Wᵀ (e4m3 [N, K], E8M0 [ceil(N/b), ceil(K/b)]) with per-32 FP8 activations.
 
     ``path``: ``splitk`` (weight stream, decode), ``dequant`` (bf16 weight chunks + library GEMM,
-    prefill), ``fused`` (the FP8-MMA kernel above), ``auto`` by row count (``linear_path``)."""
+    prefill), ``fused`` (the FP8-MMA kernel above), ``auto`` by row count (``linear_path``). ``decode``:
+    the split-K weight decode (``splitk_mx.DECODES``; None: ``splitk_mx.DECODE``)."""
     if act_group != 32:
         raise ValueError(f"linear_mx: act_group={act_group}: the Triton kernel quantises activations per 32")
     if block % 32:
@@ -308,8 +323,10 @@ def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     chosen = linear_path(x2.shape[0], path)
     if x2.shape[0] and chosen != "fused" and x.dtype == torch.bfloat16:
         ws = weight_scale.view(torch.uint8)
-        run = _linear_splitk if chosen == "splitk" else _linear_dequant
-        run(x2, weight, ws, block, out)
+        if chosen == "splitk":
+            _linear_splitk(x2, weight, ws, block, out, decode)
+        else:
+            _linear_dequant(x2, weight, ws, block, out)
         return out.view(*lead, weight.shape[0])
     xs = None
     if x2.shape[0] >= PREQUANT_MIN_ROWS:

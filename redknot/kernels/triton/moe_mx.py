@@ -19,12 +19,14 @@ counts. Scratch: the bf16 weights of one chunk plus row buffers of ``T·k`` rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
+from redknot.kernels.triton import splitk_mx
 from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, qdq_bf16
 from redknot.kernels.triton.splitk_mx import (RAW_MAX_ROWS, ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm,
                                               tile_map)
@@ -47,13 +49,14 @@ class MoePlan:
     block_k: int = 128
     num_warps: int = 8
     swap: bool = False  # the decoded weight tile as the MMA's first operand (it never leaves registers)
+    decode: str = "scaled"  # ``splitk_mx.DECODES``: how the tiled kernel decodes the FP4 weight tiles
 
 
 # Measured per token-count class on the first call (the first plan off the GPU or under graph capture).
 # The tiled shapes compile for sm90 without register spills (two fp32 accumulators, decoded FP4 tiles).
 PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
-    MoePlan("grouped"), MoePlan("tiled", 64, 128, 64, 8, True), MoePlan("tiled", 128, 128, 64, 8, True),
-    MoePlan("tiled", 128, 64, 64, 8),
+    MoePlan("grouped"), MoePlan("tiled", 64, 128, 128, 8, True), MoePlan("tiled", 128, 128, 128, 8, True),
+    MoePlan("tiled", 64, 128, 128, 4, True), MoePlan("tiled", 64, 128, 64, 8, True, "registers"),
 ])
 
 
@@ -124,9 +127,20 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
 
 
 def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
-               plan: MoePlan = None):
+               plan: MoePlan = None, decode: Optional[str] = None):
     """``moe_mx`` as split-K weight streams (see the module docstring); with a ``tiled`` plan the same
-    kernels run as plain grouped GEMMs (one K slice, larger row tiles) for prefill."""
+    kernels run as plain grouped GEMMs (one K slice, larger row tiles) for prefill. ``decode``: how the
+    GEMMs decode the FP4 weights (``splitk_mx.DECODES``; None: the plan's, else ``splitk_mx.DECODE``)."""
+    decode = decode or (plan.decode if plan is not None else None) or splitk_mx.DECODE
+    args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit, plan)
+    if decode == "scaled":
+        return splitk_mx.with_fallback(x.device, lambda: _moe_splitk(*args, "scaled"),
+                                       lambda: _moe_splitk(*args, "registers"))
+    return _moe_splitk(*args, decode)
+
+
+def _moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
+                plan: Optional[MoePlan], decode: str):
     T, k = topk_idx.shape
     E, inter = w1.shape[0], w1.shape[1]
     D = w2.shape[1]
@@ -140,14 +154,17 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
     else:
         launch = dict(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k, num_warps=plan.num_warps,
                       splits=1, swap=plan.swap)
+    launch["decode"] = decode
+    split = decode == "registers"  # that decode reads FP4 activations de-interleaved (even / odd columns)
     tiles = tile_map(offs, launch["block_m"], M)  # one map for both GEMMs
-    raw = plan is None and T <= RAW_MAX_ROWS  # decode: the W1 | W3 kernel quantises its x slices itself
+    # decode sizes: the W1 | W3 kernel may quantise its x slices itself (``registers``: up to RAW_MAX_ROWS)
+    raw = plan is None and T <= (RAW_MAX_ROWS if decode == "registers" else splitk_mx.SCALED_RAW_MAX_ROWS)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    xq = x if raw else qdq_bf16(x, split=True)  # else [2, T, D/2]: even / odd columns, QDQ'd
+    xq = x if raw else qdq_bf16(x, split=split)  # QDQ'd rows ([2, T, D/2] de-interleaved for ``registers``)
     p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows, offs=offs, w3=w3, ws3=w3_scale, tiles=tiles,
                        raw=raw, **launch)
-    act = torch.empty(2, M, inter // 2, dtype=torch.bfloat16, device=x.device)
-    reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=True)
+    act = torch.empty((2, M, inter // 2) if split else (M, inter), dtype=torch.bfloat16, device=x.device)
+    reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=split)
     p2 = splitk_mm(act, w2, w2_scale, M, w_fp4=True, offs=offs, tiles=tiles, **launch)
     return reduce_combine(p2, inv, k, out)
 

@@ -17,12 +17,26 @@ order: the result is deterministic), and applies the epilogue:
 The slice count depends only on the weight shape (N, K) up to ``SPLIT_MAX_ROWS`` rows, and the row tile
 is fixed, so there a row's result does not depend on how many other rows share the call (batch
 invariance within this path).
-Packed FP4 weights hold element 2i in the low nibble and 2i+1 in the high one; instead of interleaving
-the nibbles in registers, the activation is stored de-interleaved and each K step runs two MMAs
-(even columns x low nibbles, odd columns x high nibbles): the same products, summed in another order.
+Two ways to decode the weight tile in registers (``decode``):
+
+* ``scaled`` (default): ``tl.dot_scaled`` with the packed weight as its first operand (E2M1 or E4M3
+  with the E8M0 scales of its 32-wide K groups) and the QDQ'd bf16 activation rows as the second. On
+  SM90 Triton lowers it to a packed FP4 / FP8 -> bf16 conversion (a few byte-permute instructions per 8
+  values), one bf16 multiply by the power-of-two scale (exact) and a bf16 MMA with the decoded weight
+  in registers. A decode step is a weight stream, so the integer work per weight element is what the
+  stream costs: the ``registers`` decode spends ~17 integer operations per FP4 value, about a tenth of
+  HBM speed at the H200's integer rate; this one ~2-3.
+* ``registers``: the earlier hand decode (nibble masks, exponent bits, fp32 scale multiply). Packed
+  FP4 weights hold element 2i in the low nibble and 2i+1 in the high one; instead of interleaving the
+  nibbles in registers, the activation is stored de-interleaved and each K step runs two MMAs (even
+  columns x low nibbles, odd columns x high nibbles): the same products, summed in another order.
+
+Both multiply exactly the reference's numbers (every operand is exact in bf16); only the fp32
+summation order differs.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -43,6 +57,17 @@ RAW_MAX_ROWS = 128
 # cost more traffic than they save). Up to it the slice count depends on the weight shape only: decode
 # batches (MoE up to 341 tokens at top-6, every dense linear on the split-K path) are batch-invariant.
 SPLIT_MAX_ROWS = 2048
+# With ``decode="scaled"`` the activations are quantised by a separate pass above this many rows (0: always):
+# a program's dot needs 16+ rows, so in-kernel quantisation repeats the amax work for padded rows per
+# weight tile, which costs more integer work than the weight decode itself.
+SCALED_RAW_MAX_ROWS = 0
+DECODES = ("scaled", "registers")
+DENSE_ROW_TILE_MAX = 128
+# The default decode (``decode=None``); see the module docstring.
+DECODE = "scaled"
+# Set when the ``scaled`` kernel failed to build on this device: the callers then run ``registers`` and
+# report it (benchmarks print it; the GPU tests fail on it).
+SCALED_ERROR: Optional[str] = None
 
 
 @triton.jit
@@ -168,6 +193,81 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
             tl.store(p3_ptr + out, acc3, mask=omask)
 
 
+@triton.jit
+def _scaled_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
+               tile_group_ptr, tile_row_ptr, tile_end_ptr, M, N, K, KSPLIT,
+               stride_am, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
+               W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
+               DUAL: tl.constexpr, A_RAW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """``_splitk_mm`` with the weight decoded by ``tl.dot_scaled`` (weight tile [BN, BK] as the MMA's
+    first operand, activation rows [BM, BK] transposed as its second, both in natural K order)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if GROUPED:
+        grp = tl.load(tile_group_ptr + pid_m)
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+    else:
+        grp = 0
+        row0 = pid_m * BLOCK_M
+        row_end = M
+    if grp >= 0:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        if GATHER:
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            arow = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        c64 = cols.to(tl.int64)
+        bg = b_ptr + grp.to(tl.int64) * stride_bg
+        sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
+        b3g = b3_ptr + grp.to(tl.int64) * stride_bg
+        sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
+        k_lo = pid_s * KSPLIT
+        k_hi = tl.minimum(K, k_lo + KSPLIT)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k_step in range(k_lo, k_hi, BLOCK_K):
+            k0 = tl.multiple_of(k_step, BLOCK_K)
+            kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+            gs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
+            if A_RAW:
+                a = fp8_qdq_groups(a.to(tl.float32), BLOCK_M, BLOCK_K)
+            at = tl.trans(a.to(tl.bfloat16))
+            if W_FP4:
+                kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2),
+                                       BLOCK_K // 2)
+                w = tl.load(bg + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None], other=0)
+                s = tl.load(sbg + c64[:, None] * stride_sbn + gs[None, :], mask=cmask[:, None], other=127)
+                acc = tl.dot_scaled(w, s, "e2m1", at, None, "bf16", acc=acc, fast_math=True)
+                if DUAL:
+                    w3 = tl.load(b3g + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None], other=0)
+                    s3 = tl.load(sb3g + c64[:, None] * stride_sbn + gs[None, :], mask=cmask[:, None], other=127)
+                    acc3 = tl.dot_scaled(w3, s3, "e2m1", at, None, "bf16", acc=acc3, fast_math=True)
+            else:  # e4m3 weight, E8M0 per WB x WB tile: the scale of (row n, group g) is tile (n // WB, g*32 // WB)
+                w = tl.load(bg + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None], other=0)
+                s = tl.load(sbg + (cols // WB).to(tl.int64)[:, None] * stride_sbn + (gs * 32 // WB)[None, :],
+                            mask=cmask[:, None], other=127)
+                acc = tl.dot_scaled(w, s, "e4m3", at, None, "bf16", acc=acc, fast_math=True)
+        out = pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+        omask = rmask[:, None] & cmask[None, :]
+        tl.store(p_ptr + out, tl.trans(acc), mask=omask)
+        if DUAL:
+            tl.store(p3_ptr + out, tl.trans(acc3), mask=omask)
+
+
+def dense_row_tile(rows: int) -> int:
+    """Row tile of a dense ``scaled`` stream: the rows' power of two, 16 to ``DENSE_ROW_TILE_MAX``. Every
+    row tile decodes the whole weight, so up to 128 rows one tile does it once. (A row's products and
+    their K order do not depend on the tile's width: each output of the MMA is its own dot product.)"""
+    return min(DENSE_ROW_TILE_MAX, max(ROW_TILE, next_pow2(rows)))
+
+
 def block_k_for(K: int, w_fp4: bool, block_k: int = 0) -> int:
     """The K step: the largest power of two up to ``block_k`` (default 128 FP4 / 128 FP8) that divides K
     (K is a multiple of 32), so that no step needs a K mask."""
@@ -226,14 +326,20 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
               rowid: Optional[torch.Tensor] = None, offs: Optional[torch.Tensor] = None,
               w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_m: int = ROW_TILE,
               block_n: int = 64, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
-              tiles=None, swap: bool = False, raw: bool = False):
+              tiles=None, swap: bool = False, raw: bool = False, decode: Optional[str] = None,
+              num_stages: int = 3):
     """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
 
-    a: bf16 QDQ'd activations, [R, K] (FP8 weight) or de-interleaved [2, R, K/2] (MXFP4 weight), or with
-    ``raw`` the bf16 rows [R, K] themselves, quantised per 32 inside the kernel (decode sizes); the
-    output row r reads activation row ``rowid[r]`` (or r). w: e4m3 [N, K] with tiles of ``wb``, or packed
-    [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group ends; ``tiles``: its
-    ``tile_map`` for ``block_m``, when the caller shares one between launches)."""
+    a: bf16 QDQ'd activations [R, K] (with ``decode="registers"`` and an MXFP4 weight: de-interleaved
+    [2, R, K/2]), or with ``raw`` the bf16 rows [R, K] themselves, quantised per 32 inside the kernel
+    (decode sizes); the output row r reads activation row ``rowid[r]`` (or r). w: e4m3 [N, K] with tiles
+    of ``wb``, or packed [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group
+    ends; ``tiles``: its ``tile_map`` for ``block_m``, when the caller shares one between launches).
+    ``decode``: ``scaled`` / ``registers`` (module docstring; None: ``DECODE``); ``swap`` applies to
+    ``registers`` (``scaled`` always holds the weight as the first operand)."""
+    decode = decode or DECODE
+    if decode not in DECODES:
+        raise ValueError(f"splitk_mm: decode={decode!r}: must be one of {DECODES}")
     grouped = offs is not None
     w, ws = as_bytes(w), as_bytes(ws)
     w3d = w if grouped else w.unsqueeze(0)
@@ -257,17 +363,43 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     else:
         n_tiles = cdiv(rows, bm)
         tg = tr = te = p  # unused
-    a_h = a.stride(0) if w_fp4 and not raw else 0
     a_m = a.stride(-2)
     w3g = as_bytes(w3) if dual else w3d
     s3g = as_bytes(ws3) if dual else s3d
-    _splitk_mm[(n_tiles, cdiv(N, block_n), S)](
+    grid = (n_tiles, cdiv(N, block_n), S)
+    if decode == "scaled":
+        if not w_fp4:
+            w3d = w3g = w3d.view(torch.uint8)  # dot_scaled reads e4m3 bytes
+        _scaled_mm[grid](
+            a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
+            a_m, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
+            W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, A_RAW=raw, BLOCK_M=bm,
+            BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps, num_stages=num_stages)
+        return (p, p3) if dual else p
+    a_h = a.stride(0) if w_fp4 and not raw else 0
+    _splitk_mm[grid](
         a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
         a_m, a_h, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
         W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, SWAP=swap, A_RAW=raw, BLOCK_M=bm,
         BLOCK_N=block_n,
-        BLOCK_K=bk, num_warps=num_warps, num_stages=3)
+        BLOCK_K=bk, num_warps=num_warps, num_stages=num_stages)
     return (p, p3) if dual else p
+
+
+def with_fallback(device: torch.device, scaled, registers):
+    """Run ``scaled()``; on a CUDA device where the ``scaled`` kernel fails to build, record why in
+    ``SCALED_ERROR``, warn once and run ``registers()`` from then on. Off the GPU errors propagate (the
+    interpreter runs both decodes)."""
+    global SCALED_ERROR
+    if SCALED_ERROR is None:
+        if device.type != "cuda":
+            return scaled()
+        try:
+            return scaled()
+        except Exception as exc:  # a Triton build failure on this toolchain: keep running, say so
+            SCALED_ERROR = f"{type(exc).__name__}: {str(exc)[:300]}"
+            warnings.warn(f"splitk_mx: decode='scaled' failed to build ({SCALED_ERROR}); using 'registers'")
+    return registers()
 
 
 @triton.jit

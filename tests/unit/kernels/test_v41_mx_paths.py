@@ -197,3 +197,60 @@ def test_in_kernel_quantisation_equals_the_separate_pass(kernel_device, monkeypa
     monkeypatch.setattr(moe_mx, "RAW_MAX_ROWS", 0)
     assert torch.equal(gemm_mx.linear_mx(x, w, ws, 32, path="splitk"), fused[0])
     assert torch.equal(gemm_mx.moe_mx(xm, idx, wt, *wm, 10.0, path="splitk"), fused[1])
+
+
+@pytest.mark.parametrize("decode", splitk_mx.DECODES)
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("rows", [1, 20, 37])
+def test_linear_splitk_decodes_match_reference(decode, block, rows, kernel_device):
+    """Both weight decodes of the split-K stream (row tiles of 16 / 32 / 64 rows for ``scaled``)."""
+    g = torch.Generator(device=kernel_device).manual_seed(rows + block)
+    w, ws = mx.quant_fp8_blocks(torch.randn(96, 1024, generator=g, device=kernel_device) * 0.02, block)
+    x = torch.randn(rows, 1024, generator=g, device=kernel_device).to(torch.bfloat16)
+    out = gemm_mx.linear_mx(x, w, ws, block, path="splitk", decode=decode)
+    assert _rel(out, ref_v41.linear_mx(x, w, ws, block)) <= 1e-2
+
+
+@pytest.mark.parametrize("decode", splitk_mx.DECODES)
+@pytest.mark.parametrize("dims", [TOY_V41, ODD], ids=["toy", "odd"])
+@pytest.mark.parametrize("tokens", [1, 11])
+def test_moe_splitk_decodes_match_reference(decode, dims, tokens, kernel_device):
+    x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 40, tokens=tokens)
+    out = moe_mx.moe_splitk(x, idx, wt, *w, 10.0, decode=decode)
+    assert _rel(out, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
+
+
+def test_scaled_stream_quantising_in_kernel_equals_the_separate_pass(kernel_device, monkeypatch):
+    """``scaled`` with activations quantised inside the kernel gives the bits of the separate pass."""
+    x, idx, wt, w = moe_inputs(TOY_V41, kernel_device, seed=4, tokens=5)
+    g = torch.Generator(device=kernel_device).manual_seed(6)
+    wl, wls = mx.quant_fp8_blocks(torch.randn(64, 256, generator=g, device=kernel_device) * 0.02, 32)
+    xl = torch.randn(3, 256, generator=g, device=kernel_device).to(torch.bfloat16)
+    sep = (moe_mx.moe_splitk(x, idx, wt, *w, 10.0, decode="scaled"),
+           gemm_mx.linear_mx(xl, wl, wls, 32, path="splitk", decode="scaled"))
+    monkeypatch.setattr(splitk_mx, "SCALED_RAW_MAX_ROWS", 128)
+    assert torch.equal(moe_mx.moe_splitk(x, idx, wt, *w, 10.0, decode="scaled"), sep[0])
+    assert torch.equal(gemm_mx.linear_mx(xl, wl, wls, 32, path="splitk", decode="scaled"), sep[1])
+
+
+def test_scaled_build_failure_falls_back_and_is_recorded(monkeypatch):
+    """On a CUDA device a failed ``scaled`` build is recorded and the ``registers`` decode runs; off the
+    GPU the error propagates (so interpreter tests exercise the kernel itself)."""
+    monkeypatch.setattr(splitk_mx, "SCALED_ERROR", None)
+
+    def broken():
+        raise RuntimeError("PassManager::run failed")
+    with pytest.raises(RuntimeError):
+        splitk_mx.with_fallback(torch.device("cpu"), broken, lambda: "registers")
+    assert splitk_mx.SCALED_ERROR is None
+    with pytest.warns(UserWarning, match="decode='scaled' failed"):
+        assert splitk_mx.with_fallback(torch.device("cuda"), broken, lambda: "registers") == "registers"
+    assert "PassManager::run failed" in splitk_mx.SCALED_ERROR
+    assert splitk_mx.with_fallback(torch.device("cuda"), lambda: "scaled", lambda: "registers") == "registers"
+
+
+def test_splitk_rejects_an_unknown_decode(kernel_device):
+    w, ws = mx.quant_fp8_blocks(torch.randn(32, 64, device=kernel_device), 32)
+    with pytest.raises(ValueError, match="decode='fast'"):
+        splitk_mx.splitk_mm(torch.zeros(1, 64, dtype=torch.bfloat16, device=kernel_device), w, ws, 1,
+                            w_fp4=False, decode="fast")
