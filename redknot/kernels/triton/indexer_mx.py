@@ -11,8 +11,9 @@ in registers (``BLOCK_T`` tokens share each key block: one tensor-core dot of ``
   split merge it reuses); ties go to the lower entry id, the model's rule. Few tokens (decode) split
   their entries over several programs and a second kernel merges the lists.
 * ``indexer_topk_mx`` with candidate blocks: only the ``NB·bs`` entries of the token's candidate blocks
-  are scored (a gathered launch over their entry ids, expanded on the device) into a chunk of scores
-  and selected by ``torch.topk``, so layers 24/28/32/36 never score the whole cache.
+  are scored, so layers 24/28/32/36 never score the whole cache: streamed through the same thresholded
+  buffer over each token's candidate list (one token per program, no score matrix), or scored in a
+  gathered launch into a chunk of scores selected by ``torch.topk``; the faster is measured per class.
 * ``indexer_candidates_mx``: the kernel reduces each block of ``bs`` entries to its max in registers and
   writes only block scores (``N/bs`` per token); the newest visible block is pinned, top blocks kept.
 * ``indexer_source_mx`` (layer 20): one streamed pass gives its top-k and writes the max score of every
@@ -91,23 +92,28 @@ def _index_scores(q_ptr, w_ptr, key_ptr, vis_ptr, cand_ptr, out_ptr, T, N, NCOLS
 
 
 @triton.jit
-def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, T, nsplit, NB,
-                  stride_qt, stride_qh, stride_wt, stride_k, stride_bm,
+def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_ptr, T, nsplit, NB, NKEYS,
+                  stride_qt, stride_qh, stride_wt, stride_k, stride_bm, stride_cb,
                   HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
-                  BS: tl.constexpr):
+                  BS: tl.constexpr, CAND: tl.constexpr):
     """Streaming top-K of one tile of tokens over its split of the entries (newest block first): the
     scores of ``_index_scores``, packed with their ids, kept in the token's buffer when above its bar.
     Blocks of ``BLOCK_N`` entries are aligned to multiples of ``BLOCK_N`` (every split starts on one),
     so with ``BLOCKMAX`` each step also writes the max score of each of its ``BS``-entry candidate
     blocks (-inf where no entry of the block is visible) to ``bm_ptr`` [T, NB]: the candidate source's
-    block scores come from the same pass as its top-k."""
+    block scores come from the same pass as its top-k. With ``CAND`` (one token per program) the stream
+    walks the token's candidate list instead: ``NB`` block ids at ``cb_ptr`` [T, NB] (-1 pads; distinct),
+    entries ``b·BS .. b·BS+BS-1`` of each, below ``NKEYS`` and the token's visibility."""
     pid_s = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_ok = toks < T
     t64 = toks.to(tl.int64)
     vis = tl.load(vis_ptr + toks, mask=rows_ok, other=0)
-    n_max = tl.max(vis, 0)
+    if CAND:   # positions in the candidate list (its length), not entry ids
+        n_max = NB * BS
+    else:
+        n_max = tl.max(vis, 0)
     chunk = tl.cdiv(tl.cdiv(n_max, nsplit), BLOCK_N) * BLOCK_N
     e_lo = pid_s * chunk
     e_hi = tl.minimum(e_lo + chunk, n_max)
@@ -127,6 +133,11 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, T, 
     for j in range(n_blocks):
         ents = e_lo + (n_blocks - 1 - j) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = ents < e_hi
+        if CAND:
+            tok = tl.program_id(0).to(tl.int64)
+            blk = tl.load(cb_ptr + tok * stride_cb + ents // BS, mask=ok, other=-1)   # one token: tok < T
+            ents = blk * BS + ents % BS
+            ok = ok & (blk >= 0) & (ents < NKEYS)
         keys = _index_keys(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI, BLOCK_N)   # [BN, DI]
         d = tl.reshape(tl.dot(q, tl.trans(keys)), (BLOCK_T, HP, BLOCK_N))
         if BF16:
@@ -176,12 +187,14 @@ STREAM_TUNE_ENTRIES = 1 << 16   # entry counts above this share one tuning class
 
 def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor, topk: int,
                 bf16_scores: bool = False, config: Optional[StreamConfig] = None,
-                block_scores: Optional[torch.Tensor] = None, block_size: int = 8) -> torch.Tensor:
+                block_scores: Optional[torch.Tensor] = None, block_size: int = 8,
+                cand_blocks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Top-``topk`` (a power of two) entry ids per token, ascending then -1, without a score matrix.
     Equal scores go to the lower id. q [T, Hi, Di], weights [T, Hi], index_keys uint8 [N, bytes],
     visible [T] int32 (contiguous). ``block_scores`` (fp32 [T, NB], filled with -inf by the caller):
     the same pass also writes the max score of every ``block_size``-entry block a token sees.
-    ``config=None``: the launch shape is measured per problem class on a GPU."""
+    ``cand_blocks`` (int32 [T, NB], distinct block ids per row, -1 pads): only the entries of those blocks
+    compete, one token per program (no score matrix either). ``config=None``: the launch shape is measured per problem class on a GPU."""
     T, HI, DI = q.shape
     if topk & (topk - 1):
         raise ValueError(f"stream_topk: topk={topk} must be a power of two")
@@ -191,25 +204,31 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
     n = index_keys.shape[0]
     sms = sm_count(q)
     if config is None:
-        key = (min(next_pow2(T), 8192), T >= 2 * sms, HI, DI, topk, min(next_pow2(max(n, 1)), STREAM_TUNE_ENTRIES),
-               bf16_scores, block_scores is not None)
+        width = n if cand_blocks is None else cand_blocks.shape[1] * block_size
+        key = (min(next_pow2(T), 8192), T >= 2 * sms, HI, DI, topk, min(next_pow2(max(width, 1)), STREAM_TUNE_ENTRIES),
+               bf16_scores, block_scores is not None, cand_blocks is not None)
         config = STREAM_TUNER.pick(key, lambda cfg: stream_topk(q, weights, index_keys, visible, topk, bf16_scores,
-                                                               cfg, block_scores, block_size), q.device)
+                                                               cfg, block_scores, block_size, cand_blocks), q.device)
+    if block_scores is not None and cand_blocks is not None:
+        raise ValueError("stream_topk: block_scores and cand_blocks are exclusive")
     if block_scores is not None and config.block_n % block_size:
         raise ValueError(f"stream_topk: block_size={block_size} must divide the stream's block_n={config.block_n}")
-    nsplit = config.num_splits or (1 if T >= 2 * sms else max(1, min(cdiv(2 * sms, T), cdiv(n, 8 * config.block_n),
-                                                                     32)))
-    bt = 1 if nsplit > 1 else config.block_t
+    width = n if cand_blocks is None else cand_blocks.shape[1] * block_size
+    nsplit = config.num_splits or (1 if T >= 2 * sms else max(1, min(cdiv(2 * sms, T),
+                                                                     cdiv(width, 8 * config.block_n), 32)))
+    bt = 1 if nsplit > 1 or cand_blocks is not None else config.block_t
     cap = max(2 * topk, next_pow2(topk + config.block_n))
     buf = torch.empty(T * nsplit, cap, dtype=torch.int64, device=q.device)
     cand = torch.empty(T * nsplit, topk, dtype=torch.int64, device=q.device)
     bm = block_scores if block_scores is not None else visible
+    cb = cand_blocks if cand_blocks is not None else visible
+    nb = bm.shape[-1] if block_scores is not None else (cb.shape[-1] if cand_blocks is not None else 0)
     _index_stream[(cdiv(T, bt), nsplit)](
-        q, weights, index_keys, visible, buf, cand, bm, T, nsplit, bm.shape[-1] if block_scores is not None else 0,
-        q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), bm.stride(0),
+        q, weights, index_keys, visible, buf, cand, bm, cb, T, nsplit, nb, n,
+        q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), bm.stride(0), cb.stride(0),
         HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
         BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
-        num_warps=config.num_warps)
+        CAND=cand_blocks is not None, num_warps=config.num_warps)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     big = torch.iinfo(torch.int32).max
     ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last
@@ -279,22 +298,18 @@ def _chunks(t: int, per_token_bytes: int, limit: int):
     return [(t0, min(t, t0 + step)) for t0 in range(0, t, step)]
 
 
-def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor,
-                    topk: int, cand_blocks: Optional[torch.Tensor] = None, block_size: int = 8,
-                    bf16_scores: bool = False, max_scratch_bytes: int = MAX_SCRATCH_BYTES) -> torch.Tensor:
-    """See ``ref_v41.indexer_topk_mx``."""
-    q, weights = q.contiguous(), weights.contiguous()
-    visible = visible.to(torch.int32).contiguous()
-    n = index_keys.shape[0]
+# How the layers that re-index inside candidate blocks select: streamed over each token's candidate list
+# (no score matrix), or its scores written in token chunks and selected by torch.topk. Measured per
+# problem class; the stream first (CPU, interpreter, graph capture).
+CAND_PATH_TUNER = ConfigTuner("indexer_cand_path", ["stream", "scores"])
+
+
+def _cand_topk(q, weights, index_keys, visible, topk, cand, block_size, bf16_scores, max_scratch_bytes,
+               path: str) -> torch.Tensor:
+    if path == "stream":
+        return stream_topk(q, weights, index_keys, visible, topk, bf16_scores, block_size=block_size,
+                           cand_blocks=cand)
     out = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
-    if cand_blocks is None and not topk & (topk - 1):
-        return stream_topk(q, weights, index_keys, visible, topk, bf16_scores)
-    if cand_blocks is None:
-        for t0, t1 in _chunks(q.shape[0], SELECT_BYTES * n, max_scratch_bytes):
-            s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
-            out[t0:t1] = _select(s, topk)
-        return out
-    cand = cand_blocks.to(torch.int32)
     ncols = cand.shape[1] * block_size
     for t0, t1 in _chunks(q.shape[0], (SELECT_BYTES + 4) * ncols, max_scratch_bytes):
         c = cand[t0:t1, :, None]
@@ -308,6 +323,33 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
         ent = torch.sort(ent, dim=-1).values
         out[t0:t1] = torch.where(ent == torch.iinfo(torch.int32).max, -1, ent).to(torch.int32)
     return out
+
+
+def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor,
+                    topk: int, cand_blocks: Optional[torch.Tensor] = None, block_size: int = 8,
+                    bf16_scores: bool = False, max_scratch_bytes: int = MAX_SCRATCH_BYTES,
+                    cand_path: Optional[str] = None) -> torch.Tensor:
+    """See ``ref_v41.indexer_topk_mx`` (a row's candidate blocks are distinct, as the model publishes them).
+    ``cand_path`` ("stream" / "scores"; None: measured per problem class): how candidate rows select."""
+    q, weights = q.contiguous(), weights.contiguous()
+    visible = visible.to(torch.int32).contiguous()
+    n = index_keys.shape[0]
+    out = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
+    if cand_blocks is None and not topk & (topk - 1):
+        return stream_topk(q, weights, index_keys, visible, topk, bf16_scores)
+    if cand_blocks is None:
+        for t0, t1 in _chunks(q.shape[0], SELECT_BYTES * n, max_scratch_bytes):
+            s = _scores(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], n, bf16=bf16_scores)
+            out[t0:t1] = _select(s, topk)
+        return out
+    cand = cand_blocks.to(torch.int32).contiguous()
+    args = (q, weights, index_keys, visible, topk, cand, block_size, bf16_scores, max_scratch_bytes)
+    if topk & (topk - 1):
+        cand_path = "scores"
+    if cand_path is None:
+        key = (min(next_pow2(q.shape[0]), 8192), cand.shape[1], block_size, topk, bf16_scores)
+        cand_path = CAND_PATH_TUNER.pick(key, lambda p: _cand_topk(*args, p), q.device)
+    return _cand_topk(*args, cand_path)
 
 
 def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:

@@ -117,3 +117,22 @@ def test_the_source_selection_in_token_chunks_and_below_the_block_budget():
     idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, 16, 32, 8, True)
     assert torch.equal(idx.long(), want_idx)
     assert torch.equal(blocks, ref_v41.indexer_candidates_mx(q, w, keys, vis, 32, 8, True))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("path", ["stream", "scores"])
+@pytest.mark.parametrize("t,n", [(6, 400), (1, 900)])
+def test_the_selection_inside_candidate_blocks(t, n, path, bf16):
+    """indexer_topk_mx with candidate blocks, streamed over each token's candidate list or scored into a
+    chunk: the reference's selection (distinct blocks in any order, -1 pads, blocks past a row's
+    visibility, a row with no candidate, a decode token whose list is split over programs)."""
+    q, w, keys, vis = _inputs(t, n, seed=7 * t + n)
+    bs, nbk = 8, 20
+    g = torch.Generator().manual_seed(t)
+    cand = torch.stack([torch.randperm(-(-n // bs), generator=g)[:nbk] for _ in range(t)]).int()
+    cand[0, ::3] = -1
+    if t > 1:
+        cand[1] = -1
+    want = ref_v41.indexer_topk_mx(q, w, keys, vis, 16, cand, bs, bf16)
+    got = indexer_mx.indexer_topk_mx(q, w, keys, vis, 16, cand, bs, bf16, cand_path=path)
+    assert torch.equal(got, want)
