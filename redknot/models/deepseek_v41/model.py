@@ -24,7 +24,7 @@ from redknot.models.deepseek_v41.attention import AttentionLayer, Slots, Span
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.engram_hash import EngramHasher, EngramLayout
 from redknot.models.deepseek_v41.kernel_ops import V41Ops, host_ints, segments, span_rows
-from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
+from redknot.models.deepseek_v41.mhc import hc_collapse, one_hot_pre
 from redknot.models.deepseek_v41.moe import moe_forward
 from redknot.models.deepseek_v41.ref_math import (
     INDEX_KEYS, Numerics, Weights, check_choice, layer_rope, rms_norm)
@@ -171,23 +171,20 @@ class DeepseekV41:
 
     def _layers(self, layers, h, pre, pos, spans, state, slots, hashes, rows=None):
         """``rows``: the step rows ``h`` holds (bounded replay's tail), None for all of them."""
+        from redknot.models.deepseek_v41.tensor_step import site_fns
+
         cfg, w, num = self.cfg, self.w, self.num
+        site = site_fns(self, h)   # the lagged mHC sites: fused kernels with the Triton step ops, else PyTorch
         for i in layers:
             p = f"layers.{i}"
             if cfg.is_engram(i):
                 h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
             if self.tap_hook is not None:
                 self.tap_hook(i, h, rows)
-            mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-            pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
-                                          w.float(f"{p}.hc_attn_scale"), *mix)
-            u = rms_norm(hc_collapse(h, pre), w.float(f"{p}.attn_norm.weight"), cfg.norm_eps)
-            h = hc_expand(self.attn[i](u, pos, spans, state, slots), h, post_a, c_a)
-            pre_f, post_f, c_f = hc_mixes(h, w.float(f"{p}.hc_ffn_fn"), w.float(f"{p}.hc_ffn_base"),
-                                          w.float(f"{p}.hc_ffn_scale"), *mix)
-            u = rms_norm(hc_collapse(h, pre_a), w.float(f"{p}.ffn_norm.weight"), cfg.norm_eps)
-            h = hc_expand(moe_forward(u, w, i, cfg, num), h, post_f, c_f)
-            pre = pre_f
+            u, pre_a, post_a, c_a = site.pre(h, pre, f"{p}.hc_attn", f"{p}.attn_norm.weight")
+            h = site.post(self.attn[i](u, pos, spans, state, slots), h, post_a, c_a)
+            u, pre, post_f, c_f = site.pre(h, pre_a, f"{p}.hc_ffn", f"{p}.ffn_norm.weight")
+            h = site.post(moe_forward(u, w, i, cfg, num), h, post_f, c_f)
         return h, pre
 
 

@@ -33,6 +33,7 @@ registry where the model has ops.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -146,29 +147,103 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
     """One step of ``model`` (:class:`DeepseekV41`) -> pre-head rows [T, D], no host sync."""
     check_tensor_step(model)
     cfg, w, num = model.cfg, model.w, model.num
-    rows = _Rows(step, state, state.layout.block_size)
-    hashes = _hashes(model, step, rows, state)
+    with region("rows+hashes"):
+        rows = _Rows(step, state, state.layout.block_size)
+        hashes = _hashes(model, step, rows, state)
     e = w.dense("embed.weight", model.dtype)[step.input_ids]
     h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     pre = one_hot_pre(h.shape[0], cfg.hc_mult, model.dtype, h.device)
     shared = {"topk": None, "cand": None, "cand_entries": None}
-    mix = (cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+    site = site_fns(model, h)
     for i in range(cfg.n_layers):
         p = f"layers.{i}"
         if cfg.is_engram(i):
-            h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
+            with region("engram"):
+                h = engram_forward(h, hashes[:, cfg.engram_index(i)], w, i, num, cfg.norm_eps)
         if model.tap_hook is not None:  # DSpark taps: the streams entering layer i (a replay refills them)
             model.tap_hook(i, h, None)
-        pre_a, post_a, c_a = hc_mixes(h, w.float(f"{p}.hc_attn_fn"), w.float(f"{p}.hc_attn_base"),
-                                      w.float(f"{p}.hc_attn_scale"), *mix)
-        u = rms_norm(hc_collapse(h, pre), w.float(f"{p}.attn_norm.weight"), cfg.norm_eps)
-        h = hc_expand(_attention(model.attn[i], u, rows, state, shared), h, post_a, c_a)
-        pre_f, post_f, c_f = hc_mixes(h, w.float(f"{p}.hc_ffn_fn"), w.float(f"{p}.hc_ffn_base"),
-                                      w.float(f"{p}.hc_ffn_scale"), *mix)
-        u = rms_norm(hc_collapse(h, pre_a), w.float(f"{p}.ffn_norm.weight"), cfg.norm_eps)
-        h = hc_expand(_moe(u, w, i, cfg, num), h, post_f, c_f)
-        pre = pre_f
+        with region("mhc_pre"):
+            u, pre_a, post_a, c_a = site.pre(h, pre, f"{p}.hc_attn", f"{p}.attn_norm.weight")
+        y = _attention(model.attn[i], u, rows, state, shared)
+        with region("mhc_post"):
+            h = site.post(y, h, post_a, c_a)
+        with region("mhc_pre"):
+            u, pre, post_f, c_f = site.pre(h, pre_a, f"{p}.hc_ffn", f"{p}.ffn_norm.weight")
+        with region("moe"):
+            y = _moe(u, w, i, cfg, num)
+        with region("mhc_post"):
+            h = site.post(y, h, post_f, c_f)
     return hc_collapse(h, pre)
+
+
+# ---------------------------------------------------------------------- profiling regions
+PROFILE_REGIONS = False   # benchmarks set it: named ranges for torch.profiler (host-only, nothing in a graph)
+
+
+def region(name: str):
+    """A ``torch.profiler`` range ``v41_step.<name>`` while ``PROFILE_REGIONS`` is set, else nothing."""
+    if PROFILE_REGIONS:
+        return torch.profiler.record_function(f"v41_step.{name}")
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------- mHC sites
+class _SiteTorch:
+    """The lagged mHC site as the eager path computes it (:mod:`mhc`, ``rms_norm``)."""
+
+    def __init__(self, model):
+        self.cfg, self.w = model.cfg, model.w
+        self.mix = (self.cfg.hc_mult, self.cfg.hc_sinkhorn_iters, self.cfg.hc_eps, self.cfg.norm_eps)
+
+    def pre(self, h, pre_in, hc: str, norm: str):
+        w = self.w
+        pre, post, comb = hc_mixes(h, w.float(f"{hc}_fn"), w.float(f"{hc}_base"), w.float(f"{hc}_scale"), *self.mix)
+        return rms_norm(hc_collapse(h, pre_in), w.float(norm), self.cfg.norm_eps), pre, post, comb
+
+    @staticmethod
+    def post(y, h, post, comb):
+        return hc_expand(y, h, post, comb)
+
+
+class _SiteFused:
+    """The same site in three launches (:mod:`redknot.kernels.triton.step_mhc_v41`); the small fp32
+    weights it reads are converted once (with kept weights ``w.float`` converts on every call)."""
+
+    def __init__(self, model):
+        self.cfg, self.w = model.cfg, model.w
+        self.f32 = model.__dict__.setdefault("_step_f32", {})
+
+    def _f(self, name: str) -> torch.Tensor:
+        got = self.f32.get(name)
+        if got is None:
+            got = self.f32[name] = self.w.float(name).contiguous()
+        return got
+
+    def pre(self, h, pre_in, hc: str, norm: str):
+        from redknot.kernels.triton.step_mhc_v41 import site_pre
+
+        cfg = self.cfg
+        return site_pre(h, pre_in, self._f(f"{hc}_fn"), self._f(f"{hc}_base"), self._f(f"{hc}_scale"),
+                        self._f(norm), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+
+    @staticmethod
+    def post(y, h, post, comb):
+        from redknot.kernels.triton.step_mhc_v41 import site_post
+
+        return site_post(y, h, post, comb)
+
+
+def fused_mhc(model, h: torch.Tensor) -> bool:
+    """Whether the step runs the fused mHC sites: with the step's Triton kernels (:func:`step_kernels`)
+    on 16-bit streams and a power-of-two stream count (elsewhere the PyTorch math of the eager path)."""
+    n = model.cfg.hc_mult
+    return step_kernels(model.w) and h.dtype in (torch.bfloat16, torch.float16) and n & (n - 1) == 0
+
+
+def site_fns(model, h: torch.Tensor):
+    """The mHC site functions (``pre``: mixes + lagged collapse + norm; ``post``) the step and the eager
+    path run, so both compute the same bits."""
+    return _SiteFused(model) if fused_mhc(model, h) else _SiteTorch(model)
 
 
 # ---------------------------------------------------------------------- Engram
@@ -218,16 +293,21 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
     t = u.shape[0]
     pos = rows.pos
-    qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
-    q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), pos, layer.inv)
-    kv = rms_norm(linear(u, w, f"{p}.wkv.weight", num), w.float(f"{p}.kv_norm.weight"), cfg.norm_eps)
-    kv = apply_rope(kv, pos, layer.inv)
+    with region("attn.q_kv"):
+        qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
+        q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), pos, layer.inv)
+        kv = rms_norm(linear(u, w, f"{p}.wkv.weight", num), w.float(f"{p}.kv_norm.weight"), cfg.norm_eps)
+        kv = apply_rope(kv, pos, layer.inv)
     if cfg.is_kv_source(layer.layer):
-        _compress(layer, u, rows, state)
+        with region("compressor"):
+            _compress(layer, u, rows, state)
     if cfg.is_index_source(layer.layer):
-        _index(layer, u, qr, rows, state, shared)
-    o = _attend(layer, q, kv, rows, state, shared["topk"])
-    return grouped_output(o, pos, layer.inv, cfg, w, p, num)
+        with region("indexer"):
+            _index(layer, u, qr, rows, state, shared)
+    with region("attend"):
+        o = _attend(layer, q, kv, rows, state, shared["topk"])
+    with region("attn.out"):
+        return grouped_output(o, pos, layer.inv, cfg, w, p, num)
 
 
 def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""V4.1's fused hyper-connection sites (``step_mhc_v41``) against the model's PyTorch mHC with fresh random
+inputs: the mixing (pre, post, Sinkhorn C), the lagged collapse + RMS norm, and the post mix. Triton's CPU
+interpreter here, the GPU with ``-m gpu`` (V4.1 width)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redknot.kernels.triton.step_mhc_v41 import site_post, site_pre  # noqa: E402
+from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes  # noqa: E402
+from redknot.models.deepseek_v41.ref_math import rms_norm  # noqa: E402
+
+HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+
+
+def _case(t: int, d: int, device, seed: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(t, HC, d, generator=g) * 2).to(dtype)
+    pre_in = torch.rand(t, HC, generator=g) + 0.1
+    fn = torch.randn((2 + HC) * HC, HC * d, generator=g) * 0.02
+    base = torch.randn((2 + HC) * HC, generator=g) * 0.5
+    scale = torch.rand(3, generator=g) + 0.5
+    norm_w = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).float()
+    return [x.to(device) for x in (h, pre_in, fn, base, scale, norm_w)]
+
+
+def _want(h, pre_in, fn, base, scale, norm_w):
+    pre, post, comb = hc_mixes(h, fn, base, scale, HC, ITERS, HC_EPS, NORM_EPS)
+    u = rms_norm(hc_collapse(h, pre_in), norm_w, NORM_EPS)
+    return u, pre, post, comb
+
+
+@pytest.mark.parametrize("t,d", [(1, 64), (3, 128), (17, 96)])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_site_pre_matches_pytorch(t, d, seed, kernel_device):
+    args = _case(t, d, kernel_device, seed)
+    u, pre, post, comb = site_pre(*args, ITERS, HC_EPS, NORM_EPS)
+    wu, wpre, wpost, wcomb = _want(*args)
+    for got, want in ((pre, wpre), (post, wpost), (comb, wcomb)):
+        assert got.shape == want.shape and got.dtype == torch.float32
+        assert (got - want).abs().max().item() < 2e-5, (got - want).abs().max().item()
+    assert u.dtype == torch.bfloat16 and u.shape == (t, d)
+    # one bf16 ulp of the collapse (fp32 sums in another order round to the neighbouring bf16 value)
+    err = ((u.float() - wu.float()).abs() / wu.float().abs().clamp(min=1e-2)).max().item()
+    assert err <= 2 ** -7, err
+    assert (u.float() != wu.float()).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("t,d", [(1, 64), (5, 96)])
+def test_site_post_matches_pytorch(t, d, kernel_device):
+    h, _, fn, base, scale, _ = _case(t, d, kernel_device, 3)
+    _, post, comb = hc_mixes(h, fn, base, scale, HC, ITERS, HC_EPS, NORM_EPS)
+    y = torch.randn(t, d, device=kernel_device).to(torch.bfloat16)
+    got = site_post(y, h, post, comb).float()
+    want = hc_expand(y, h, post, comb).float()
+    assert ((got - want).abs() / want.abs().clamp(min=1e-2)).max().item() <= 2 ** -7
+
+
+def test_site_pre_rejects_odd_streams(kernel_device):
+    h = torch.zeros(1, 3, 32, dtype=torch.bfloat16, device=kernel_device)
+    with pytest.raises(ValueError, match="hc_mult=3"):
+        site_pre(h, torch.ones(1, 3, device=kernel_device), torch.zeros(15, 96, device=kernel_device),
+                 torch.zeros(15, device=kernel_device), torch.ones(3, device=kernel_device),
+                 torch.ones(32, device=kernel_device), ITERS, HC_EPS, NORM_EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 32, 128])
+def test_gpu_site_pre_real_width(t):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _case(t, 5120, "cuda", 4)
+    u, pre, post, comb = site_pre(*args, ITERS, HC_EPS, NORM_EPS)
+    wu, wpre, wpost, wcomb = _want(*args)
+    for got, want in ((pre, wpre), (post, wpost), (comb, wcomb)):
+        assert (got - want).abs().max().item() < 2e-5
+    assert ((u.float() - wu.float()).abs() / wu.float().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
