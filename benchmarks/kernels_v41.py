@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         args.reps = 1
     import torch
     from redknot.kernels.triton.checks_mx import REAL_V41, TOY_V41
-    from kernels_v41_cases import decode_compare_cases, engram_transfer, timed_cases
+    from kernels_v41_cases import decode_compare_cases, engram_transfer, stream_variant_cases, timed_cases
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -183,7 +183,8 @@ def main(argv=None) -> int:
     run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
             f"dims {'toy' if args.smoke else 'V4.1'}")
     if args.only == "gemm":
-        for desc, build in decode_compare_cases(dims, device, args.smoke):
+        for desc, build in list(decode_compare_cases(dims, device, args.smoke)) + list(
+                stream_variant_cases(dims, device, args.smoke)):
             timed(run, build, desc)
         return write_results(run)
     if not args.skip_checks:

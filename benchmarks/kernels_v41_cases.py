@@ -412,3 +412,63 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
             return _case("moe_mx prefill", f"T={prefill}", fn, prefill * flops_per_token, _moe_bytes(dims, idx),
                          note=f"plan {chosen}; {note}", key=f"moe prefill T={prefill}", variant=variant)
         yield f"compare moe prefill {variant}", build
+
+
+class _Knobs:
+    """Module constants of ``splitk_mx`` set while a case builds and runs (launch-shape variants)."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def wrap(self, fn):
+        def run():
+            from redknot.kernels.triton import splitk_mx
+            old = {k: getattr(splitk_mx, k) for k in self.values}
+            for k, v in self.values.items():
+                setattr(splitk_mx, k, v)
+            try:
+                return fn()
+            finally:
+                for k, v in old.items():
+                    setattr(splitk_mx, k, v)
+        return run
+
+
+STREAM_VARIANTS = [("in-kernel QDQ", dict(SCALED_RAW_MAX_ROWS=128)), ("BN=128", dict(SCALED_BLOCK_N=128)),
+                   ("BK=256", dict(SCALED_BLOCK_K=256)), ("BN=32", dict(SCALED_BLOCK_N=32))]
+
+
+def stream_variant_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    """Launch-shape variants of the ``scaled`` streams (timed after the before / after pairs), in CUDA
+    graphs where there is a GPU: the data for choosing the defaults. Each checked against ``ref_v41``."""
+    from redknot.kernels.triton import moe_mx as fast_moe
+    _, decode = _sizes(dims, smoke)
+    graph = device.type == "cuda"
+    flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
+    w_moe = {}
+    for name, values in STREAM_VARIANTS:
+        knobs = _Knobs(**values)
+        for t in decode[:2]:
+            def build(t=t, knobs=knobs, name=name):
+                if "w" not in w_moe:
+                    w_moe["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
+                w = w_moe["w"]
+                x, idx, wt = _moe_case_inputs(dims, device, t, t)
+                fn = knobs.wrap(lambda: fast_moe.moe_splitk(x, idx, wt, *w, 10.0, decode="scaled"))
+                note = _checked("moe_mx", f"T={t}", fn, lambda: ref.moe_mx(x, idx, wt, *w, 10.0), 3e-2)
+                run, _, how = _graph_or_eager(fn, device, graph)
+                return _case("moe_mx split-K variant", f"T={t} {name}", run, t * flops_per_token,
+                             _moe_bytes(dims, idx), note=f"{how}; {note}")
+            yield f"variant moe T={t} {name}", build
+        n, k = (dims.hidden, dims.hidden) if smoke else (5120, 8192)
+        for m in decode:
+            def build(m=m, knobs=knobs, name=name, n=n, k=k):
+                g = torch.Generator(device=device).manual_seed(m + n)
+                w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
+                x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+                fn = knobs.wrap(lambda: linear_mx(x, w, ws, 32, path="splitk", decode="scaled"))
+                note = _checked("linear_mx", "wo_b", fn, lambda: ref.linear_mx(x, w, ws, 32), 1e-2)
+                run, _, how = _graph_or_eager(fn, device, graph)
+                return _case("linear_mx split-K variant", f"wo_b M={m} {name}", run, 2 * m * n * k,
+                             m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"{how}; {note}")
+            yield f"variant linear M={m} {name}", build

@@ -63,6 +63,9 @@ SPLIT_MAX_ROWS = 2048
 SCALED_RAW_MAX_ROWS = 0
 DECODES = ("scaled", "registers")
 DENSE_ROW_TILE_MAX = 128
+# Launch shape of a ``scaled`` stream when the caller gives none: weight columns per program, K step.
+SCALED_BLOCK_N = 64
+SCALED_BLOCK_K = 128
 # The default decode (``decode=None``); see the module docstring.
 DECODE = "scaled"
 # Set when the ``scaled`` kernel failed to build on this device: the callers then run ``registers`` and
@@ -325,7 +328,7 @@ def tile_map(offs: torch.Tensor, block_m: int, rows: int):
 def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, w_fp4: bool, wb: int = 32,
               rowid: Optional[torch.Tensor] = None, offs: Optional[torch.Tensor] = None,
               w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_m: int = ROW_TILE,
-              block_n: int = 64, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
+              block_n: int = 0, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
               tiles=None, swap: bool = False, raw: bool = False, decode: Optional[str] = None,
               num_stages: int = 3):
     """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
@@ -348,7 +351,9 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     K = w3d.shape[2] * (2 if w_fp4 else 1)
     if K % 32:
         raise ValueError(f"splitk_mm: K={K} must be a multiple of 32")
-    bk = block_k_for(K, w_fp4, block_k)
+    scaled = decode == "scaled"
+    block_n = block_n or (SCALED_BLOCK_N if scaled else 64)
+    bk = block_k_for(K, w_fp4, block_k or (SCALED_BLOCK_K if scaled else 0))
     S = splits or (split_count(N, K, block_n, bk) if rows <= SPLIT_MAX_ROWS else 1)
     ksplit = cdiv(cdiv(K, S), bk) * bk
     S = cdiv(K, ksplit)
