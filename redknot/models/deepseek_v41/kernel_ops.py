@@ -314,7 +314,10 @@ def _index_one(layer, ops, q, wts, pos, sp, src, state, slots, topk, blocks) -> 
                                          cfg.candidate_topk_blocks, cfg.candidate_block_size, bf16)
         blocks[rows] = blk.to(torch.int32)
     else:
-        cand = slots.cand_blocks[rows] if cfg.reads_candidates(layer.layer) else None
+        # Candidate blocks matter once a sequence has more blocks than the source keeps; below that they
+        # are every block holding a visible entry, i.e. the visibility bound alone (a shared-key launch).
+        held_all = -(-n // cfg.candidate_block_size) <= cfg.candidate_topk_blocks
+        cand = slots.cand_blocks[rows] if cfg.reads_candidates(layer.layer) and not held_all else None
         sel = ops.indexer_topk_mx(q[rows], wts[rows], keys, visible, cfg.index_topk, cand,
                                   cfg.candidate_block_size, bf16)
     topk[rows] = sel.long()
