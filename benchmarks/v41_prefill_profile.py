@@ -30,17 +30,20 @@ import torch
 # (module, function name) pairs wrapped as regions; a wrapped name is looked up in that module's
 # namespace at call time, so the model's own calls go through the wrapper.
 MODEL_FUNCTIONS = (
-    ("redknot.models.deepseek_v41.model", ("engram_forward", "hc_mixes", "hc_collapse", "hc_expand", "rms_norm",
-                                           "moe_forward")),
+    ("redknot.models.deepseek_v41.model", ("engram_forward", "hc_collapse", "rms_norm", "moe_forward")),
     ("redknot.models.deepseek_v41.attention", ("linear", "plain_linear", "rms_norm", "apply_rope", "index_qdq",
                                                "attend_spans", "index_spans", "grouped_output")),
     ("redknot.models.deepseek_v41.moe", ("route", "swiglu_expert", "linear")),
     ("redknot.models.deepseek_v41.engram", ("table_rows", "linear", "engram_gate")),
 )
 METHODS = (("redknot.models.deepseek_v41.attention", "AttentionLayer", ("__call__", "_compress", "_index")),
-           ("redknot.models.deepseek_v41.model", "DeepseekV41", ("_hashes",)))
+           ("redknot.models.deepseek_v41.model", "DeepseekV41", ("_hashes",)),
+           # the mHC sites (mixes + lagged collapse + norm; post mix): fused kernels or the PyTorch math
+           ("redknot.models.deepseek_v41.tensor_step", "_SiteFused", ("pre", "post")),
+           ("redknot.models.deepseek_v41.tensor_step", "_SiteTorch", ("pre", "post")))
 SHORT = {"redknot.models.deepseek_v41.model": "model", "redknot.models.deepseek_v41.attention": "attention",
-         "redknot.models.deepseek_v41.moe": "moe", "redknot.models.deepseek_v41.engram": "engram"}
+         "redknot.models.deepseek_v41.moe": "moe", "redknot.models.deepseek_v41.engram": "engram",
+         "redknot.models.deepseek_v41.tensor_step": "mhc"}
 LINEARS = ("linear", "plain_linear")
 
 
@@ -107,16 +110,20 @@ def installed(timer: _Timer, ops=None, model=None):
 
     saved = []
     try:
-        for mod_name, names in MODEL_FUNCTIONS:
+        for mod_name, names in MODEL_FUNCTIONS:   # a name a module does not (or no longer) use is skipped
             mod = importlib.import_module(mod_name)
             for n in names:
-                fn = getattr(mod, n)
+                fn = getattr(mod, n, None)
+                if fn is None:
+                    continue
                 saved.append((mod, n, fn))
                 setattr(mod, n, timer.wrap(f"{SHORT[mod_name]}.{n}", fn, 2 if n in LINEARS else None))
         for mod_name, cls_name, names in METHODS:
-            cls = getattr(importlib.import_module(mod_name), cls_name)
+            cls = getattr(importlib.import_module(mod_name), cls_name, None)
             for n in names:
-                fn = cls.__dict__[n]
+                fn = None if cls is None else cls.__dict__.get(n)
+                if fn is None:
+                    continue
                 saved.append((cls, n, fn))
                 setattr(cls, n, timer.wrap(f"{SHORT[mod_name]}.{cls_name}.{n}", fn))
         if ops is not None:
@@ -165,8 +172,8 @@ def group_regions(rows: Sequence[dict]) -> List[dict]:
             continue
         if name.startswith("op "):
             g = "registry ops"
-        elif ".hc_" in name:
-            g = "mHC (mixes, collapse, expand)"
+        elif ".hc_" in name or "._Site" in name:
+            g = "mHC sites (mixes, lagged collapse + norm, post mix)"
         elif name.endswith("rms_norm"):
             g = "RMS norms"
         elif name.endswith(("apply_rope", "index_qdq")):

@@ -62,7 +62,8 @@ def test_the_prefill_profile_regions_add_up_and_the_chunk_fit_predicts(tmp_path)
     assert rows[-1]["region"] == "(step, wall)"
     assert abs(sum(r["ms"] for r in rows[:-1]) - rows[-1]["ms"]) < 1e-6 * rows[-1]["ms"]
     names = {r["region"] for r in rows}
-    assert {"op moe_mx", "op sparse_attention_mx", "model.hc_mixes", "attention.AttentionLayer._compress"} <= names
+    assert {"op moe_mx", "op sparse_attention_mx", "attention.AttentionLayer._compress"} <= names
+    assert any(".hc_mixes" in n or "._Site" in n for n in names)   # the mHC sites, however they are built
     assert all(r["calls"] > 0 for r in rows[:-2])
     row = res["prefill"][0]
     assert row["chunk_seconds"]
