@@ -206,12 +206,13 @@ class Batch:
         return blocks * per_block
 
 
-def graph_decode(b: Batch, bs: int, steps: int, device) -> dict:
+def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -> dict:
     """Decode of sequences 0..bs-1 through the tensor-only step (``deepseek_v41/tensor_step.py``): captured
     in a CUDA graph and replayed on a GPU, run as is on a CPU. The step's attention, indexer and
     compressor are PyTorch math (the registry's attention ops take host spans); linears and the MoE
     go through the registry. Parity: the replay against an eager step of the same rows (position-
-    addressed writes, so running both at one position is harmless)."""
+    addressed writes, so running both at one position is harmless). ``profile``: also the device time of
+    one eager tensor step by kernel and region (:func:`step_profile`)."""
     from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
 
     dev = b.model.device
@@ -250,8 +251,69 @@ def graph_decode(b: Batch, bs: int, steps: int, device) -> dict:
         del graph, out
     except RuntimeError as exc:   # capture refused (a host sync in a routed op) or out of memory
         return {"graph": f"failed: {str(exc).splitlines()[0][:200]}"}
+    prof = step_profile(lambda: tensor_forward(b.model, step, b.state), device) if profile else None
     return {"graph": "captured" if device.type == "cuda" else "tensor-only step, not captured (CPU)",
-            "graph_ms_per_step": ms, "graph_rel_err": rel}
+            "graph_ms_per_step": ms, "graph_rel_err": rel, **({"step_profile": prof} if prof else {})}
+
+
+def step_profile(fn, device, top: int = 30) -> dict:
+    """Device time of one tensor step run eagerly, summed per kernel name and per step region (the
+    ``v41_step.*`` ranges of ``tensor_step``: mHC sites, q/kv projections, compressor, indexer,
+    attention, output projection, MoE, Engram). A graph replay runs the same kernels without the
+    launch gaps, so their device time is what a replay costs. Each kernel is attributed to the
+    region enclosing the host call that launched it; ``coverage`` is the attributed share of all
+    device time the profiler saw. On a CPU: self CPU time per op instead."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    import redknot.models.deepseek_v41.tensor_step as ts
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    ts.PROFILE_REGIONS = True
+    try:
+        fn()
+        sync(device)
+        with profile(activities=acts) as prof:
+            fn()
+            sync(device)
+    except RuntimeError as exc:
+        return {"error": str(exc).splitlines()[0][:200]}
+    finally:
+        ts.PROFILE_REGIONS = False
+
+    def region(ev) -> str:
+        while ev is not None:
+            if ev.name.startswith("v41_step."):
+                return ev.name[len("v41_step."):]
+            ev = ev.cpu_parent
+        return "(outside the regions)"
+
+    by_kernel: Dict[str, list] = {}
+    by_region: Dict[str, list] = {}
+    device_total = 0.0
+    for ev in prof.events():
+        if ev.device_type != DeviceType.CPU:   # kernels, copies (a region's GPU span is not device work)
+            device_total += ev.device_time_total if cuda and not ev.name.startswith("v41_step.") else 0.0
+            continue
+        items = [(k.name, k.duration) for k in ev.kernels] if cuda else \
+            ([(ev.name, ev.self_cpu_time_total)] if not ev.name.startswith("v41_step.") else [])
+        for name, us in items:
+            for table, key in ((by_kernel, name[:90]), (by_region, region(ev))):
+                row = table.setdefault(key, [0.0, 0])
+                row[0] += us
+                row[1] += 1
+    total = sum(v[0] for v in by_region.values()) or 1.0
+
+    def rows(table, n):
+        out = sorted(({"name": k, "ms": v[0] / 1e3, "share": v[0] / total, "calls": v[1]}
+                      for k, v in table.items()), key=lambda r: -r["ms"])
+        rest = out[n:]
+        return out[:n] + ([{"name": "(rest)", "ms": sum(r["ms"] for r in rest), "share": sum(r["share"] for r in rest),
+                            "calls": sum(r["calls"] for r in rest)}] if rest else [])
+    return {"total_ms": total / 1e3, "kernels": sum(v[1] for v in by_region.values()),
+            "coverage": (total / device_total) if cuda and device_total else None,
+            "by_region": rows(by_region, 40), "by_kernel": rows(by_kernel, top)}
 
 
 def warm_classes(model, ctx: int, chunk: int, device, warmed: set) -> None:
@@ -679,7 +741,7 @@ def main(argv=None) -> dict:
                 report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": ms, "floor_ms": floor_ms,
                                          "fraction_of_floor": floor_ms / ms})
                 if a.decode_graphs and not over_budget(10 + a.decode_steps * bs * 0.01):
-                    g = graph_decode(b, bs, a.decode_steps, device)
+                    g = graph_decode(b, bs, a.decode_steps, device, profile=not a.skip_profile)
                     report["decode"][-1].update(g)
                     if "graph_ms_per_step" in g:
                         print(f"decode ctx {ctx} batch {bs}: {g['graph_ms_per_step']:.2f} ms/step {g['graph']} "
@@ -764,6 +826,17 @@ def write(report: dict, out: str) -> None:
                          f"{100 * r['floor_ms'] / r['graph_ms_per_step']:.1f} |")
         elif "graph" in r:
             lines.append(f"| {r['context']} | {r['batch']} (graph) | {r['graph']} | | |")
+    for r in report["decode"]:
+        prof = r.get("step_profile")
+        if not prof or "by_region" not in prof:
+            continue
+        cov = "" if prof["coverage"] is None else f", {100 * prof['coverage']:.0f} % of the device time seen"
+        head = f"tensor step, decode b{r['batch']} at {r['context']}: {prof['total_ms']:.3f} ms in {prof['kernels']} " \
+               f"kernels{cov}"
+        for what in ("by_region", "by_kernel"):
+            lines += ["", f"## Device time {what.replace('_', ' ')}: {head}", "", "| name | share | ms | calls |",
+                      "|---|---|---|---|"]
+            lines += [f"| `{x['name']}` | {100 * x['share']:.1f} % | {x['ms']:.3f} | {x['calls']} |" for x in prof[what]]
     for name, rows in report["op_shares"].items():
         lines += ["", f"## Registry ops: {name}", "", "| op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| {r['op']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]

@@ -200,8 +200,7 @@ class _SiteTorch:
         pre, post, comb = hc_mixes(h, w.float(f"{hc}_fn"), w.float(f"{hc}_base"), w.float(f"{hc}_scale"), *self.mix)
         return rms_norm(hc_collapse(h, pre_in), w.float(norm), self.cfg.norm_eps), pre, post, comb
 
-    @staticmethod
-    def post(y, h, post, comb):
+    def post(self, y, h, post, comb):
         return hc_expand(y, h, post, comb)
 
 
@@ -226,8 +225,7 @@ class _SiteFused:
         return site_pre(h, pre_in, self._f(f"{hc}_fn"), self._f(f"{hc}_base"), self._f(f"{hc}_scale"),
                         self._f(norm), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
 
-    @staticmethod
-    def post(y, h, post, comb):
+    def post(self, y, h, post, comb):
         from redknot.kernels.triton.step_mhc_v41 import site_post
 
         return site_post(y, h, post, comb)
