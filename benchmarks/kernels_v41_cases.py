@@ -373,21 +373,21 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
 
     for t in decode:
         for graph in graphs:
-            for variant, dec in (("before", "registers"), ("after", "scaled")):
+            for variant, dec in (("before", "registers"), ("after", None)):
                 def build(t=t, graph=graph, variant=variant, dec=dec):
                     x, idx, wt = _moe_case_inputs(dims, device, t, t)
                     fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=dec)  # noqa: E731
                     note = _checked("moe_mx", f"T={t}", fn, lambda: want_moe(t, x, idx, wt), 3e-2)
                     run, _, how = _graph_or_eager(fn, device, graph)
                     return _case("moe_mx split-K", f"T={t} {'graph' if graph else 'eager'}", run, t * flops_per_token,
-                                 _moe_bytes(dims, idx), note=f"decode={dec}; {how}; {note}",
+                                 _moe_bytes(dims, idx), note=f"decode={dec or _default('DECODE')}; {how}; {note}",
                                  key=f"moe T={t} {'graph' if graph else 'eager'}", variant=variant)
                 yield f"compare moe T={t} graph={graph} {variant}", build
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
     for name, n, k in shapes:
         for m in decode:
             for graph in graphs:
-                for variant, dec in (("before", "registers"), ("after", "scaled")):
+                for variant, dec in (("before", "registers"), ("after", None)):
                     def build(name=name, n=n, k=k, m=m, graph=graph, variant=variant, dec=dec):
                         g = torch.Generator(device=device).manual_seed(m + n)
                         w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
@@ -397,7 +397,8 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                         run, _, how = _graph_or_eager(fn, device, graph)
                         label = f"{name} M={m} {'graph' if graph else 'eager'}"
                         return _case("linear_mx split-K", label, run, 2 * m * n * k,
-                                     m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"decode={dec}; {how}; {note}",
+                                     m * k * 2 + n * k + ws.numel() + m * n * 2,
+                                     note=f"decode={dec or _default('DENSE_DECODE')}; {how}; {note}",
                                      key=f"linear {label}", variant=variant)
                     yield f"compare linear {name} M={m} graph={graph} {variant}", build
     plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
@@ -434,8 +435,15 @@ class _Knobs:
         return run
 
 
-STREAM_VARIANTS = [("in-kernel QDQ", dict(SCALED_RAW_MAX_ROWS=128)), ("BN=128", dict(SCALED_BLOCK_N=128)),
-                   ("BK=256", dict(SCALED_BLOCK_K=256)), ("BN=32", dict(SCALED_BLOCK_N=32))]
+STREAM_VARIANTS = [("scaled in-kernel QDQ", dict(SCALED_RAW_MAX_ROWS=128)),
+                   ("scaled BN=128", dict(SCALED_BLOCK_N=128)),
+                   ("scaled BK=256", dict(SCALED_BLOCK_K=256)), ("scaled BN=32", dict(SCALED_BLOCK_N=32)),
+                   ("fp8 MMA", dict(DENSE_DECODE="fp8")), ("fp8 MMA BN=128", dict(DENSE_DECODE="fp8", SCALED_BLOCK_N=128))]
+
+
+def _default(name: str) -> str:
+    from redknot.kernels.triton import splitk_mx
+    return getattr(splitk_mx, name)
 
 
 def stream_variant_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
@@ -448,7 +456,7 @@ def stream_variant_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
     w_moe = {}
     for name, values in STREAM_VARIANTS:
         knobs = _Knobs(**values)
-        for t in decode[:2]:
+        for t in decode[:2] if name.startswith("scaled") else []:
             def build(t=t, knobs=knobs, name=name):
                 if "w" not in w_moe:
                     w_moe["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
@@ -466,7 +474,8 @@ def stream_variant_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                 g = torch.Generator(device=device).manual_seed(m + n)
                 w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
                 x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
-                fn = knobs.wrap(lambda: linear_mx(x, w, ws, 32, path="splitk", decode="scaled"))
+                dec = "fp8" if name.startswith("fp8") else "scaled"
+                fn = knobs.wrap(lambda: linear_mx(x, w, ws, 32, path="splitk", decode=dec))
                 note = _checked("linear_mx", "wo_b", fn, lambda: ref.linear_mx(x, w, ws, 32), 1e-2)
                 run, _, how = _graph_or_eager(fn, device, graph)
                 return _case("linear_mx split-K variant", f"wo_b M={m} {name}", run, 2 * m * n * k,

@@ -115,7 +115,7 @@ def test_in_kernel_quantisation_equals_the_separate_pass(moe_weights, monkeypatc
             assert torch.equal(moe_mx.moe_splitk(xm, idx, wt, *moe_weights, 10.0, decode=decode), fused[1])
 
 
-@pytest.mark.parametrize("decode", ["scaled", "registers"])
+@pytest.mark.parametrize("decode", ["scaled", "registers", "fp8"])
 @pytest.mark.parametrize("rows", [1, 32, 128])
 def test_weight_stream_decodes_at_v41_shapes(decode, rows, moe_weights):
     """Both split-K weight decodes against ``ref_v41`` at decode sizes (dense wo_b / wq_b, MoE); the

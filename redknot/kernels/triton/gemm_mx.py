@@ -284,23 +284,25 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
                    out: torch.Tensor, decode: Optional[str] = None) -> torch.Tensor:
-    """Split-K weight stream (``splitk_mx``) and the slice reduction. ``decode="scaled"``: activations
-    QDQ'd by a separate pass (each program would otherwise repeat the amax work for 16+ padded rows per
-    weight tile), row tiles of up to 64 rows (a weight tile is decoded once per row tile)."""
+    """Split-K weight stream (``splitk_mx``) and the slice reduction. ``scaled`` / ``fp8``: activations
+    quantised by a separate pass (each program would otherwise repeat the amax work for 16+ padded rows
+    per weight tile), one row tile of up to 128 rows (each row tile reads the whole weight)."""
     from redknot.kernels.triton import splitk_mx
     from redknot.kernels.triton.dequant_mx import qdq_bf16
-    decode = decode or splitk_mx.DECODE
+    decode = decode or splitk_mx.DENSE_DECODE
     rows = x2.shape[0]
 
     def run(dec: str) -> torch.Tensor:
-        raw = rows <= (splitk_mx.RAW_MAX_ROWS if dec == "registers" else splitk_mx.SCALED_RAW_MAX_ROWS)
-        bm = splitk_mx.ROW_TILE if dec == "registers" else splitk_mx.dense_row_tile(rows)
+        if dec == "registers":
+            raw, bm = rows <= splitk_mx.RAW_MAX_ROWS, splitk_mx.ROW_TILE
+        else:
+            raw, bm = dec == "fp8" or rows <= splitk_mx.SCALED_RAW_MAX_ROWS, splitk_mx.dense_row_tile(rows)
         p = splitk_mx.splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, rows, w_fp4=False, wb=block, raw=raw,
                                 decode=dec, block_m=bm)
         return splitk_mx.reduce_rows(p, out)
 
-    if decode == "scaled":
-        return splitk_mx.with_fallback(x2.device, lambda: run("scaled"), lambda: run("registers"))
+    if decode != "registers":
+        return splitk_mx.with_fallback(x2.device, lambda: run(decode), lambda: run("registers"))
     return run(decode)
 
 

@@ -26,6 +26,8 @@ Two ways to decode the weight tile in registers (``decode``):
   in registers. A decode step is a weight stream, so the integer work per weight element is what the
   stream costs: the ``registers`` decode spends ~17 integer operations per FP4 value, about a tenth of
   HBM speed at the H200's integer rate; this one ~2-3.
+* ``fp8`` (FP8 weights; MXFP4 ones run ``scaled``): no weight conversion at all, FP8 MMA per 32-wide
+  K group with both scales applied to its result (``stream_fp8``); the activations quantised first.
 * ``registers``: the earlier hand decode (nibble masks, exponent bits, fp32 scale multiply). Packed
   FP4 weights hold element 2i in the low nibble and 2i+1 in the high one; instead of interleaving the
   nibbles in registers, the activation is stored de-interleaved and each K step runs two MMAs (even
@@ -61,13 +63,14 @@ SPLIT_MAX_ROWS = 2048
 # a program's dot needs 16+ rows, so in-kernel quantisation repeats the amax work for padded rows per
 # weight tile, which costs more integer work than the weight decode itself.
 SCALED_RAW_MAX_ROWS = 0
-DECODES = ("scaled", "registers")
+DECODES = ("scaled", "registers", "fp8")
 DENSE_ROW_TILE_MAX = 128
 # Launch shape of a ``scaled`` stream when the caller gives none: weight columns per program, K step.
 SCALED_BLOCK_N = 64
 SCALED_BLOCK_K = 128
-# The default decode (``decode=None``); see the module docstring.
+# The default decode (``decode=None``) of MoE streams and of dense linears; see the module docstring.
 DECODE = "scaled"
+DENSE_DECODE = "scaled"
 # Set when the ``scaled`` kernel failed to build on this device: the callers then run ``registers`` and
 # report it (benchmarks print it; the GPU tests fail on it).
 SCALED_ERROR: Optional[str] = None
@@ -338,11 +341,14 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     (decode sizes); the output row r reads activation row ``rowid[r]`` (or r). w: e4m3 [N, K] with tiles
     of ``wb``, or packed [G, N, K/2] MXFP4 with [G, N, K/32] scales, rows grouped by ``offs`` (per-group
     ends; ``tiles``: its ``tile_map`` for ``block_m``, when the caller shares one between launches).
-    ``decode``: ``scaled`` / ``registers`` (module docstring; None: ``DECODE``); ``swap`` applies to
-    ``registers`` (``scaled`` always holds the weight as the first operand)."""
+    ``decode``: ``scaled`` / ``registers`` / ``fp8`` (module docstring; None: ``DECODE``; ``fp8`` takes
+    bf16 rows and quantises them to e4m3 first, and runs ``scaled`` for MXFP4 weights); ``swap``
+    applies to ``registers`` (``scaled`` always holds the weight as the first operand)."""
     decode = decode or DECODE
     if decode not in DECODES:
         raise ValueError(f"splitk_mm: decode={decode!r}: must be one of {DECODES}")
+    if decode == "fp8" and (w_fp4 or offs is not None or rowid is not None):
+        decode = "scaled"
     grouped = offs is not None
     w, ws = as_bytes(w), as_bytes(ws)
     w3d = w if grouped else w.unsqueeze(0)
@@ -351,7 +357,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     K = w3d.shape[2] * (2 if w_fp4 else 1)
     if K % 32:
         raise ValueError(f"splitk_mm: K={K} must be a multiple of 32")
-    scaled = decode == "scaled"
+    scaled = decode != "registers"
     block_n = block_n or (SCALED_BLOCK_N if scaled else 64)
     bk = block_k_for(K, w_fp4, block_k or (SCALED_BLOCK_K if scaled else 0))
     S = splits or (split_count(N, K, block_n, bk) if rows <= SPLIT_MAX_ROWS else 1)
@@ -363,6 +369,11 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     if rows == 0:
         return (p, p3) if dual else p
     bm = block_m
+    if decode == "fp8":  # FP8 MMA per 32-wide K group (``stream_fp8``)
+        from redknot.kernels.triton.quant_mx import act_quant_mx
+        from redknot.kernels.triton.stream_fp8 import fp8_stream
+        aq, sa = act_quant_mx(a if not raw else a[:rows])
+        return fp8_stream(aq, sa, w, ws, p, ksplit, wb, bm, block_n, num_warps=num_warps)
     if grouped:
         tg, tr, te, n_tiles = tiles if tiles is not None else tile_map(offs, bm, rows)
     else:
@@ -392,9 +403,9 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
 
 
 def with_fallback(device: torch.device, scaled, registers):
-    """Run ``scaled()``; on a CUDA device where the ``scaled`` kernel fails to build, record why in
-    ``SCALED_ERROR``, warn once and run ``registers()`` from then on. Off the GPU errors propagate (the
-    interpreter runs both decodes)."""
+    """Run ``scaled()`` (a ``scaled`` or ``fp8`` stream); on a CUDA device where that kernel fails to
+    build, record why in ``SCALED_ERROR``, warn once and run ``registers()`` from then on. Off the GPU
+    errors propagate (the interpreter runs every decode)."""
     global SCALED_ERROR
     if SCALED_ERROR is None:
         if device.type != "cuda":
