@@ -180,9 +180,12 @@ class StreamConfig:
 # not the MMA, bounds the stream at two tokens); the first entry is the untuned default.
 STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
     StreamConfig(2, 64, 4), StreamConfig(4, 64, 4), StreamConfig(4, 64, 8), StreamConfig(8, 64, 8),
-    StreamConfig(2, 128, 8), StreamConfig(4, 128, 8),
+    StreamConfig(8, 32, 8), StreamConfig(2, 128, 8), StreamConfig(4, 128, 8),
 ])
-STREAM_TUNE_ENTRIES = 1 << 16   # entry counts above this share one tuning class (the per-block work is alike)
+# Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
+# above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
+# alike), so a long prefill never times candidates at a million entries.
+STREAM_TUNE_TOKENS, STREAM_TUNE_ENTRIES = 1 << 10, 1 << 16
 
 
 def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor, topk: int,
@@ -205,8 +208,9 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
     sms = sm_count(q)
     if config is None:
         width = n if cand_blocks is None else cand_blocks.shape[1] * block_size
-        key = (min(next_pow2(T), 8192), T >= 2 * sms, HI, DI, topk, min(next_pow2(max(width, 1)), STREAM_TUNE_ENTRIES),
-               bf16_scores, block_scores is not None, cand_blocks is not None)
+        key = (min(next_pow2(T), STREAM_TUNE_TOKENS), T >= 2 * sms, HI, DI, topk,
+               min(next_pow2(max(width, 1)), STREAM_TUNE_ENTRIES), bf16_scores, block_scores is not None,
+               cand_blocks is not None)
         config = STREAM_TUNER.pick(key, lambda cfg: stream_topk(q, weights, index_keys, visible, topk, bf16_scores,
                                                                cfg, block_scores, block_size, cand_blocks), q.device)
     if block_scores is not None and cand_blocks is not None:

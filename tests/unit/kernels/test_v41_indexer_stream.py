@@ -136,3 +136,41 @@ def test_the_selection_inside_candidate_blocks(t, n, path, bf16):
     want = ref_v41.indexer_topk_mx(q, w, keys, vis, 16, cand, bs, bf16)
     got = indexer_mx.indexer_topk_mx(q, w, keys, vis, 16, cand, bs, bf16, cand_path=path)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
+    """V4.1 indexer widths (32 heads x 128, top-512, 2048 candidate blocks of 8) on fresh random inputs
+    past the candidate budget (40,000 entries: 5,000 blocks): the candidate source's fused pass (top-k and
+    block maxima) and both candidate-list paths of a re-indexing layer choose what the reference chooses,
+    compared tie-aware on the reference's scores (the tuner picks the launch shapes)."""
+    from redknot.kernels.triton.checks_mx import _compare_selection
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    t, n, heads, dim, k, nb, bs = 512, 40000, 32, 128, 512, 2048, 8
+    q = mx.act_quant_ref(torch.randn(t, heads, dim, generator=g, device=dev).bfloat16(), "fp4")
+    w = torch.randn(t, heads, generator=g, device=dev) * heads ** -0.5
+    keys = mx.pack_index_keys(torch.randn(n, dim, generator=g, device=dev))
+    vis = torch.randint(n // 2, n + 1, (t,), generator=g, device=dev, dtype=torch.int32)
+    vis[0] = 3
+    scores = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
+    scores = scores.masked_fill(torch.arange(n, device=dev)[None] >= vis.long()[:, None], float("-inf"))
+    idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, k, nb, bs, bf16)
+    want_idx = ref_v41.indexer_topk_mx(q, w, keys, vis, k, bf16_scores=bf16)
+    want_blocks = ref_v41.indexer_candidates_mx(q, w, keys, vis, nb, bs, bf16)
+    assert _compare_selection("top-k", scores, idx, want_idx, tol=0).ok
+    bscore = torch.nn.functional.pad(scores, (0, -(-n // bs) * bs - n), value=float("-inf")).view(t, -1, bs).amax(-1)
+    newest = ((vis.long() - 1) // bs).clamp(min=0)
+    bscore.scatter_(1, newest[:, None], float("inf"))
+    assert _compare_selection("blocks", bscore.nan_to_num(posinf=1e30), blocks, want_blocks, tol=0).ok
+    cand = want_blocks
+    want = ref_v41.indexer_topk_mx(q, w, keys, vis, k, cand, bs, bf16)
+    allowed = torch.zeros(t, -(-n // bs) + 1, dtype=torch.bool, device=dev)
+    allowed.scatter_(1, torch.where(cand >= 0, cand.long(), -(-n // bs)), True)
+    masked = scores.masked_fill(~allowed[:, :-1].repeat_interleave(bs, 1)[:, :n], float("-inf"))
+    for path in ("stream", "scores"):
+        got = indexer_mx.indexer_topk_mx(q, w, keys, vis, k, cand, bs, bf16, cand_path=path)
+        assert _compare_selection(path, masked, got, want, tol=0).ok, path
