@@ -25,9 +25,11 @@ and the three DSpark stages at real width (128 experts top-3, rank-256 Markov he
 inputs of layers 2, 3, 4 (as V4.1 taps the inputs of 37-39). Per batch (1 and 32): draft ms per
 step, and verify ms at 1..g+1 tokens per request eager (the engine's span path) vs replayed from
 ``VerifyGraphs`` (one CUDA graph per total-token tier, the taps refilled on replay); the first replay
-of every tier is checked against the eager step (logits and taps, ``VerifyGraphs.checks``) and also
-against the same tensor-only step run unpadded and uncaptured (a capture fault vs a difference of the
-two step paths). ``--model both`` runs the two.
+of every tier is checked (``VerifyGraphs.checks`` / ``check_errors``: logits and taps) against the same
+padded step run eagerly (a capture fault) and against the engine's unpadded eager step (the padding
+difference), and the replay also against the tensor-only step run unpadded and uncaptured. The
+``padding_probe`` says which of the step's GEMM-like ops give a row a result that depends on the row
+count of the call (what a tier's padding rows change). ``--model both`` runs the two.
 
 ``features.dspark.block_attention`` (``--block-attention``) reaches both drafts' block forward.
 
@@ -330,6 +332,55 @@ class Bench41:
             padding_block=self.num_blocks - 1, graph_pool=None, eager_forward=self.eager_forward)
 
 
+@torch.no_grad()
+def padding_probe(bench: "Bench41", pairs=((160, 192), (129, 192), (100, 128))) -> Dict:
+    """Which of the step's GEMM-like ops give a row a result that depends on how many rows share the call
+    (what a graph tier's padding rows change): per op and (real, padded) row counts, the largest
+    |difference| of the real rows between a call on ``padded`` rows and one on the ``real`` rows alone,
+    relative to the largest |value| (0: the op is invariant to padding at that size). Random inputs at
+    the cut's shapes, the ops the tensor-only step calls."""
+    cfg, w, ops, dev = bench.cfg, bench.model.w, bench.model.ops, bench.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dtype)
+
+    top = max(p for _, p in pairs)
+    d, e = cfg.dim, cfg.n_routed_experts
+    cases: Dict[str, Callable[[int], torch.Tensor]] = {}
+    wq_b, wq_b_s = w.tensors.get("layers.0.attn.wq_b.weight"), w.tensors.get("layers.0.attn.wq_b.scale")
+    xq = rnd(top, cfg.q_lora_rank)
+    if ops is not None and ops.linear_mx is not None and wq_b is not None and wq_b.dtype == torch.float8_e4m3fn:
+        cases["linear_mx wq_b (fp8)"] = lambda n: ops.linear_mx(xq[:n], wq_b, wq_b_s, 32, 32)
+    xd = rnd(top, d)
+    ids = torch.rand(top, e, generator=gen, device=dev).topk(cfg.n_activated_experts, -1).indices
+    wts = torch.rand(top, cfg.n_activated_experts, generator=gen, device=dev) + 0.1
+    if ops is not None and ops.moe_mx is not None and "layers.0.ffn.experts.0.w1.weight" in w.tensors:
+        stacks = ops.stacked_experts(w, "layers.0.ffn", e)
+        cases["moe_mx (mxfp4)"] = lambda n: ops.moe_mx(xd[:n], ids[:n], wts[:n], *stacks, cfg.swiglu_limit)
+    w_small = rnd(512, d, scale=d ** -0.5)
+    cases["bf16 F.linear 512 x dim (compressor / indexer)"] = lambda n: torch.nn.functional.linear(xd[:n], w_small)
+    xf, router = xd.float(), rnd(e, d, dtype=torch.float32, scale=d ** -0.5)
+    cases["fp32 F.linear experts x dim (router)"] = lambda n: torch.nn.functional.linear(xf[:n], router)
+    hx, hfn = rnd(top, cfg.hc_mult * d, dtype=torch.float32), rnd((2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * d,
+                                                                 dtype=torch.float32, scale=(cfg.hc_mult * d) ** -0.5)
+    cases["fp32 matmul (mHC mixes)"] = lambda n: hx[:n] @ hfn.t()
+    g, r = cfg.o_groups, cfg.o_lora_rank
+    o, wo_a = rnd(top, g, cfg.n_heads * cfg.head_dim // g), rnd(g, r, cfg.n_heads * cfg.head_dim // g, scale=0.02)
+    cases["bf16 einsum (wo_a)"] = lambda n: torch.einsum("ngk,grk->ngr", o[:n], wo_a).reshape(n, -1)
+    head = w.dense("head.weight", torch.float32)
+    cases["fp32 head (compute_logits)"] = lambda n: xf[:n] @ head.t()
+    out: Dict[str, Dict[str, float]] = {}
+    for name, fn in cases.items():
+        row = {}
+        for real, padded in pairs:
+            a, b = fn(padded)[:real].float(), fn(real).float()
+            row[f"{real}_of_{padded}"] = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+        out[name] = row
+    del head
+    return out
+
+
 def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) -> Dict:
     from redknot.engine.cuda_graphs import CudaGraphCapture, HostGraphCapture
 
@@ -387,8 +438,12 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
             row[f"verify_graph_ms_q{q}"] = timed_ms(device, lambda: graphs.run(inputs), repeats)
         print(json.dumps(row), flush=True)
         report[f"batch_{b}"] = row
+    if cuda or args.smoke:   # which ops round a row differently when padding rows share the call
+        report["padding_probe"] = padding_probe(bench)
+        print(json.dumps({"padding_probe": report["padding_probe"]}), flush=True)
     report["verify_graphs"].update(
-        first_replay_vs_eager=graphs.checks, first_replay_vs_tensor_step=vs_tensor_step,
+        first_replay_vs_eager=graphs.checks, first_replay_errors=graphs.check_errors,
+        first_replay_vs_tensor_step=vs_tensor_step,
         status=f"off (the engine would serve eagerly): {mismatches[0]}" if mismatches else graphs.status)
     report["total_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps({"verify_graphs": report["verify_graphs"], "total_s": report["total_s"]}), flush=True)

@@ -33,7 +33,7 @@ LOGITS_ATOL = 2e-4        # fp32: the tensor-only step and the eager step round 
 STATE_TOL = 1e-4
 
 
-def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False):
+def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False, seqs: int = MAX_SEQS):
     from redknot.engine import LLM
 
     model = load_yaml_option(CONF, ModelConfig)
@@ -43,7 +43,8 @@ def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False):
         hardware = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
                                   kv_cache_dtype=DType.float32, cuda_graphs=graphs, memory_utilization=0.5,
                                   cuda_graph_max_len=512)
-    sched = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=64, long_prefill_chunk=32, block_size=16)
+    sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=max(64, seqs * (GAMMA + 1)),
+                            long_prefill_chunk=32, block_size=16)
     eng = EngineConfig(scheduler=sched, seed=0, cache_dir=cache)
     return LLM(model, hardware, features(dspark=dspark, max_draft=GAMMA, keep_tokens=WINDOW + GAMMA + 1), eng)
 
@@ -53,10 +54,10 @@ def v41(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("v41-verify-graphs"))
     made = {}
 
-    def make(dspark: bool, cuda: bool = False, graphs: bool = False):
-        key = (dspark, cuda, graphs)
+    def make(dspark: bool, cuda: bool = False, graphs: bool = False, seqs: int = MAX_SEQS):
+        key = (dspark, cuda, graphs, seqs)
         if key not in made:
-            made[key] = _make(cache, dspark, cuda, graphs)
+            made[key] = _make(cache, dspark, cuda, graphs, seqs)
         return made[key]
     yield make
     for llm in made.values():
@@ -267,6 +268,110 @@ def test_first_replay_check_serves_eager_and_catches_a_stale_replay(v41):
         torch.testing.assert_close(logits, want, atol=0, rtol=0)
         assert graphs.checks[8].startswith("mismatch"), graphs.checks
         assert graphs.status.startswith("off: replay of tier 8 disagreed"), graphs.status
+    finally:
+        runner.verify_graphs = None
+
+
+def test_padding_difference_is_reported_and_a_capture_fault_is_not_excused(v41, monkeypatch):
+    """The first-replay check compares the replay with the same padded step run eagerly (a capture
+    fault: graphs off) and with the unpadded eager step (padding changes the row count of every GEMM,
+    and a library GEMM may round by row count). Stand-in for such a GEMM: logits that depend on the
+    step's row count. On a padded tier the difference is reported and the graphs stay on; where the
+    step fills its tier, a tensor-only step that differs from the eager one is a fault; a replay that
+    recomputes nothing is a fault on any tier."""
+    llm = v41(True)
+    runner = llm.runner
+    model = runner.model
+    plain = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda x: plain(x) + 1e-2 * x.shape[0])
+    graphs = _host_graphs(llm)
+    reqs = Requests(llm, prompts=[11, 4, 19, 8], seed=9)
+    try:
+        padded = reqs.inputs([0, 1], [3, 4])                   # 7 rows -> tier 8
+        streams, logits = graphs.run(padded)
+        assert graphs.status.startswith("on:"), graphs.status
+        assert graphs.checks[8].startswith("ok (row error 0 "), graphs.checks
+        errs = graphs.check_errors[8]
+        assert errs["rows"] == 7 and max(errs["capture"].values()) == 0.0, errs
+        assert errs["padding"]["logits"] > 1e-4 and errs["padding_rows_over_tol"] == 7, errs
+        assert "padding 7 -> 8 rows" in graphs.checks[8]
+        # the replay's rows are served (the padded step's numbers, not the unpadded eager ones)
+        torch.testing.assert_close(logits, plain(streams) + 1e-2 * 8, atol=1e-5, rtol=0)
+        reqs.lens[0] += 3
+        reqs.lens[1] += 4
+        # A tensor-only step that differs from the eager span path: a fault where nothing is padded.
+        eager = runner.eager_forward
+        monkeypatch.setattr(runner, "eager_forward", lambda inputs: (lambda s, lg: (s, lg + 1e-2))(*eager(inputs)))
+        full = reqs.inputs([0, 1], [4, 4])                     # 8 rows: tier 8 filled -> no padding
+        graphs.checks.pop(8)
+        graphs.run(full)
+        monkeypatch.setattr(runner, "eager_forward", eager)
+        assert graphs.checks[8].startswith("mismatch: logits"), graphs.checks
+        assert "no padding" in graphs.checks[8]
+        assert graphs.status.startswith("off: replay of tier 8 disagreed with eager execution"), graphs.status
+    finally:
+        runner.verify_graphs = None
+    monkeypatch.setattr(model, "compute_logits", plain)
+    graphs = _host_graphs(llm)
+    try:
+        graphs.graphs[12].replay = lambda: None                # tier 12 replays nothing
+        reqs.lens[0] += 4
+        reqs.lens[1] += 4
+        inputs = reqs.inputs([0, 1, 2], [4, 3, 4])             # 11 rows -> tier 12 (padded)
+        before = [t.clone() for t in runner.state.tensors()]
+        _, logits = graphs.run(inputs)
+        assert graphs.checks[12].startswith("mismatch: logits"), graphs.checks
+        assert "replay vs the same padded step" in graphs.checks[12]
+        assert graphs.status.startswith("off: replay of tier 12 disagreed with eager execution of the same "
+                                        "padded step"), graphs.status
+        for t, b in zip(runner.state.tensors(), before):
+            t.copy_(b)
+        torch.testing.assert_close(logits, runner.eager_forward(inputs)[1], atol=0, rtol=0)  # eager served
+    finally:
+        runner.verify_graphs = None
+
+
+BIG_SEQS = 48   # 48 requests x (GAMMA + 1) rows: tiers up to 192
+
+
+def test_verify_steps_above_128_rows_through_graphs_equal_eager(v41):
+    """Steps of 129..192 rows (48 requests) through the tier-192 graph, 63 and 32 of its rows padding:
+    the replay's logits, rows, taps and every real state byte equal the eager step's, each step from the
+    same state; the first-replay check passes."""
+    llm = v41(True, seqs=BIG_SEQS)
+    runner = llm.runner
+    runner.graph_max_len = 256
+    graphs = runner.use_verify_graphs(HostGraphCapture())
+    assert graphs.tiers[-1] == BIG_SEQS * (GAMMA + 1) == 192 and 128 in graphs.tiers
+    graphs.capture([192])
+    assert graphs.status.startswith("on:"), graphs.status
+    reqs = Requests(llm, prompts=[5 + (7 * i) % 23 for i in range(BIG_SEQS)], seed=11)
+    ids = list(range(BIG_SEQS))
+    try:
+        steps = [[1] * 21 + [4] * 27,                                # 129 rows
+                 [4] * 32 + [2] * 16]                                # 160 rows
+        for step, counts in enumerate(steps):
+            inputs = reqs.inputs(ids, counts)
+            n = sum(counts)
+            assert graphs.can_run(inputs) and n > 128
+            before = [t.clone() for t in runner.state.tensors()]
+            graphs.check_first_replay = False
+            streams, logits = (v.clone() for v in graphs.run(inputs))
+            graphs.check_first_replay = True
+            taps = reqs.draft.last_taps(n).clone()
+            after_graph = [t.clone() for t in real_state(runner)]
+            for t, b in zip(runner.state.tensors(), before):
+                t.copy_(b)
+            eager_streams, eager_logits = runner.eager_forward(inputs)
+            torch.testing.assert_close(logits, eager_logits, atol=LOGITS_ATOL, rtol=0, msg=f"step {step}")
+            torch.testing.assert_close(streams, eager_streams, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+            torch.testing.assert_close(taps, reqs.draft.last_taps(n), atol=1e-4, rtol=1e-4, msg=f"step {step}")
+            _assert_state_close(after_graph, real_state(runner), f"step {step}")
+            for b, c in zip(ids, counts):   # keep one row per request, the rest is rolled back
+                reqs.lens[b] += 1
+        graphs.run(reqs.inputs(ids, [4] * 32 + [2] * 16))           # the checked first replay
+        assert graphs.checks[192].startswith("ok"), graphs.checks
+        assert graphs.check_errors[192]["rows"] == 160 and graphs.status.startswith("on:")
     finally:
         runner.verify_graphs = None
 
