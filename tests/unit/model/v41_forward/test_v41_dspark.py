@@ -6,6 +6,7 @@ import torch
 
 from redknot.kernels import mx_formats as mx
 from redknot.models.deepseek_v41 import model as model_mod
+from redknot.models.deepseek_v41 import tensor_step as site_mod   # the mHC site functions (PyTorch math)
 from redknot.models.deepseek_v41.dspark_draft import V41DSparkDraft
 from redknot.models.deepseek_v41.model import DeepseekV41
 from redknot.models.deepseek_v41.ref_math import Numerics, Weights
@@ -74,7 +75,7 @@ def test_taps_are_layer_inputs_after_engram(monkeypatch):
     cfg = v41_config(dspark_target_layer_ids=(1, 4))
     model, draft, _ = _build(cfg)
     seen, engram_in = [], []
-    real_mixes, real_engram = model_mod.hc_mixes, model_mod.engram_forward
+    real_mixes, real_engram = site_mod.hc_mixes, model_mod.engram_forward
 
     def mixes(h, *a):
         seen.append(h.clone())
@@ -83,7 +84,7 @@ def test_taps_are_layer_inputs_after_engram(monkeypatch):
     def engram(h, *a):
         engram_in.append(h.clone())
         return real_engram(h, *a)
-    monkeypatch.setattr(model_mod, "hc_mixes", mixes)
+    monkeypatch.setattr(site_mod, "hc_mixes", mixes)
     monkeypatch.setattr(model_mod, "engram_forward", engram)
     seq = Seq(model, 64)
     prompt = tokens(12, seed=4)
