@@ -118,8 +118,16 @@ class DeepseekV41:
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-head rows [N, D] -> logits [N, vocab] (fp32; fp64 for an fp64 model)."""
         acc = self.num.acc
-        y = rms_norm(x, self.w.float("norm.weight"), self.cfg.norm_eps).to(acc)
-        return y @ self.w.dense("head.weight", acc).t()
+        y = rms_norm(x, self.w.float("norm.weight"), self.cfg.norm_eps)
+        head = self.w.raw("head.weight")
+        if y.is_cuda and y.dtype == head.dtype == torch.bfloat16 and acc == torch.float32:
+            # bf16 operands are exact in fp32, so a bf16 GEMM accumulating and writing fp32 is the fp32
+            # head's arithmetic (summation order aside) without an fp32 copy of the head.
+            try:
+                return torch.mm(y, head.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError):   # a torch without the out_dtype overload
+                pass
+        return y.to(acc) @ self.w.dense("head.weight", acc).t()
 
     # ------------------------------------------------------------------ parts
     def _spans(self, meta: StepMetadata) -> List[Span]:

@@ -145,7 +145,8 @@ class Weights:
     """Checkpoint tensors by native name (a quantised ``x.weight`` has an ``x.scale`` sibling).
 
     ``dense(name)`` is the float matrix in the compute dtype, dequantised once and cached
-    unless ``keep`` (``hardware.weight_format=keep``: dequantised per use).
+    unless ``keep`` (``hardware.weight_format=keep``: quantised weights are dequantised per use,
+    plain ones still converted once).
     ``quantized(name)`` tells whether a linear is an FP8/FP4 GEMM (input quantised per 32).
     """
 
@@ -189,8 +190,10 @@ class Weights:
 
     def dense(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         dtype = dtype or self.dtype
-        if self.keep:
+        if self.keep and self.scale_name(name) in self.tensors:  # kept quantised: dequantised per use
             return self._dequant(name, dtype)
+        # Plain tensors (norms, mHC, router, compressor, ...) are converted once, kept weights or not
+        # (a conversion per use is a copy kernel per use in every decode step).
         key = f"{name}@{dtype}"
         if key not in self._dense:
             self._dense[key] = self._dequant(name, dtype)

@@ -435,3 +435,28 @@ def test_engine_decode_graph_buffers_drive_the_v41_step(tmp_path):
         llm.close()
     for rid in prompts:
         assert outs[0][rid].token_ids == outs[1][rid].token_ids
+
+
+@pytest.mark.gpu
+def test_gpu_logits_of_a_bf16_model_equal_the_fp32_head():
+    """On a GPU a bf16 model's logits come from a bf16 GEMM writing fp32 (no fp32 copy of the head): the
+    products of bf16 values are exact in fp32, so they equal the fp32 head's logits up to summation order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from redknot.models.deepseek_v41.model import DeepseekV41
+    from redknot.models.deepseek_v41.ref_math import Numerics, Weights, rms_norm
+    from v41_forward.v41util import random_weights, token_map_for
+    from v41_forward.v41util import test_config as tiny_config
+
+    cfg = tiny_config()
+    tensors = {k: v.cuda() for k, v in random_weights(cfg, 0).items()}
+    tensors["head.weight"] = tensors["head.weight"].to(torch.bfloat16)
+    tmap = token_map_for(cfg)
+    model = DeepseekV41(cfg, Weights(tensors, torch.bfloat16, keep=True), tmap, int(tmap[cfg.engram_pad_id]),
+                        Numerics("reference", torch.bfloat16), device="cuda")
+    x = torch.randn(7, cfg.dim, device="cuda").to(torch.bfloat16)
+    got = model.compute_logits(x)
+    y = rms_norm(x, tensors["norm.weight"].float(), cfg.norm_eps).double()
+    want = y @ tensors["head.weight"].double().t()
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
