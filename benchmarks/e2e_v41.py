@@ -688,8 +688,13 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        t_w = time.perf_counter()
         warm_classes(model, ctx, a.chunk, device, warmed)   # JIT + tuning of its chunk shapes, untimed
-        print(f"warm-up for {ctx} done ({time.perf_counter() - t_start:.1f} s)")
+        warm_s = time.perf_counter() - t_w
+        peak_warm = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()   # the prefill's own peak (tuners allocate while they time)
+        print(f"warm-up for {ctx} done ({warm_s:.1f} s; at {time.perf_counter() - t_start:.1f} s)")
         nseq = max(batches) if ctx in dctx and batches else 1
         b = Batch(model, nseq, ctx + 2 * a.chunk + (a.decode_steps + 4) * (len(batches) + 1) + 64)
         ids = tokens(ctx, cfg.vocab_size, seed=ctx)
@@ -709,6 +714,7 @@ def main(argv=None) -> dict:
         cb = cache_bytes(b.state, b.layout, ctx, cfg)
         row = {"context": ctx, "chunk": a.chunk, "seconds": dt, "tokens_per_s": ctx / dt, "peak_gib": peak,
                "peak_above_weights_gib": peak - wbytes / 2**30 if device.type == "cuda" else 0.0,
+               "warm_up_s": warm_s, "warm_up_peak_gib": peak_warm,
                "state_slots": nseq, "floor_s": floor, "fraction_of_floor": floor / dt,
                "global_cache_bytes_per_token": b.global_cache_bytes() / ctx, "cache_bytes": cb,
                "window_ring_bytes_per_sequence": sum(w[0].numel() for w in b.state.windows),

@@ -12,8 +12,8 @@ in registers (``BLOCK_T`` tokens share each key block: one tensor-core dot of ``
   their entries over several programs and a second kernel merges the lists.
 * ``indexer_topk_mx`` with candidate blocks: only the ``NB·bs`` entries of the token's candidate blocks
   are scored, so layers 24/28/32/36 never score the whole cache: streamed through the same thresholded
-  buffer over each token's candidate list (one token per program, no score matrix), or scored in a
-  gathered launch into a chunk of scores selected by ``torch.topk``; the faster is measured per class.
+  buffer over each token's candidate list (one token per program, no score matrix; the default), or
+  scored in a gathered launch into a chunk of scores selected by ``torch.topk``.
 * ``indexer_candidates_mx``: the kernel reduces each block of ``bs`` entries to its max in registers and
   writes only block scores (``N/bs`` per token); the newest visible block is pinned, top blocks kept.
 * ``indexer_source_mx`` (layer 20): one streamed pass gives its top-k and writes the max score of every
@@ -177,10 +177,10 @@ class StreamConfig:
 
 
 # More tokens per program decode each key block for more query rows (the decode of FP4 key bytes,
-# not the MMA, bounds the stream at two tokens); the first entry is the untuned default.
+# not the MMA, bounds the stream at two tokens: 57 TFLOP/s at 1M entries against 117 for the score pass
+# tuned up to eight); the first entry is the untuned default. Few entries: each one is a compile.
 STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
-    StreamConfig(2, 64, 4), StreamConfig(4, 64, 4), StreamConfig(4, 64, 8), StreamConfig(8, 64, 8),
-    StreamConfig(8, 32, 8), StreamConfig(2, 128, 8), StreamConfig(4, 128, 8),
+    StreamConfig(2, 64, 4), StreamConfig(4, 64, 8), StreamConfig(8, 64, 8),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -197,7 +197,8 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
     visible [T] int32 (contiguous). ``block_scores`` (fp32 [T, NB], filled with -inf by the caller):
     the same pass also writes the max score of every ``block_size``-entry block a token sees.
     ``cand_blocks`` (int32 [T, NB], distinct block ids per row, -1 pads): only the entries of those blocks
-    compete, one token per program (no score matrix either). ``config=None``: the launch shape is measured per problem class on a GPU."""
+    compete, one token per program (no score matrix either). ``config=None``: the launch shape is measured
+    per problem class on a GPU."""
     T, HI, DI = q.shape
     if topk & (topk - 1):
         raise ValueError(f"stream_topk: topk={topk} must be a power of two")
@@ -209,8 +210,8 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
     if config is None:
         width = n if cand_blocks is None else cand_blocks.shape[1] * block_size
         key = (min(next_pow2(T), STREAM_TUNE_TOKENS), T >= 2 * sms, HI, DI, topk,
-               min(next_pow2(max(width, 1)), STREAM_TUNE_ENTRIES), bf16_scores, block_scores is not None,
-               cand_blocks is not None)
+               min(next_pow2(max(width, 1)), STREAM_TUNE_ENTRIES), bf16_scores,
+               block_scores is not None, cand_blocks is not None)
         config = STREAM_TUNER.pick(key, lambda cfg: stream_topk(q, weights, index_keys, visible, topk, bf16_scores,
                                                                cfg, block_scores, block_size, cand_blocks), q.device)
     if block_scores is not None and cand_blocks is not None:
@@ -303,9 +304,9 @@ def _chunks(t: int, per_token_bytes: int, limit: int):
 
 
 # How the layers that re-index inside candidate blocks select: streamed over each token's candidate list
-# (no score matrix), or its scores written in token chunks and selected by torch.topk. Measured per
-# problem class; the stream first (CPU, interpreter, graph capture).
-CAND_PATH_TUNER = ConfigTuner("indexer_cand_path", ["stream", "scores"])
+# (the default: the same scoring work without the [T, NB·bs] score matrix, its int64 keys and a
+# torch.topk over them), or the scores written in token chunks and selected by torch.topk ("scores").
+CAND_PATH = "stream"
 
 
 def _cand_topk(q, weights, index_keys, visible, topk, cand, block_size, bf16_scores, max_scratch_bytes,
@@ -334,7 +335,7 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
                     bf16_scores: bool = False, max_scratch_bytes: int = MAX_SCRATCH_BYTES,
                     cand_path: Optional[str] = None) -> torch.Tensor:
     """See ``ref_v41.indexer_topk_mx`` (a row's candidate blocks are distinct, as the model publishes them).
-    ``cand_path`` ("stream" / "scores"; None: measured per problem class): how candidate rows select."""
+    ``cand_path`` ("stream" / "scores"; None: ``CAND_PATH``): how rows with candidate blocks select."""
     q, weights = q.contiguous(), weights.contiguous()
     visible = visible.to(torch.int32).contiguous()
     n = index_keys.shape[0]
@@ -348,12 +349,11 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
         return out
     cand = cand_blocks.to(torch.int32).contiguous()
     args = (q, weights, index_keys, visible, topk, cand, block_size, bf16_scores, max_scratch_bytes)
+    if cand_path not in (None, "stream", "scores"):
+        raise ValueError(f"indexer_topk_mx: cand_path={cand_path!r} must be 'stream', 'scores' or None")
     if topk & (topk - 1):
-        cand_path = "scores"
-    if cand_path is None:
-        key = (min(next_pow2(q.shape[0]), 8192), cand.shape[1], block_size, topk, bf16_scores)
-        cand_path = CAND_PATH_TUNER.pick(key, lambda p: _cand_topk(*args, p), q.device)
-    return _cand_topk(*args, cand_path)
+        cand_path = "scores"   # the stream's buffer cut needs a power of two
+    return _cand_topk(*args, cand_path or CAND_PATH)
 
 
 def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
