@@ -218,7 +218,7 @@ def tuned_choices() -> List[str]:
 
 def comparison_lines(rows: List[Row]) -> List[str]:
     """The before / after table: rows paired by ``key`` (ms and % of floor of each, speed-up)."""
-    from redknot.kernels.triton import splitk_mx
+    from redknot.kernels.triton import splitk_mx, stream_guard
     pairs = {}
     for r in rows:
         if r.key:
@@ -227,8 +227,9 @@ def comparison_lines(rows: List[Row]) -> List[str]:
         return []
     lines = ["", "## Weight-stream GEMMs: before / after", "",
              "before: split-K with the weight decoded by hand in registers (``decode=registers``), MoE prefill "
-             "by the ``grouped`` plan; after: the current defaults (``decode=scaled``, the prefill plan measured "
-             f"fastest). scaled-decode build error on this device: {splitk_mx.SCALED_ERROR or 'none'}.", "",
+             "by the ``grouped`` plan; after: the current defaults (the prefill plan measured "
+             f"fastest); defaults: MoE decode={splitk_mx.DECODE}, dense decode={splitk_mx.DENSE_DECODE}. Decodes "
+             f"refused on this device (build or self-check): {stream_guard.DECODE_ERRORS or 'none'}.", "",
              "| case | before ms | before % of floor | after ms | after % of floor | speed-up | after note |",
              "|---|---|---|---|---|---|---|"]
     for key, pair in pairs.items():

@@ -120,7 +120,8 @@ def test_in_kernel_quantisation_equals_the_separate_pass(moe_weights, monkeypatc
 def test_weight_stream_decodes_at_v41_shapes(decode, rows, moe_weights):
     """Both split-K weight decodes against ``ref_v41`` at decode sizes (dense wo_b / wq_b, MoE); the
     ``scaled`` kernel builds on this device (no fallback recorded)."""
-    from redknot.kernels.triton import moe_mx, splitk_mx
+    from redknot.kernels.triton import moe_mx, stream_guard
+    assert stream_guard.self_check(decode, torch.device("cuda")) is None
     for n, k in ((5120, 8192), (32768, 1280)):
         g = torch.Generator(device="cuda").manual_seed(rows + n + 2)
         w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device="cuda") * 0.02, 32)
@@ -130,7 +131,7 @@ def test_weight_stream_decodes_at_v41_shapes(decode, rows, moe_weights):
     x, idx, wt = _moe_batch(rows, 200 + rows)
     out = moe_mx.moe_splitk(x, idx, wt, *moe_weights, 10.0, decode=decode)
     assert _rel(out, ref_v41.moe_mx(x, idx, wt, *moe_weights, 10.0)) <= 3e-2
-    assert splitk_mx.SCALED_ERROR is None
+    assert not stream_guard.DECODE_ERRORS
 
 
 def test_scaled_prefill_plans_at_v41_shapes(moe_weights):

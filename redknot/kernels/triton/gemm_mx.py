@@ -287,7 +287,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
     """Split-K weight stream (``splitk_mx``) and the slice reduction. ``scaled`` / ``fp8``: activations
     quantised by a separate pass (each program would otherwise repeat the amax work for 16+ padded rows
     per weight tile), one row tile of up to 128 rows (each row tile reads the whole weight)."""
-    from redknot.kernels.triton import splitk_mx
+    from redknot.kernels.triton import splitk_mx, stream_guard
     from redknot.kernels.triton.dequant_mx import qdq_bf16
     decode = decode or splitk_mx.DENSE_DECODE
     rows = x2.shape[0]
@@ -302,7 +302,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
         return splitk_mx.reduce_rows(p, out)
 
     if decode != "registers":
-        return splitk_mx.with_fallback(x2.device, lambda: run(decode), lambda: run("registers"))
+        return stream_guard.with_fallback(x2.device, decode, lambda: run(decode), lambda: run("registers"))
     return run(decode)
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
-from redknot.kernels.triton import splitk_mx
+from redknot.kernels.triton import splitk_mx, stream_guard
 from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, qdq_bf16
 from redknot.kernels.triton.splitk_mx import (RAW_MAX_ROWS, ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm,
                                               tile_map)
@@ -133,9 +133,9 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
     GEMMs decode the FP4 weights (``splitk_mx.DECODES``; None: the plan's, else ``splitk_mx.DECODE``)."""
     decode = decode or (plan.decode if plan is not None else None) or splitk_mx.DECODE
     args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit, plan)
-    if decode == "scaled":
-        return splitk_mx.with_fallback(x.device, lambda: _moe_splitk(*args, "scaled"),
-                                       lambda: _moe_splitk(*args, "registers"))
+    if decode != "registers":
+        return stream_guard.with_fallback(x.device, decode, lambda: _moe_splitk(*args, decode),
+                                          lambda: _moe_splitk(*args, "registers"))
     return _moe_splitk(*args, decode)
 
 

@@ -10,35 +10,35 @@ order: the result is deterministic), and applies the epilogue:
 
 * ``reduce_rows``: bf16 output rows (a dense linear);
 * ``reduce_swiglu``: MoE W1 | W3 partials -> clamped SwiGLU, routing weight, bf16 rounding, FP8 QDQ per
-  32, written de-interleaved (even / odd K columns) for the MXFP4 W2 GEMM;
+  32, the W2 GEMM's input (de-interleaved into even / odd K columns for the ``registers`` decode);
 * ``reduce_combine``: MoE W2 partials -> each slot rounded to bf16, the token's k slots added in fp32 in
   slot order (§3.7).
 
-The slice count depends only on the weight shape (N, K) up to ``SPLIT_MAX_ROWS`` rows, and the row tile
-is fixed, so there a row's result does not depend on how many other rows share the call (batch
-invariance within this path).
-Two ways to decode the weight tile in registers (``decode``):
+The slice count depends only on the weight shape (N, K) up to ``SPLIT_MAX_ROWS`` rows, and MoE row tiles
+are fixed at 16 rows, so there a row's result does not depend on how many other rows share the call
+(batch invariance within this path; a dense stream's row tile grows with the rows, which changes the
+MMA's width, not any row's products or their order).
+Three ways to decode the weight tile (``decode``; ``stream_guard`` checks the fast ones on first use):
 
-* ``scaled`` (default): ``tl.dot_scaled`` with the packed weight as its first operand (E2M1 or E4M3
+* ``scaled`` (default for MXFP4): ``tl.dot_scaled`` with the packed weight as its first operand (E2M1 or E4M3
   with the E8M0 scales of its 32-wide K groups) and the QDQ'd bf16 activation rows as the second. On
   SM90 Triton lowers it to a packed FP4 / FP8 -> bf16 conversion (a few byte-permute instructions per 8
   values), one bf16 multiply by the power-of-two scale (exact) and a bf16 MMA with the decoded weight
   in registers. A decode step is a weight stream, so the integer work per weight element is what the
   stream costs: the ``registers`` decode spends ~17 integer operations per FP4 value, about a tenth of
   HBM speed at the H200's integer rate; this one ~2-3.
-* ``fp8`` (FP8 weights; MXFP4 ones run ``scaled``): no weight conversion at all, FP8 MMA per 32-wide
+* ``fp8`` (default for FP8 weights; MXFP4 ones run ``scaled``): no weight conversion at all, FP8 MMA per 32-wide
   K group with both scales applied to its result (``stream_fp8``); the activations quantised first.
 * ``registers``: the earlier hand decode (nibble masks, exponent bits, fp32 scale multiply). Packed
   FP4 weights hold element 2i in the low nibble and 2i+1 in the high one; instead of interleaving the
   nibbles in registers, the activation is stored de-interleaved and each K step runs two MMAs (even
   columns x low nibbles, odd columns x high nibbles): the same products, summed in another order.
 
-Both multiply exactly the reference's numbers (every operand is exact in bf16); only the fp32
+All multiply exactly the reference's numbers (every operand is exact in bf16 / e4m3); only the fp32
 summation order differs.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -70,10 +70,7 @@ SCALED_BLOCK_N = 64
 SCALED_BLOCK_K = 128
 # The default decode (``decode=None``) of MoE streams and of dense linears; see the module docstring.
 DECODE = "scaled"
-DENSE_DECODE = "scaled"
-# Set when the ``scaled`` kernel failed to build on this device: the callers then run ``registers`` and
-# report it (benchmarks print it; the GPU tests fail on it).
-SCALED_ERROR: Optional[str] = None
+DENSE_DECODE = "fp8"
 
 
 @triton.jit
@@ -401,21 +398,6 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
         BLOCK_K=bk, num_warps=num_warps, num_stages=num_stages)
     return (p, p3) if dual else p
 
-
-def with_fallback(device: torch.device, scaled, registers):
-    """Run ``scaled()`` (a ``scaled`` or ``fp8`` stream); on a CUDA device where that kernel fails to
-    build, record why in ``SCALED_ERROR``, warn once and run ``registers()`` from then on. Off the GPU
-    errors propagate (the interpreter runs every decode)."""
-    global SCALED_ERROR
-    if SCALED_ERROR is None:
-        if device.type != "cuda":
-            return scaled()
-        try:
-            return scaled()
-        except Exception as exc:  # a Triton build failure on this toolchain: keep running, say so
-            SCALED_ERROR = f"{type(exc).__name__}: {str(exc)[:300]}"
-            warnings.warn(f"splitk_mx: decode='scaled' failed to build ({SCALED_ERROR}); using 'registers'")
-    return registers()
 
 
 @triton.jit

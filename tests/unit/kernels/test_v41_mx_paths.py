@@ -233,20 +233,40 @@ def test_scaled_stream_quantising_in_kernel_equals_the_separate_pass(kernel_devi
     assert torch.equal(gemm_mx.linear_mx(xl, wl, wls, 32, path="splitk", decode="scaled"), sep[1])
 
 
-def test_scaled_build_failure_falls_back_and_is_recorded(monkeypatch):
-    """On a CUDA device a failed ``scaled`` build is recorded and the ``registers`` decode runs; off the
-    GPU the error propagates (so interpreter tests exercise the kernel itself)."""
-    monkeypatch.setattr(splitk_mx, "SCALED_ERROR", None)
+def test_fast_decode_failure_falls_back_and_is_recorded(monkeypatch):
+    """On a CUDA device a ``scaled`` / ``fp8`` decode that fails to build (or its self-check) is recorded
+    and ``registers`` runs; off the GPU the error propagates (interpreter tests exercise the kernel)."""
+    from redknot.kernels.triton import stream_guard
+    monkeypatch.setattr(stream_guard, "DECODE_ERRORS", {})
+    monkeypatch.setattr(stream_guard, "_CHECKED", {"scaled", "fp8"})  # the self-check needs a GPU
 
     def broken():
         raise RuntimeError("PassManager::run failed")
     with pytest.raises(RuntimeError):
-        splitk_mx.with_fallback(torch.device("cpu"), broken, lambda: "registers")
-    assert splitk_mx.SCALED_ERROR is None
-    with pytest.warns(UserWarning, match="decode='scaled' failed"):
-        assert splitk_mx.with_fallback(torch.device("cuda"), broken, lambda: "registers") == "registers"
-    assert "PassManager::run failed" in splitk_mx.SCALED_ERROR
-    assert splitk_mx.with_fallback(torch.device("cuda"), lambda: "scaled", lambda: "registers") == "registers"
+        stream_guard.with_fallback(torch.device("cpu"), "scaled", broken, lambda: "registers")
+    assert not stream_guard.DECODE_ERRORS
+    with pytest.warns(UserWarning, match="decode='scaled' is not used"):
+        assert stream_guard.with_fallback(torch.device("cuda"), "scaled", broken, lambda: "registers") == "registers"
+    assert "PassManager::run failed" in stream_guard.DECODE_ERRORS["scaled"]
+    assert stream_guard.with_fallback(torch.device("cuda"), "scaled", lambda: "fast", lambda: "registers") == \
+        "registers"
+    assert stream_guard.with_fallback(torch.device("cuda"), "fp8", lambda: "fast", lambda: "registers") == "fast"
+
+
+@pytest.mark.parametrize("decode", ["scaled", "fp8"])
+def test_self_check_passes_and_detects_a_wrong_decode(decode, kernel_device, monkeypatch):
+    """The first-use check agrees for the real kernels and catches a decode that computes something else."""
+    from redknot.kernels.triton import stream_guard
+    device = torch.device(kernel_device)
+    assert stream_guard.self_check(decode, device) is None
+    real = splitk_mx.splitk_mm
+
+    def off_by_one_scale(a, w, ws, *args, **kw):
+        if kw.get("decode") != "registers":
+            ws = (ws.view(torch.uint8) + 1).view(ws.dtype)
+        return real(a, w, ws, *args, **kw)
+    monkeypatch.setattr(splitk_mx, "splitk_mm", off_by_one_scale)
+    assert "differs from decode='registers'" in stream_guard.self_check(decode, device)
 
 
 def test_splitk_rejects_an_unknown_decode(kernel_device):

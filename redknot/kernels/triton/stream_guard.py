@@ -1,0 +1,86 @@
+"""Guard for the fast weight decodes of the split-K streams (``splitk_mx`` ``scaled`` / ``fp8``).
+
+Those decodes lean on compiler lowerings (``tl.dot_scaled`` on SM90, FP8 MMA per 32-wide group) whose
+build or numerics could differ on another Triton or device. On the first call per decode on a CUDA
+device (outside CUDA-graph capture), ``with_fallback`` computes a small MXFP4 grouped W1 | W3 problem and
+an FP8 dense one with that decode and with ``registers`` (an independent implementation: hand decode in
+registers) on fresh random operands, and compares the fp32 sums. A build failure or a mismatch is
+recorded in ``DECODE_ERRORS``, warned once, and the stream runs ``registers`` from then on; the
+benchmarks print ``DECODE_ERRORS`` and the GPU tests fail on it. Off the GPU errors propagate, so the
+interpreter tests exercise the kernels themselves.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, Optional, Set, TypeVar
+
+import torch
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels.triton import splitk_mx
+from redknot.kernels.triton.dequant_mx import qdq_bf16
+
+R = TypeVar("R")
+DECODE_ERRORS: Dict[str, str] = {}  # decode -> why it is not used on this device
+_CHECKED: Set[str] = set()
+CHECK_TOL = 1e-4  # same exact products, another fp32 summation order: ~1e-6 relative
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[str]:
+    """None when ``decode`` computes what ``registers`` computes on ``device``, else what differs."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, N, K, T = 3, 128, 512, 5
+    dense, packed = [], []
+    for _ in range(2):  # W1 and W3
+        packed.append(torch.randint(0, 256, (E, N, K // 2), generator=g, device=device, dtype=torch.uint8))
+        packed.append(torch.randint(117, 124, (E, N, K // 32), generator=g, device=device, dtype=torch.uint8))
+    x = torch.randn(T, K, generator=g, device=device).to(torch.bfloat16)
+    rowid = (torch.arange(8, device=device) % T).to(torch.int32)
+    offs = torch.tensor([3, 5, 8], dtype=torch.int32, device=device)  # experts 0 / 1 / 2: 3, 2, 3 rows
+    w1, s1, w3, s3 = packed
+    got = splitk_mx.splitk_mm(qdq_bf16(x), w1, s1, 8, w_fp4=True, rowid=rowid, offs=offs, w3=w3, ws3=s3,
+                              decode=decode)
+    want = splitk_mx.splitk_mm(qdq_bf16(x, split=True), w1, s1, 8, w_fp4=True, rowid=rowid, offs=offs, w3=w3,
+                               ws3=s3, decode="registers")
+    errs = [_rel(got[i].sum(0), want[i].sum(0)) for i in range(2)]
+    for block in (32, 128):
+        w, ws = mx.quant_fp8_blocks(torch.randn(N, K, generator=g, device=device) * 0.02, block)
+        for rows in (1, 20):
+            xd = torch.randn(rows, K, generator=g, device=device).to(torch.bfloat16)
+            a = xd if decode == "fp8" else qdq_bf16(xd)
+            got = splitk_mx.splitk_mm(a, w, ws, rows, w_fp4=False, wb=block, raw=decode == "fp8", decode=decode,
+                                      block_m=splitk_mx.dense_row_tile(rows))
+            want = splitk_mx.splitk_mm(qdq_bf16(xd), w, ws, rows, w_fp4=False, wb=block, decode="registers")
+            dense.append(_rel(got.sum(0), want.sum(0)))
+    worst = max(errs + dense)
+    return None if worst <= CHECK_TOL else f"differs from decode='registers' by {worst:.3g} (tolerance {CHECK_TOL:g})"
+
+
+def with_fallback(device: torch.device, decode: str, fast: Callable[[], R], registers: Callable[[], R]) -> R:
+    """``fast()`` (a ``scaled`` / ``fp8`` stream) unless that decode failed its build or self-check on this
+    CUDA device (then ``registers()``; see the module docstring)."""
+    if device.type != "cuda":
+        return fast()
+    if decode not in _CHECKED and decode not in DECODE_ERRORS and not torch.cuda.is_current_stream_capturing():
+        _CHECKED.add(decode)
+        try:
+            err = self_check(decode, device)
+        except Exception as exc:  # a Triton build failure on this toolchain
+            err = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if err:
+            _fail(decode, err)
+    if decode not in DECODE_ERRORS:
+        try:
+            return fast()
+        except Exception as exc:  # a build failure of a launch shape the check did not cover
+            _fail(decode, f"{type(exc).__name__}: {str(exc)[:300]}")
+    return registers()
+
+
+def _fail(decode: str, err: str) -> None:
+    DECODE_ERRORS[decode] = err
+    warnings.warn(f"splitk_mx: decode={decode!r} is not used on this device ({err}); running 'registers'")
