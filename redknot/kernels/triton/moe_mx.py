@@ -27,7 +27,7 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton import splitk_mx, stream_guard
-from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, qdq_bf16
+from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, fp8_qdq_groups, qdq_bf16
 from redknot.kernels.triton.splitk_mx import (RAW_MAX_ROWS, ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm,
                                               tile_map)
 
@@ -65,12 +65,21 @@ ROUTE_KERNEL_MAX_PAIRS = 8192
 
 
 @triton.jit
-def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, M, E, TOPK: tl.constexpr,
-                  BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq_ptr, M, E, T, D, stride_x,
+                  stride_q, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
+                  QDQ: tl.constexpr, BLOCK_D: tl.constexpr):
     """Stable expert order without a sort: the sorted position of pair i is the number of pairs with a
     smaller expert id, plus those with the same id and a smaller index. Programs also count the pairs
-    with id <= e for their slice of experts (the per-expert ends)."""
+    with id <= e for their slice of experts (the per-expert ends). QDQ: program t also writes token row
+    t's per-32 FP8 QDQ values (bf16, ``fp8_qdq_groups``: the bits of ``qdq_bf16``), one launch fewer."""
     pid = tl.program_id(0)
+    if QDQ:
+        if pid < T:
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                v = tl.load(x_ptr + pid.to(tl.int64) * stride_x + cols, mask=cols < D, other=0.0).to(tl.float32)
+                q = tl.reshape(fp8_qdq_groups(tl.reshape(v, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
+                tl.store(xq_ptr + pid.to(tl.int64) * stride_q + cols, q.to(tl.bfloat16), mask=cols < D)
     if pid * BLOCK_I < M:
         i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
         im = i < M
@@ -96,10 +105,12 @@ def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, M, E, TOP
         tl.store(offs_ptr + e, cnt, mask=e < E)
 
 
-def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: int):
+def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: int,
+                  x: Optional[torch.Tensor] = None):
     """(token row of each expert-sorted pair int32, sorted position of each pair int32, per-expert ends
     int32, routing weight per sorted pair fp32); stable order, no host sync. Up to
-    ``ROUTE_KERNEL_MAX_PAIRS`` pairs one kernel, above it a sort."""
+    ``ROUTE_KERNEL_MAX_PAIRS`` pairs one kernel, above it a sort. With ``x`` [T, D] a fifth result,
+    ``qdq_bf16(x)`` (written by the routing kernel when it runs)."""
     flat = topk_idx.reshape(-1)
     M = flat.numel()
     dev = flat.device
@@ -112,10 +123,14 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
         wt = torch.empty(M, dtype=torch.float32, device=dev)
         offs = torch.empty(experts, dtype=torch.int32, device=dev)
         bi, be = 64, 64
-        grid = max(cdiv(M, bi), cdiv(experts, be))
-        _route_kernel[(grid,)](flat, w, inv, rows, wt, offs, M, experts, TOPK=topk_idx.shape[1], BLOCK_I=bi,
-                               BLOCK_J=64, BLOCK_E=be, num_warps=4)
-        return rows, inv, offs, wt
+        qdq = x is not None
+        T, D = x.shape if qdq else (0, 0)
+        xq = torch.empty(T, D, dtype=torch.bfloat16, device=dev) if qdq else None
+        grid = max(cdiv(M, bi), cdiv(experts, be), T)
+        _route_kernel[(grid,)](flat, w, inv, rows, wt, offs, x if qdq else w, xq if qdq else w, M, experts, T, D,
+                               x.stride(0) if qdq else 0, xq.stride(0) if qdq else 0, TOPK=topk_idx.shape[1],
+                               BLOCK_I=bi, BLOCK_J=64, BLOCK_E=be, QDQ=qdq, BLOCK_D=512, num_warps=4)
+        return (rows, inv, offs, wt) + ((xq,) if qdq else ())
     ids, order = torch.sort(flat, stable=True)
     inv = torch.empty(M, dtype=torch.int32, device=dev)
     inv[order] = torch.arange(M, dtype=torch.int32, device=dev)
@@ -123,7 +138,7 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
     offs = torch.searchsorted(ids, torch.arange(experts, dtype=ids.dtype, device=dev), right=True, out_int32=True)
     rows = (order // topk_idx.shape[1]).to(torch.int32)
     wt = topk_weight.reshape(-1).float()[order].contiguous()
-    return rows, inv, offs, wt
+    return (rows, inv, offs, wt) + ((qdq_bf16(x),) if x is not None else ())
 
 
 def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
@@ -147,20 +162,23 @@ def _moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_sca
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
     M = T * k
+    split = decode == "registers"  # that decode reads FP4 activations de-interleaved (even / odd columns)
+    # decode sizes: the W1 | W3 kernel may quantise its x slices itself (``registers``: up to RAW_MAX_ROWS)
+    raw = plan is None and T <= (RAW_MAX_ROWS if split else splitk_mx.SCALED_RAW_MAX_ROWS)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if raw or split:
+        rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
+        xq = x if raw else qdq_bf16(x, split=True)  # [2, T, D/2]: even / odd columns, QDQ'd
+    else:  # the routing kernel also writes the QDQ'd rows (one launch fewer)
+        rows, inv, offs, wt, xq = _sorted_pairs(topk_idx, topk_weight, E, x)
     if plan is None:
         launch = dict(block_m=ROW_TILE)
     else:
         launch = dict(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k, num_warps=plan.num_warps,
                       splits=1, swap=plan.swap)
     launch["decode"] = decode
-    split = decode == "registers"  # that decode reads FP4 activations de-interleaved (even / odd columns)
     tiles = tile_map(offs, launch["block_m"], M)  # one map for both GEMMs
-    # decode sizes: the W1 | W3 kernel may quantise its x slices itself (``registers``: up to RAW_MAX_ROWS)
-    raw = plan is None and T <= (RAW_MAX_ROWS if decode == "registers" else splitk_mx.SCALED_RAW_MAX_ROWS)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    xq = x if raw else qdq_bf16(x, split=split)  # QDQ'd rows ([2, T, D/2] de-interleaved for ``registers``)
     p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows, offs=offs, w3=w3, ws3=w3_scale, tiles=tiles,
                        raw=raw, **launch)
     act = torch.empty((2, M, inter // 2) if split else (M, inter), dtype=torch.bfloat16, device=x.device)

@@ -274,3 +274,17 @@ def test_splitk_rejects_an_unknown_decode(kernel_device):
     with pytest.raises(ValueError, match="decode='fast'"):
         splitk_mx.splitk_mm(torch.zeros(1, 64, dtype=torch.bfloat16, device=kernel_device), w, ws, 1,
                             w_fp4=False, decode="fast")
+
+
+@pytest.mark.parametrize("tokens,dim", [(3, 96), (5, 1056)])
+def test_routing_kernel_writes_the_qdq_rows(tokens, dim, kernel_device):
+    """The routing kernel's QDQ'd rows are ``qdq_bf16``'s bits, and its routing equals the plain one."""
+    g = torch.Generator(device=kernel_device).manual_seed(tokens)
+    x = (torch.randn(tokens, dim, generator=g, device=kernel_device)
+         * torch.logspace(-4, 3, dim, device=kernel_device)).to(torch.bfloat16)
+    idx = torch.rand(tokens, 7, generator=g, device=kernel_device).topk(3, -1).indices
+    wt = torch.rand(tokens, 3, generator=g, device=kernel_device)
+    plain = moe_mx._sorted_pairs(idx, wt, 7)
+    fused = moe_mx._sorted_pairs(idx, wt, 7, x)
+    assert torch.equal(fused[4], dequant_mx.qdq_bf16(x))
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused[:4]))
