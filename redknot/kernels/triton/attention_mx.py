@@ -114,6 +114,11 @@ ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
     AttnMxConfig(16, 32, 8), AttnMxConfig(32, 32, 8), AttnMxConfig(64, 16, 8), AttnMxConfig(32, 64, 8),
     AttnMxConfig(64, 32, 8), AttnMxConfig(16, 64, 4), AttnMxConfig(32, 32, 8, 5), AttnMxConfig(16, 32, 8, 10),
 ])
+# Prefill-sized problems (a program per query and head block already fills the device many times over)
+# time only the unsplit shapes: each candidate is a compile in the first chunk.
+PREFILL_QUERIES = 1024
+ATTN_MX_PREFILL_TUNER = ConfigTuner("sparse_attention_mx_prefill",
+                                    [c for c in ATTN_MX_TUNER.candidates if c.splits == 1])
 
 
 def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,
@@ -128,7 +133,8 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
         return out
     if config is None:
         key = (min(next_pow2(T), 4096), H, D, window_idx.shape[1], 0 if comp_idx is None else comp_idx.shape[1])
-        config = ATTN_MX_TUNER.pick(key, lambda cfg: sparse_attention_mx(
+        tuner = ATTN_MX_PREFILL_TUNER if T >= PREFILL_QUERIES else ATTN_MX_TUNER
+        config = tuner.pick(key, lambda cfg: sparse_attention_mx(
             q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, cfg), q.device)
     block_h, block_n, num_warps, splits = config.block_h, config.block_n, config.num_warps, config.splits
     has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
