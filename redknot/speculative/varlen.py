@@ -238,10 +238,8 @@ class VerifyGraphs:
         self.seq_slots[r:].fill_(self.runner.padding_slot)
         self.block_tables[r:].fill_(self.runner.padding_block)
 
-    def run(self, inputs) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(pre-head rows [T, ...], logits [T, V]) of a step ``can_run`` accepted, by graph replay; the
-        taps of the tapped layers go to the model's tap hook as an eager step would hand them."""
-        meta = inputs.meta
+    def _fill(self, meta) -> int:
+        """The step's rows into the static buffers, padding past them -> the tier that runs it."""
         n, r = meta.num_tokens, meta.num_seqs
         tier = tier_for(n, self.tiers)
         self.input_ids[:n].copy_(meta.input_ids, non_blocking=True)
@@ -252,6 +250,29 @@ class VerifyGraphs:
         self.block_tables[:r, :width].copy_(meta.block_tables, non_blocking=True)
         self.block_tables[:r, width:].fill_(self.runner.padding_block)
         self._pad(n, r)
+        return tier
+
+    def fits(self, meta) -> bool:
+        """Whether a step's metadata (``meta``: rows per request 1..block+1) fits a captured tier."""
+        if self.disabled_reason is not None or not self.graphs:
+            return False
+        counts = meta.num_tokens_per_seq
+        return (0 < meta.num_seqs <= self.max_num_seqs and meta.num_tokens <= self.tiers[-1]
+                and all(1 <= c <= self.block + 1 for c in counts)
+                and meta.block_tables.shape[1] <= self.width
+                and max(c + q for c, q in zip(meta.context_lens, counts)) <= self.max_len)
+
+    def replay_only(self, meta) -> None:
+        """Replay the tier of a step that :meth:`fits` and nothing else: no first-replay check, no tap
+        hook, no counting (start-up cost profiling times exactly this)."""
+        self.graphs[self._fill(meta)].replay()
+
+    def run(self, inputs) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(pre-head rows [T, ...], logits [T, V]) of a step ``can_run`` accepted, by graph replay; the
+        taps of the tapped layers go to the model's tap hook as an eager step would hand them."""
+        meta = inputs.meta
+        n = meta.num_tokens
+        tier = self._fill(meta)
         got = self.graphs[tier]
         got.replay()
         self.num_replays += 1

@@ -70,6 +70,7 @@ class V41DSparkDraft:
         # layer -> (forward number, rows | None, tap): a tap of an older forward is stale
         self._taps: Dict[int, Tuple[int, Optional[torch.Tensor], torch.Tensor]] = {}
         self.last = f"mtp.{cfg.n_mtp_layers - 1}"
+        self._dense_cache: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ wiring
     @property
@@ -103,7 +104,22 @@ class V41DSparkDraft:
                              f"the model ({target.cfg.n_layers} layers)")
         self._target = weakref.ref(target)
         target.tap_hook = self.tap
+        if getattr(self.w, "ops", None) is None and getattr(target, "ops", None) is not None:
+            # The stages' kept FP8 linears and MXFP4 experts run through the backbone's registry ops, as
+            # its layers do (otherwise every call would decode each weight to bf16 again).
+            self.w.ops = target.ops
         return self
+
+    def _dense(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A weight the draft applies as a dense tensor (``wo_a``, the Markov and confidence heads),
+        decoded once: kept weights (``Weights.keep``) are otherwise decoded again on every call."""
+        if not self.w.keep:
+            return self.w.dense(name, dtype)
+        key = (name, dtype)
+        got = self._dense_cache.get(key)
+        if got is None:
+            got = self._dense_cache[key] = self.w.dense(name, dtype)
+        return got
 
     def tap(self, layer: int, h: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
         """Called by the backbone with the streams [n, hc, D] entering ``layer`` (after its Engram);
@@ -114,8 +130,9 @@ class V41DSparkDraft:
     def _tap(self, layer: int, num_rows: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(rows | None, tap) of the last forward; a layer that forward never reached (bounded replay
         with no late rows in the step) has no rows. A CUDA-graph replay runs no Python: it refills the
-        captured tap buffers but neither calls :meth:`tap` nor counts the forward, so a runner that
-        replays graphs while drafting must do both (today the runner captures no graphs when drafting)."""
+        captured tap buffers but neither calls :meth:`tap` nor counts the forward, so
+        :class:`redknot.speculative.varlen.VerifyGraphs` does both after every replay (the forward
+        counted on the backbone, the refilled buffers of the step's rows handed to :meth:`tap`)."""
         got = self._taps.get(layer)
         if got is None or got[0] != self.target.num_forwards:
             return torch.zeros(0, dtype=torch.long, device=self.device), None
@@ -186,7 +203,7 @@ class V41DSparkDraft:
             valid = valid & block_mask(g, win, u.device).repeat(b, 1)
         o = sparse_attend(q, keys, valid, w.float(f"{p}.attn_sink"), hd ** -0.5)
         o = apply_rope(o.to(num.dtype), pos, self.inv, inverse=True)
-        wo_a = w.dense(f"{p}.wo_a.weight", num.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)
+        wo_a = self._dense(f"{p}.wo_a.weight", num.dtype).view(cfg.o_groups, cfg.o_lora_rank, -1)
         z = torch.einsum("ngk,grk->ngr", o.reshape(n, cfg.o_groups, -1), wo_a).reshape(n, -1)
         return linear(z, w, f"{p}.wo_b.weight", num)
 
@@ -229,17 +246,17 @@ class V41DSparkDraft:
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
         """W1[prev] (``markov_head.embed``): [..., r] in the accumulation dtype."""
-        return self.w.dense(f"{self.last}.markov_head.embed.weight", self.num.acc)[prev]
+        return self._dense(f"{self.last}.markov_head.embed.weight", self.num.acc)[prev]
 
     @torch.no_grad()
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
         """prev [B] -> [B, V] bias ``markov_head.head . W1[prev]``."""
-        return self.markov_embed(prev) @ self.w.dense(f"{self.last}.markov_head.head.weight", self.num.acc).t()
+        return self.markov_embed(prev) @ self._dense(f"{self.last}.markov_head.head.weight", self.num.acc).t()
 
     @torch.no_grad()
     def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """h [B, g, D], prev [B, g] (x_0..x_{g-1}) -> raw confidence logits [B, g]."""
-        proj = self.w.dense(f"{self.last}.confidence_head.proj.weight", self.num.acc)   # [1, D + r]
+        proj = self._dense(f"{self.last}.confidence_head.proj.weight", self.num.acc)    # [1, D + r]
         z = torch.cat([h.to(self.num.acc), self.markov_embed(prev)], dim=-1)
         return (z @ proj.t()).squeeze(-1)
 

@@ -411,6 +411,54 @@ def test_a_failed_tier_keeps_the_smaller_tiers(v41):
         runner.verify_graphs = None
 
 
+def _replay_spy(graphs: VerifyGraphs) -> List[int]:
+    """Tiers replayed from now on, in order (each captured step's replay wrapped)."""
+    seen: List[int] = []
+    for tier, got in graphs.graphs.items():
+        got.replay = (lambda t, f: lambda: (seen.append(t), f())[1])(tier, got.replay)
+    return seen
+
+
+def test_cost_profile_times_the_verify_graphs_that_run(v41, monkeypatch):
+    """With verify graphs captured the start-up profile times, for every size, the replay of the tier
+    that size runs in (no eager forward of the target); sizes above the last captured tier are timed
+    eagerly and the table's capture limit is that tier. Real requests' state is untouched."""
+    from redknot.speculative.profile import profile_cost_model
+    from redknot.speculative.schedule import profile_sizes
+
+    llm = v41(True)
+    runner = llm.runner
+    forwards: List[int] = []
+    plain = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda meta, state: (forwards.append(meta.num_tokens),
+                                                                      plain(meta, state))[1])
+    Requests(llm, prompts=[7, 12, 3, 9], seed=13)
+    state = [t.clone() for t in real_state(runner)]
+    forwards.clear()
+    try:
+        graphs = _host_graphs(llm)
+        seen = _replay_spy(graphs)
+        sizes = profile_sizes(MAX_SEQS, GAMMA, 64)
+        assert sizes == graphs.tiers == [1, 2, 3, 4, 6, 8, 12, 16]
+        costs = profile_cost_model(runner, runner.speculator, MAX_SEQS, 64, repeats=2)
+        assert forwards == [] and graphs.num_replays == 0 and not graphs.checks
+        assert seen == [1] + [t for t in sizes for _ in range(2)]          # the warm-up call, then each size
+        assert costs.verify.capture_limit == 16 and costs.verify.sizes == sizes
+        runner.verify_graphs = None
+        partial = runner.use_verify_graphs(_FailingCapture(fail_at=6))     # tiers 1..6 captured, 8.. eager
+        partial.capture()
+        seen = _replay_spy(partial)
+        costs = profile_cost_model(runner, runner.speculator, MAX_SEQS, 64, repeats=1)
+        assert seen == [1, 1, 2, 3, 4, 6] and forwards == [8, 12, 16]
+        assert costs.verify.capture_limit == 6
+    finally:
+        runner.verify_graphs = None
+    _assert_state_close(state, real_state(runner), "the profile wrote a request's state")
+    forwards.clear()
+    costs = profile_cost_model(runner, runner.speculator, MAX_SEQS, 64, repeats=1)   # no graphs: eager
+    assert forwards == [1] + sizes and costs.verify.capture_limit == 16
+
+
 # ---------------------------------------------------------------------- through the engine
 def _greedy_through_graphs(off, on, prompts) -> VerifyGraphs:
     graphs = on.runner.verify_graphs
