@@ -322,10 +322,14 @@ def warm_classes(model, ctx: int, chunk: int, device, warmed: set) -> None:
     power of two above the number of cached entries a chunk scores, so a chunk at start s stands for
     every chunk whose entries round to the same powers of two (ratio 1 and 2). It runs at start s on
     an empty state (its length set, nothing prefilled): the caches read are zero bytes, the shapes
-    those of the timed run."""
+    those of the timed run. The indexer's stream tuner merges every entry count above 65536 into one
+    class (``indexer_mx.STREAM_TUNE_ENTRIES``), so classes stop there too."""
+    from redknot.kernels.triton.indexer_mx import STREAM_TUNE_ENTRIES
+
+    cap = STREAM_TUNE_ENTRIES.bit_length()   # 17: every count above 65536
     starts = []
     for s in range(0, ctx, chunk):
-        key = tuple((max(1, (s + chunk) // r) - 1).bit_length() for r in (1, 2))   # log2 of the powers of two
+        key = tuple(min(cap, (max(1, (s + chunk) // r) - 1).bit_length()) for r in (1, 2))   # log2 of the pow2s
         if key not in warmed:
             warmed.add(key)
             starts.append(s)
