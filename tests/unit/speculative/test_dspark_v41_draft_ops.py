@@ -69,9 +69,8 @@ def test_draft_linears_route_through_the_backbone_ops_and_match():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_draft_through_triton_ops_matches_its_pytorch_math():
-    """bf16, the Triton ``linear_mx`` / ``moe_mx`` against the draft's PyTorch math (row errors <= 3e-2)."""
-    from redknot.speculative.varlen import row_error
-
+    """bf16, the Triton ``linear_mx`` / ``moe_mx`` against the draft's PyTorch math: the same products
+    summed in another order (relative error of the whole block <= 2e-2)."""
     cfg = v41_config(n_mtp_layers=3, dspark_block_size=5, compress_ratios=(0, 2, 2, 1, 1, 1, 0, 0, 0))
     tensors = {k: v.cuda() for k, v in random_weights(cfg, 0, include_draft=True).items()}
     ops = V41Ops.create(KernelSet(default="triton"))
@@ -85,5 +84,5 @@ def test_gpu_draft_through_triton_ops_matches_its_pytorch_math():
             torch.tensor([2, 0, 1], device="cuda"))
     h, logits = routed.forward_block(*args)
     want_h, want_logits = plain.forward_block(*args)
-    assert row_error(h.flatten(0, 1), want_h.flatten(0, 1)) <= 3e-2
-    assert row_error(logits.flatten(0, 1), want_logits.flatten(0, 1)) <= 3e-2
+    for got, want in ((h, want_h), (logits, want_logits)):
+        assert float((got.float() - want.float()).norm() / want.float().norm()) <= 2e-2
