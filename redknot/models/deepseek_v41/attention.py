@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.kernel_ops import (
     attend_spans, block_table, host_ints, index_spans, insert_rows, ops_of, page_rows, segments, span_rows)
 from redknot.models.deepseek_v41.ref_math import (
@@ -52,6 +53,7 @@ class Slots:
     candidates: Optional[torch.Tensor] = None     # [T, n_max] bool, from the candidate source
     cand_blocks: Optional[torch.Tensor] = None    # [T, NB] block ids (-1 pad): the same, on the kernel path
     record: Dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> topk (inspection)
+    rope: Dict = field(default_factory=dict)      # this forward's RoPE cos/sin tables (fused_rows)
     # Inspection, off unless a dict: index source -> the scores [T, n_max] the PyTorch indexer selected
     # from (-inf: not selectable), so a selection can be checked tie-aware against them.
     scores: Optional[Dict[int, torch.Tensor]] = None
@@ -98,11 +100,12 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
     return keep.repeat_interleave(block, dim=1)[:, :n]
 
 
-def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w, p: str, num) -> torch.Tensor:
+def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w, p: str, num,
+                   tables=None) -> torch.Tensor:
     """The attention output [T, H, D] -> [T, hidden]: inverse RoPE on its rotary part, the per-group
-    ``wo_a`` projection (bf16 in the reference), then ``wo_b``."""
+    ``wo_a`` projection (bf16 in the reference), then ``wo_b``. ``tables``: the forward's RoPE tables."""
     t = o.shape[0]
-    o = apply_rope(o.to(num.dtype), pos, inv, inverse=True)
+    o = fused_rows.rope(o.to(num.dtype), w, pos, inv, tables, inverse=True)
     g = cfg.o_groups
     ops = ops_of(w)
     wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
@@ -127,9 +130,10 @@ class AttentionLayer:
         cfg, w, num, p = self.cfg, self.w, self.num, self.p
         t = u.shape[0]
         qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
-        q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), pos, self.inv)
-        kv = rms_norm(linear(u, w, f"{p}.wkv.weight", num), w.float(f"{p}.kv_norm.weight"), cfg.norm_eps)
-        kv = apply_rope(kv, pos, self.inv)
+        q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
+                            self.inv, slots.rope)
+        kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight", cfg.norm_eps,
+                                  pos, self.inv, slots.rope)
         if cfg.is_kv_source(self.layer) and spans:
             self._compress(u, spans, state)
         if cfg.is_index_source(self.layer):
@@ -143,7 +147,7 @@ class AttentionLayer:
         else:
             for sp in spans:
                 self._attend(q, kv, sp, state, slots, o)
-        return grouped_output(o, pos, self.inv, cfg, w, p, num)
+        return grouped_output(o, pos, self.inv, cfg, w, p, num, slots.rope)
 
     # ------------------------------------------------------------------ window + sparse attention
     def _window_rows(self, kv: torch.Tensor, sp: Span, state: V41State):
@@ -275,7 +279,7 @@ class AttentionLayer:
         t = u.shape[0]
         dev = u.device
         q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
-        q = index_qdq(apply_rope(q, pos, self.inv))
+        q = fused_rows.rope(q, w, pos, self.inv, slots.rope, qdq=True)
         wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
             * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         r = self.ratio

@@ -42,13 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.attention import candidate_blocks, grouped_output, sparse_attend
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.kernel_ops import ops_of
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
 from redknot.models.deepseek_v41.moe import route, swiglu_expert
 from redknot.models.deepseek_v41.ref_math import (
-    acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, rms_norm, topk_ids)
+    acc_dtype, apply_rope, bf16_round, linear, plain_linear, rms_norm, topk_ids)
 
 
 @dataclass
@@ -153,7 +154,7 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
     e = w.dense("embed.weight", model.dtype)[step.input_ids]
     h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     pre = one_hot_pre(h.shape[0], cfg.hc_mult, model.dtype, h.device)
-    shared = {"topk": None, "cand": None, "cand_entries": None}
+    shared = {"topk": None, "cand": None, "cand_entries": None, "rope": {}}
     site = site_fns(model, h)
     for i in range(cfg.n_layers):
         p = f"layers.{i}"
@@ -293,9 +294,10 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     pos = rows.pos
     with region("attn.q_kv"):
         qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
-        q = apply_rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), pos, layer.inv)
-        kv = rms_norm(linear(u, w, f"{p}.wkv.weight", num), w.float(f"{p}.kv_norm.weight"), cfg.norm_eps)
-        kv = apply_rope(kv, pos, layer.inv)
+        q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
+                            layer.inv, shared["rope"])
+        kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight", cfg.norm_eps,
+                                  pos, layer.inv, shared["rope"])
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)
@@ -305,7 +307,7 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     with region("attend"):
         o = _attend(layer, q, kv, rows, state, shared["topk"])
     with region("attn.out"):
-        return grouped_output(o, pos, layer.inv, cfg, w, p, num)
+        return grouped_output(o, pos, layer.inv, cfg, w, p, num, shared["rope"])
 
 
 def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
@@ -396,9 +398,11 @@ def _compress(layer, u, rows: _Rows, state) -> None:
                     w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
     if step_kernels(w):  # quantised on insert (bit-exact with the packing below)
         ops = ops_of(w)
-        ops.cache_insert_mx(src.keys.view(-1, src.keys.shape[-1]), dest, apply_rope(keys, epos, layer.inv), "index")
-        ops.cache_insert_mx(src.entries.view(-1, src.entries.shape[-1]), dest, apply_rope(latent, epos, layer.inv),
-                            "compressed")
+        tables = {}   # keys and entries rotate by the same entry positions (RoPE bits equal apply_rope's)
+        ops.cache_insert_mx(src.keys.view(-1, src.keys.shape[-1]), dest,
+                            fused_rows.rope(keys, w, epos, layer.inv, tables), "index")
+        ops.cache_insert_mx(src.entries.view(-1, src.entries.shape[-1]), dest,
+                            fused_rows.rope(latent, w, epos, layer.inv, tables), "compressed")
         return
     src.keys.view(-1, src.keys.shape[-1]).index_copy_(0, dest, mx.pack_index_keys(apply_rope(keys, epos, layer.inv)))
     src.entries.view(-1, src.entries.shape[-1]).index_copy_(
@@ -411,7 +415,7 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     t = u.shape[0]
     dev = u.device
     q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
-    q = index_qdq(apply_rope(q, rows.pos, layer.inv))
+    q = fused_rows.rope(q, w, rows.pos, layer.inv, shared.get("rope"), qdq=True)
     wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
         * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
     r = layer.ratio

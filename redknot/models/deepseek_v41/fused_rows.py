@@ -1,0 +1,66 @@
+"""Row epilogues of V4.1 attention (norm + RoPE, RoPE + FP4 grid, inverse RoPE) in one launch each when the
+model runs the Triton attention ops on 16-bit rows (:mod:`redknot.kernels.triton.step_rope_v41`), else the
+PyTorch math of :mod:`ref_math`. The eager layers and the tensor-only step call the same functions, so a
+graph replay and an eager step compute the same bits.
+
+A forward keeps one ``tables`` dict: the cos/sin of each (RoPE table, positions) pair are computed once per
+step and shared by every layer and row kind that rotates with them.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from redknot.models.deepseek_v41.kernel_ops import ops_of
+from redknot.models.deepseek_v41.ref_math import apply_rope, index_qdq, rms_norm
+
+FAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fused(w, x: torch.Tensor) -> bool:
+    """The row kernels run where the attention ops resolve to Triton and the rows are 16-bit."""
+    ops = ops_of(w)
+    return (x.dtype in FAST_DTYPES and ops is not None and ops.attention
+            and all(ops.choice.get(op) == "triton" for op in ("sparse_attention_mx", "indexer_topk_mx",
+                                                               "cache_insert_mx")))
+
+
+def _table(tables: Optional[Dict], pos: torch.Tensor, inv: torch.Tensor):
+    from redknot.kernels.triton.step_rope_v41 import rope_table
+
+    if tables is None:
+        return rope_table(pos, inv)
+    key = (id(inv), pos.data_ptr(), pos.shape[0])
+    got = tables.get(key)
+    if got is None:
+        got = tables[key] = (*rope_table(pos, inv), pos, inv)   # the tensors kept alive with their key
+    return got[0], got[1]
+
+
+def _ok(x: torch.Tensor, inv: torch.Tensor, qdq: bool = False) -> bool:
+    d = x.shape[-1]
+    return d & (d - 1) == 0 and 2 * inv.shape[0] <= d and (not qdq or d >= 32)
+
+
+def norm_rope(x: torch.Tensor, w, norm: str, eps: float, pos: torch.Tensor, inv: torch.Tensor,
+              tables: Optional[Dict] = None) -> torch.Tensor:
+    """RoPE(rms_norm(x, w[norm]))."""
+    if fused(w, x) and _ok(x, inv):
+        from redknot.kernels.triton.step_rope_v41 import rope_rows
+
+        cos, sin = _table(tables, pos, inv)
+        return rope_rows(x, cos, sin, norm_w=w.float(norm), eps=eps)
+    return apply_rope(rms_norm(x, w.float(norm), eps), pos, inv)
+
+
+def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optional[Dict] = None,
+         inverse: bool = False, qdq: bool = False) -> torch.Tensor:
+    """RoPE(x) (``inverse``: the conjugate rotation), then the FP4 index grid when ``qdq``."""
+    if fused(w, x) and _ok(x, inv, qdq):
+        from redknot.kernels.triton.step_rope_v41 import rope_rows
+
+        cos, sin = _table(tables, pos, inv)
+        return rope_rows(x, cos, sin, inverse=inverse, qdq=qdq)
+    y = apply_rope(x, pos, inv, inverse=inverse)
+    return index_qdq(y) if qdq else y
