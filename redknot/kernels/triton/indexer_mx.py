@@ -96,7 +96,7 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
                   stride_qt, stride_qh, stride_wt, stride_k, stride_bm, stride_cb,
                   HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
-                  BS: tl.constexpr, CAND: tl.constexpr):
+                  BS: tl.constexpr, CAND: tl.constexpr, SCALED: tl.constexpr):
     """Streaming top-K of one tile of tokens over its split of the entries (newest block first): the
     scores of ``_index_scores``, packed with their ids, kept in the token's buffer when above its bar.
     Blocks of ``BLOCK_N`` entries are aligned to multiples of ``BLOCK_N`` (every split starts on one),
@@ -104,7 +104,10 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
     blocks (-inf where no entry of the block is visible) to ``bm_ptr`` [T, NB]: the candidate source's
     block scores come from the same pass as its top-k. With ``CAND`` (one token per program) the stream
     walks the token's candidate list instead: ``NB`` block ids at ``cb_ptr`` [T, NB] (-1 pads; distinct),
-    entries ``b·BS .. b·BS+BS-1`` of each, below ``NKEYS`` and the token's visibility."""
+    entries ``b·BS .. b·BS+BS-1`` of each, below ``NKEYS`` and the token's visibility. ``SCALED``: the key
+    bytes go to ``tl.dot_scaled`` as MXFP4 (packed e2m1, E8M0 per 32: exactly the index-key row), which on
+    SM90 converts them to bf16 in a few byte permutes per 8 values instead of the register decode's ~17
+    integer operations per value; both give the exact key values and the same bf16 MMA."""
     pid_s = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_ok = toks < T
@@ -123,6 +126,8 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
     q = tl.load(q_ptr + t64[:, None, None] * stride_qt + hs[None, :, None] * stride_qh +
                 tl.arange(0, DI)[None, None, :], mask=hmask[:, :, None], other=0.0).to(tl.bfloat16)
     q = tl.reshape(q, (BLOCK_T * HP, DI))
+    if SCALED:
+        q_t = tl.trans(q)   # [DI, BT*HP]: the MMA's second operand, keys first
     w = tl.load(w_ptr + t64[:, None] * stride_wt + hs[None, :], mask=hmask, other=0.0).to(tl.float32)
     if BF16:
         w = w.to(tl.bfloat16).to(tl.float32)
@@ -138,8 +143,15 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
             blk = tl.load(cb_ptr + tok * stride_cb + ents // BS, mask=ok, other=-1)   # one token: tok < T
             ents = blk * BS + ents % BS
             ok = ok & (blk >= 0) & (ents < NKEYS)
-        keys = _index_keys(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI, BLOCK_N)   # [BN, DI]
-        d = tl.reshape(tl.dot(q, tl.trans(keys)), (BLOCK_T, HP, BLOCK_N))
+        if SCALED:
+            kb = key_ptr + tl.where(ok, ents, 0).to(tl.int64)[:, None] * stride_k
+            kq = tl.load(kb + tl.arange(0, DI // 2)[None, :], mask=ok[:, None], other=0)
+            ks = tl.load(kb + DI // 2 + tl.arange(0, DI // 32)[None, :], mask=ok[:, None], other=127)
+            d = tl.trans(tl.dot_scaled(kq, ks, "e2m1", q_t, None, "bf16", fast_math=True))
+        else:
+            keys = _index_keys(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI, BLOCK_N)   # [BN, DI]
+            d = tl.dot(q, tl.trans(keys))
+        d = tl.reshape(d, (BLOCK_T, HP, BLOCK_N))
         if BF16:
             d = d.to(tl.bfloat16).to(tl.float32)
             s = tl.sum((tl.maximum(d, 0.0) * w[:, :, None]).to(tl.bfloat16).to(tl.float32), 1)
@@ -174,13 +186,16 @@ class StreamConfig:
     block_n: int = 64    # entries per step of the stream
     num_warps: int = 4
     num_splits: int = 0  # 0: chosen from the problem size (enough programs for the device)
+    decode: str = "registers"   # or "scaled": the key bytes through tl.dot_scaled (see _index_stream)
 
 
-# More tokens per program decode each key block for more query rows (the decode of FP4 key bytes,
-# not the MMA, bounds the stream at two tokens: 57 TFLOP/s at 1M entries against 117 for the score pass
-# tuned up to eight); the first entry is the untuned default. Few entries: each one is a compile.
+# More tokens per program decode each key block for more query rows, and the ``scaled`` decode makes
+# that decode cheap (the decode of FP4 key bytes, not the MMA, bounds the stream at two tokens: 57 TFLOP/s
+# at 1M entries against 117 for the score pass tuned up to eight); the first entry is the untuned default
+# (CPU, interpreter, graph capture). Few entries: each one is a compile in the first chunk.
 STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
-    StreamConfig(2, 64, 4), StreamConfig(4, 64, 8), StreamConfig(8, 64, 8),
+    StreamConfig(2, 64, 4), StreamConfig(4, 64, 8, decode="scaled"), StreamConfig(8, 64, 8, decode="scaled"),
+    StreamConfig(8, 64, 8),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -214,6 +229,8 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
                block_scores is not None, cand_blocks is not None)
         config = STREAM_TUNER.pick(key, lambda cfg: stream_topk(q, weights, index_keys, visible, topk, bf16_scores,
                                                                cfg, block_scores, block_size, cand_blocks), q.device)
+    if config.decode not in ("registers", "scaled"):
+        raise ValueError(f"stream_topk: decode={config.decode!r} must be 'registers' or 'scaled'")
     if block_scores is not None and cand_blocks is not None:
         raise ValueError("stream_topk: block_scores and cand_blocks are exclusive")
     if block_scores is not None and config.block_n % block_size:
@@ -233,7 +250,7 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
         q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), bm.stride(0), cb.stride(0),
         HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
         BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
-        CAND=cand_blocks is not None, num_warps=config.num_warps)
+        CAND=cand_blocks is not None, SCALED=config.decode == "scaled", num_warps=config.num_warps)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     big = torch.iinfo(torch.int32).max
     ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last

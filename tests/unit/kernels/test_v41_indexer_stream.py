@@ -39,11 +39,13 @@ def _lower_first(q, w, keys, vis, k, bf16):
     return torch.cat([ids, ids.new_full((ids.shape[0], k - kk), -1)], 1)
 
 
+@pytest.mark.parametrize("decode", ["registers", "scaled"])
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("t,n,k", [(5, 300, 16), (1, 700, 16), (3, 10, 16)])
-def test_streamed_topk_equals_the_lower_first_selection(t, n, k, bf16):
+def test_streamed_topk_equals_the_lower_first_selection(t, n, k, bf16, decode):
+    """Both key decodes (registers; MXFP4 through tl.dot_scaled) select exactly what the scores select."""
     q, w, keys, vis = _inputs(t, n, seed=t + n)
-    got = indexer_mx.stream_topk(q, w, keys, vis, k, bf16)
+    got = indexer_mx.stream_topk(q, w, keys, vis, k, bf16, config=indexer_mx.StreamConfig(decode=decode))
     assert torch.equal(got.long(), _lower_first(q, w, keys, vis, k, bf16))
 
 
@@ -92,16 +94,18 @@ def _block_maxima(q, w, keys, vis, bs, bf16):
     return torch.nn.functional.pad(s, (0, nb * bs - n), value=float("-inf")).view(-1, nb, bs).amax(-1)
 
 
+@pytest.mark.parametrize("decode", ["registers", "scaled"])
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("t,n,bs", [(5, 300, 8), (1, 700, 4), (3, 61, 8)])
-def test_the_stream_writes_the_block_maxima_of_its_pass(t, n, bs, bf16):
+def test_the_stream_writes_the_block_maxima_of_its_pass(t, n, bs, bf16, decode):
     """One pass, two outputs: the top-k is unchanged by the block-max output and the block maxima equal
     the PyTorch scores' (partly visible blocks, blocks past a row's visibility -inf, a decode token
     whose entries are split over programs, an entry count that is not a multiple of the block)."""
     q, w, keys, vis = _inputs(t, n, seed=3 * t + n)
     nb = -(-n // bs)
     bm = torch.full((t, nb), float("-inf"))
-    got = indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, block_scores=bm, block_size=bs)
+    got = indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, config=indexer_mx.StreamConfig(4, 64, 4, decode=decode),
+                                 block_scores=bm, block_size=bs)
     assert torch.equal(got.long(), _lower_first(q, w, keys, vis, 16, bf16))
     assert torch.equal(bm, _block_maxima(q, w, keys, vis, bs, bf16))
 
@@ -174,3 +178,16 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
     for path in ("stream", "scores"):
         got = indexer_mx.indexer_topk_mx(q, w, keys, vis, k, cand, bs, bf16, cand_path=path)
         assert _compare_selection(path, masked, got, want, tol=0).ok, path
+
+
+@pytest.mark.parametrize("decode", ["registers", "scaled"])
+def test_the_candidate_stream_with_either_decode(decode):
+    """The candidate-list stream (one token per program) with both key decodes: the reference's selection."""
+    q, w, keys, vis = _inputs(5, 500, seed=21)
+    g = torch.Generator().manual_seed(2)
+    cand = torch.stack([torch.randperm(63, generator=g)[:24] for _ in range(5)]).int()
+    cand[2, 5:] = -1
+    want = ref_v41.indexer_topk_mx(q, w, keys, vis, 16, cand, 8, True)
+    got = indexer_mx.stream_topk(q, w, keys, vis, 16, True, config=indexer_mx.StreamConfig(decode=decode),
+                                 block_size=8, cand_blocks=cand)
+    assert torch.equal(got, want)
