@@ -27,7 +27,7 @@ from redknot.kernels.triton.quant_mx import e2m1_code, e2m1_value, e8m0_exponent
 def _mul_rn(a, b, ASM: tl.constexpr):
     """a·b rounded on its own (never fused into an FMA with a following add)."""
     if ASM:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
                                          is_pure=True, pack=1)
     else:
         return a * b

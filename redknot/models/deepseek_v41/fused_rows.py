@@ -8,6 +8,7 @@ step and shared by every layer and row kind that rotates with them.
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, Optional
 
 import torch
@@ -15,13 +16,17 @@ import torch
 from redknot.models.deepseek_v41.kernel_ops import ops_of
 from redknot.models.deepseek_v41.ref_math import apply_rope, index_qdq, rms_norm
 
+log = logging.getLogger(__name__)
 FAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+_FAILED = []   # a row kernel that failed to build: the PyTorch math from then on (logged once)
 
 
 def fused(w, x: torch.Tensor) -> bool:
     """The row kernels run where the attention ops resolve to Triton and the rows are 16-bit."""
     ops = ops_of(w)
-    return (x.dtype in FAST_DTYPES and ops is not None and ops.attention
+    return (not _FAILED and x.dtype in FAST_DTYPES and ops is not None and ops.attention
             and all(ops.choice.get(op) == "triton" for op in ("sparse_attention_mx", "indexer_topk_mx",
                                                                "cache_insert_mx")))
 
@@ -38,6 +43,19 @@ def _table(tables: Optional[Dict], pos: torch.Tensor, inv: torch.Tensor):
     return got[0], got[1]
 
 
+def _guarded(fn, *args, **kw) -> Optional[torch.Tensor]:
+    """``fn(*args, **kw)``, or None (and the PyTorch math from then on) when its kernel does not build on
+    this device; a failed build happens at the first, eager call, never inside a graph capture."""
+    try:
+        return fn(*args, **kw)
+    except Exception as exc:   # noqa: BLE001  (Triton raises compiler-specific errors)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise
+        log.warning("fused row kernel unavailable (%s); using the PyTorch row math", str(exc).splitlines()[0][:200])
+        _FAILED.append(str(exc))
+        return None
+
+
 def _ok(x: torch.Tensor, inv: torch.Tensor, qdq: bool = False) -> bool:
     d = x.shape[-1]
     return d & (d - 1) == 0 and 2 * inv.shape[0] <= d and (not qdq or d >= 32)
@@ -50,7 +68,9 @@ def norm_rope(x: torch.Tensor, w, norm: str, eps: float, pos: torch.Tensor, inv:
         from redknot.kernels.triton.step_rope_v41 import rope_rows
 
         cos, sin = _table(tables, pos, inv)
-        return rope_rows(x, cos, sin, norm_w=w.float(norm), eps=eps)
+        y = _guarded(rope_rows, x, cos, sin, norm_w=w.float(norm), eps=eps)
+        if y is not None:
+            return y
     return apply_rope(rms_norm(x, w.float(norm), eps), pos, inv)
 
 
@@ -61,6 +81,8 @@ def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optio
         from redknot.kernels.triton.step_rope_v41 import rope_rows
 
         cos, sin = _table(tables, pos, inv)
-        return rope_rows(x, cos, sin, inverse=inverse, qdq=qdq)
+        y = _guarded(rope_rows, x, cos, sin, inverse=inverse, qdq=qdq)
+        if y is not None:
+            return y
     y = apply_rope(x, pos, inv, inverse=inverse)
     return index_qdq(y) if qdq else y

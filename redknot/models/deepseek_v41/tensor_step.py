@@ -223,8 +223,10 @@ class _SiteFused:
         from redknot.kernels.triton.step_mhc_v41 import site_pre
 
         cfg = self.cfg
-        return site_pre(h, pre_in, self._f(f"{hc}_fn"), self._f(f"{hc}_base"), self._f(f"{hc}_scale"),
-                        self._f(norm), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        args = (h, pre_in, self._f(f"{hc}_fn"), self._f(f"{hc}_base"), self._f(f"{hc}_scale"), self._f(norm),
+                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+        got = fused_rows._guarded(site_pre, *args)   # a kernel that does not build: the PyTorch site
+        return got if got is not None else _SiteTorch(self).pre(h, pre_in, hc, norm)
 
     def post(self, y, h, post, comb):
         from redknot.kernels.triton.step_mhc_v41 import site_post
@@ -236,7 +238,8 @@ def fused_mhc(model, h: torch.Tensor) -> bool:
     """Whether the step runs the fused mHC sites: with the step's Triton kernels (:func:`step_kernels`)
     on 16-bit streams and a power-of-two stream count (elsewhere the PyTorch math of the eager path)."""
     n = model.cfg.hc_mult
-    return step_kernels(model.w) and h.dtype in (torch.bfloat16, torch.float16) and n & (n - 1) == 0
+    return (step_kernels(model.w) and h.dtype in (torch.bfloat16, torch.float16) and n & (n - 1) == 0
+            and not fused_rows._FAILED)
 
 
 def site_fns(model, h: torch.Tensor):
