@@ -178,7 +178,8 @@ def _moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_sca
         launch = dict(block_m=plan.block_m, block_n=plan.block_n, block_k=plan.block_k, num_warps=plan.num_warps,
                       splits=1, swap=plan.swap)
     launch["decode"] = decode
-    tiles = tile_map(offs, launch["block_m"], M)  # one map for both GEMMs
+    # ``registers``: one tile map for both GEMMs; ``scaled``: each program finds its tile (no launch)
+    tiles = tile_map(offs, launch["block_m"], M) if split else None
     p1, p3 = splitk_mm(xq, w1, w1_scale, M, w_fp4=True, rowid=rows, offs=offs, w3=w3, ws3=w3_scale, tiles=tiles,
                        raw=raw, **launch)
     act = torch.empty((2, M, inter // 2) if split else (M, inter), dtype=torch.bfloat16, device=x.device)

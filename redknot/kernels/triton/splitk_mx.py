@@ -197,21 +197,43 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
 
 
 @triton.jit
+def tile_of(offs_ptr, G, j, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr):
+    """(group, first row, group end) of row tile j for rows grouped by ``offs`` (per-group ends), group -1
+    past the last tile: one entry of ``tile_map``, computed where it is used."""
+    g = tl.arange(0, G_POW2)
+    gmask = g < G
+    ends = tl.load(offs_ptr + g, mask=gmask, other=0)
+    starts = tl.load(offs_ptr + g - 1, mask=gmask & (g > 0), other=0)
+    tiles = tl.where(gmask, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, 0)  # tiles of groups 0..g
+    grp = tl.sum(((cum <= j) & gmask).to(tl.int32), 0)
+    sel = g == grp
+    start = tl.sum(tl.where(sel, starts, 0), 0)
+    end = tl.sum(tl.where(sel, ends, 0), 0)
+    first = tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    return tl.where(grp < G, grp, -1), start + (j - first) * BLOCK_M, end
+
+
+@triton.jit
 def _scaled_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
-               tile_group_ptr, tile_row_ptr, tile_end_ptr, M, N, K, KSPLIT,
+               tile_group_ptr, tile_row_ptr, tile_end_ptr, offs_ptr, G, M, N, K, KSPLIT,
                stride_am, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
                W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
                DUAL: tl.constexpr, A_RAW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, TILE_INLINE: tl.constexpr, G_POW2: tl.constexpr):
     """``_splitk_mm`` with the weight decoded by ``tl.dot_scaled`` (weight tile [BN, BK] as the MMA's
-    first operand, activation rows [BM, BK] transposed as its second, both in natural K order)."""
+    first operand, activation rows [BM, BK] transposed as its second, both in natural K order).
+    TILE_INLINE: each program finds its row tile from the group ends (``tile_of``), no tile-map launch."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     if GROUPED:
-        grp = tl.load(tile_group_ptr + pid_m)
-        row0 = tl.load(tile_row_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
+        if TILE_INLINE:
+            grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
+        else:
+            grp = tl.load(tile_group_ptr + pid_m)
+            row0 = tl.load(tile_row_ptr + pid_m)
+            row_end = tl.load(tile_end_ptr + pid_m)
     else:
         grp = 0
         row0 = pid_m * BLOCK_M
@@ -371,7 +393,11 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
         from redknot.kernels.triton.stream_fp8 import fp8_stream
         aq, sa = act_quant_mx(a if not raw else a[:rows])
         return fp8_stream(aq, sa, w, ws, p, ksplit, wb, bm, block_n, num_warps=num_warps)
-    if grouped:
+    inline = grouped and tiles is None and decode == "scaled"
+    if inline:  # each program finds its tile (``tile_of``)
+        n_tiles = cdiv(rows, bm) + min(offs.numel(), rows)
+        tg = tr = te = p  # unused
+    elif grouped:
         tg, tr, te, n_tiles = tiles if tiles is not None else tile_map(offs, bm, rows)
     else:
         n_tiles = cdiv(rows, bm)
@@ -383,11 +409,14 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     if decode == "scaled":
         if not w_fp4:
             w3d = w3g = w3d.view(torch.uint8)  # dot_scaled reads e4m3 bytes
+        G = offs.numel() if grouped else 1
         _scaled_mm[grid](
-            a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
+            a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te,
+            offs if grouped else p, G, rows, N, K, ksplit,
             a_m, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
             W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, A_RAW=raw, BLOCK_M=bm,
-            BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps, num_stages=num_stages)
+            BLOCK_N=block_n, BLOCK_K=bk, TILE_INLINE=inline, G_POW2=max(16, next_pow2(G)), num_warps=num_warps,
+            num_stages=num_stages)
         return (p, p3) if dual else p
     a_h = a.stride(0) if w_fp4 and not raw else 0
     _splitk_mm[grid](

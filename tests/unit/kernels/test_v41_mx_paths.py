@@ -5,6 +5,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
@@ -288,3 +290,25 @@ def test_routing_kernel_writes_the_qdq_rows(tokens, dim, kernel_device):
     fused = moe_mx._sorted_pairs(idx, wt, 7, x)
     assert torch.equal(fused[4], dequant_mx.qdq_bf16(x))
     assert all(torch.equal(a, b) for a, b in zip(plain, fused[:4]))
+
+
+@triton.jit
+def _tiles_inline(offs_ptr, out_ptr, G, BLOCK_M: tl.constexpr, G_POW2: tl.constexpr):
+    j = tl.program_id(0)
+    grp, row0, end = splitk_mx.tile_of(offs_ptr, G, j, BLOCK_M, G_POW2)
+    tl.store(out_ptr + j, grp)
+    tl.store(out_ptr + tl.num_programs(0) + j, row0)
+    tl.store(out_ptr + 2 * tl.num_programs(0) + j, end)
+
+
+def test_inline_tile_equals_the_tile_map(kernel_device):
+    """``tile_of`` (each ``scaled`` program's own tile) agrees with ``tile_map`` wherever a tile is live."""
+    counts = [0, 3, 0, 17, 1, 19, 0, 0, 37, 5]
+    offs = torch.tensor(counts, device=kernel_device).cumsum(0).to(torch.int32)
+    for bm in (4, 16):
+        group, row0, end, bound = splitk_mx.tile_map(offs, bm, int(offs[-1]))
+        out = torch.empty(3, bound, dtype=torch.int32, device=kernel_device)
+        _tiles_inline[(bound,)](offs, out, len(counts), BLOCK_M=bm, G_POW2=16)
+        live = group >= 0
+        assert torch.equal(out[0], group)
+        assert torch.equal(out[1][live], row0[live]) and torch.equal(out[2][live], end[live])
