@@ -1,15 +1,17 @@
 """Paths for the V4.1 routed experts (MXFP4 weights), all on the device with no host sync.
 
 ``moe_splitk`` (decode, a few rows per expert): the batch is a weight stream. One routing kernel sorts
-the (token, slot) pairs by expert (stable), one builds the row-tile map; split-K grouped GEMMs
-(``splitk_mx``) read every touched expert's packed FP4 slice once, W1 and W3 in one launch that also
-quantises its slices of x; one reduction applies the SwiGLU, the routing weight and the FP8 QDQ of the
-W2 input; the W2 launch; one reduction rounds every slot to bf16 and adds a token's k slots in slot
-order. Six launches, CUDA-graph safe.
+the (token, slot) pairs by expert (stable) and writes the token rows' per-32 FP8 QDQ values; split-K
+grouped GEMMs (``splitk_mx``, weights decoded by ``tl.dot_scaled``) read every touched expert's packed
+FP4 slice once for all its rows (one 16-row tile per expert at decode sizes; each program finds its tile
+from the per-expert ends), W1 and W3 in one launch; one reduction applies the SwiGLU, the routing weight
+and the FP8 QDQ of the W2 input; the W2 launch; one reduction rounds every slot to bf16 and adds a
+token's k slots in slot order. Five launches, CUDA-graph safe. (``decode="registers"``, the earlier
+hand decode, adds a tile-map launch and quantises x inside the W1 | W3 kernel up to 128 tokens.)
 
 ``moe_prefill`` (many rows per expert) runs the plan ``PREFILL_TUNER`` measured fastest per token-count
 class: ``tiled``, the split-K kernel as a plain grouped GEMM (FP4 decoded in registers, one K slice,
-larger row tiles), or ``moe_grouped``: experts decoded ``CHUNK_EXPERTS`` at a time into a bf16 scratch
+larger row tiles; no expert is decoded to memory and untouched experts are never read), or ``moe_grouped``: experts decoded ``CHUNK_EXPERTS`` at a time into a bf16 scratch
 (``e2m1 · 2^s`` is exact in bf16) and multiplied by ``torch._grouped_mm`` (a library grouped GEMM, fp32
 accumulation) against token rows that hold their exact per-32 FP8 QDQ values in bf16. Only the
 summation order differs from the reference. Each chunk's rows are gathered into a chunk buffer by a
