@@ -97,13 +97,26 @@ class _Rows:
         self.blocks = torch.where(real[:, None], step.block_tables.long()[self.seq],
                                   torch.full_like(step.block_tables.long()[self.seq], self.spare_block))  # [T, W]
         self.block_size = block_size
+        self._memo = {}   # per-step index tensors every layer would otherwise recompute (launches)
+
+    def memo(self, key, make):
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = make()
+        return got
 
     def ring_dest(self, ring: int) -> torch.Tensor:
         """Flat [slot*ring + p % ring] of each row's ring write; rows that are not among their
         request's last ``ring`` rows (the eager path keeps only those) write the spare slot."""
-        keep = (self.last - self.row) < ring
-        slot = torch.where(keep, self.slot, torch.full_like(self.slot, self.spare_slot))
-        return slot * ring + self.pos.remainder(ring)
+        def make():
+            keep = (self.last - self.row) < ring
+            slot = torch.where(keep, self.slot, torch.full_like(self.slot, self.spare_slot))
+            return slot * ring + self.pos.remainder(ring)
+        return self.memo(("dest", ring), make)
+
+    def visible(self, ratio: int) -> torch.Tensor:
+        """Compressed entries each row sees: (p + 1) // ratio."""
+        return self.memo(("visible", ratio), lambda: (self.pos + 1) // ratio)
 
     def ring_lookback(self, ring_t: torch.Tensor, step_vals: torch.Tensor, depth: int) -> torch.Tensor:
         """Values at positions p-s, s = 0..depth-1, per row -> [T, depth, ...]: from the step's own
@@ -333,8 +346,12 @@ def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor
     comp_cache = comp_idx = None
     if layer.ratio:
         src = state.sources[layer.kv_source]
-        idx = rows.page(topk.clamp(min=0), layer.ratio, src.entries.shape[1])
-        comp_idx = torch.where(topk >= 0, idx, torch.full_like(idx, -1))
+        per = src.entries.shape[1]
+
+        def page_rows():   # the consumers of one index source's top-k share these
+            idx = rows.page(topk.clamp(min=0), layer.ratio, per)
+            return torch.where(topk >= 0, idx, torch.full_like(idx, -1)), topk
+        comp_idx = rows.memo(("comp", id(topk), layer.ratio, per), page_rows)[0]
         comp_cache = src.entries.view(-1, src.entries.shape[-1])
     ring = ring_t.shape[1]
     flat = ring_t.view(-1, nbytes)
@@ -424,7 +441,7 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     r = layer.ratio
     src = state.sources[layer.kv_source]
     n_max = rows.blocks.shape[1] * rows.block_size // r                          # entries a table addresses
-    visible = (rows.pos + 1) // r
+    visible = rows.visible(r)
     if step_kernels(w):
         _index_kernel(layer, q, wts, rows, src, visible, n_max, shared)
         return
