@@ -437,7 +437,7 @@ class _Knobs:
 
 STREAM_VARIANTS = [("scaled in-kernel QDQ", dict(SCALED_RAW_MAX_ROWS=128)),
                    ("scaled BN=128", dict(SCALED_BLOCK_N=128)),
-                   ("scaled BK=256", dict(SCALED_BLOCK_K=256)), ("scaled BN=32", dict(SCALED_BLOCK_N=32)),
+                   ("scaled BK=256", dict(SCALED_BLOCK_K=256)),
                    ("fp8 MMA", dict(DENSE_DECODE="fp8")), ("fp8 MMA BN=128", dict(DENSE_DECODE="fp8", SCALED_BLOCK_N=128))]
 
 

@@ -312,3 +312,12 @@ def test_inline_tile_equals_the_tile_map(kernel_device):
         live = group >= 0
         assert torch.equal(out[0], group)
         assert torch.equal(out[1][live], row0[live]) and torch.equal(out[2][live], end[live])
+
+
+@pytest.mark.parametrize("decode", ["scaled", "registers"])
+def test_tiled_prefill_plan_decodes_match_reference(decode, kernel_device):
+    """The ``tiled`` prefill plan (one K slice, larger row tiles) with either weight decode."""
+    x, idx, wt, w = moe_inputs(ODD, kernel_device, seed=21, tokens=13)
+    plan = moe_mx.MoePlan("tiled", 32, 32, 64, 4, True, decode)
+    out = moe_mx.moe_prefill(x, idx, wt, *w, 10.0, plan=plan)
+    assert _rel(out, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
