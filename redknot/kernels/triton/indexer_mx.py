@@ -402,7 +402,7 @@ def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.
     visible = visible.to(torch.int32).contiguous()
     n = index_keys.shape[0]
     nb = cdiv(n, block_size)
-    if not topk & (topk - 1) and not 128 % block_size:
+    if not topk & (topk - 1) and all(not c.block_n % block_size for c in STREAM_TUNER.candidates):
         if nb <= num_blocks:
             return (stream_topk(q, weights, index_keys, visible, topk, bf16_scores),
                     held_blocks(visible, num_blocks, block_size))
