@@ -438,7 +438,8 @@ class _Knobs:
 STREAM_VARIANTS = [("scaled in-kernel QDQ", dict(SCALED_RAW_MAX_ROWS=128)),
                    ("scaled BN=128", dict(SCALED_BLOCK_N=128)),
                    ("scaled BK=256", dict(SCALED_BLOCK_K=256)),
-                   ("fp8 MMA", dict(DENSE_DECODE="fp8")), ("fp8 MMA BN=128", dict(DENSE_DECODE="fp8", SCALED_BLOCK_N=128))]
+                   ("fp8 MMA BN=128", dict(SCALED_BLOCK_N=128)),
+                   ("fp8 MMA in-kernel quant", dict(FP8_INKERNEL_QUANT_MAX_ROWS=128))]
 
 
 def _default(name: str) -> str:

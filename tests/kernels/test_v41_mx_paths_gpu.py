@@ -105,7 +105,8 @@ def test_in_kernel_quantisation_equals_the_separate_pass(moe_weights, monkeypatc
     x = torch.randn(7, 8192, generator=g, device="cuda").to(torch.bfloat16)
     xm, idx, wt = _moe_batch(7, 8)
     for decode, knobs in (("registers", ((splitk_mx, "RAW_MAX_ROWS", 0), (moe_mx, "RAW_MAX_ROWS", 0))),
-                          ("scaled", ((splitk_mx, "SCALED_RAW_MAX_ROWS", 128),))):
+                          ("scaled", ((splitk_mx, "SCALED_RAW_MAX_ROWS", 128),)),
+                          ("fp8", ((splitk_mx, "FP8_INKERNEL_QUANT_MAX_ROWS", 128),))):
         fused = (gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=decode),
                  moe_mx.moe_splitk(xm, idx, wt, *moe_weights, 10.0, decode=decode))
         with monkeypatch.context() as m:

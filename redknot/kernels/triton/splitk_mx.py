@@ -65,6 +65,9 @@ SPLIT_MAX_ROWS = 2048
 SCALED_RAW_MAX_ROWS = 0
 DECODES = ("scaled", "registers", "fp8")
 DENSE_ROW_TILE_MAX = 128
+# ``fp8`` streams of up to this many rows quantise the activations inside the stream (no separate launch;
+# every program repeats the work for its 16+ padded rows); 0: always a separate ``act_quant_mx`` pass.
+FP8_INKERNEL_QUANT_MAX_ROWS = 0
 # Launch shape of a ``scaled`` stream when the caller gives none: weight columns per program, K step.
 SCALED_BLOCK_N = 64
 SCALED_BLOCK_K = 128
@@ -391,7 +394,8 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     if decode == "fp8":  # FP8 MMA per 32-wide K group (``stream_fp8``)
         from redknot.kernels.triton.quant_mx import act_quant_mx
         from redknot.kernels.triton.stream_fp8 import fp8_stream
-        aq, sa = act_quant_mx(a if not raw else a[:rows])
+        inside = rows <= FP8_INKERNEL_QUANT_MAX_ROWS
+        aq, sa = (a, None) if inside else act_quant_mx(a)
         return fp8_stream(aq, sa, w, ws, p, ksplit, wb, bm, block_n, num_warps=num_warps)
     inline = grouped and tiles is None and decode == "scaled"
     if inline:  # each program finds its tile (``tile_of``)

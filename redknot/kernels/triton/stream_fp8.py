@@ -15,14 +15,15 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv
-from redknot.kernels.triton.quant_mx import e8m0_decode
+from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
 
 
 @triton.jit
 def _fp8_stream(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, KSPLIT, stride_am, stride_sam, stride_bn,
                 stride_sbn, stride_ps, stride_pm, WB: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
-    """One program: rows [BM] x weight columns [BN] over one K slice, GROUPS 32-wide groups per step."""
+                BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, A_RAW: tl.constexpr):
+    """One program: rows [BM] x weight columns [BN] over one K slice, GROUPS 32-wide groups per step.
+    A_RAW: ``a`` holds the bf16 rows, quantised here per group (the bits of ``act_quant_mx``)."""
     pid_s = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -39,7 +40,13 @@ def _fp8_stream(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, KSPLIT, stride_am,
             k0 = tl.multiple_of(k_step + 32 * g, 32)
             kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
             a = tl.load(a_ptr + r64[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
-            sa = e8m0_decode(tl.load(sa_ptr + r64 * stride_sam + k0 // 32, mask=rmask, other=127))
+            if A_RAW:
+                x = a.to(tl.float32)
+                e = e8m0_exponent(tl.max(tl.abs(x), 1), 448.0, 1e-4)
+                a = tl.minimum(tl.maximum(x * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
+                sa = pow2(e)
+            else:
+                sa = e8m0_decode(tl.load(sa_ptr + r64 * stride_sam + k0 // 32, mask=rmask, other=127))
             w = tl.load(b_ptr + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None], other=0.0)
             sw = e8m0_decode(tl.load(sb_ptr + wrow + k0 // WB, mask=cmask, other=127))
             acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
@@ -47,11 +54,12 @@ def _fp8_stream(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, KSPLIT, stride_am,
     tl.store(p_ptr + out, tl.trans(acc), mask=rmask[:, None] & cmask[None, :])
 
 
-def fp8_stream(aq: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, p: torch.Tensor, ksplit: int,
+def fp8_stream(aq: torch.Tensor, sa, w: torch.Tensor, ws: torch.Tensor, p: torch.Tensor, ksplit: int,
                wb: int, block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """fp32 partials ``p`` [S, M, N] of ``(aq · 2^sa) · (w · 2^ws)ᵀ``: aq e4m3 [M, K] with E8M0 ``sa``
-    [M, K/32], w e4m3 [N, K] with E8M0 tiles ``ws`` [ceil(N/wb), ceil(K/wb)]; slice s covers K columns
-    ``[s·ksplit, (s+1)·ksplit)`` (ksplit a multiple of 32)."""
+    [M, K/32] (or ``sa`` None and ``aq`` the bf16 rows, quantised inside), w e4m3 [N, K] with E8M0 tiles
+    ``ws`` [ceil(N/wb), ceil(K/wb)]; slice s covers K columns ``[s·ksplit, (s+1)·ksplit)`` (ksplit a
+    multiple of 32)."""
     S, M, N = p.shape
     K = w.shape[1]
     if ksplit % 32 or K % 32:
@@ -59,7 +67,8 @@ def fp8_stream(aq: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Te
     groups = 4 if ksplit % 128 == 0 and K % 128 == 0 else 1
     if M:
         _fp8_stream[(cdiv(M, block_m), cdiv(N, block_n), S)](
-            aq, sa, w, ws, p, M, N, K, ksplit, aq.stride(0), sa.stride(0), w.stride(0), ws.stride(0), p.stride(0),
-            p.stride(1), WB=wb, BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, num_warps=num_warps,
+            aq, sa if sa is not None else aq, w, ws, p, M, N, K, ksplit, aq.stride(0),
+            sa.stride(0) if sa is not None else 0, w.stride(0), ws.stride(0), p.stride(0), p.stride(1), WB=wb,
+            BLOCK_M=block_m, BLOCK_N=block_n, GROUPS=groups, A_RAW=sa is None, num_warps=num_warps,
             num_stages=num_stages)
     return p

@@ -223,16 +223,19 @@ def test_moe_splitk_decodes_match_reference(decode, dims, tokens, kernel_device)
 
 
 def test_scaled_stream_quantising_in_kernel_equals_the_separate_pass(kernel_device, monkeypatch):
-    """``scaled`` with activations quantised inside the kernel gives the bits of the separate pass."""
+    """``scaled`` / ``fp8`` with activations quantised inside the kernel give the bits of the separate pass."""
     x, idx, wt, w = moe_inputs(TOY_V41, kernel_device, seed=4, tokens=5)
     g = torch.Generator(device=kernel_device).manual_seed(6)
     wl, wls = mx.quant_fp8_blocks(torch.randn(64, 256, generator=g, device=kernel_device) * 0.02, 32)
     xl = torch.randn(3, 256, generator=g, device=kernel_device).to(torch.bfloat16)
     sep = (moe_mx.moe_splitk(x, idx, wt, *w, 10.0, decode="scaled"),
            gemm_mx.linear_mx(xl, wl, wls, 32, path="splitk", decode="scaled"))
+    fp8 = gemm_mx.linear_mx(xl, wl, wls, 32, path="splitk", decode="fp8")
     monkeypatch.setattr(splitk_mx, "SCALED_RAW_MAX_ROWS", 128)
+    monkeypatch.setattr(splitk_mx, "FP8_INKERNEL_QUANT_MAX_ROWS", 128)
     assert torch.equal(moe_mx.moe_splitk(x, idx, wt, *w, 10.0, decode="scaled"), sep[0])
     assert torch.equal(gemm_mx.linear_mx(xl, wl, wls, 32, path="splitk", decode="scaled"), sep[1])
+    assert torch.equal(gemm_mx.linear_mx(xl, wl, wls, 32, path="splitk", decode="fp8"), fp8)
 
 
 def test_fast_decode_failure_falls_back_and_is_recorded(monkeypatch):
