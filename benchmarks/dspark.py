@@ -368,8 +368,7 @@ def padding_probe(bench: "Bench41", pairs=((160, 192), (129, 192), (100, 128))) 
     g, r = cfg.o_groups, cfg.o_lora_rank
     o, wo_a = rnd(top, g, cfg.n_heads * cfg.head_dim // g), rnd(g, r, cfg.n_heads * cfg.head_dim // g, scale=0.02)
     cases["bf16 einsum (wo_a)"] = lambda n: torch.einsum("ngk,grk->ngr", o[:n], wo_a).reshape(n, -1)
-    head = w.dense("head.weight", torch.float32)
-    cases["fp32 head (compute_logits)"] = lambda n: xf[:n] @ head.t()
+    cases["head (compute_logits)"] = lambda n: bench.model.compute_logits(xd[:n])
     out: Dict[str, Dict[str, float]] = {}
     for name, fn in cases.items():
         row = {}
@@ -377,7 +376,6 @@ def padding_probe(bench: "Bench41", pairs=((160, 192), (129, 192), (100, 128))) 
             a, b = fn(padded)[:real].float(), fn(real).float()
             row[f"{real}_of_{padded}"] = float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
         out[name] = row
-    del head
     return out
 
 
