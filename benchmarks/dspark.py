@@ -29,7 +29,9 @@ of every tier is checked (``VerifyGraphs.checks`` / ``check_errors``: logits and
 padded step run eagerly (a capture fault) and against the engine's unpadded eager step (the padding
 difference), and the replay also against the tensor-only step run unpadded and uncaptured. The
 ``padding_probe`` says which of the step's GEMM-like ops give a row a result that depends on the row
-count of the call (what a tier's padding rows change). ``--model both`` runs the two.
+count of the call (what a tier's padding rows change). ``draft_block_b*``: the draft's block forward
+eager and replayed from a graph (what drafting in graphs would save; the engine drafts eagerly).
+``--model both`` runs the two.
 
 ``features.dspark.block_attention`` (``--block-attention``) reaches both drafts' block forward.
 
@@ -333,6 +335,32 @@ class Bench41:
 
 
 @torch.no_grad()
+def draft_block_graph(bench: "Bench41", batch: int, capturer, repeats: int) -> Dict:
+    """The drafting step's block forward (the stages, the head) for ``batch`` requests: eager ms, and
+    captured in a graph (static anchors / positions / slots, the drafter's rings): replay ms and the
+    first replay's row errors against eager (h and logits). What a drafter in graphs would cost; the
+    engine's drafter runs eagerly."""
+    d, device, ctx = bench.draft, bench.device, bench.context
+    anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
+    positions = torch.full((batch,), ctx, dtype=torch.long, device=device)
+    slots = torch.arange(batch, dtype=torch.long, device=device)
+    rings, causal = bench.drafter.rings, bench.drafter.causal
+    run = lambda: d.forward_block(anchors, positions, rings, slots, causal)   # noqa: E731
+    out: Dict = {"eager_ms": timed_ms(device, run, repeats)}
+    try:
+        got = capturer.capture(run)
+    except RuntimeError as exc:
+        out["graph"] = f"capture failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        return out
+    got.replay()
+    h, logits = run()
+    out["replay_vs_eager"] = {"h": row_error(got.outputs[0].flatten(0, 1), h.flatten(0, 1)),
+                              "logits": row_error(got.outputs[1].flatten(0, 1), logits.flatten(0, 1))}
+    out["graph_ms"] = timed_ms(device, got.replay, repeats)
+    return out
+
+
+@torch.no_grad()
 def padding_probe(bench: "Bench41", pairs=((160, 192), (129, 192), (100, 128))) -> Dict:
     """Which of the step's GEMM-like ops give a row a result that depends on how many rows share the call
     (what a graph tier's padding rows change): per op and (real, padded) row counts, the largest
@@ -436,6 +464,13 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
             row[f"verify_graph_ms_q{q}"] = timed_ms(device, lambda: graphs.run(inputs), repeats)
         print(json.dumps(row), flush=True)
         report[f"batch_{b}"] = row
+    for b in batches:
+        if time.perf_counter() - t_start > args.budget_s:
+            report[f"draft_block_b{b}"] = f"skipped: past --budget-s {args.budget_s:g}"
+            continue
+        report[f"draft_block_b{b}"] = draft_block_graph(bench, b, CudaGraphCapture() if cuda else HostGraphCapture(),
+                                                       repeats)
+        print(json.dumps({f"draft_block_b{b}": report[f"draft_block_b{b}"]}), flush=True)
     if cuda or args.smoke:   # which ops round a row differently when padding rows share the call
         report["padding_probe"] = padding_probe(bench)
         print(json.dumps({"padding_probe": report["padding_probe"]}), flush=True)
