@@ -12,6 +12,13 @@ gathered, decoded, einsum, sort). Each is checked (attention: relative error; in
 selection) and timed (CUDA events around a CUDA-graph replay of the call, median of repetitions), with
 the fraction of the bandwidth floor: bytes a call must read once at 4.17 TB/s (stored formats).
 Results: ``DIR/step_kernels_v41.md`` and ``.json`` (``$OUT`` if --out is not given).
+
+    python benchmarks/step_kernels_v41.py --count-launches --out DIR     # CPU, Triton interpreter, ~1 minute
+
+counts the device launches of one decode step of the tensor-only step instead (the e2e_v41 toy cut, every
+V4.1 op on its Triton kernel): PyTorch ops that launch a kernel plus Triton launches, per step region. At
+decode sizes a replayed graph pays roughly a fixed cost per launch, so this is the number the fused
+epilogues reduce; it does not need a GPU.
 """
 from __future__ import annotations
 
@@ -120,6 +127,87 @@ def case(ctx: int, batch: int, dims: dict, device, reps: int, reference: bool) -
     return row
 
 
+# Ops that launch no device kernel (views, allocation, metadata).
+NO_LAUNCH = {"view", "_unsafe_view", "expand", "unsqueeze", "squeeze", "reshape", "select", "slice", "t", "transpose",
+             "permute", "as_strided", "alias", "detach", "unflatten", "flatten", "split", "unbind", "lift_fresh",
+             "empty", "empty_like", "new_empty", "empty_strided", "set_", "_reshape_alias", "view_as", "unfold",
+             "chunk", "narrow", "diagonal", "movedim", "resolve_conj", "resolve_neg", "split_with_sizes", "size",
+             "stride", "numel", "dim", "is_same_size"}
+
+
+def count_launches(batch: int = 1) -> dict:
+    """Device launches of one tensor-only decode step of the e2e_v41 toy cut (CPU, Triton interpreter), by
+    step region and by op: PyTorch ops that launch a kernel (a conversion to the same dtype does not) plus
+    Triton launches (the ops PyTorch runs inside an interpreted Triton launch are not counted)."""
+    import collections
+    import contextlib
+
+    import torch
+    import triton.runtime.interpreter as interp
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import e2e_v41
+    import redknot.models.deepseek_v41.tensor_step as ts
+    from redknot.kernels import KernelSet
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+
+    device = torch.device("cpu")
+    cfg = e2e_v41.cut_config(True, 100)
+    model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, device), "reference", V41Ops(KernelSet(default="triton")),
+                          device)
+    b = e2e_v41.Batch(model, batch, 64, block_size=16)
+    ids = e2e_v41.tokens(40, cfg.vocab_size, 1)
+    for s in range(batch):
+        b.step([ids], seqs=[s])
+    step = ts.TensorStep(torch.full((batch,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(batch + 1),
+                         torch.arange(batch), torch.tensor(b.blocks))
+    ts.tensor_forward(model, step, b.state)                       # warm: weight caches, tuners
+    state = {"triton": 0, "region": "(outside the regions)"}
+    regions, ops = collections.Counter(), collections.Counter()
+
+    def launch(name: str) -> None:
+        regions[state["region"]] += 1
+        ops[name] += 1
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            same = name == "_to_copy" and isinstance(out, torch.Tensor) and out.dtype == args[0].dtype
+            if not state["triton"] and name not in NO_LAUNCH and not same:
+                launch(name)
+            return out
+
+    run = interp.GridExecutor.__call__
+
+    def counted(self, *a, **kw):
+        launch("triton " + getattr(self.fn, "__name__", "?"))
+        state["triton"] += 1
+        try:
+            return run(self, *a, **kw)
+        finally:
+            state["triton"] -= 1
+
+    @contextlib.contextmanager
+    def region(name):
+        old, state["region"] = state["region"], name
+        try:
+            yield
+        finally:
+            state["region"] = old
+
+    ranges = ts.region
+    interp.GridExecutor.__call__, ts.region = counted, region
+    try:
+        with Count():
+            ts.tensor_forward(model, step, b.state)
+    finally:
+        interp.GridExecutor.__call__, ts.region = run, ranges
+    return {"layers": cfg.n_layers, "batch": batch, "launches": sum(regions.values()),
+            "by_region": dict(regions.most_common()), "by_op": dict(ops.most_common())}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/step_kernels_v41"))
@@ -129,9 +217,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--reference-max-context", type=int, default=131072,
                     help="run the PyTorch references (check and time) up to this context")
+    ap.add_argument("--count-launches", action="store_true",
+                    help="count the launches of one tensor-only decode step instead (CPU, Triton interpreter)")
     a = ap.parse_args(argv)
-    if a.smoke:
+    if a.smoke or a.count_launches:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.count_launches:
+        rep = count_launches()
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "step_launches_v41.json").write_text(json.dumps(rep, indent=1))
+        print(f"launches of one tensor-only decode step ({rep['layers']} layers, batch {rep['batch']}): "
+              f"{rep['launches']}")
+        for k, v in rep["by_region"].items():
+            print(f"  {k:24s} {v}")
+        return rep
     import torch
 
     device = torch.device("cpu" if a.smoke else "cuda")
