@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import LOG2E, ConfigTuner, cdiv, next_pow2
-from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
+from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
 
 
 @triton.jit
@@ -35,10 +35,10 @@ def _window_keys(cache_ptr, idx, ok, stride_c, D: tl.constexpr, BLOCK_N: tl.cons
 def _compressed_keys(cache_ptr, idx, ok, stride_c, D: tl.constexpr, BLOCK_N: tl.constexpr):
     base = cache_ptr + idx.to(tl.int64)[:, None] * stride_c
     p = tl.load(base + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), (BLOCK_N, D))
-    v = e2m1_value(codes)
+    codes = tl.reshape(tl.join(p, p >> 4), (BLOCK_N, D))          # e2m1_half reads only each nibble's bits
+    v = e2m1_half(codes).to(tl.float32)                           # value * 2^-14, exact
     s8 = tl.load(base + D // 2 + tl.arange(0, D // 16)[None, :], mask=ok[:, None], other=0)
-    s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
     v = tl.reshape(tl.reshape(v, (BLOCK_N, D // 16, 16)) * s[:, :, None], (BLOCK_N, D))
     return v.to(tl.bfloat16)
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2, sm_count
 from redknot.kernels.triton.indexer import _EMPTY, _compact, _indexer_merge, _pack
-from redknot.kernels.triton.quant_mx import e2m1_value, e8m0_decode
+from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
 
 MAX_SCRATCH_BYTES = 1 << 30
 
@@ -44,9 +44,10 @@ MAX_SCRATCH_BYTES = 1 << 30
 def _index_keys(key_ptr, ent, ok, stride_k, DI: tl.constexpr, BLOCK_N: tl.constexpr):
     base = key_ptr + ent.to(tl.int64)[:, None] * stride_k
     p = tl.load(base + tl.arange(0, DI // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    v = e2m1_value(tl.reshape(tl.join(p & 0xF, (p >> 4) & 0xF), (BLOCK_N, DI)))
+    v = e2m1_half(tl.reshape(tl.join(p, p >> 4), (BLOCK_N, DI))).to(tl.float32)   # value * 2^-14, exact
     sb = tl.load(base + DI // 2 + tl.arange(0, DI // 32)[None, :], mask=ok[:, None], other=127)
-    v = tl.reshape(tl.reshape(v, (BLOCK_N, DI // 32, 32)) * e8m0_decode(sb)[:, :, None], (BLOCK_N, DI))
+    sc = e8m0_decode(sb) * 16384.0    # exact below 2^114 (scale bytes up to 240; keys never come near)
+    v = tl.reshape(tl.reshape(v, (BLOCK_N, DI // 32, 32)) * sc[:, :, None], (BLOCK_N, DI))
     return v.to(tl.bfloat16)
 
 

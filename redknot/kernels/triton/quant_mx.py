@@ -65,6 +65,16 @@ def e2m1_value(code):
 
 
 @triton.jit
+def e2m1_half(code):
+    """e2m1 code (int32 0..15) -> fp16 holding the e2m1 value times 2^-14, exactly: the code's magnitude
+    bits land on the fp16 exponent's two low bits and the mantissa's top bit (code 1, 0.5, becomes the
+    subnormal 2^-15), its sign on the sign bit. Five integer operations per value instead of the e4m3
+    route's dozen and its fp8 conversion; callers fold the 2^14 into the scale they multiply by anyway."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def unpack_fp4_row(packed):
     """uint8 [R, C] packed codes -> int32 codes [R, 2C] (element 2i = low nibble)."""
     b = packed.to(tl.int32)
