@@ -117,8 +117,11 @@ ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
 # Prefill-sized problems (a program per query and head block already fills the device many times over)
 # time only the unsplit shapes: each candidate is a compile in the first chunk.
 PREFILL_QUERIES = 1024
+# All 64 heads in one program with 16 warps: each gathered row decoded once per query, the [64, 512]
+# fp32 accumulator over 512 threads.
 ATTN_MX_PREFILL_TUNER = ConfigTuner("sparse_attention_mx_prefill",
-                                    [c for c in ATTN_MX_TUNER.candidates if c.splits == 1])
+                                    [c for c in ATTN_MX_TUNER.candidates if c.splits == 1]
+                                    + [AttnMxConfig(64, 32, 16)])
 
 
 def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,

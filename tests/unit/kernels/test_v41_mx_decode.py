@@ -67,3 +67,19 @@ def test_index_keys_decode_exactly():
 def test_window_rows_decode_exactly():
     rows = mx.pack_window_rows(torch.randn(16, 64) * torch.logspace(-20, 3, 16)[:, None])
     assert _same_bits(_run(rows, 2, 64), mx.unpack_window_rows(rows, torch.bfloat16))
+
+
+def test_the_prefill_only_attention_shapes_match_the_reference(kernel_device):
+    """Launch shapes only the prefill tuner times (all heads in one program over 16 warps) against the
+    reference attention (toy dims; the GPU when there is one)."""
+    from redknot.kernels import ref_v41
+    from redknot.kernels.triton import attention_mx
+    from redknot.kernels.triton.checks_mx import TOY_V41, attention_inputs
+
+    extra = [c for c in attention_mx.ATTN_MX_PREFILL_TUNER.candidates if c not in attention_mx.ATTN_MX_TUNER.candidates]
+    assert extra
+    q, win, widx, comp, cidx, sinks = attention_inputs(TOY_V41, kernel_device, seed=5)
+    want = ref_v41.sparse_attention_mx(q, win, widx, sinks, 0.125, comp, cidx).float()
+    for cfg in extra:
+        got = attention_mx.sparse_attention_mx(q, win, widx, sinks, 0.125, comp, cidx, config=cfg).float()
+        assert float((got - want).norm() / want.norm()) < 2e-2, cfg
