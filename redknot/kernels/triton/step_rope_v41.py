@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import interpreting
+from redknot.kernels.triton._common import interpreting, next_pow2
 from redknot.kernels.triton.quant_mx import e2m1_code, e2m1_value, e8m0_exponent, pow2
 
 
@@ -35,22 +35,23 @@ def _mul_rn(a, b, ASM: tl.constexpr):
 
 @triton.jit
 def _rope_rows(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, heads, stride_xr, stride_or, stride_c, eps,
-               D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, QDQ: tl.constexpr, INVERSE: tl.constexpr,
-               ASM: tl.constexpr):
+               D: tl.constexpr, D2P: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, QDQ: tl.constexpr,
+               INVERSE: tl.constexpr, ASM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tok = row // heads
     D2: tl.constexpr = D // 2
     FIRST: tl.constexpr = D2 - HALF                     # first rotated pair
-    i = tl.arange(0, D2)
+    i = tl.arange(0, D2P)                               # pairs, padded to a power of two
     two = tl.arange(0, 2)
-    offs = i[:, None] * 2 + two[None, :]                # [D2, 2]: (re, im) of pair i
-    x = tl.load(x_ptr + row * stride_xr + offs).to(tl.float32)
+    offs = i[:, None] * 2 + two[None, :]                # [D2P, 2]: (re, im) of pair i
+    inside = (i < D2)[:, None] & (two[None, :] < 2)
+    x = tl.load(x_ptr + row * stride_xr + offs, mask=inside, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / D + eps)
-        w = tl.load(w_ptr + offs).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         x = (w * (x * r)).to(out_ptr.dtype.element_ty).to(tl.float32)
     re, im = tl.split(x)
-    rot = i >= FIRST
+    rot = (i >= FIRST) & (i < D2)
     j = tl.maximum(i - FIRST, 0)
     c = tl.load(cos_ptr + tok * stride_c + j, mask=rot, other=1.0)
     s = tl.load(sin_ptr + tok * stride_c + j, mask=rot, other=0.0)
@@ -60,13 +61,14 @@ def _rope_rows(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, heads, stride_xr, stride
     new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
     new_re = tl.where(rot, new_re.to(out_ptr.dtype.element_ty).to(tl.float32), re)
     new_im = tl.where(rot, new_im.to(out_ptr.dtype.element_ty).to(tl.float32), im)
-    y = tl.reshape(tl.join(new_re, new_im), (D,))
+    y = tl.reshape(tl.join(new_re, new_im), (2 * D2P,))
     if QDQ:                                             # e2m1 grid, E8M0 scale per 32 (the reference's fp4)
-        g = tl.reshape(y, (D // 32, 32))
+        g = tl.reshape(y, (2 * D2P // 32, 32))          # (D is a power of two here: D2P = D / 2)
         e = e8m0_exponent(tl.max(tl.abs(g), 1), 6.0, 7.052966104933725e-38)
         code = e2m1_code(g * pow2(-e)[:, None])
-        y = tl.reshape(e2m1_value(code) * pow2(e)[:, None], (D,))
-    tl.store(out_ptr + row * stride_or + tl.arange(0, D), y.to(out_ptr.dtype.element_ty))
+        y = tl.reshape(e2m1_value(code) * pow2(e)[:, None], (2 * D2P,))
+    cols = tl.arange(0, 2 * D2P)
+    tl.store(out_ptr + row * stride_or + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
 def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32):
@@ -77,16 +79,16 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = t
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: Optional[torch.Tensor] = None,
               eps: float = 0.0, qdq: bool = False, inverse: bool = False) -> torch.Tensor:
-    """x [T, D] or [T, H, D] (D a power of two >= 32 with qdq) -> same shape and dtype: optional RMS norm
-    (``norm_w`` [D]), RoPE of the last ``2·half`` dims by cos/sin [T, half] (``inverse``: conjugate),
-    optional FP4 QDQ per 32."""
+    """x [T, D] or [T, H, D] (D even; a power of two >= 32 with qdq) -> same shape and dtype: optional RMS
+    norm (``norm_w`` [D]), RoPE of the last ``2·half`` dims by cos/sin [T, half] (``inverse``: conjugate;
+    half may be 0: the norm alone), optional FP4 QDQ per 32."""
     shape = x.shape
     t, d = shape[0], shape[-1]
     heads = x.numel() // max(t * d, 1)
     half = cos.shape[-1]
-    if d & (d - 1) or 2 * half > d or (qdq and d < 32):
-        raise ValueError(f"rope_rows: last dim {d} must be a power of two >= 2*half ({2 * half})"
-                         + (" and >= 32 with qdq" if qdq else ""))
+    if d % 2 or 2 * half > d or (qdq and (d & (d - 1) or d < 32)):
+        raise ValueError(f"rope_rows: last dim {d} must be even and >= 2*half ({2 * half})"
+                         + (", a power of two >= 32 with qdq" if qdq else ""))
     xr = x.reshape(t * heads, d)
     if xr.stride(-1) != 1:
         xr = xr.contiguous()
@@ -94,6 +96,7 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_w: Opt
     if t * heads:
         w = norm_w if norm_w is not None else cos      # unread without NORM
         _rope_rows[(t * heads,)](xr, out, cos.contiguous(), sin.contiguous(), w, heads, xr.stride(0), out.stride(0),
-                                 cos.shape[-1], eps, D=d, HALF=half, NORM=norm_w is not None, QDQ=qdq,
+                                 cos.shape[-1], eps, D=d, D2P=next_pow2(d // 2), HALF=half,
+                                 NORM=norm_w is not None, QDQ=qdq,
                                  INVERSE=inverse, ASM=not interpreting() and x.is_cuda, num_warps=1 if d <= 128 else 4)
     return out.view(shape)

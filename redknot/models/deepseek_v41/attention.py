@@ -129,7 +129,7 @@ class AttentionLayer:
                  slots: Slots) -> torch.Tensor:
         cfg, w, num, p = self.cfg, self.w, self.num, self.p
         t = u.shape[0]
-        qr = rms_norm(linear(u, w, f"{p}.wq_a.weight", num), w.float(f"{p}.q_norm.weight"), cfg.norm_eps)
+        qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
         q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
                             self.inv, slots.rope)
         kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight", cfg.norm_eps,

@@ -1,4 +1,4 @@
-"""Row epilogues of V4.1 attention (norm + RoPE, RoPE + FP4 grid, inverse RoPE) in one launch each when the
+"""Row epilogues of V4.1 attention (norm, norm + RoPE, RoPE + FP4 grid, inverse RoPE) in one launch each when the
 model runs the Triton attention ops on 16-bit rows (:mod:`redknot.kernels.triton.step_rope_v41`), else the
 PyTorch math of :mod:`ref_math`. The eager layers and the tensor-only step call the same functions, so a
 graph replay and an eager step compute the same bits.
@@ -58,7 +58,19 @@ def _guarded(fn, *args, **kw) -> Optional[torch.Tensor]:
 
 def _ok(x: torch.Tensor, inv: torch.Tensor, qdq: bool = False) -> bool:
     d = x.shape[-1]
-    return d & (d - 1) == 0 and 2 * inv.shape[0] <= d and (not qdq or d >= 32)
+    return d % 2 == 0 and 2 * inv.shape[0] <= d and (not qdq or (d & (d - 1) == 0 and d >= 32))
+
+
+def norm(x: torch.Tensor, w, name: str, eps: float) -> torch.Tensor:
+    """rms_norm(x, w[name]) (one launch on the fused path)."""
+    if fused(w, x) and x.shape[-1] % 2 == 0:
+        from redknot.kernels.triton.step_rope_v41 import rope_rows
+
+        none = torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device)   # no rotated dims
+        y = _guarded(rope_rows, x, none, none, norm_w=w.float(name), eps=eps)
+        if y is not None:
+            return y
+    return rms_norm(x, w.float(name), eps)
 
 
 def norm_rope(x: torch.Tensor, w, norm: str, eps: float, pos: torch.Tensor, inv: torch.Tensor,

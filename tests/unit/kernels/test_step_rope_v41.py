@@ -51,11 +51,26 @@ def test_norm_then_rope_within_a_bf16_ulp(case, kernel_device):
     assert (got != want).float().mean().item() < 0.05
 
 
+@pytest.mark.parametrize("d,rope", [(80, 0), (96, 16), (1280, 0)])   # widths that are not powers of two
+def test_norm_rows_of_any_even_width(d, rope, kernel_device):
+    x, pos, inv = _inputs(3, 0, d, max(rope, 2), kernel_device, seed=d)
+    inv = inv[:rope // 2]
+    w = (1 + 0.1 * torch.randn(d)).to(torch.bfloat16).float().to(kernel_device)
+    cos, sin = rope_table(pos, inv)
+    got = rope_rows(x, cos, sin, norm_w=w, eps=1e-6).float()
+    want = rms_norm(x, w, 1e-6)
+    want = (apply_rope(want, pos, inv) if rope else want).float()
+    assert ((got - want).abs() / want.abs().clamp(min=1e-2)).max().item() <= 2 ** -7
+    assert (got != want).float().mean().item() < 0.05
+
+
 def test_rope_rows_reject_bad_widths(kernel_device):
-    x = torch.zeros(2, 48, dtype=torch.bfloat16, device=kernel_device)
+    x = torch.zeros(2, 47, dtype=torch.bfloat16, device=kernel_device)
     cos = torch.ones(2, 8, device=kernel_device)
-    with pytest.raises(ValueError, match="last dim 48"):
+    with pytest.raises(ValueError, match="last dim 47"):
         rope_rows(x, cos, cos)
+    with pytest.raises(ValueError, match="last dim 48"):
+        rope_rows(torch.zeros(2, 48, dtype=torch.bfloat16, device=kernel_device), cos, cos, qdq=True)
 
 
 @pytest.mark.gpu
