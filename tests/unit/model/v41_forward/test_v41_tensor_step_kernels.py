@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 import redknot.models.deepseek_v41.tensor_step as ts  # noqa: E402
+from redknot.models.deepseek_v41 import fused_rows  # noqa: E402
 from redknot.kernels import KernelSet  # noqa: E402
 from redknot.models.deepseek_v41.kernel_ops import V41Ops  # noqa: E402
 from redknot.models.deepseek_v41.model import DeepseekV41  # noqa: E402
@@ -145,6 +146,8 @@ def _layer_by_layer(numerics: str, monkeypatch, device: str = "cpu") -> None:
     assert tw.bytes_differ == 0                  # rings, pages and keys: quantised on insert, bit-exact
     assert tw.cand_differ == 0 and tw.cand_layers == 3
     assert tw.topk_equal == tw.topk_rows > 0
+    # the fused mHC sites and row kernels ran (a kernel that fails to build falls back silently)
+    assert ts.fused_mhc(model, out.new_empty(0, dtype=torch.bfloat16)) and not fused_rows._FAILED
 
 
 @pytest.mark.parametrize("numerics", ["bf16", "reference"])
