@@ -219,8 +219,8 @@ class _SiteTorch:
 
 
 class _SiteFused:
-    """The same site in three launches (:mod:`redknot.kernels.triton.step_mhc_v41`); the small fp32
-    weights it reads are converted once (with kept weights ``w.float`` converts on every call)."""
+    """The same site in three launches (:mod:`redknot.kernels.triton.step_mhc_v41`), with the small fp32
+    weights it reads kept contiguous."""
 
     def __init__(self, model):
         self.cfg, self.w = model.cfg, model.w
