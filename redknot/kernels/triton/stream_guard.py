@@ -23,7 +23,9 @@ from redknot.kernels.triton.dequant_mx import qdq_bf16
 R = TypeVar("R")
 DECODE_ERRORS: Dict[str, str] = {}  # decode -> why it is not used on this device
 _CHECKED: Set[str] = set()
-CHECK_TOL = 1e-4  # same exact products, another fp32 summation order: ~1e-6 relative
+# Same exact products, another summation order: ~1e-6 relative in fp32, up to ~1e-4 where FP8 MMAs add a
+# 32-wide group at the tensor cores' reduced accumulation precision; a wrong decode is off by O(1).
+CHECK_TOL = 1e-3
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
