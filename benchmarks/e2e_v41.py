@@ -634,7 +634,8 @@ def main(argv=None) -> dict:
     device = torch.device("cpu" if a.smoke else "cuda")
     if a.smoke:
         torch.set_num_threads(1)   # toy shapes: a second thread only contends with whatever else runs
-        a.prefill, a.chunk, a.parity_tokens, a.decode_steps, a.engram_vocab = "40", 32, 40, 1, 100
+        smoke_prefill = a.prefill if a.prefill != ap.get_default("prefill") else "40"   # toy contexts may be given
+        a.prefill, a.chunk, a.parity_tokens, a.decode_steps, a.engram_vocab = smoke_prefill, 32, 40, 1, 100
         a.decode_batch, a.decode_context = "1,3", "40"
     cfg = cut_config(a.smoke, a.engram_vocab)
     backend = a.backend or ("reference" if a.smoke else "triton")
@@ -681,6 +682,7 @@ def main(argv=None) -> dict:
     from v41_prefill_profile import ChunkFit, cache_bytes, group_regions, region_shares
     fit = ChunkFit()   # per-chunk seconds = a + b * start, over the chunks of the last timed prefill
     for ctx in ctxs:
+        proj = None
         if last is not None:
             proj = fit.prefill(ctx, a.chunk)
             # The untimed warm-up chunks of its new shape classes (one per power of two of the entries,
@@ -722,12 +724,15 @@ def main(argv=None) -> dict:
                "state_slots": nseq, "floor_s": floor, "fraction_of_floor": floor / dt,
                "global_cache_bytes_per_token": b.global_cache_bytes() / ctx, "cache_bytes": cb,
                "window_ring_bytes_per_sequence": sum(w[0].numel() for w in b.state.windows),
-               "chunk_seconds": [[p, round(x, 5)] for p, x in points], "chunk_fit": fit.as_dict()}
+               "chunk_seconds": [[p, round(x, 5)] for p, x in points], "chunk_fit": fit.as_dict(),
+               "projected_s": proj}   # from the previous context's chunk fit (None for the first)
         print(f"prefill {ctx}: {dt:.3f} s ({ctx / dt:.0f} tok/s, {100 * floor / dt:.1f} % of the floor), peak "
               f"{peak:.1f} GiB, global cache {row['global_cache_bytes_per_token']:.1f} B/token (cut expected "
-              f"{cb['expected_cut_bytes_per_token']:.1f}; V4.1-Flash {cb['v41_flash_bytes_per_token'] or 0.0:.1f} of "
-              f"{cb['v41_flash_expected']:.0f}); chunk s = {fit.a:.4f} + {fit.b * 1e6:.4f}e-6 * start "
-              f"(first {points[0][1]:.3f} s, last {points[-1][1]:.3f} s)")
+              f"{cb['expected_cut_bytes_per_token']:.1f}; V4.1-Flash "
+              f"{'n/a' if cb['v41_flash_bytes_per_token'] is None else format(cb['v41_flash_bytes_per_token'], '.1f')} "
+              f"of {cb['v41_flash_expected']:.0f}); chunk s = {fit.a:.4f} + {fit.b * 1e6:.4f}e-6 * start "
+              f"(first {points[0][1]:.3f} s, last {points[-1][1]:.3f} s)"
+              + ("" if proj is None else f"; projected from the previous fit {proj:.2f} s"))
         report["prefill"].append(row)
         last = (ctx, dt)
         if ctx in dctx and batches:
@@ -808,7 +813,8 @@ def write(report: dict, out: str) -> None:
                                   f"({v['worst_shortfall_rel']:.2g})" for v in p["selections"].values()) + " |")
     for p in report["parity"]:
         lines += ["", f"{p['numerics']}: " + ", ".join(f"{k} {v:.3g}" for k, v in sorted(p["errors"].items()))]
-    lines += ["", "## Prefill", "", "| context | s | tok/s | % of floor | peak GiB (above weights) | global cache "
+    lines += ["", "## Prefill", "", "| context | s (projected from the previous context's chunk fit) | tok/s | "
+              "% of floor | peak GiB (above weights) | global cache "
               "B/token (V4.1-Flash scaled) | chunk s: first / last | chunk fit a s + b s/token |",
               "|---|---|---|---|---|---|---|---|"]
     for r in report["prefill"]:
@@ -816,10 +822,13 @@ def write(report: dict, out: str) -> None:
             lines.append(f"| {r['context']} | skipped: {r['skipped']} | | | | | | |")
             continue
         cb, cs, fit = r.get("cache_bytes", {}), r.get("chunk_seconds") or [[0, 0.0]], r.get("chunk_fit", {})
-        lines.append(f"| {r['context']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
+        flash = cb.get("v41_flash_bytes_per_token")
+        flash = "n/a" if flash is None else f"{flash:.1f}"
+        pj = "" if r.get("projected_s") is None else f" ({r['projected_s']:.2f})"
+        lines.append(f"| {r['context']} | {r['seconds']:.3f}{pj} | {r['tokens_per_s']:.0f} | "
                      f"{100 * r['fraction_of_floor']:.1f} | {r['peak_gib']:.1f} "
                      f"({r.get('peak_above_weights_gib', 0.0):.1f}) | {r['global_cache_bytes_per_token']:.1f} "
-                     f"({cb.get('v41_flash_bytes_per_token') or 0.0:.1f}) | {cs[0][1]:.3f} / {cs[-1][1]:.3f} | "
+                     f"({flash}) | {cs[0][1]:.3f} / {cs[-1][1]:.3f} | "
                      f"{fit.get('a_s', 0.0):.4f} + {fit.get('b_s_per_token', 0.0):.3g} |")
     lines += ["", "expected global cache bytes/token for this cut: "
               f"{report['expected_global_cache_bytes_per_token']:.1f} (V4.1-Flash: 890)", "", "## Decode (eager)", "",
