@@ -203,11 +203,11 @@ def main(argv=None) -> int:
 def tuned_choices() -> List[str]:
     """Every problem class the tuners measured, with the launch shape they kept."""
     from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
-    from redknot.kernels.triton.gemm_mx import MX_GEMM_TUNER
+    from redknot.kernels.triton.gemm_mx import LINEAR_DECODE_TUNER, MX_GEMM_TUNER
     from redknot.kernels.triton.indexer_mx import INDEX_MX_TUNER
-    from redknot.kernels.triton.moe_mx import PREFILL_TUNER
+    from redknot.kernels.triton.moe_mx import DECODE_TUNER, PREFILL_TUNER
     out = []
-    for tuner in (MX_GEMM_TUNER, PREFILL_TUNER, ATTN_MX_TUNER, INDEX_MX_TUNER):
+    for tuner in (MX_GEMM_TUNER, PREFILL_TUNER, DECODE_TUNER, LINEAR_DECODE_TUNER, ATTN_MX_TUNER, INDEX_MX_TUNER):
         for key, cfg in tuner.choices.items():
             times = sorted(tuner.timings.get(key, []), key=lambda r: r[1])
             runner = f"; next {times[1][0]} at {times[1][1]:.4f} ms" if len(times) > 1 else ""
@@ -218,7 +218,7 @@ def tuned_choices() -> List[str]:
 
 def comparison_lines(rows: List[Row]) -> List[str]:
     """The before / after table: rows paired by ``key`` (ms and % of floor of each, speed-up)."""
-    from redknot.kernels.triton import splitk_mx, stream_guard
+    from redknot.kernels.triton import stream_guard
     pairs = {}
     for r in rows:
         if r.key:
@@ -228,8 +228,9 @@ def comparison_lines(rows: List[Row]) -> List[str]:
     lines = ["", "## Weight-stream GEMMs: before / after", "",
              "before: split-K with the weight decoded by hand in registers (``decode=registers``), MoE prefill "
              "by the ``grouped`` plan; after: the current defaults (the prefill plan measured "
-             f"fastest); defaults: MoE decode={splitk_mx.DECODE}, dense decode={splitk_mx.DENSE_DECODE}. Decodes "
-             f"refused on this device (build or self-check): {stream_guard.DECODE_ERRORS or 'none'}.", "",
+             "fastest; the weight decode chosen by ``moe_mx.DECODE_TUNER`` / ``gemm_mx.LINEAR_DECODE_TUNER``, "
+             f"see each note). Decodes refused on this device (build or self-check): "
+             f"{stream_guard.DECODE_ERRORS or 'none'}.", "",
              "| case | before ms | before % of floor | after ms | after % of floor | speed-up | after note |",
              "|---|---|---|---|---|---|---|"]
     for key, pair in pairs.items():

@@ -380,7 +380,8 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                     note = _checked("moe_mx", f"T={t}", fn, lambda: want_moe(t, x, idx, wt), 3e-2)
                     run, _, how = _graph_or_eager(fn, device, graph)
                     return _case("moe_mx split-K", f"T={t} {'graph' if graph else 'eager'}", run, t * flops_per_token,
-                                 _moe_bytes(dims, idx), note=f"decode={dec or _default('DECODE')}; {how}; {note}",
+                                 _moe_bytes(dims, idx), note=f"decode={dec or _tuned('moe', _moe_key(weights()))}; "
+                                 f"{how}; {note}",
                                  key=f"moe T={t} {'graph' if graph else 'eager'}", variant=variant)
                 yield f"compare moe T={t} graph={graph} {variant}", build
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
@@ -398,7 +399,7 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                         label = f"{name} M={m} {'graph' if graph else 'eager'}"
                         return _case("linear_mx split-K", label, run, 2 * m * n * k,
                                      m * k * 2 + n * k + ws.numel() + m * n * 2,
-                                     note=f"decode={dec or _default('DENSE_DECODE')}; {how}; {note}",
+                                     note=f"decode={dec or _tuned('linear', (tuple(w.shape), 32))}; {how}; {note}",
                                      key=f"linear {label}", variant=variant)
                     yield f"compare linear {name} M={m} graph={graph} {variant}", build
     plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
@@ -442,9 +443,15 @@ STREAM_VARIANTS = [("scaled in-kernel QDQ", dict(SCALED_RAW_MAX_ROWS=128)),
                    ("fp8 MMA in-kernel quant", dict(FP8_INKERNEL_QUANT_MAX_ROWS=128))]
 
 
-def _default(name: str) -> str:
-    from redknot.kernels.triton import splitk_mx
-    return getattr(splitk_mx, name)
+def _tuned(which: str, key) -> str:
+    """The decode a tuner chose for ``key`` (or what runs untimed)."""
+    from redknot.kernels.triton import gemm_mx, moe_mx
+    tuner = moe_mx.DECODE_TUNER if which == "moe" else gemm_mx.LINEAR_DECODE_TUNER
+    return str(tuner.choices.get(key, f"{tuner.candidates[0]} (untimed)"))
+
+
+def _moe_key(w):
+    return tuple(w[0].shape), tuple(w[4].shape)
 
 
 def stream_variant_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:

@@ -282,15 +282,23 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
     return out
 
 
+# The dense decode streams' weight decode, measured per weight shape on the first call on a GPU (``fp8``
+# first: taken untimed off the GPU, under graph capture or with tuning off).
+LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers"])
+
+
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
                    out: torch.Tensor, decode: Optional[str] = None) -> torch.Tensor:
-    """Split-K weight stream (``splitk_mx``) and the slice reduction. ``scaled`` / ``fp8``: activations
+    """Split-K weight stream (``splitk_mx``) and the slice reduction (``decode`` None: ``LINEAR_DECODE_TUNER``'s
+    choice). ``scaled`` / ``fp8``: activations
     quantised by a separate pass (each program would otherwise repeat the amax work for 16+ padded rows
     per weight tile), one row tile of up to 128 rows (each row tile reads the whole weight)."""
     from redknot.kernels.triton import splitk_mx, stream_guard
     from redknot.kernels.triton.dequant_mx import qdq_bf16
-    decode = decode or splitk_mx.DENSE_DECODE
     rows = x2.shape[0]
+    if decode is None:  # measured per weight shape (not per row count: rows stay batch-invariant)
+        decode = LINEAR_DECODE_TUNER.pick((tuple(weight.shape), block), lambda d: _linear_splitk(
+            x2, weight, ws, block, out, d), x2.device)
 
     def run(dec: str) -> torch.Tensor:
         if dec == "registers":
@@ -313,7 +321,7 @@ def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
     ``path``: ``splitk`` (weight stream, decode), ``dequant`` (bf16 weight chunks + library GEMM,
     prefill), ``fused`` (the FP8-MMA kernel above), ``auto`` by row count (``linear_path``). ``decode``:
-    the split-K weight decode (``splitk_mx.DECODES``; None: ``splitk_mx.DECODE``)."""
+    the split-K weight decode (``splitk_mx.DECODES``; None: measured per weight shape)."""
     if act_group != 32:
         raise ValueError(f"linear_mx: act_group={act_group}: the Triton kernel quantises activations per 32")
     if block % 32:

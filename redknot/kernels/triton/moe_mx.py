@@ -11,8 +11,9 @@ hand decode, adds a tile-map launch and quantises x inside the W1 | W3 kernel up
 
 ``moe_prefill`` (many rows per expert) runs the plan ``PREFILL_TUNER`` measured fastest per token-count
 class: ``tiled``, the split-K kernel as a plain grouped GEMM (FP4 decoded in registers, one K slice,
-larger row tiles; no expert is decoded to memory and untouched experts are never read), or ``moe_grouped``: experts decoded ``CHUNK_EXPERTS`` at a time into a bf16 scratch
-(``e2m1 · 2^s`` is exact in bf16) and multiplied by ``torch._grouped_mm`` (a library grouped GEMM, fp32
+larger row tiles; no expert is decoded to memory and untouched experts are never read), or
+``moe_grouped``: experts decoded ``CHUNK_EXPERTS`` at a time into a bf16 scratch (``e2m1 · 2^s`` is
+exact in bf16) and multiplied by ``torch._grouped_mm`` (a library grouped GEMM, fp32
 accumulation) against token rows that hold their exact per-32 FP8 QDQ values in bf16. Only the
 summation order differs from the reference. Each chunk's rows are gathered into a chunk buffer by a
 kernel that reads the chunk's row range from the device offsets, so the host never learns the routing
@@ -61,6 +62,11 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("tiled", 64, 128, 128, 4, True),
 ])
 # Measured and dropped (H200, 8192 tokens): the ``registers`` tiled plan, 28.2 ms against 22.2 ms grouped.
+
+
+# The decode streams' weight decode, measured per weight shape on the first call on a GPU (``scaled``
+# first: taken untimed off the GPU, under graph capture or with tuning off).
+DECODE_TUNER = ConfigTuner("moe_mx_decode", [splitk_mx.DECODE, "registers"])
 
 
 # Pairs (T·k) up to which one routing kernel replaces the sort and its companions (decode batches).
@@ -148,9 +154,13 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
                plan: MoePlan = None, decode: Optional[str] = None):
     """``moe_mx`` as split-K weight streams (see the module docstring); with a ``tiled`` plan the same
     kernels run as plain grouped GEMMs (one K slice, larger row tiles) for prefill. ``decode``: how the
-    GEMMs decode the FP4 weights (``splitk_mx.DECODES``; None: the plan's, else ``splitk_mx.DECODE``)."""
-    decode = decode or (plan.decode if plan is not None else None) or splitk_mx.DECODE
+    GEMMs decode the FP4 weights (``splitk_mx.DECODES``; None: the plan's, else ``DECODE_TUNER``'s
+    measured choice per weight shape)."""
+    decode = decode or (plan.decode if plan is not None else None)
     args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit, plan)
+    if decode is None:
+        key = (tuple(w1.shape), tuple(w2.shape))  # not the token count: a token's bits stay batch-invariant
+        decode = DECODE_TUNER.pick(key, lambda d: moe_splitk(*args[:-1], decode=d), x.device)
     if decode != "registers":
         return stream_guard.with_fallback(x.device, decode, lambda: _moe_splitk(*args, decode),
                                           lambda: _moe_splitk(*args, "registers"))

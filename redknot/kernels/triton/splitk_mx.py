@@ -18,16 +18,17 @@ The slice count depends only on the weight shape (N, K) up to ``SPLIT_MAX_ROWS``
 are fixed at 16 rows, so there a row's result does not depend on how many other rows share the call
 (batch invariance within this path; a dense stream's row tile grows with the rows, which changes the
 MMA's width, not any row's products or their order).
-Three ways to decode the weight tile (``decode``; ``stream_guard`` checks the fast ones on first use):
+Three ways to decode the weight tile (``decode``; ``stream_guard`` checks the fast ones on first use, and
+the callers' tuners time them per weight shape on the first call):
 
-* ``scaled`` (default for MXFP4): ``tl.dot_scaled`` with the packed weight as its first operand (E2M1 or E4M3
+* ``scaled`` (preferred for MXFP4): ``tl.dot_scaled`` with the packed weight as its first operand (E2M1 or E4M3
   with the E8M0 scales of its 32-wide K groups) and the QDQ'd bf16 activation rows as the second. On
   SM90 Triton lowers it to a packed FP4 / FP8 -> bf16 conversion (a few byte-permute instructions per 8
   values), one bf16 multiply by the power-of-two scale (exact) and a bf16 MMA with the decoded weight
   in registers. A decode step is a weight stream, so the integer work per weight element is what the
   stream costs: the ``registers`` decode spends ~17 integer operations per FP4 value, about a tenth of
   HBM speed at the H200's integer rate; this one ~2-3.
-* ``fp8`` (default for FP8 weights; MXFP4 ones run ``scaled``): no weight conversion at all, FP8 MMA per 32-wide
+* ``fp8`` (preferred for FP8 weights; MXFP4 ones run ``scaled``): no weight conversion at all, FP8 MMA per 32-wide
   K group with both scales applied to its result (``stream_fp8``); the activations quantised first.
 * ``registers``: the earlier hand decode (nibble masks, exponent bits, fp32 scale multiply). Packed
   FP4 weights hold element 2i in the low nibble and 2i+1 in the high one; instead of interleaving the
@@ -71,9 +72,9 @@ FP8_INKERNEL_QUANT_MAX_ROWS = 0
 # Launch shape of a ``scaled`` stream when the caller gives none: weight columns per program, K step.
 SCALED_BLOCK_N = 64
 SCALED_BLOCK_K = 128
-# The default decode (``decode=None``) of MoE streams and of dense linears; see the module docstring.
+# The preferred decode of MXFP4 streams (``moe_mx.DECODE_TUNER``'s first candidate; dense FP8 streams:
+# ``gemm_mx.LINEAR_DECODE_TUNER``); see the module docstring.
 DECODE = "scaled"
-DENSE_DECODE = "fp8"
 
 
 @triton.jit
