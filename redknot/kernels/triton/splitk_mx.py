@@ -433,7 +433,6 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     return (p, p3) if dual else p
 
 
-
 @triton.jit
 def _reduce_rows(p_ptr, out_ptr, M, N, S, stride_ps, stride_pm, stride_om, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
