@@ -35,6 +35,8 @@ MODEL_FUNCTIONS = (
                                                "attend_spans", "index_spans", "grouped_output")),
     ("redknot.models.deepseek_v41.moe", ("route", "swiglu_expert", "linear")),
     ("redknot.models.deepseek_v41.engram", ("table_rows", "linear", "engram_gate")),
+    # the attention row epilogues (norms, RoPE, the indexer query's FP4 grid), fused or PyTorch
+    ("redknot.models.deepseek_v41.fused_rows", ("norm", "norm_rope", "rope")),
 )
 METHODS = (("redknot.models.deepseek_v41.attention", "AttentionLayer", ("__call__", "_compress", "_index")),
            ("redknot.models.deepseek_v41.model", "DeepseekV41", ("_hashes",)),
@@ -43,7 +45,7 @@ METHODS = (("redknot.models.deepseek_v41.attention", "AttentionLayer", ("__call_
            ("redknot.models.deepseek_v41.tensor_step", "_SiteTorch", ("pre", "post")))
 SHORT = {"redknot.models.deepseek_v41.model": "model", "redknot.models.deepseek_v41.attention": "attention",
          "redknot.models.deepseek_v41.moe": "moe", "redknot.models.deepseek_v41.engram": "engram",
-         "redknot.models.deepseek_v41.tensor_step": "mhc"}
+         "redknot.models.deepseek_v41.tensor_step": "mhc", "redknot.models.deepseek_v41.fused_rows": "rows"}
 LINEARS = ("linear", "plain_linear")
 
 
@@ -174,10 +176,10 @@ def group_regions(rows: Sequence[dict]) -> List[dict]:
             g = "registry ops"
         elif ".hc_" in name or "._Site" in name:
             g = "mHC sites (mixes, lagged collapse + norm, post mix)"
-        elif name.endswith("rms_norm"):
+        elif name.endswith("rms_norm") or name == "rows.norm":
             g = "RMS norms"
-        elif name.endswith(("apply_rope", "index_qdq")):
-            g = "RoPE and the indexer's query QDQ"
+        elif name.endswith(("apply_rope", "index_qdq")) or name.startswith("rows."):
+            g = "RoPE (+ norms) of q, kv, output, and the indexer query's FP4 grid"
         elif "linear" in name or "swiglu_expert" in name or "grouped_output" in name:
             g = "linears outside the registry (wo_a einsum, bf16/fp32 projections, SwiGLU glue)"
         elif "_compress" in name:
