@@ -88,6 +88,25 @@ def test_the_chunk_selection_breaks_ties_to_the_lower_id():
     assert int((got[1] >= 0).sum()) == 5
 
 
+def _lower_first_in(q, w, keys, vis, k, cand, bs, bf16):
+    """The model's selection inside candidate blocks: scores outside them -inf, equal scores to the lower id
+    (``ref_v41``'s torch.topk leaves ties open, so it is the wrong oracle for an exact comparison)."""
+    n = keys.shape[0]
+    s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
+    nb = -(-n // bs)
+    allowed = torch.zeros(q.shape[0], nb + 1, dtype=torch.bool)
+    allowed.scatter_(1, torch.where(cand >= 0, cand.long(), nb), True)
+    ok = allowed[:, :nb].repeat_interleave(bs, 1)[:, :n] & (torch.arange(n)[None] < vis.long()[:, None])
+    s = s.masked_fill(~ok, float("-inf"))
+    kk = min(k, n)
+    ids = topk_ids(s, kk)
+    ids = torch.where(s.gather(1, ids) > float("-inf"), ids, -1)
+    big = torch.iinfo(torch.int32).max
+    ids = torch.where(ids < 0, big, ids).sort(1).values
+    ids = torch.where(ids == big, -1, ids)
+    return torch.cat([ids, ids.new_full((ids.shape[0], k - kk), -1)], 1).int()
+
+
 def _block_maxima(q, w, keys, vis, bs, bf16):
     n = keys.shape[0]
     s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
@@ -138,7 +157,7 @@ def test_the_selection_inside_candidate_blocks(t, n, path, bf16):
     cand[0, ::3] = -1
     if t > 1:
         cand[1] = -1
-    want = ref_v41.indexer_topk_mx(q, w, keys, vis, 16, cand, bs, bf16)
+    want = _lower_first_in(q, w, keys, vis, 16, cand, bs, bf16)
     got = indexer_mx.indexer_topk_mx(q, w, keys, vis, 16, cand, bs, bf16, cand_path=path)
     assert torch.equal(got, want)
 
@@ -188,7 +207,18 @@ def test_the_candidate_stream_with_either_decode(decode):
     g = torch.Generator().manual_seed(2)
     cand = torch.stack([torch.randperm(63, generator=g)[:24] for _ in range(5)]).int()
     cand[2, 5:] = -1
-    want = ref_v41.indexer_topk_mx(q, w, keys, vis, 16, cand, 8, True)
+    want = _lower_first_in(q, w, keys, vis, 16, cand, 8, True)
     got = indexer_mx.stream_topk(q, w, keys, vis, 16, True, config=indexer_mx.StreamConfig(decode=decode),
                                  block_size=8, cand_blocks=cand)
+    assert torch.equal(got, want)
+
+
+def test_a_decode_token_splits_its_candidate_list():
+    """One token (decode) with a long candidate list: the list is split over programs and merged (these
+    inputs tie at the cut score: the lower entry must win)."""
+    q, w, keys, vis = _inputs(1, 2000, seed=8)
+    g = torch.Generator().manual_seed(9)
+    cand = torch.randperm(250, generator=g)[:200].int()[None]
+    want = _lower_first_in(q, w, keys, vis, 16, cand, 8, True)
+    got = indexer_mx.indexer_topk_mx(q, w, keys, vis, 16, cand, 8, True, cand_path="stream")
     assert torch.equal(got, want)
