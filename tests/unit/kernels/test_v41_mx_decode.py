@@ -1,9 +1,11 @@
 """The in-register decodes of the V4.1 cache rows (Triton interpreter) equal the byte formats' PyTorch
 unpacking bit for bit: compressed entries (packed e2m1, e4m3 per 16) and index keys (packed e2m1, E8M0 per
 32) through the fp16 route of ``quant_mx.e2m1_half``, window rows (e4m3, E8M0 per 32) -- every code of both
-signs, zero and tiny scales, all-zero rows, random bytes (every scale byte the formats can hold)."""
+signs, zero and tiny scales, all-zero rows, random bytes (every scale byte the formats can hold); and the
+prefill-only attention launch shapes against the reference attention (toy sizes; real sizes with -m gpu)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -83,3 +85,22 @@ def test_the_prefill_only_attention_shapes_match_the_reference(kernel_device):
     for cfg in extra:
         got = attention_mx.sparse_attention_mx(q, win, widx, sinks, 0.125, comp, cidx, config=cfg).float()
         assert float((got - want).norm() / want.norm()) < 2e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefill_attention_at_real_size_on_the_gpu():
+    """A prefill-sized call (2048 queries: the prefill tuner, every shape it times) at V4.1 sizes (64 heads
+    x 512, 128 window rows, 512 compressed entries) on fresh random inputs against the reference, and each
+    prefill launch shape on its own."""
+    from redknot.kernels import ref_v41
+    from redknot.kernels.triton import attention_mx
+    from redknot.kernels.triton.checks_mx import REAL_V41, attention_inputs
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    q, win, widx, comp, cidx, sinks = attention_inputs(REAL_V41, "cuda", seed=seed, tokens=2048)
+    scale = REAL_V41.latent ** -0.5
+    want = ref_v41.sparse_attention_mx(q, win, widx, sinks, scale, comp, cidx).float()
+    for cfg in [None] + list(attention_mx.ATTN_MX_PREFILL_TUNER.candidates):
+        got = attention_mx.sparse_attention_mx(q, win, widx, sinks, scale, comp, cidx, config=cfg).float()
+        assert float((got - want).norm() / want.norm()) < 1e-2, (cfg, seed)
