@@ -197,13 +197,17 @@ def count_launches(batch: int = 1) -> dict:
         finally:
             state["region"] = old
 
-    ranges = ts.region
+    ranges = getattr(ts, "region", None)     # (a step without ranges counts everything outside them)
     interp.GridExecutor.__call__, ts.region = counted, region
     try:
         with Count():
             ts.tensor_forward(model, step, b.state)
     finally:
-        interp.GridExecutor.__call__, ts.region = run, ranges
+        interp.GridExecutor.__call__ = run
+        if ranges is None:
+            del ts.region
+        else:
+            ts.region = ranges
     return {"layers": cfg.n_layers, "batch": batch, "launches": sum(regions.values()),
             "by_region": dict(regions.most_common()), "by_op": dict(ops.most_common())}
 
