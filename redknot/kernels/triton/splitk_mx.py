@@ -73,6 +73,10 @@ FP8_INKERNEL_QUANT_MAX_ROWS = 0
 # Launch shape of a ``scaled`` stream when the caller gives none: weight columns per program, K step.
 SCALED_BLOCK_N = 64
 SCALED_BLOCK_K = 128
+# K steps per slice at least (``scaled`` / ``fp8``): with the cheap decodes a program is a load pipeline,
+# which fills and drains once per slice; at decode batches of 32+ the live expert tiles alone fill the
+# device, and longer slices also halve the fp32 partials (``registers`` keeps 4).
+SCALED_MIN_STEPS = 8
 # The preferred decode of MXFP4 streams (``moe_mx.DECODE_TUNER``'s first candidate; dense FP8 streams:
 # ``gemm_mx.LINEAR_DECODE_TUNER``); see the module docstring.
 DECODE = "scaled"
@@ -217,12 +221,12 @@ def block_k_for(K: int, w_fp4: bool, block_k: int = 0) -> int:
     return bk
 
 
-def split_count(N: int, K: int, block_n: int, block_k: int) -> int:
+def split_count(N: int, K: int, block_n: int, block_k: int, min_steps: int = 4) -> int:
     """K slices for an [N, K] weight: enough programs for the device from the column tiles alone, each
-    slice at least 4 K steps (a program's load pipeline fills and drains once per slice). A function of
-    the weight shape only (batch invariance)."""
+    slice at least ``min_steps`` K steps (a program's load pipeline fills and drains once per slice). A
+    function of the weight shape only (batch invariance)."""
     n_tiles = cdiv(N, block_n)
-    return max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (4 * block_k)))
+    return max(1, min(cdiv(TARGET_PROGRAMS, n_tiles), K // (min_steps * block_k)))
 
 
 @triton.jit
@@ -294,7 +298,8 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     scaled = decode != "registers"
     block_n = block_n or (SCALED_BLOCK_N if scaled else 64)
     bk = block_k_for(K, w_fp4, block_k or (SCALED_BLOCK_K if scaled else 0))
-    S = splits or (split_count(N, K, block_n, bk) if rows <= SPLIT_MAX_ROWS else 1)
+    steps = SCALED_MIN_STEPS if scaled else 4
+    S = splits or (split_count(N, K, block_n, bk, steps) if rows <= SPLIT_MAX_ROWS else 1)
     ksplit = cdiv(cdiv(K, S), bk) * bk
     S = cdiv(K, ksplit)
     dual = w3 is not None
