@@ -60,6 +60,7 @@ class Twins:
 
     def __init__(self, monkeypatch):
         self.attn_err, self.bytes_differ, self.topk_rows, self.topk_equal, self.cand_differ = 0.0, 0, 0, 0, 0
+        self.all_differ = 0   # bytes differing anywhere, spare slot / block included (see _bytes)
         self.calls = {"attend": 0, "compress": 0, "index": 0}
         self.mp = monkeypatch
         self.scores = None
@@ -81,9 +82,16 @@ class Twins:
             return fn(*args)
 
     def _bytes(self, a, b):
-        for x, y in zip(a.tensors(), b.tensors()):
+        """Cache bytes of the real requests: every slot but the spare one, every block but the spare one.
+        The spare slot and block are scratch that several rows of one step store into (padding rows,
+        every ratio-2 row whose group does not close) and no request reads; on a GPU which of those
+        concurrent stores lands is unspecified, so they are counted apart, not compared."""
+        for x, y in zip(_real_state(None, a), _real_state(None, b)):
             if x.dtype == torch.uint8:
                 self.bytes_differ += int((x != y).sum())
+        for x, y in zip(a.tensors(), b.tensors()):
+            if x.dtype == torch.uint8:
+                self.all_differ += int((x != y).sum())
 
     def attend(self, layer, q, kv, rows, state, topk):
         self.calls["attend"] += 1
@@ -143,7 +151,8 @@ def _layer_by_layer(numerics: str, monkeypatch, device: str = "cpu") -> None:
         b.advance(chunks)
     assert tw.calls["attend"] == 3 * model.cfg.n_layers and tw.calls["index"] > 0 and tw.calls["compress"] > 0
     assert tw.attn_err < 1.5e-2, tw.attn_err     # bf16 probabilities before PV, bf16 output
-    assert tw.bytes_differ == 0                  # rings, pages and keys: quantised on insert, bit-exact
+    # rings, pages and keys of the requests: quantised on insert, bit-exact
+    assert tw.bytes_differ == 0, (tw.bytes_differ, "in the spare slot / block:", tw.all_differ - tw.bytes_differ)
     assert tw.cand_differ == 0 and tw.cand_layers == 3
     assert tw.topk_equal == tw.topk_rows > 0
     # the fused mHC sites and row kernels ran (a kernel that fails to build falls back silently)
