@@ -289,10 +289,10 @@ LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registe
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
                    out: torch.Tensor, decode: Optional[str] = None) -> torch.Tensor:
-    """Split-K weight stream (``splitk_mx``) and the slice reduction (``decode`` None: ``LINEAR_DECODE_TUNER``'s
-    choice). ``scaled`` / ``fp8``: activations
-    quantised by a separate pass (each program would otherwise repeat the amax work for 16+ padded rows
-    per weight tile), one row tile of up to 128 rows (each row tile reads the whole weight)."""
+    """Split-K weight stream (``splitk_mx``) and the slice reduction; ``decode`` None: the choice of
+    ``LINEAR_DECODE_TUNER``. ``scaled`` / ``fp8``: activations quantised by a separate pass (each program
+    would otherwise repeat the amax work for 16+ padded rows per weight tile), one row tile of up to 128
+    rows (each row tile reads the whole weight)."""
     from redknot.kernels.triton import splitk_mx, stream_guard
     from redknot.kernels.triton.dequant_mx import qdq_bf16
     rows = x2.shape[0]
