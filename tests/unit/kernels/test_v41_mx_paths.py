@@ -264,6 +264,7 @@ def test_self_check_passes_and_detects_a_wrong_decode(decode, kernel_device, mon
     from redknot.kernels.triton import stream_guard
     device = torch.device(kernel_device)
     assert stream_guard.self_check(decode, device) is None
+    assert stream_guard.self_check("registers", device) is None  # the comparison itself
     real = splitk_mx.splitk_mm
 
     def off_by_one_scale(a, w, ws, *args, **kw):
