@@ -251,7 +251,12 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -
         del graph, out
     except RuntimeError as exc:   # capture refused (a host sync in a routed op) or out of memory
         return {"graph": f"failed: {str(exc).splitlines()[0][:200]}"}
-    prof = step_profile(lambda: tensor_forward(b.model, step, b.state), device) if profile else None
+    prof = None
+    if profile:
+        try:
+            prof = step_profile(lambda: tensor_forward(b.model, step, b.state), device)
+        except Exception as exc:   # noqa: BLE001  (a profiler API difference must not cost the timings)
+            prof = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     return {"graph": "captured" if device.type == "cuda" else "tensor-only step, not captured (CPU)",
             "graph_ms_per_step": ms, "graph_rel_err": rel, **({"step_profile": prof} if prof else {})}
 
@@ -847,6 +852,8 @@ def write(report: dict, out: str) -> None:
             lines.append(f"| {r['context']} | {r['batch']} (graph) | {r['graph']} | | |")
     for r in report["decode"]:
         prof = r.get("step_profile")
+        if prof and "error" in prof:
+            lines += ["", f"tensor step profile, decode b{r['batch']} at {r['context']}: failed ({prof['error']})"]
         if not prof or "by_region" not in prof:
             continue
         cov = "" if prof["coverage"] is None else f", {100 * prof['coverage']:.0f} % of the device time seen"
