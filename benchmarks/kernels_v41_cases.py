@@ -348,9 +348,10 @@ def _graph_or_eager(fn, device, graph: bool):
 def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
     """Before / after pairs of the weight-stream GEMMs: each case once with the split-K kernels' earlier
     weight decode (``decode="registers"``: nibble masks and fp32 scale multiplies in registers, activations
-    quantised inside the kernel up to 128 rows, 16-row tiles) and once with the default (``scaled``:
-    ``tl.dot_scaled``), eager and replayed from CUDA graphs; then the MoE prefill plans (``grouped``, the
-    earlier default, against the measured choice over all plans). Each row is checked against ``ref_v41``
+    quantised inside the kernel up to 128 rows, 16-row tiles) and once with the defaults (the decode the
+    tuners measure fastest per weight shape: ``scaled`` / ``fp8`` / ``registers``), eager and replayed
+    from CUDA graphs: MoE decode batches, the MoE prefill plan (``grouped``, the earlier default, against
+    the measured choice over all plans), then the dense linears. Each row is checked against ``ref_v41``
     on its own inputs first. Rows carry ``key`` / ``variant`` so the report pairs them."""
     from redknot.kernels.triton import moe_mx as fast_moe
     prefill, decode = _sizes(dims, smoke)
@@ -384,6 +385,18 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                                  f"{how}; {note}",
                                  key=f"moe T={t} {'graph' if graph else 'eager'}", variant=variant)
                 yield f"compare moe T={t} graph={graph} {variant}", build
+    plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
+    for variant, plan in plans:
+        def build(variant=variant, plan=plan):
+            x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
+            fn = lambda: fast_moe.moe_prefill(x, idx, wt, *weights(), 10.0, plan=plan)  # noqa: E731
+            note = _checked("moe_mx", f"T={prefill}", fn, lambda: want_moe(prefill, x, idx, wt), 3e-2)
+            chosen = plan or fast_moe.PREFILL_TUNER.choices.get(
+                (min(1 << (prefill - 1).bit_length(), 65536), dims.topk_experts, tuple(weights()[0].shape),
+                 tuple(weights()[4].shape)), "measured choice")
+            return _case("moe_mx prefill", f"T={prefill}", fn, prefill * flops_per_token, _moe_bytes(dims, idx),
+                         note=f"plan {chosen}; {note}", key=f"moe prefill T={prefill}", variant=variant)
+        yield f"compare moe prefill {variant}", build
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
     for name, n, k in shapes:
         for m in decode:
@@ -402,18 +415,6 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                                      note=f"decode={dec or _tuned('linear', (tuple(w.shape), 32))}; {how}; {note}",
                                      key=f"linear {label}", variant=variant)
                     yield f"compare linear {name} M={m} graph={graph} {variant}", build
-    plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
-    for variant, plan in plans:
-        def build(variant=variant, plan=plan):
-            x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
-            fn = lambda: fast_moe.moe_prefill(x, idx, wt, *weights(), 10.0, plan=plan)  # noqa: E731
-            note = _checked("moe_mx", f"T={prefill}", fn, lambda: want_moe(prefill, x, idx, wt), 3e-2)
-            chosen = plan or fast_moe.PREFILL_TUNER.choices.get(
-                (min(1 << (prefill - 1).bit_length(), 65536), dims.topk_experts, tuple(weights()[0].shape),
-                 tuple(weights()[4].shape)), "measured choice")
-            return _case("moe_mx prefill", f"T={prefill}", fn, prefill * flops_per_token, _moe_bytes(dims, idx),
-                         note=f"plan {chosen}; {note}", key=f"moe prefill T={prefill}", variant=variant)
-        yield f"compare moe prefill {variant}", build
 
 
 class _Knobs:
