@@ -26,8 +26,9 @@ Token chunks bound every score scratch to ``max_scratch_bytes``.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Hashable, Optional
 
 import torch
 import triton
@@ -38,6 +39,7 @@ from redknot.kernels.triton.indexer import _EMPTY, _compact, _indexer_merge, _pa
 from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
 
 MAX_SCRATCH_BYTES = 1 << 30
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -204,6 +206,32 @@ STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
 STREAM_TUNE_TOKENS, STREAM_TUNE_ENTRIES = 1 << 10, 1 << 16
 
 
+SCALED_CHECKED: Dict[Hashable, bool] = {}   # tuning class -> the scaled decode selected what registers did
+
+
+def _check_scaled(key, config: StreamConfig, q, weights, index_keys, visible, topk, bf16_scores, block_scores,
+                  block_size, cand_blocks) -> StreamConfig:
+    """First use of a ``scaled`` choice in a tuning class: its selections (and block maxima) must equal the
+    fastest register-decode shape's on the same inputs, bit for bit (both decodes are exact); otherwise
+    the class falls back to that shape for good (a lowering of ``tl.dot_scaled`` that disagrees)."""
+    regs = [c for c, _ in sorted(STREAM_TUNER.timings.get(key, []), key=lambda r: r[1]) if c.decode == "registers"]
+    fallback = regs[0] if regs else STREAM_TUNER.candidates[0]
+    outs = []
+    for cfg in (config, fallback):
+        bm = None if block_scores is None else torch.full_like(block_scores, float("-inf"))
+        outs.append((stream_topk(q, weights, index_keys, visible, topk, bf16_scores, cfg, bm, block_size,
+                                 cand_blocks), bm))
+    (a, bma), (b, bmb) = outs
+    same = torch.equal(a, b) and (bma is None or torch.equal(bma, bmb))
+    SCALED_CHECKED[key] = same
+    if not same:
+        log.warning("indexer_stream_mx %s: the scaled key decode selected differently from the register decode; "
+                    "using %s", key, fallback)
+        STREAM_TUNER.choices[key] = fallback
+        return fallback
+    return config
+
+
 def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor, topk: int,
                 bf16_scores: bool = False, config: Optional[StreamConfig] = None,
                 block_scores: Optional[torch.Tensor] = None, block_size: int = 8,
@@ -230,6 +258,9 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
                block_scores is not None, cand_blocks is not None)
         config = STREAM_TUNER.pick(key, lambda cfg: stream_topk(q, weights, index_keys, visible, topk, bf16_scores,
                                                                cfg, block_scores, block_size, cand_blocks), q.device)
+        if config.decode == "scaled" and key not in SCALED_CHECKED:
+            config = _check_scaled(key, config, q, weights, index_keys, visible, topk, bf16_scores, block_scores,
+                                   block_size, cand_blocks)
     if config.decode not in ("registers", "scaled"):
         raise ValueError(f"stream_topk: decode={config.decode!r} must be 'registers' or 'scaled'")
     if block_scores is not None and cand_blocks is not None:

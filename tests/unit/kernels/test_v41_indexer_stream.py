@@ -222,3 +222,23 @@ def test_a_decode_token_splits_its_candidate_list():
     want = _lower_first_in(q, w, keys, vis, 16, cand, 8, True)
     got = indexer_mx.indexer_topk_mx(q, w, keys, vis, 16, cand, 8, True, cand_path="stream")
     assert torch.equal(got, want)
+
+
+def test_a_scaled_decode_that_disagrees_falls_back_to_the_register_decode(monkeypatch):
+    """The first use of a tuned ``scaled`` shape compares its selections with the register decode's: equal
+    (the real kernels) keeps it; a disagreement (injected into the scaled runs) makes the class fall back."""
+    q, w, keys, vis = _inputs(5, 300, seed=1)
+    scaled = indexer_mx.StreamConfig(4, 64, 8, decode="scaled")
+    bm = torch.full((5, 38), float("-inf"))
+    assert indexer_mx._check_scaled("same", scaled, q, w, keys, vis, 16, True, bm, 8, None) == scaled
+    real = indexer_mx.stream_topk
+
+    def broken(*a, **kw):
+        out = real(*a, **kw)
+        cfg = a[6] if len(a) > 6 else kw.get("config")
+        return out.flip(1) if cfg is not None and cfg.decode == "scaled" else out
+    monkeypatch.setattr(indexer_mx, "stream_topk", broken)
+    monkeypatch.setattr(indexer_mx.STREAM_TUNER, "choices", {})
+    got = indexer_mx._check_scaled("broken", scaled, q, w, keys, vis, 16, True, bm, 8, None)
+    assert got.decode == "registers" and indexer_mx.STREAM_TUNER.choices["broken"] == got
+    assert indexer_mx.SCALED_CHECKED["broken"] is False
