@@ -10,7 +10,7 @@ from redknot.kernels import mx_formats as mx
 from redknot.kernels import ref_v41 as ref
 from redknot.kernels.triton import ops_mx as fast
 from redknot.kernels.triton.gemm_mx import linear_mx, linear_path, moe_mx, moe_path
-from redknot.kernels.triton.checks_mx import V41Dims, moe_graph, moe_inputs
+from redknot.kernels.triton.checks_mx import V41Dims, capture_graph, moe_graph, moe_inputs
 
 # (name, N, K) of the dense FP8 linears of a V4.1 layer (§4.2)
 LINEARS = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_b", 5120, 8192),
@@ -78,28 +78,13 @@ def linear_cases(dims: V41Dims, device, smoke: bool, extras: bool = False) -> It
                        lambda a=(device, name, n, k, m): _linear_graph_case(*a))
 
 
-def _capture(fn):
-    """``fn`` captured in a CUDA graph after a warm-up on a side stream: (graph, its output)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 def _linear_graph_case(device, name: str, n: int, k: int, m: int):
     """A decode linear replayed from a CUDA graph (launch overhead gone, as in the engine's decode)."""
     g = torch.Generator(device=device).manual_seed(m + n + 1)
     w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
     x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
     eager = linear_mx(x, w, ws, 32)
-    graph, out = _capture(lambda: linear_mx(x, w, ws, 32))
+    graph, out = capture_graph(lambda: linear_mx(x, w, ws, 32))
     return _case("linear_mx (CUDA graph)", f"{name} M={m} b=32 {linear_path(m)}", graph.replay, 2 * m * n * k,
                  m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"graph output == eager: {torch.equal(out, eager)}")
 
@@ -341,7 +326,7 @@ def _graph_or_eager(fn, device, graph: bool):
     if not graph:
         return fn, fn(), "eager"
     eager = fn()
-    g, out = _capture(fn)
+    g, out = capture_graph(fn)
     return g.replay, out, f"graph output == eager: {bool(torch.equal(out, eager))}"
 
 

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
 from redknot.kernels.triton import gemm_mx  # noqa: E402
-from redknot.kernels.triton.checks_mx import REAL_V41, moe_graph, moe_inputs  # noqa: E402
+from redknot.kernels.triton.checks_mx import REAL_V41, moe_batch, moe_graph, moe_inputs  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -26,11 +26,7 @@ def moe_weights():
 
 
 def _moe_batch(t, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(t, REAL_V41.hidden, generator=g, device="cuda").to(torch.bfloat16)
-    idx = torch.rand(t, REAL_V41.experts, generator=g, device="cuda").topk(REAL_V41.topk_experts, -1).indices
-    wt = torch.rand(t, REAL_V41.topk_experts, generator=g, device="cuda") + 0.1
-    return x, idx, wt
+    return moe_batch(REAL_V41, t, seed, "cuda")
 
 
 @pytest.mark.parametrize("n,k", [(5120, 8192), (32768, 1280), (512, 5120)], ids=["wo_b", "wq_b", "wkv"])

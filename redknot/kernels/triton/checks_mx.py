@@ -122,22 +122,39 @@ def moe_inputs(dims: V41Dims, device, seed: int = 0, tokens: int = 0):
     return x, topk_idx, topk_w, ws
 
 
-def moe_graph(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w: List[torch.Tensor], limit: float = 10.0
-              ) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor, torch.Tensor]:
-    """``moe_mx`` captured in a CUDA graph and replayed once: (graph, its output buffer, the eager
-    result). The eager call and a warm-up on a side stream run first, so launch-shape tuning and
-    lazy allocations happen outside the capture; a host sync in the routed path fails the capture."""
-    eager = fast.moe_mx(x, idx, wt, *w, limit)
+def moe_batch(dims: V41Dims, tokens: int, seed: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tokens`` routed rows for weights from ``moe_inputs``: bf16 activations, distinct top-k experts,
+    positive combine weights (fresh for every seed, so batches of different sizes are independent)."""
+    g = _gen(seed, device)
+    x = torch.randn(tokens, dims.hidden, generator=g, device=device).to(torch.bfloat16)
+    idx = torch.rand(tokens, dims.experts, generator=g, device=device).topk(dims.topk_experts, -1).indices
+    wt = torch.rand(tokens, dims.topk_experts, generator=g, device=device) + 0.1
+    return x, idx, wt
+
+
+def capture_graph(fn: Callable[[], torch.Tensor]) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+    """``fn`` captured in a CUDA graph and replayed once: (graph, its output buffer). A warm-up on a
+    side stream runs first, so launch-shape tuning and lazy allocations happen outside the capture; a
+    host sync inside ``fn`` fails the capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fast.moe_mx(x, idx, wt, *w, limit)
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fast.moe_mx(x, idx, wt, *w, limit)
+        out = fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph, out
+
+
+def moe_graph(x: torch.Tensor, idx: torch.Tensor, wt: torch.Tensor, w: List[torch.Tensor], limit: float = 10.0
+              ) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor, torch.Tensor]:
+    """``moe_mx`` captured in a CUDA graph and replayed once: (graph, its output buffer, the eager
+    result, computed first)."""
+    eager = fast.moe_mx(x, idx, wt, *w, limit)
+    graph, out = capture_graph(lambda: fast.moe_mx(x, idx, wt, *w, limit))
     return graph, out, eager
 
 

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
 from redknot.kernels.triton import gemm_mx  # noqa: E402
-from redknot.kernels.triton.checks_mx import REAL_V41, moe_inputs  # noqa: E402
+from redknot.kernels.triton.checks_mx import REAL_V41, capture_graph, moe_batch, moe_inputs  # noqa: E402
 from redknot.kernels.triton.splitk_mx import RAW_MAX_ROWS  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -40,24 +40,14 @@ def moe_weights():
 
 
 def _moe_batch(t, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(t, REAL_V41.hidden, generator=g, device="cuda").to(torch.bfloat16)
-    idx = torch.rand(t, REAL_V41.experts, generator=g, device="cuda").topk(REAL_V41.topk_experts, -1).indices
-    wt = torch.rand(t, REAL_V41.topk_experts, generator=g, device="cuda") + 0.1
-    return x, idx, wt
+    return moe_batch(REAL_V41, t, seed, "cuda")
 
 
 def _graphed(fn):
-    """(eager result, replayed result) of ``fn`` captured in a CUDA graph after a side-stream warm-up."""
+    """(eager result, replayed result) of ``fn`` captured in a CUDA graph; the output buffer is zeroed
+    before the checked replay, so a replay that writes nothing fails."""
     eager = fn().clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture_graph(fn)
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
