@@ -146,9 +146,13 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, bf1
 
 
 def _select(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-k ids per row of scores [T, N] (-inf = not selectable): valid ids ascending, then -1."""
+    """Top-k ids per row of scores [T, N] (-inf = not selectable): valid ids ascending, then -1. Exact
+    ties go to the lower id (the model's ``topk_ids`` rule and the kernels'): ``torch.topk`` leaves tie
+    order to the device's algorithm, so on a GPU it could pick another set than the tensor-only step's
+    ``select_topk`` among equal FP4-quantised scores."""
     k = min(topk, scores.shape[1])
-    vals, ids = torch.topk(scores, k, dim=-1)
+    vals, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, ids = vals[:, :k], ids[:, :k]
     ids = torch.where(vals > float("-inf"), ids, torch.full_like(ids, torch.iinfo(torch.int32).max))
     ids = torch.sort(ids, dim=-1).values
     ids = torch.where(ids == torch.iinfo(torch.int32).max, -1, ids).to(torch.int32)

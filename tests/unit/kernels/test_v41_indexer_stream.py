@@ -89,8 +89,8 @@ def test_the_chunk_selection_breaks_ties_to_the_lower_id():
 
 
 def _lower_first_in(q, w, keys, vis, k, cand, bs, bf16):
-    """The model's selection inside candidate blocks: scores outside them -inf, equal scores to the lower id
-    (``ref_v41``'s torch.topk leaves ties open, so it is the wrong oracle for an exact comparison)."""
+    """The model's selection inside candidate blocks, written out: scores outside them -inf, equal scores
+    to the lower id."""
     n = keys.shape[0]
     s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
     nb = -(-n // bs)

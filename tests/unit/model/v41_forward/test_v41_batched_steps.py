@@ -25,7 +25,6 @@ from redknot.models.deepseek_v41.state import allocate_state
 from redknot.models.deepseek_v41.state_layout import create_state_layout
 from redknot.step.metadata import StepMetadata
 from v41_forward import v41util
-from v41_forward.test_v41_kernel_ops import _select_lower_first
 
 PROMPTS = (9, 30, 45, 61)     # below/above the window (16), the top-8 and the candidate coverage (3 x 4)
 MAX_TOKENS = 100
@@ -109,11 +108,7 @@ def _check(model, steps, prompts=PROMPTS):
 
 
 @pytest.fixture(params=["pytorch", "registry"])
-def model(request, monkeypatch):
-    if request.param == "registry":
-        from redknot.kernels import ref_v41
-
-        monkeypatch.setattr(ref_v41, "_select", _select_lower_first)
+def model(request):
     return _model(request.param == "registry")
 
 
@@ -169,14 +164,10 @@ def test_the_indexer_shares_one_launch_across_short_spans(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("routed", [False, True])
-def test_batched_steps_on_cuda(routed, monkeypatch):
+def test_batched_steps_on_cuda(routed):
     """The same on a CUDA device (per-step index tensors through pinned memory, no host sync)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if routed:
-        from redknot.kernels import ref_v41
-
-        monkeypatch.setattr(ref_v41, "_select", _select_lower_first)
     model = _model(routed, "cuda")
     _check(model, [{s: [100 + 7 * i + s] for s in range(len(PROMPTS))} for i in range(3)])
     _check(model, [{0: v41util.tokens(SMALL_SPAN + 4, seed=9), 1: [5], 2: [6], 3: [7, 8, 9]}])

@@ -97,8 +97,8 @@ def test_sm90_target_routes_every_op():
 
 
 def _select_lower_first(scores, topk):
-    """ref_v41's selection with the model's tie rule (lower entry first): the op contract leaves the
-    order of exact ties open, and the tiny indexer has many (relu zeros), so the test pins one rule."""
+    """The op contract's selection written from the model's ``topk_ids`` (lower entry first on exact
+    ties, which the tiny indexer has many of: relu zeros, FP4 grids)."""
     from redknot.models.deepseek_v41.ref_math import topk_ids
 
     k = min(topk, scores.shape[1])
@@ -109,10 +109,21 @@ def _select_lower_first(scores, topk):
     return torch.cat([ids, ids.new_full((ids.shape[0], topk - k), -1)], 1)
 
 
-def test_attention_indexer_caches_through_the_registry(setup, monkeypatch):
+def test_reference_selection_breaks_ties_to_the_lower_id():
+    """``ref_v41``'s top-k (the reference ops' selection, which the eager step runs) picks the same set
+    as the model's ``topk_ids`` on tie-heavy scores, -inf entries and k above the row length included:
+    the tensor-only step's ``select_topk`` uses that rule, so a device top-k with another tie order
+    would make eager and graph steps select different entries."""
     from redknot.kernels import ref_v41
 
-    monkeypatch.setattr(ref_v41, "_select", _select_lower_first)
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((40, 8), (7, 8), (300, 64)):
+        s = torch.randint(0, 4, (16, n), generator=g).float()          # four distinct values: ties everywhere
+        s[torch.rand(16, n, generator=g) < 0.2] = float("-inf")
+        assert torch.equal(ref_v41._select(s, k), _select_lower_first(s, k)), (n, k)
+
+
+def test_attention_indexer_caches_through_the_registry(setup):
     cfg, tensors, ids = setup
     plain = _model(None, tensors, cfg, "bf16")
     routed = _model(_ops(ATTENTION), tensors, cfg, "bf16")
