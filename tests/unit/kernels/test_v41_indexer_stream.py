@@ -30,6 +30,13 @@ def _lower_first(q, w, keys, vis, k, bf16):
     n = keys.shape[0]
     s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
     s = s.masked_fill(torch.arange(n)[None] >= vis.long()[:, None], float("-inf"))
+    return _select_written(s, k)
+
+
+def _select_written(s, k):
+    """The k best ids per row of scores (-inf: not selectable) by the model's ``topk_ids`` (ties to the
+    lower id), ascending, then -1."""
+    n = s.shape[1]
     kk = min(k, n)
     ids = topk_ids(s, kk)
     ids = torch.where(s.gather(1, ids) > float("-inf"), ids, -1)
@@ -98,13 +105,7 @@ def _lower_first_in(q, w, keys, vis, k, cand, bs, bf16):
     allowed.scatter_(1, torch.where(cand >= 0, cand.long(), nb), True)
     ok = allowed[:, :nb].repeat_interleave(bs, 1)[:, :n] & (torch.arange(n)[None] < vis.long()[:, None])
     s = s.masked_fill(~ok, float("-inf"))
-    kk = min(k, n)
-    ids = topk_ids(s, kk)
-    ids = torch.where(s.gather(1, ids) > float("-inf"), ids, -1)
-    big = torch.iinfo(torch.int32).max
-    ids = torch.where(ids < 0, big, ids).sort(1).values
-    ids = torch.where(ids == big, -1, ids)
-    return torch.cat([ids, ids.new_full((ids.shape[0], k - kk), -1)], 1).int()
+    return _select_written(s, k).int()
 
 
 def _block_maxima(q, w, keys, vis, bs, bf16):

@@ -168,6 +168,22 @@ SCHEDULE = [([0, 1, 2, 3], [1, 4, 2, 3], [1, 2, 2, 1]),
             ([0, 1, 2, 3], [1, 1, 1, 1], [1, 1, 1, 1])]
 
 
+def _replay_equals_eager(runner, graphs, reqs, inputs, n: int, step: int) -> None:
+    """One verify step replayed from its tier, then the same step run eagerly from the state before it:
+    logits, pre-head rows, DSpark taps and the requests' state must agree."""
+    before = [t.clone() for t in runner.state.tensors()]
+    streams, logits = (v.clone() for v in graphs.run(inputs))
+    taps = reqs.draft.last_taps(n).clone()
+    after_graph = [t.clone() for t in real_state(runner)]
+    for t, b in zip(runner.state.tensors(), before):
+        t.copy_(b)
+    eager_streams, eager_logits = runner.eager_forward(inputs)
+    torch.testing.assert_close(logits, eager_logits, atol=LOGITS_ATOL, rtol=0, msg=f"step {step}")
+    torch.testing.assert_close(streams, eager_streams, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    torch.testing.assert_close(taps, reqs.draft.last_taps(n), atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    _assert_state_close(after_graph, real_state(runner), f"step {step}")
+
+
 def test_verify_steps_through_graphs_equal_eager(v41):
     """Mixed per-request lengths 1..GAMMA+1 over six tiers: the replayed step's logits, pre-head rows,
     taps (as the drafter reads them) and every real state byte equal the eager step's, each step
@@ -354,19 +370,9 @@ def test_verify_steps_above_128_rows_through_graphs_equal_eager(v41):
             inputs = reqs.inputs(ids, counts)
             n = sum(counts)
             assert graphs.can_run(inputs) and n > 128
-            before = [t.clone() for t in runner.state.tensors()]
             graphs.check_first_replay = False
-            streams, logits = (v.clone() for v in graphs.run(inputs))
+            _replay_equals_eager(runner, graphs, reqs, inputs, n, step)
             graphs.check_first_replay = True
-            taps = reqs.draft.last_taps(n).clone()
-            after_graph = [t.clone() for t in real_state(runner)]
-            for t, b in zip(runner.state.tensors(), before):
-                t.copy_(b)
-            eager_streams, eager_logits = runner.eager_forward(inputs)
-            torch.testing.assert_close(logits, eager_logits, atol=LOGITS_ATOL, rtol=0, msg=f"step {step}")
-            torch.testing.assert_close(streams, eager_streams, atol=1e-4, rtol=1e-4, msg=f"step {step}")
-            torch.testing.assert_close(taps, reqs.draft.last_taps(n), atol=1e-4, rtol=1e-4, msg=f"step {step}")
-            _assert_state_close(after_graph, real_state(runner), f"step {step}")
             for b, c in zip(ids, counts):   # keep one row per request, the rest is rolled back
                 reqs.lens[b] += 1
         graphs.run(reqs.inputs(ids, [4] * 32 + [2] * 16))           # the checked first replay
@@ -541,17 +547,7 @@ def test_gpu_verify_replay_equals_eager_and_taps(v41):
         for step, (ids, counts, kept) in enumerate(SCHEDULE):
             inputs = reqs.inputs(ids, counts)
             n = sum(counts)
-            before = [t.clone() for t in runner.state.tensors()]
-            streams, logits = (v.clone() for v in graphs.run(inputs))
-            taps = reqs.draft.last_taps(n).clone()
-            after_graph = [t.clone() for t in real_state(runner)]
-            for t, b in zip(runner.state.tensors(), before):
-                t.copy_(b)
-            eager_streams, eager_logits = runner.eager_forward(inputs)
-            torch.testing.assert_close(logits, eager_logits, atol=LOGITS_ATOL, rtol=0, msg=f"step {step}")
-            torch.testing.assert_close(streams, eager_streams, atol=1e-4, rtol=1e-4, msg=f"step {step}")
-            torch.testing.assert_close(taps, reqs.draft.last_taps(n), atol=1e-4, rtol=1e-4, msg=f"step {step}")
-            _assert_state_close(after_graph, real_state(runner), f"step {step}")
+            _replay_equals_eager(runner, graphs, reqs, inputs, n, step)
             for b, k in zip(ids, kept):
                 reqs.lens[b] += k
     finally:
