@@ -245,16 +245,8 @@ class V41DSparkDraft:
 
     def _head(self, target, y: torch.Tensor) -> torch.Tensor:
         """Normed rows -> logits in the accumulation dtype with the backbone's head, as the backbone
-        computes its own (``DeepseekV41.compute_logits``): bf16 rows and head on a GPU by a bf16 GEMM
-        accumulating and writing fp32 (exact products), without an fp32 copy of the head."""
-        acc = self.num.acc
-        head = target.w.raw("head.weight")
-        if y.is_cuda and y.dtype == head.dtype == torch.bfloat16 and acc == torch.float32:
-            try:
-                return torch.mm(y, head.t(), out_dtype=torch.float32)
-            except (TypeError, RuntimeError):   # a torch without the out_dtype overload
-                pass
-        return y.to(acc) @ target.w.dense("head.weight", acc).t()
+        computes its own (``DeepseekV41.head_logits``)."""
+        return target.head_logits(y)
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor:
         """W1[prev] (``markov_head.embed``): [..., r] in the accumulation dtype."""

@@ -117,8 +117,12 @@ class DeepseekV41:
     @torch.no_grad()
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-head rows [N, D] -> logits [N, vocab] (fp32; fp64 for an fp64 model)."""
+        return self.head_logits(rms_norm(x, self.w.float("norm.weight"), self.cfg.norm_eps))
+
+    def head_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """Normed rows [N, D] -> logits [N, vocab] in the accumulation dtype (the shared head: the
+        DSpark draft's logits go through here too)."""
         acc = self.num.acc
-        y = rms_norm(x, self.w.float("norm.weight"), self.cfg.norm_eps)
         head = self.w.raw("head.weight")
         if y.is_cuda and y.dtype == head.dtype == torch.bfloat16 and acc == torch.float32:
             # bf16 operands are exact in fp32, so a bf16 GEMM accumulating and writing fp32 is the fp32
