@@ -2,7 +2,8 @@
 stages' kept FP8 linears run ``linear_mx`` (their MXFP4 experts ``moe_mx``) and the block forward equals
 the draft's PyTorch math. On a CPU the ops resolve to the registry's reference implementations (fp32
 arithmetic), so the draft runs in fp64 with FP8 activation rounding (``reference`` numerics) and the
-comparison tolerates fp32 rounding; the ``gpu`` test runs the Triton ops at bf16."""
+comparison tolerates fp32 rounding. At bf16 the Triton ops (interpreted on a CPU, compiled on a GPU) are
+held against the reference implementations of the same ops."""
 import sys
 from pathlib import Path
 
@@ -66,23 +67,36 @@ def test_draft_linears_route_through_the_backbone_ops_and_match():
     assert (logits - want_logits).abs().max() <= 1e-5 * want_logits.abs().max()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_draft_through_triton_ops_matches_its_pytorch_math():
-    """bf16, the Triton ``linear_mx`` / ``moe_mx`` against the draft's PyTorch math: the same products
-    summed in another order (relative error of the whole block <= 2e-2)."""
+def _triton_and_reference_ops():
+    """The Triton ops a target gets, and the registry's reference implementations of the same ops."""
+    fast = V41Ops.create(KernelSet(default="triton"))
+    assert fast is not None and fast.linear_mx is not None and fast.moe_mx is not None
+    return fast, _routed_ops({op for op in OPS if getattr(fast, op) is not None})
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs a CUDA device")])])
+def test_draft_through_triton_ops_matches_the_reference_ops(device):
+    """bf16, three stages: the draft through the Triton ``linear_mx`` / ``moe_mx`` (the interpreter on a
+    CPU) against the same draft through the ops' reference implementations. The reference is the op
+    contract, not the draft's PyTorch math: ``moe_mx`` rounds W1/W3 outputs and the weighted SwiGLU to bf16
+    where the PyTorch experts keep the accumulation dtype, and this random-weight draft amplifies rounding
+    (its bf16 PyTorch math is ~0.18 away from its own fp64 evaluation), so only op against op is a kernel
+    check. CPU: equal to 1e-3; GPU: another summation order, relative error of the block <= 2e-2."""
+    pytest.importorskip("triton")
     cfg = v41_config(n_mtp_layers=3, dspark_block_size=5, compress_ratios=(0, 2, 2, 1, 1, 1, 0, 0, 0))
-    tensors = {k: v.cuda() for k, v in random_weights(cfg, 0, include_draft=True).items()}
-    ops = V41Ops.create(KernelSet(default="triton"))
-    assert ops is not None and ops.linear_mx is not None
-    model, routed = _draft(cfg, tensors, ops, torch.bfloat16, "cuda")   # the draft holds its model weakly
-    model_plain, plain = _draft(cfg, tensors, None, torch.bfloat16, "cuda")
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    rings = [torch.randn(3, cfg.window_size, cfg.head_dim, generator=gen, device="cuda").to(torch.bfloat16)
+    tensors = {k: v.to(device) for k, v in random_weights(cfg, 0, include_draft=True).items()}
+    fast, ref = _triton_and_reference_ops()
+    model, routed = _draft(cfg, tensors, fast, torch.bfloat16, device)     # the draft holds its model weakly
+    model_ref, want_draft = _draft(cfg, tensors, ref, torch.bfloat16, device)
+    gen = torch.Generator(device=device).manual_seed(4)
+    rings = [torch.randn(3, cfg.window_size, cfg.head_dim, generator=gen, device=device).to(torch.bfloat16)
              for _ in range(cfg.n_mtp_layers)]
-    args = (torch.tensor([17, 905, 33], device="cuda"), torch.tensor([3, 40, 9], device="cuda"), rings,
-            torch.tensor([2, 0, 1], device="cuda"))
+    args = (torch.tensor([17, 905, 33], device=device), torch.tensor([3, 40, 9], device=device), rings,
+            torch.tensor([2, 0, 1], device=device))
     h, logits = routed.forward_block(*args)
-    want_h, want_logits = plain.forward_block(*args)
+    want_h, want_logits = want_draft.forward_block(*args)
+    tol = 1e-3 if device == "cpu" else 2e-2
     for got, want in ((h, want_h), (logits, want_logits)):
-        assert float((got.float() - want.float()).norm() / want.float().norm()) <= 2e-2
+        assert float((got.float() - want.float()).norm() / want.float().norm()) <= tol
