@@ -336,6 +336,7 @@ def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor
     """The step's rows packed once (quantise on insert), attention over ring + step rows + selected
     compressed pages in one kernel, then the ring write (after the read, as in the eager order)."""
     from redknot.kernels.triton.step_attention_mx import step_attention_mx
+    from redknot.kernels.triton.step_indexer_mx import page_rows
 
     cfg = layer.cfg
     ops = ops_of(layer.w)
@@ -348,10 +349,9 @@ def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor
         src = state.sources[layer.kv_source]
         per = src.entries.shape[1]
 
-        def page_rows():   # the consumers of one index source's top-k share these
-            idx = rows.page(topk.clamp(min=0), layer.ratio, per)
-            return torch.where(topk >= 0, idx, torch.full_like(idx, -1)), topk
-        comp_idx = rows.memo(("comp", id(topk), layer.ratio, per), page_rows)[0]
+        def pages():   # the consumers of one index source's top-k share these (one launch)
+            return page_rows(topk, rows.blocks, layer.ratio, rows.block_size, per), topk
+        comp_idx = rows.memo(("comp", id(topk), layer.ratio, per), pages)[0]
         comp_cache = src.entries.view(-1, src.entries.shape[-1])
     ring = ring_t.shape[1]
     flat = ring_t.view(-1, nbytes)
@@ -462,7 +462,7 @@ def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) 
     """The indexer through the paged step kernel: every addressable entry on the index sources (the
     candidate source also publishes its blocks as entry lists); only the candidate entries on the
     layers that re-index inside them, when those are fewer than the table addresses."""
-    from redknot.kernels.triton.step_indexer_mx import candidate_entries, select_topk, step_index_scores
+    from redknot.kernels.triton.step_indexer_mx import candidate_entries, step_index_scores, topk_select
 
     cfg, num = layer.cfg, layer.num
     keys = src.keys.view(-1, src.keys.shape[-1])
@@ -470,9 +470,7 @@ def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) 
                               bf16_scores=num.act_quant)
     if cfg.reads_candidates(layer.layer) and shared["cand_entries"].shape[1] < n_max:
         cand = shared["cand_entries"]                                             # [T, NB·bs] ascending, -1
-        at = select_topk(score(entries=cand), cfg.index_topk)                     # positions in the list
-        ent = cand.gather(1, at.clamp(min=0))
-        shared["topk"] = torch.where(at >= 0, ent, torch.full_like(ent, -1))
+        shared["topk"] = topk_select(score(entries=cand), cfg.index_topk, ids=cand)   # the listed ids
         return
     sc = score()
     if cfg.is_candidate_source(layer.layer):
@@ -483,7 +481,7 @@ def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) 
         keep = torch.zeros(sc.shape[0], n_max + 1, dtype=torch.bool, device=sc.device)
         keep.scatter_(1, torch.where((ent >= 0) & (ent < n_max), ent, n_max), True)
         sc = sc.masked_fill(~keep[:, :n_max], float("-inf"))
-    shared["topk"] = select_topk(sc, cfg.index_topk)
+    shared["topk"] = topk_select(sc, cfg.index_topk)
 
 
 def _index_scores_torch(q, wts, rows: _Rows, src, r: int, n_max: int, num) -> torch.Tensor:

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Time the indexer's top-k selection: ``select_topk`` (a top-k over packed 64-bit tie keys, then a sort of
+the ids) against ``radix_topk`` (radix select, ids compacted in entry order), exactly equal results.
+
+    PYTHONUNBUFFERED=1 python benchmarks/select_topk_v41.py --out DIR     # on an H200, about 1-2 minutes
+    python benchmarks/select_topk_v41.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
+
+Rows of n fp32 scores (bf16-rounded, so exact ties occur as in the reference numerics; the last fifth
+-inf: entries a row cannot see), k = 512, T rows. Each call is captured in a CUDA graph and replayed
+(median of repetitions, CUDA events); every radix launch configuration listed is checked for exact
+equality with ``select_topk`` before it is timed. Also: the candidate source's block selection
+(``candidate_entries``: 2048 blocks of 8 over a ratio-1 row) through either selection.
+Results: ``DIR/select_topk_v41.md`` and ``.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+SIZES = [(4096, 1), (4096, 32), (4096, 128), (8192, 1), (65536, 1), (65536, 32), (65536, 128),
+         (262144, 1), (262144, 32), (262144, 128), (524288, 1)]
+SMOKE_SIZES = [(300, 2), (2000, 3)]
+
+
+def _time_ms(fn, device, reps: int) -> float:
+    """Median ms of one call: a CUDA graph replayed ``reps`` times on a GPU, one plain call on a CPU."""
+    import time
+
+    import torch
+
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _configs(smoke: bool):
+    from redknot.kernels.triton.radix_select import DEFAULT_CONFIG, RadixSelectConfig
+
+    if smoke:
+        return [DEFAULT_CONFIG, RadixSelectConfig(256, 2, 1024)]
+    return [DEFAULT_CONFIG, RadixSelectConfig(2048, 8, 32768), RadixSelectConfig(1024, 4, 8192),
+            RadixSelectConfig(2048, 8, 131072), RadixSelectConfig(512, 4, 32768)]
+
+
+def case(n: int, t: int, k: int, device, reps: int, configs) -> dict:
+    import torch
+
+    from redknot.kernels.triton.radix_select import radix_topk
+    from redknot.kernels.triton.step_indexer_mx import select_topk
+
+    g = torch.Generator(device=device).manual_seed(n + t)
+    sc = (torch.randn(t, n, generator=g, device=device) * 0.1).to(torch.bfloat16).float()
+    sc[:, n - n // 5:] = float("-inf")
+    want = select_topk(sc, k)
+    row = {"n": n, "rows": t, "k": k, "select_topk_ms": _time_ms(lambda: select_topk(sc, k), device, reps)}
+    for c in configs:
+        tag = f"radix_b{c.block}_w{c.num_warps}_s{c.split_min}"
+        got = radix_topk(sc, k, config=c)
+        row[f"{tag}_equal"] = bool(torch.equal(got, want))
+        row[f"{tag}_ms"] = _time_ms(lambda: radix_topk(sc, k, config=c), device, reps)
+    return row
+
+
+def candidate_case(n: int, t: int, device, reps: int, blocks: int, size: int) -> dict:
+    """``candidate_entries`` (block max, pin, select, expand) through ``select_topk`` vs ``topk_select``."""
+    import torch
+
+    from redknot.kernels.triton import step_indexer_mx as sim
+
+    g = torch.Generator(device=device).manual_seed(7 * n + t)
+    sc = (torch.randn(t, n, generator=g, device=device) * 0.1).to(torch.bfloat16).float()
+    vis = torch.full((t,), n - n // 5, device=device)
+    sc[:, n - n // 5:] = float("-inf")
+    fast = sim.candidate_entries(sc, vis, blocks, size)
+    saved = sim.topk_select
+    try:
+        sim.topk_select = lambda s, k, ids=None: sim.select_topk(s, k)
+        want = sim.candidate_entries(sc, vis, blocks, size)
+        old_ms = _time_ms(lambda: sim.candidate_entries(sc, vis, blocks, size), device, reps)
+    finally:
+        sim.topk_select = saved
+    new_ms = _time_ms(lambda: sim.candidate_entries(sc, vis, blocks, size), device, reps)
+    return {"n": n, "rows": t, "blocks": blocks, "block": size, "equal": bool(torch.equal(fast, want)),
+            "select_topk_ms": old_ms, "radix_ms": new_ms}
+
+
+def _table(rows, cands, configs) -> str:
+    tags = [f"radix_b{c.block}_w{c.num_warps}_s{c.split_min}" for c in configs]
+    lines = [f"# Top-k selection (k = {rows[0]['k'] if rows else 0}): select_topk vs radix_topk", "",
+             "| n | rows | select_topk ms | " + " | ".join(f"{t} ms (equal)" for t in tags) + " | best speed-up |",
+             "|---|---|---|" + "---|" * len(tags) + "---|"]
+    for r in rows:
+        best = min(r[f"{t}_ms"] for t in tags)
+        cells = " | ".join(f"{r[f'{t}_ms']:.4f} ({'yes' if r[f'{t}_equal'] else 'NO'})" for t in tags)
+        lines.append(f"| {r['n']} | {r['rows']} | {r['select_topk_ms']:.4f} | {cells} | "
+                     f"{r['select_topk_ms'] / best:.1f}x |")
+    lines += ["", "## Candidate blocks (candidate_entries)", "",
+              "| n | rows | blocks x size | equal | select_topk ms | radix ms |", "|---|---|---|---|---|---|"]
+    for c in cands:
+        lines.append(f"| {c['n']} | {c['rows']} | {c['blocks']} x {c['block']} | {'yes' if c['equal'] else 'NO'} | "
+                     f"{c['select_topk_ms']:.4f} | {c['radix_ms']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="output folder (default: $OUT, else outputs/select_topk_v41)")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (Triton interpreter)")
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args()
+    import os
+
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from redknot.kernels.triton.step_indexer_mx import SELECT_ERRORS
+
+    out = Path(args.out or os.environ.get("OUT") or ROOT / "outputs" / "select_topk_v41")
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    configs = _configs(args.smoke)
+    k = 8 if args.smoke else 512
+    rows = []
+    for n, t in (SMOKE_SIZES if args.smoke else SIZES):
+        rows.append(case(n, t, k, device, args.reps, configs))
+        print(json.dumps(rows[-1]), flush=True)
+    cand_sizes = [(60, 2)] if args.smoke else [(8192, 1), (8192, 128), (131072, 1), (131072, 32), (1 << 20, 1)]
+    cands = []
+    for n, t in cand_sizes:
+        cands.append(candidate_case(n, t, device, args.reps, 3 if args.smoke else 2048, 4 if args.smoke else 8))
+        print(json.dumps(cands[-1]), flush=True)
+    text = _table(rows, cands, configs)
+    if SELECT_ERRORS:
+        text += f"\nSELECT_ERRORS: {SELECT_ERRORS}\n"
+    (out / "select_topk_v41.md").write_text(text)
+    (out / "select_topk_v41.json").write_text(json.dumps({"device": str(device), "rows": rows,
+                                                          "candidates": cands, "errors": SELECT_ERRORS}, indent=1))
+    print(text)
+    ok = all(all(v for key, v in r.items() if key.endswith("_equal")) for r in rows) and all(c["equal"] for c in cands)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Exact top-k selection by radix select, graph safe (fixed grids, no host read), ids ascending.
+
+The indexer keeps, per row, the ``k`` best entries of a score row (``-inf``: not selectable), exact ties
+to the lower entry id, and hands them on as ids ascending then -1 (:func:`step_indexer_mx.select_topk`
+is the PyTorch statement of that rule). A sort is more than that needs: the kept set is fixed by one
+threshold. Each score becomes an order-preserving int32 key (``+0``/``-0`` one key); four passes of
+8-bit digits, most significant first, histogram the keys that match the prefix found so far and pick
+the digit where the count from the top reaches the ``k`` still wanted. After them the threshold key
+``thr`` and the number ``need`` of entries equal to it that are kept are known; one more pass in entry
+order keeps ``key > thr`` and the first ``need`` entries with ``key == thr`` and writes their ids by an
+exclusive prefix count, so the output is ascending for free. A row with at most ``k`` selectable
+entries keeps them all (the digit passes past the first run zero times).
+
+Long rows split in two launches: segments of ``seg`` entries each keep their own top-k (the row's
+top-k is inside the union of the segments' top-k under the same total order), as (key, id) lists in
+entry order, and one program per row selects again over those lists. Either launch's grid depends on
+the row count and the row width only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import cdiv, next_pow2
+
+
+@triton.jit
+def _keys(src_ptr, ids_ptr, row_src, row_ids, cols, m, KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr):
+    """(key int32, id, selectable) of columns ``cols`` of one row."""
+    if KEYS_IN:
+        key = tl.load(src_ptr + row_src + cols, mask=m, other=0)
+        ok = m
+    else:
+        x = tl.load(src_ptr + row_src + cols, mask=m, other=float("-inf"))
+        ok = m & (x > float("-inf"))            # NaN and -inf are not selectable
+        x = tl.where(x == 0.0, 0.0, x)          # -0 and +0: one key
+        b = x.to(tl.int32, bitcast=True)
+        key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)   # float order as signed integer order
+    if IDS_IN:
+        ids = tl.load(ids_ptr + row_ids + cols, mask=m, other=-1)
+        ok = ok & (ids >= 0)
+    else:
+        ids = cols
+    return key, ids, ok
+
+
+@triton.jit
+def _radix_select(src_ptr, ids_ptr, out_ids_ptr, out_keys_ptr, N, SEG, K,
+                  stride_src, stride_ids, stride_out,
+                  KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr, KEYS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, s): the top ``K`` of columns [s·SEG, min((s+1)·SEG, N)) of row t -> out[t, s·K : s·K+K]
+    (ids ascending then -1; with KEYS_OUT their keys too)."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    lo = s * SEG
+    hi = tl.minimum(lo + SEG, N)
+    row_src = t * stride_src
+    row_ids = t * stride_ids
+    out_at = t * stride_out + s * K
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+
+    prefix = tl.full([], 0, tl.int32)     # the threshold's digits found so far
+    pmask = tl.full([], 0, tl.int32)      # which bits of ``prefix`` are known
+    krem = tl.full([], 0, tl.int32) + K   # entries still wanted among those matching the prefix
+    keep_all = tl.full([], 0, tl.int32)
+    stop = hi
+    for d in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * d
+        hist = tl.zeros([256], dtype=tl.int32)
+        for c0 in range(lo, stop, BLOCK):
+            cols = c0 + offs
+            key, ids, ok = _keys(src_ptr, ids_ptr, row_src, row_ids, cols, cols < hi, KEYS_IN, IDS_IN)
+            m = ok & ((key & pmask) == prefix)
+            dig = (key >> shift) & 0xFF
+            if d == 0:
+                dig = dig ^ 0x80                # the sign bit: negative keys below positive ones
+            dig = tl.where(m, dig, 0)
+            hist += tl.histogram(dig, 256)
+            hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)   # masked lanes went to bin 0
+        total = tl.sum(hist, 0)
+        ge = total - tl.cumsum(hist, 0) + hist                      # matching keys with digit >= bin
+        b = tl.max(tl.where(ge >= krem, bins, -1), 0)
+        if d == 0:
+            keep_all = (b < 0).to(tl.int32)                         # at most K selectable: keep them all
+            stop = tl.where(b < 0, lo, hi)
+        b = tl.maximum(b, 0)
+        krem -= tl.sum(tl.where(bins > b, hist, 0), 0)
+        if d == 0:
+            prefix = (b ^ 0x80) << 24
+        else:
+            prefix = prefix | (b << shift)
+        pmask = tl.full([], -(1 << shift), tl.int32)   # the top 32 - shift bits are known
+    thr = tl.where(keep_all != 0, -2147483647 - 1, prefix)   # below every selectable key
+    need = tl.where(keep_all != 0, 0, krem)
+
+    taken = tl.full([], 0, tl.int32)
+    ties = tl.full([], 0, tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        cols = c0 + offs
+        key, ids, ok = _keys(src_ptr, ids_ptr, row_src, row_ids, cols, cols < hi, KEYS_IN, IDS_IN)
+        eq = (ok & (key == thr)).to(tl.int32)
+        sel = (ok & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
+        si = sel.to(tl.int32)
+        at = out_at + taken + tl.cumsum(si, 0) - si
+        tl.store(out_ids_ptr + at, ids, mask=sel)
+        if KEYS_OUT:
+            tl.store(out_keys_ptr + at, key, mask=sel)
+        taken += tl.sum(si, 0)
+        ties += tl.sum(eq, 0)
+    for f0 in range(0, K, BLOCK):
+        p = f0 + offs
+        tl.store(out_ids_ptr + out_at + p, tl.full([BLOCK], -1, tl.int32), mask=(p < K) & (p >= taken))
+
+
+@dataclass(frozen=True)
+class RadixSelectConfig:
+    block: int = 1024      # entries per tile (at least the program's thread count: the histogram's layout)
+    num_warps: int = 4
+    split_min: int = 32768  # rows longer than this split into segments (two launches)
+
+
+DEFAULT_CONFIG = RadixSelectConfig()
+
+
+def segment_size(n: int, k: int, split_min: int) -> int:
+    """Entries a first-launch program takes: the whole row up to ``split_min``, else about sqrt(n·k)
+    (a segment's work and the second launch's list of (n/seg)·k candidates balance), at least 4k."""
+    if n <= split_min:
+        return max(n, 1)
+    return max(4 * k, next_pow2(int((n * max(k, 1)) ** 0.5)))
+
+
+def radix_topk(scores: torch.Tensor, topk: int, ids: Optional[torch.Tensor] = None, seg: Optional[int] = None,
+               config: Optional[RadixSelectConfig] = None) -> torch.Tensor:
+    """[T, n] fp32 scores (-inf: not selectable) -> int64 [T, topk]: the ``topk`` best entry ids ascending,
+    then -1; exact ties to the lower entry id (what :func:`step_indexer_mx.select_topk` returns).
+    ``ids`` [T, n] (-1: none): column j stands for entry ``ids[t, j]`` (an entry list, ascending where
+    selectable): the result is ``ids`` at the selected columns, i.e. ``ids.gather(1, select_topk(...))``
+    with -1 kept. ``seg``: entries per first-launch program (None: :func:`segment_size`); rows wider split
+    in two launches."""
+    if scores.dim() != 2:
+        raise ValueError(f"radix_topk: scores must be [T, n], got shape {tuple(scores.shape)}")
+    if topk < 0:
+        raise ValueError(f"radix_topk: topk must be >= 0, got {topk}")
+    cfg = config or DEFAULT_CONFIG
+    t, n = scores.shape
+    out = torch.empty(t, topk, dtype=torch.long, device=scores.device)
+    if t == 0 or topk == 0:
+        return out
+    if n == 0:
+        return out.fill_(-1)
+    x = scores.float()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if ids is not None:
+        if ids.shape != scores.shape:
+            raise ValueError(f"radix_topk: ids must have the scores' shape {tuple(scores.shape)}, "
+                             f"got {tuple(ids.shape)}")
+        if ids.stride(1) != 1:
+            ids = ids.contiguous()
+    idl = x if ids is None else ids
+    seg = segment_size(n, topk, cfg.split_min) if seg is None else max(int(seg), 1)
+    nseg = cdiv(n, seg)
+    if nseg == 1:
+        _radix_select[(t, 1)](x, idl, out, out, n, n, topk, x.stride(0), idl.stride(0), out.stride(0),
+                              KEYS_IN=False, IDS_IN=ids is not None, KEYS_OUT=False, BLOCK=cfg.block,
+                              num_warps=cfg.num_warps)
+        return out
+    cand = torch.empty(t, nseg * topk, dtype=torch.int32, device=scores.device)   # entry ids < 2^31
+    keys = torch.empty(t, nseg * topk, dtype=torch.int32, device=scores.device)
+    _radix_select[(t, nseg)](x, idl, cand, keys, n, seg, topk, x.stride(0), idl.stride(0), cand.stride(0),
+                             KEYS_IN=False, IDS_IN=ids is not None, KEYS_OUT=True, BLOCK=cfg.block,
+                             num_warps=cfg.num_warps)
+    m = nseg * topk
+    _radix_select[(t, 1)](keys, cand, out, out, m, m, topk, keys.stride(0), cand.stride(0), out.stride(0),
+                          KEYS_IN=True, IDS_IN=True, KEYS_OUT=False, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    return out
