@@ -454,7 +454,8 @@ class Clock:
         """The reason to skip a case expected to take ``need_s`` seconds, or None to run it."""
         if self.now() + need_s <= self.budget_s:
             return None
-        return f"skipped: at {self.now():.0f} s, ~{need_s:.0f} s more would pass --budget-s {self.budget_s:g}"
+        more = f"~{need_s:.0f} s more would pass" if need_s else "past"
+        return f"skipped: at {self.now():.0f} s, {more} --budget-s {self.budget_s:g}"
 
 
 class TunerLog:
@@ -506,6 +507,13 @@ def timed_cell(clock: Clock, fn: Callable[[], object], repeats: int, warmup: int
     return out
 
 
+def save_partial(args, report: Dict) -> None:
+    """The V4.1 table so far (``dspark_v41_partial.json``): what a run stopped from outside leaves."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dspark_v41_partial.json").write_text(json.dumps(report, indent=1, default=str))
+
+
 def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) -> Dict:
     """The V4.1 cut's table (module docstring), each case skipped with its reason once the run's
     ``--budget-s`` (counted from the start, build included) is spent. Order: build and prefill, the
@@ -533,6 +541,8 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
                     "build_and_prefill_s": round(clock.now(), 1), "budget_s": args.budget_s,
                     "note": "random weights: timings only, acceptance is not measured"}
     print(json.dumps(report), flush=True)
+    report["phases_s"] = clock.phases
+    save_partial(args, report)
     capturer = CudaGraphCapture() if cuda else HostGraphCapture()
     verify_report: Dict = {"capture_s": {}, "tiers": {}, "status": {}}
     checks: Dict[int, str] = {}
@@ -589,6 +599,8 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
         checks.update(graphs.checks)
         errors.update(graphs.check_errors)
         print(json.dumps(row), flush=True)
+        report["phases_s"] = clock.phases
+        save_partial(args, report)
     for b in batches:
         key = f"draft_block_b{b}"
         why = clock.skip(5.0)
@@ -598,6 +610,7 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
             with clock.phase(key):
                 report[key] = draft_block_graph(bench, b, capturer, repeats)
         print(json.dumps({key: report[key]}), flush=True)
+        save_partial(args, report)
     for b in batches:
         key = f"verify_math_and_schedule_b{b}"
         why = clock.skip(3.0)
@@ -608,6 +621,7 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
                 report[key] = {"verify_math_ms_q{}".format(g + 1): bench_verify_math(bench, b, g + 1, 3),
                                "schedule_ms": bench_schedule(b, g, repeats)}
         print(json.dumps({key: report[key]}), flush=True)
+        save_partial(args, report)
     if cuda or args.smoke:   # which ops round a row differently when padding rows share the call
         why = clock.skip(5.0)
         if why:
