@@ -82,13 +82,63 @@ class Spy:
                                     "cand": cand.clone() if listed else None}
         ts._index, si.select_topk = index, sel
 
+        # Sub-layer outputs of both paths (attention input/output, MoE output), per layer.
+        import redknot.models.deepseek_v41.attention as at
+        import redknot.models.deepseek_v41.model as mm
+
+        self.acts: Dict[tuple, torch.Tensor] = {}
+        orig_attn, orig_call, orig_moe_t, orig_moe_e = ts._attention, at.AttentionLayer.__call__, ts._moe, mm.moe_forward
+
+        def keep(name, layer, t):
+            if spy.on:
+                spy.acts[(name, layer)] = t.detach().float().clone()
+
+        def attn_t(layer, u, rows, state, shared):
+            keep("attn_in", layer.layer, u)
+            out = orig_attn(layer, u, rows, state, shared)
+            keep("attn_out", layer.layer, out)
+            return out
+
+        def attn_e(self_, u, *a, **k):
+            keep("attn_in", self_.layer, u)
+            out = orig_call(self_, u, *a, **k)
+            keep("attn_out", self_.layer, out)
+            return out
+
+        def moe_t(u, w, layer, cfg, num):
+            out = orig_moe_t(u, w, layer, cfg, num)
+            keep("moe_out", layer, out)
+            return out
+
+        def moe_e(u, w, layer, cfg, num):
+            out = orig_moe_e(u, w, layer, cfg, num)
+            keep("moe_out", layer, out)
+            return out
+        ts._attention, at.AttentionLayer.__call__, ts._moe, mm.moe_forward = attn_t, attn_e, moe_t, moe_e
+
     @contextlib.contextmanager
     def recording(self):
-        self.rec, self.on = {}, True
+        self.rec, self.acts, self.on = {}, {}, True
         try:
             yield self.rec
         finally:
             self.on = False
+
+
+def compare_acts(tens: Dict[tuple, torch.Tensor], eager: Dict[tuple, torch.Tensor], n: int) -> List[str]:
+    """Per layer and sub-layer: max |diff| over the real rows (where both paths computed all of them)."""
+    out = []
+    for key in sorted(tens, key=lambda k: (k[1], ["attn_in", "attn_out", "moe_out"].index(k[0]))):
+        e = eager.get(key)
+        if e is None:
+            continue
+        t = tens[key][:n]
+        if e.shape[0] != n:
+            out.append(f"L{key[1]}.{key[0]}: eager has {e.shape[0]} rows")
+            continue
+        d = (t - e).abs().amax().item()
+        out.append(f"L{key[1]}.{key[0]} {d:.2g}")
+    return out
 
 
 def _score(rec: dict, r: int, e: int) -> Optional[float]:
@@ -187,14 +237,16 @@ def probe_step(runner, spy: Spy, inputs, uncaptured, replay, n: int, label: str,
     before = snapshot(runner)
     with spy.recording() as tens:
         lg_u = uncaptured()
-    tens = dict(tens)
+    tens, acts_u = dict(tens), dict(spy.acts)
     after_u = {k: v.clone() for k, v in real_state(runner).items()}
     restore(runner, before)
-    _, lg_e = runner.eager_forward(inputs)
-    lg_e = lg_e.clone()
+    with spy.recording():
+        _, lg_e = runner.eager_forward(inputs)
+    lg_e, acts_e = lg_e.clone(), dict(spy.acts)
     eager_rec = dict(model.last_slots.record) if model.last_slots is not None else {}
     eager_rec = {k: v.clone() for k, v in eager_rec.items()}
     after_e = {k: v.clone() for k, v in real_state(runner).items()}
+    alone = eager_alone(runner, inputs, lg_e, before)
     restore(runner, before)
     got = replay()
     lg_g = (got[1] if isinstance(got, tuple) else got)[:n].clone()
@@ -203,15 +255,38 @@ def probe_step(runner, spy: Spy, inputs, uncaptured, replay, n: int, label: str,
     entry = {
         "step": label, "rows": n,
         "replay_vs_uncaptured": row_maxdiff(lg_g, lg_u[:n]),
+        "eager_alone_vs_batch": alone,
         "uncaptured_vs_eager": row_maxdiff(lg_u[:n], lg_e),
         "argmax_differs_rows": [i for i in range(n) if int(lg_u[i].argmax()) != int(lg_e[i].argmax())],
         "min_top12_gap_eager": round(min(gaps), 6),
         "state_uncaptured_vs_eager": state_diff(after_u, after_e),
         "state_replay_vs_uncaptured": state_diff(after_g, after_u),
         "selection_diffs": compare_selections(eager_rec, tens, n),
+        "sublayers_uncaptured_vs_eager": compare_acts(acts_u, acts_e, n),
     }
     log.append(entry)
     return got
+
+
+def eager_alone(runner, inputs, lg_batch: torch.Tensor, before: List[torch.Tensor]) -> List[float]:
+    """Each request's rows run eagerly on their own (from the same state) against the batched eager step:
+    the rounding a batch's composition alone moves a row by (per real row, max |logits diff|)."""
+    from redknot.engine.inputs import build_step_inputs
+    from redknot.engine.messages import SchedulerOutput
+
+    srs = inputs.sched.requests
+    if len(srs) < 2 or inputs.meta is None or lg_batch.shape[0] != inputs.meta.num_tokens:
+        return []
+    out, at = [], 0
+    for sr in srs:
+        n = sr.num_tokens
+        restore(runner, before)
+        one = build_step_inputs(SchedulerOutput(inputs.sched.step_id, [sr]))
+        one.meta.input_ids.copy_(inputs.meta.input_ids[at:at + n].to(one.meta.input_ids.device))
+        _, lg = runner.eager_forward(one)
+        out += row_maxdiff(lg, lg_batch[at:at + n])
+        at += n
+    return out
 
 
 def print_entry(e: dict) -> None:
@@ -219,6 +294,9 @@ def print_entry(e: dict) -> None:
     print(f"  step {e['step']}: rows {e['rows']} max|dlogits| uncaptured-vs-eager max {max(ue):.3g} "
           f"per row {ue}; replay-vs-uncaptured max {max(e['replay_vs_uncaptured']):.3g}; "
           f"argmax differs rows {e['argmax_differs_rows']}; min top1-top2 gap {e['min_top12_gap_eager']}")
+    if e["eager_alone_vs_batch"]:
+        print(f"    eager, each request alone vs batched: per row {e['eager_alone_vs_batch']}")
+    print(f"    sub-layers uncaptured vs eager (max |diff|): {', '.join(e['sublayers_uncaptured_vs_eager'])}")
     if e["state_uncaptured_vs_eager"]:
         print(f"    state uncaptured vs eager: {e['state_uncaptured_vs_eager']}")
     if e["state_replay_vs_uncaptured"]:
@@ -316,14 +394,30 @@ def _probe_decode_graphs(runner, dg, spy: Spy, logs: list) -> None:
 
 
 # ---------------------------------------------------------------------- scenarios: verify graphs
-def _verify_llm(cache: str, dspark: bool, device: str, graphs: bool):
+_LLMS: Dict[tuple, object] = {}
+
+
+def _verify_llm(cache: str, dspark: bool, device: str, graphs: bool, fresh: bool = False):
+    """The engines of test_verify_graphs.py, shared across scenarios as its module fixture shares them
+    (the GPU replay test runs on the engine the engine test left its state in); ``fresh``: a new one."""
     from test_verify_graphs import _make
 
-    return _make(cache, dspark, cuda=device == "cuda", graphs=graphs)
+    key = (dspark, graphs)
+    if fresh or key not in _LLMS:
+        llm = _make(cache, dspark, cuda=device == "cuda", graphs=graphs)
+        if device == "cpu" and dspark and graphs:
+            from redknot.engine.cuda_graphs import HostGraphCapture
+
+            llm.runner.graph_max_len = 256
+            llm.runner.use_verify_graphs(HostGraphCapture()).capture()
+        if fresh:
+            return llm
+        _LLMS[key] = llm
+    return _LLMS[key]
 
 
 def _probe_verify_graphs(runner, graphs, spy: Spy, logs: list) -> None:
-    orig_run = graphs.run
+    orig_run = graphs.__dict__.setdefault("_unprobed_run", graphs.run)
     count = [0]
 
     def run(inputs):
@@ -346,16 +440,10 @@ def verify_scenario(device: str, cache: str, spy: Spy, report: dict) -> None:
     from spec_testutil import oracle_hook, record_logits
     from test_verify_graphs import GREEDY
 
-    from redknot.engine.cuda_graphs import HostGraphCapture
-
     prompts = {f"g{k}": [(29 * i + 7 * k) % 120000 + 3 for i in range(n)] for k, n in enumerate((6, 33, 70, 12))}
     off = _verify_llm(cache, False, device, False)
     on = _verify_llm(cache, True, device, True)
     graphs = on.runner.verify_graphs
-    if device == "cpu":
-        on.runner.graph_max_len = 256
-        graphs = on.runner.use_verify_graphs(HostGraphCapture())
-        graphs.capture()
     logs: list = []
     ref, ref_lg = record_logits(off, prompts, GREEDY)
     _probe_verify_graphs(on.runner, graphs, spy, logs)
@@ -368,37 +456,34 @@ def verify_scenario(device: str, cache: str, spy: Spy, report: dict) -> None:
     report["verify_checks"] = dict(graphs.checks)
     runs = [({k: v.token_ids for k, v in ref.items()}, ref_lg), ({k: v.token_ids for k, v in got.items()}, got_lg)]
     _report_runs("verify", prompts, runs, logs, report)
-    off.close()
-    on.close()
 
 
-def schedule_scenario(device: str, cache: str, spy: Spy, report: dict) -> None:
+def schedule_scenario(device: str, cache: str, spy: Spy, report: dict, fresh: bool = False) -> None:
+    """``fresh``: on a new engine; else on the shared one (after ``verify``, as in the test module)."""
     from test_verify_graphs import SCHEDULE, Requests
 
-    from redknot.engine.cuda_graphs import HostGraphCapture
-
-    llm = _verify_llm(cache, True, device, True)
+    llm = _verify_llm(cache, True, device, True, fresh=fresh)
     runner = llm.runner
     graphs = runner.verify_graphs
-    if device == "cpu":
-        runner.graph_max_len = 256
-        graphs = runner.use_verify_graphs(HostGraphCapture())
-        graphs.capture()
     graphs.check_first_replay = False
     logs: list = []
     _probe_verify_graphs(runner, graphs, spy, logs)
     reqs = Requests(llm, prompts=[13, 6, 21, 30])
-    print("\n== schedule (test_gpu_verify_replay_equals_eager_and_taps) ==")
+    name = "schedule_fresh" if fresh else "schedule"
+    print(f"\n== {name} (test_gpu_verify_replay_equals_eager_and_taps; "
+          f"{'a new engine' if fresh else 'the engine the verify scenario ran on'}) ==")
     for ids, counts, kept in SCHEDULE:
         inputs = reqs.inputs(ids, counts)
         print(f"  requests {ids} start positions {[reqs.lens[b] for b in ids]} counts {counts}")
         graphs.run(inputs)
         for b, k in zip(ids, kept):
             reqs.lens[b] += k
+    graphs.check_first_replay = True
     for e in logs:
         print_entry(e)
-    report["schedule"] = logs
-    llm.close()
+    report[name] = logs
+    if fresh:
+        llm.close()
 
 
 def _report_runs(name: str, prompts, runs, logs: list, report: dict) -> None:
@@ -421,7 +506,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for divergence.json (default: print only)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    ap.add_argument("--scenarios", default="schedule,decode,verify")
+    ap.add_argument("--scenarios", default="verify,schedule,schedule_fresh,decode",
+                    help="comma list of verify, schedule (on the verify scenario's engine), schedule_fresh, decode")
     args = ap.parse_args()
     spy = Spy()
     report: dict = {"device": args.device}
@@ -429,9 +515,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         for s in args.scenarios.split(","):
             t = time.time()
-            {"decode": decode_scenario, "verify": verify_scenario, "schedule": schedule_scenario}[s](
-                args.device, cache, spy, report)
+            {"decode": decode_scenario, "verify": verify_scenario, "schedule": schedule_scenario,
+             "schedule_fresh": lambda *a: schedule_scenario(*a, fresh=True)}[s](args.device, cache, spy, report)
             print(f"  ({s}: {time.time() - t:.1f} s)")
+        for llm in _LLMS.values():
+            llm.close()
     print(f"total {time.time() - t0:.1f} s")
     if args.out:
         out = Path(args.out)
