@@ -3,6 +3,7 @@
 
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --out DIR     # on an H200, about 4-6 minutes
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only gemm --out DIR   # weight-stream GEMMs, before/after
+    PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only stream --out DIR # decode streams by variant
     python benchmarks/kernels_v41.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
 
 Phase 1 (correctness): every op against its PyTorch reference (``redknot.kernels.ref_v41``) on fresh
@@ -14,7 +15,9 @@ and the fraction of the roofline floor. Phase 3: the Engram gather from HBM and 
 against the measured host-to-device copy bandwidth. A failing case is a FAIL row; the run goes on.
 ``--only gemm``: only the before / after table of the weight-stream GEMMs (MoE and dense linears at
 decode sizes, eager and in CUDA graphs, with the split-K kernels' earlier weight decode and the current
-one; the MoE prefill plan), each row checked against its reference first.
+one; the MoE prefill plan), each row checked against its reference first, then the decode streams by
+variant (``--only stream`` runs only those: the fused MoE streams of ``moe_stream`` next to the split-K
+ones, a load / decode / MMA ladder, the dense FP8 streams by decode; ``kernels_v41_stream_cases.py``).
 
 Roofline (the method of the project's cost model): an op's floor is ``max(FLOPs / peak, bytes / HBM)``
 with the H200 ceilings measured on the machine, FP8 1451 TFLOP/s (bf16 796 for the bf16-MMA ops) and
@@ -164,8 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 131072, 1048576],
                     help="compressed entries visible to attention / indexer cases")
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--only", choices=("all", "gemm"), default="all",
-                    help="gemm: only the before/after table of the weight-stream GEMMs (no phase-1 checks)")
+    ap.add_argument("--only", choices=("all", "gemm", "stream"), default="all",
+                    help="gemm: only the before/after table of the weight-stream GEMMs (no phase-1 checks); "
+                         "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes)")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -182,9 +186,13 @@ def main(argv=None) -> int:
     run = Run(args, device)
     run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
             f"dims {'toy' if args.smoke else 'V4.1'}")
-    if args.only == "gemm":
-        for desc, build in list(decode_compare_cases(dims, device, args.smoke)) + list(
-                stream_variant_cases(dims, device, args.smoke)):
+    if args.only in ("gemm", "stream"):
+        from kernels_v41_stream_cases import stream_cases
+        cases = list(stream_cases(dims, device, args.smoke))
+        if args.only == "gemm":
+            cases = list(decode_compare_cases(dims, device, args.smoke)) + cases + list(
+                stream_variant_cases(dims, device, args.smoke))
+        for desc, build in cases:
             timed(run, build, desc)
         return write_results(run)
     if not args.skip_checks:
@@ -221,7 +229,7 @@ def comparison_lines(rows: List[Row]) -> List[str]:
     from redknot.kernels.triton import stream_guard
     pairs = {}
     for r in rows:
-        if r.key:
+        if r.key and not r.key.startswith("stream "):  # the variant tables (``stream_lines``) list those
             pairs.setdefault(r.key, {})[r.variant] = r
     if not pairs:
         return []
@@ -259,6 +267,8 @@ def write_results(run: Run) -> int:
             lines.append(f"| {r.op} | {r.label} | {r.ms:.4f} | {r.tflops:.1f} | {r.tbps:.3f} | {100 * r.roof:.1f} | "
                          f"{r.peak} | {r.note} |")
     lines += comparison_lines(run.rows)
+    from kernels_v41_stream_cases import stream_lines
+    lines += stream_lines(run.rows)
     lines += ["", "## Engram gather: HBM vs pinned host", "", "| case | ms | GB/s | note |", "|---|---|---|---|"]
     for t in run.transfer:
         lines.append(f"| {t.get('case')} | {t.get('ms', 0):.4f} | {t.get('gbps', 0):.1f} | "

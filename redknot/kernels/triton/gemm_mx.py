@@ -284,15 +284,21 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 
 # The dense decode streams' weight decode, measured per weight shape on the first call on a GPU (``fp8``
 # first: taken untimed off the GPU, under graph capture or with tuning off).
-LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers"])
+# ``registers_wide``: the ``registers`` kernel with one row tile for up to 128 rows (``dense_row_tile``; a
+# 16-row tile reads the whole weight once per 16 rows: 8 times at 128 rows), activations quantised by a
+# separate pass above 16 rows, 8 warps from 64-row tiles, the weight tile as the MMA's first operand (its
+# 64 columns are the MMA's M; the rows are its N at every row count). Each output is the same dot product
+# in the same K order at every row count.
+LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide"])
 
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
                    out: torch.Tensor, decode: Optional[str] = None) -> torch.Tensor:
     """Split-K weight stream (``splitk_mx``) and the slice reduction; ``decode`` None: the choice of
-    ``LINEAR_DECODE_TUNER``. ``scaled`` / ``fp8``: activations quantised by a separate pass (each program
-    would otherwise repeat the amax work for 16+ padded rows per weight tile), one row tile of up to 128
-    rows (each row tile reads the whole weight)."""
+    ``LINEAR_DECODE_TUNER`` (``splitk_mx.DECODES`` or ``registers_wide``, see the tuner). ``scaled`` /
+    ``fp8``: activations quantised by a separate pass (each program would otherwise repeat the amax work
+    for 16+ padded rows per weight tile), one row tile of up to 128 rows (each row tile reads the whole
+    weight)."""
     from redknot.kernels.triton import splitk_mx, stream_guard
     from redknot.kernels.triton.dequant_mx import qdq_bf16
     rows = x2.shape[0]
@@ -301,12 +307,16 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
             x2, weight, ws, block, out, d), x2.device)
 
     def run(dec: str) -> torch.Tensor:
+        warps, swap = 4, False
         if dec == "registers":
             raw, bm = rows <= splitk_mx.RAW_MAX_ROWS, splitk_mx.ROW_TILE
+        elif dec == "registers_wide":
+            bm = splitk_mx.dense_row_tile(rows)
+            raw, warps, dec, swap = bm == splitk_mx.ROW_TILE, 8 if bm >= 64 else 4, "registers", True
         else:
             raw, bm = dec == "fp8" or rows <= splitk_mx.SCALED_RAW_MAX_ROWS, splitk_mx.dense_row_tile(rows)
         p = splitk_mx.splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, rows, w_fp4=False, wb=block, raw=raw,
-                                decode=dec, block_m=bm)
+                                decode=dec, block_m=bm, num_warps=warps, swap=swap)
         return splitk_mx.reduce_rows(p, out)
 
     if decode != "registers":

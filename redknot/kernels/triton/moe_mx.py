@@ -30,6 +30,7 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton import splitk_mx, stream_guard
+from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
 from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, fp8_qdq_groups, qdq_bf16
 from redknot.kernels.triton.splitk_mx import (RAW_MAX_ROWS, ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm,
                                               tile_map)
@@ -67,8 +68,14 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
 
 
 # The decode streams' weight decode, measured per weight shape on the first call on a GPU (``scaled``
-# first: taken untimed off the GPU, under graph capture or with tuning off).
-DECODE_TUNER = ConfigTuner("moe_mx_decode", [splitk_mx.DECODE, "registers"])
+# first: taken untimed off the GPU, under graph capture or with tuning off). ``StreamPlan`` candidates run
+# ``moe_stream`` (epilogues fused, no fp32 partials at one K slice); ``stream_guard`` checks each on first use.
+DECODE_TUNER = ConfigTuner("moe_mx_decode", [
+    splitk_mx.DECODE, "registers",
+    # the fused streams (``moe_stream``): one program per expert tile and column block over all of K
+    StreamPlan("regs", 64, 128, 4, 3), StreamPlan("scaled", 64, 128, 4, 3), StreamPlan("regs", 32, 256, 4, 3),
+    StreamPlan("regs", 128, 128, 8, 3), StreamPlan("regs", 64, 128, 4, 4, min_steps=8),
+])
 
 
 # Pairs (T·k) up to which one routing kernel replaces the sort and its companions (decode batches).
@@ -156,13 +163,16 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
                plan: MoePlan = None, decode: Optional[str] = None):
     """``moe_mx`` as split-K weight streams (see the module docstring); with a ``tiled`` plan the same
     kernels run as plain grouped GEMMs (one K slice, larger row tiles) for prefill. ``decode``: how the
-    GEMMs decode the FP4 weights (``splitk_mx.DECODES``; None: the plan's, else ``DECODE_TUNER``'s
-    measured choice per weight shape)."""
+    GEMMs decode the FP4 weights (``splitk_mx.DECODES``, or a ``moe_stream.StreamPlan``: the fused streams;
+    None: the plan's, else ``DECODE_TUNER``'s measured choice per weight shape)."""
     decode = decode or (plan.decode if plan is not None else None)
     args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit, plan)
     if decode is None:
         key = (tuple(w1.shape), tuple(w2.shape))  # not the token count: a token's bits stay batch-invariant
         decode = DECODE_TUNER.pick(key, lambda d: moe_splitk(*args[:-1], decode=d), x.device)
+    if isinstance(decode, StreamPlan):
+        return stream_guard.with_fallback(x.device, decode, lambda: moe_stream(*args[:-1], decode),
+                                          lambda: _moe_splitk(*args, "registers"))
     if decode != "registers":
         return stream_guard.with_fallback(x.device, decode, lambda: _moe_splitk(*args, decode),
                                           lambda: _moe_splitk(*args, "registers"))

@@ -7,12 +7,14 @@ an FP8 dense one with that decode and with ``registers`` (an independent impleme
 registers) on fresh random operands, and compares the fp32 sums. A build failure or a mismatch is
 recorded in ``DECODE_ERRORS``, warned once, and the stream runs ``registers`` from then on; the
 benchmarks print ``DECODE_ERRORS`` and the GPU tests fail on it. Off the GPU errors propagate, so the
-interpreter tests exercise the kernels themselves.
+interpreter tests exercise the kernels themselves. The fused MoE streams (``moe_stream.StreamPlan``) are
+guarded the same way (``stream_check``: their fp32 W1 | W3 sums and their whole MoE output against the
+split-K ``registers`` stream).
 """
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Dict, Optional, Set, TypeVar
+from typing import Callable, Dict, Hashable, Optional, Set, TypeVar
 
 import torch
 
@@ -21,8 +23,8 @@ from redknot.kernels.triton import splitk_mx
 from redknot.kernels.triton.dequant_mx import qdq_bf16
 
 R = TypeVar("R")
-DECODE_ERRORS: Dict[str, str] = {}  # decode -> why it is not used on this device
-_CHECKED: Set[str] = set()
+DECODE_ERRORS: Dict[Hashable, str] = {}  # decode (name or ``StreamPlan``) -> why it is not used on this device
+_CHECKED: Set[Hashable] = set()
 # Same exact products, another summation order: ~1e-6 relative in fp32, up to ~1e-4 where FP8 MMAs add a
 # 32-wide group at the tensor cores' reduced accumulation precision; a wrong decode is off by O(1).
 CHECK_TOL = 1e-3
@@ -34,8 +36,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[str]:
     """None when ``decode`` computes what ``registers`` computes on ``device``, else what differs
-    (``registers`` itself is the comparison: None)."""
-    if decode == "registers":
+    (``registers`` itself is the comparison: None; ``registers_wide`` is that kernel with wider row tiles,
+    the same products in the same order). A ``moe_stream.StreamPlan``: ``stream_check``."""
+    from redknot.kernels.triton.moe_stream import StreamPlan
+    if isinstance(decode, StreamPlan):
+        return stream_check(decode, device, seed)
+    if decode in ("registers", "registers_wide"):
         return None
     g = torch.Generator(device=device).manual_seed(seed)
     E, N, K, T = 3, 128, 512, 5
@@ -65,7 +71,45 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
     return None if worst <= CHECK_TOL else f"differs from decode='registers' by {worst:.3g} (tolerance {CHECK_TOL:g})"
 
 
-def with_fallback(device: torch.device, decode: str, fast: Callable[[], R], registers: Callable[[], R]) -> R:
+# The fused MoE stream's full output (bf16 slots, then bf16 tokens) against the split-K ``registers`` one:
+# bf16 roundings of differently ordered fp32 sums differ by an ulp here and there (~1e-3 relative in
+# norm); a wrong decode or epilogue is off by O(1).
+STREAM_OUT_TOL = 2e-2
+
+
+def stream_check(plan, device: torch.device, seed: int = 1234) -> Optional[str]:
+    """None when the fused MoE stream ``plan`` computes what the split-K ``registers`` stream computes:
+    the W1 | W3 fp32 sums (one K slice of partials) within ``CHECK_TOL`` and the whole MoE output within
+    ``STREAM_OUT_TOL``, on fresh random MXFP4 experts."""
+    from redknot.kernels.triton import moe_mx, moe_stream
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, D, inter, T, k = 3, 256, 128, 5, 2
+    packed = []
+    for n, kk in ((inter, D), (inter, D), (D, inter)):  # W1, W3, W2
+        packed.append(torch.randint(0, 256, (E, n, kk // 2), generator=g, device=device, dtype=torch.uint8))
+        packed.append(torch.randint(118, 124, (E, n, kk // 32), generator=g, device=device, dtype=torch.uint8))
+    x = torch.randn(T, D, generator=g, device=device).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g, device=device)[:k] for _ in range(T)])
+    wt = torch.rand(T, k, generator=g, device=device) + 0.1
+    rowid = (torch.arange(8, device=device) % T).to(torch.int32)
+    offs = torch.tensor([3, 5, 8], dtype=torch.int32, device=device)
+    w1, s1, w3, s3, w2, s2 = packed
+    tiles = splitk_mx.tile_map(offs, moe_stream.ROW_TILE, 8)
+    got = moe_stream.stream_gemm(qdq_bf16(x), w1, s1, 8, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3, ws3=s3)
+    want = splitk_mx.splitk_mm(qdq_bf16(x, split=True), w1, s1, 8, w_fp4=True, rowid=rowid, offs=offs, w3=w3,
+                               ws3=s3, decode="registers")
+    errs = [_rel(got[i].sum(0), want[i].sum(0)) for i in range(2)]
+    if max(errs) > CHECK_TOL:
+        return f"W1 | W3 sums differ from decode='registers' by {max(errs):.3g} (tolerance {CHECK_TOL:g})"
+    out = moe_stream.moe_stream(x, idx, wt, *packed, 10.0, plan)
+    ref = moe_mx.moe_splitk(x, idx, wt, *packed, 10.0, decode="registers")
+    err = _rel(out, ref)
+    if not err <= STREAM_OUT_TOL:
+        return f"MoE output differs from decode='registers' by {err:.3g} (tolerance {STREAM_OUT_TOL:g})"
+    return None
+
+
+def with_fallback(device: torch.device, decode, fast: Callable[[], R], registers: Callable[[], R]) -> R:
     """``fast()`` (a ``scaled`` / ``fp8`` stream) unless that decode failed its build or self-check on this
     CUDA device (then ``registers()``; see the module docstring)."""
     if device.type != "cuda":

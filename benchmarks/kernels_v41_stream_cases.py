@@ -1,0 +1,119 @@
+"""Timed cases of the fused MoE decode streams (``moe_stream.StreamPlan``) next to the split-K streams, and of
+the dense FP8 decode streams by decode, for ``kernels_v41.py --only gemm`` / ``--only stream``.
+
+Every MoE row replays a CUDA graph of the whole ``moe_mx`` call (routing, GEMMs, epilogues, combine), checked
+against ``ref_v41`` on the same inputs first and its graph output compared with an eager call. The
+``ladder`` rows run one fused plan with its MMA removed (``mode=2``: decode + sum) and with decode and MMA
+removed (``mode=1``: bytes summed): same grid, same loads, so the three rungs say whether the loads, the
+decode or the MMA bound the stream. Their outputs are meaningless and unchecked.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, List, Tuple
+
+import torch
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels import ref_v41 as ref
+from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
+from redknot.kernels.triton.gemm_mx import linear_mx
+from kernels_v41_cases import _case, _checked, _graph_or_eager, _moe_bytes, _moe_case_inputs, _sizes
+
+STREAM_KEY = "stream"  # Case.key prefix of these rows (the report's table picks them up)
+
+
+def _plans(smoke: bool):
+    from redknot.kernels.triton.moe_stream import StreamPlan
+    if smoke:
+        return [("fused regs 32x64", StreamPlan("regs", 32, 64)), ("fused scaled 32x64", StreamPlan("scaled", 32, 64))]
+    return [(f"fused {p.decode} {p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
+             + (f" split{p.min_steps}" if p.min_steps else "") + (" inline" if p.inline else ""), p)
+            for p in (StreamPlan("regs", 64, 128, 4, 3), StreamPlan("scaled", 64, 128, 4, 3),
+                      StreamPlan("regs", 32, 256, 4, 3), StreamPlan("regs", 128, 128, 8, 3),
+                      StreamPlan("regs", 64, 128, 4, 4, min_steps=8), StreamPlan("regs", 64, 256, 4, 3),
+                      StreamPlan("regs", 64, 128, 4, 3, inline=True))]
+
+
+def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+    """MoE decode batches: the split-K ``scaled`` / ``registers`` streams, then every fused plan, then the
+    ladder; then the dense linears by decode. Graph replays where there is a GPU."""
+    from redknot.kernels.triton import moe_mx as fast_moe
+    from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
+    _, decode = _sizes(dims, smoke)
+    graph = device.type == "cuda"
+    how_run = "graph" if graph else "eager"
+    flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
+    shared = {}
+
+    def weights():
+        if "w" not in shared:
+            shared["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
+        return shared["w"]
+
+    def want(t, x, idx, wt):
+        key = ("moe", t)
+        if key not in shared:
+            for k in [k for k in shared if k != "w"]:
+                del shared[k]
+            shared[key] = ref.moe_mx(x, idx, wt, *weights(), 10.0)
+        return shared[key]
+
+    variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke)
+    for t in decode:
+        for name, dec in variants:
+            def build(t=t, name=name, dec=dec):
+                x, idx, wt = _moe_case_inputs(dims, device, t, t)
+                fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=dec)  # noqa: E731
+                note = _checked("moe_mx", f"T={t}", fn, lambda: want(t, x, idx, wt), 3e-2)
+                run, _, how = _graph_or_eager(fn, device, graph)
+                return _case("moe_mx stream", f"T={t} {how_run} {name}", run, t * flops_per_token,
+                             _moe_bytes(dims, idx), note=f"{how}; {note}", key=f"{STREAM_KEY} moe T={t}",
+                             variant=name)
+            yield f"stream moe T={t} {name}", build
+    ladder = StreamPlan("regs", 32, 64) if smoke else StreamPlan("regs", 64, 128, 4, 3)
+    for t in decode[:2]:
+        for mode, name in ((2, "ladder: decode + sum, no MMA"), (1, "ladder: bytes only")):
+            def build(t=t, mode=mode, name=name):
+                x, idx, wt = _moe_case_inputs(dims, device, t, t)
+                fn = lambda: moe_stream(x, idx, wt, *weights(), 10.0, ladder, mode=mode)  # noqa: E731
+                run, _, how = _graph_or_eager(fn, device, graph)
+                return _case("moe_mx stream", f"T={t} {how_run} {name}", run, 0.0, _moe_bytes(dims, idx),
+                             note=f"{ladder}; output unchecked (diagnostic)", key=f"{STREAM_KEY} moe T={t}",
+                             variant=name)
+            yield f"stream moe T={t} {name}", build
+    shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
+    for sname, n, k in shapes:
+        for m in decode:
+            for dec in ("registers", "registers_wide", "fp8", "scaled"):
+                def build(sname=sname, n=n, k=k, m=m, dec=dec):
+                    g = torch.Generator(device=device).manual_seed(m + n)
+                    w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
+                    x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+                    fn = lambda: linear_mx(x, w, ws, 32, path="splitk", decode=dec)  # noqa: E731
+                    note = _checked("linear_mx", sname, fn, lambda: ref.linear_mx(x, w, ws, 32), 1e-2)
+                    run, _, how = _graph_or_eager(fn, device, graph)
+                    return _case("linear_mx stream", f"{sname} M={m} {how_run} {dec}", run, 2 * m * n * k,
+                                 m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"{how}; {note}",
+                                 key=f"{STREAM_KEY} linear {sname} M={m}", variant=dec)
+                yield f"stream linear {sname} M={m} {dec}", build
+
+
+def stream_lines(rows) -> List[str]:
+    """One table per case key: every variant's ms and % of floor, and its speed-up over the first one."""
+    groups = {}
+    for r in rows:
+        if r.key.startswith(STREAM_KEY + " "):
+            groups.setdefault(r.key[len(STREAM_KEY) + 1:], []).append(r)
+    if not groups:
+        return []
+    lines = ["", "## Decode streams by variant (graph replays; fused MoE streams vs split-K)", "",
+             "| case | variant | ms | % of floor | vs first | note |", "|---|---|---|---|---|---|"]
+    for key, rs in groups.items():
+        base = rs[0].ms if rs[0].status == "ok" else 0.0
+        for r in rs:
+            if r.status != "ok":
+                lines.append(f"| {key} | {r.variant} | {r.status} | | | |")
+                continue
+            up = f"{base / r.ms:.2f}x" if base and r.ms else ""
+            lines.append(f"| {key} | {r.variant} | {r.ms:.4f} | {100 * r.roof:.1f} | {up} | {r.note} |")
+    return lines
