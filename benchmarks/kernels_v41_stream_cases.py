@@ -35,14 +35,13 @@ def _plans(smoke: bool):
 
 
 def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
-    """MoE decode batches: the split-K ``scaled`` / ``registers`` streams, then every fused plan, then the
-    ladder; then the dense linears by decode. Graph replays where there is a GPU."""
-    from redknot.kernels.triton import moe_mx as fast_moe
+    """MoE decode batches (T=1, 32): the split-K ``scaled`` / ``registers`` streams and every fused plan; the
+    ladder; the dense linears by decode; MoE at T=128 (ordered so that a budget cut loses the least).
+    Graph replays where there is a GPU."""
     from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
     _, decode = _sizes(dims, smoke)
     graph = device.type == "cuda"
     how_run = "graph" if graph else "eager"
-    flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
     shared = {}
 
     def weights():
@@ -59,17 +58,7 @@ def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Call
         return shared[key]
 
     variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke)
-    for t in decode:
-        for name, dec in variants:
-            def build(t=t, name=name, dec=dec):
-                x, idx, wt = _moe_case_inputs(dims, device, t, t)
-                fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=dec)  # noqa: E731
-                note = _checked("moe_mx", f"T={t}", fn, lambda: want(t, x, idx, wt), 3e-2)
-                run, _, how = _graph_or_eager(fn, device, graph)
-                return _case("moe_mx stream", f"T={t} {how_run} {name}", run, t * flops_per_token,
-                             _moe_bytes(dims, idx), note=f"{how}; {note}", key=f"{STREAM_KEY} moe T={t}",
-                             variant=name)
-            yield f"stream moe T={t} {name}", build
+    yield from _moe_rows(decode[:2], variants, dims, device, graph, weights, want)
     ladder = StreamPlan("regs", 32, 64) if smoke else StreamPlan("regs", 64, 128, 4, 3)
     for t in decode[:2]:
         for mode, name in ((2, "ladder: decode + sum, no MMA"), (1, "ladder: bytes only")):
@@ -81,6 +70,30 @@ def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Call
                              note=f"{ladder}; output unchecked (diagnostic)", key=f"{STREAM_KEY} moe T={t}",
                              variant=name)
             yield f"stream moe T={t} {name}", build
+    yield from _linear_rows(dims, device, smoke, graph)
+    yield from _moe_rows(decode[2:], variants, dims, device, graph, weights, want)
+
+
+def _moe_rows(tokens, variants, dims, device, graph, weights, want):
+    from redknot.kernels.triton import moe_mx as fast_moe
+    how_run = "graph" if graph else "eager"
+    flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
+    for t in tokens:
+        for name, dec in variants:
+            def build(t=t, name=name, dec=dec):
+                x, idx, wt = _moe_case_inputs(dims, device, t, t)
+                fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=dec)  # noqa: E731
+                note = _checked("moe_mx", f"T={t}", fn, lambda: want(t, x, idx, wt), 3e-2)
+                run, _, how = _graph_or_eager(fn, device, graph)
+                return _case("moe_mx stream", f"T={t} {how_run} {name}", run, t * flops_per_token,
+                             _moe_bytes(dims, idx), note=f"{how}; {note}", key=f"{STREAM_KEY} moe T={t}",
+                             variant=name)
+            yield f"stream moe T={t} {name}", build
+
+
+def _linear_rows(dims, device, smoke, graph):
+    _, decode = _sizes(dims, smoke)
+    how_run = "graph" if graph else "eager"
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
     for sname, n, k in shapes:
         for m in decode:
