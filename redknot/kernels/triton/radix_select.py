@@ -29,17 +29,29 @@ from redknot.kernels.triton._common import cdiv, next_pow2
 
 
 @triton.jit
-def _keys(src_ptr, ids_ptr, row_src, row_ids, cols, m, KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr):
-    """(key int32, id, selectable) of columns ``cols`` of one row."""
+def _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, m, N_ENT, NB_M,
+          KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr, GROUP: tl.constexpr, MASK_G: tl.constexpr):
+    """(key int32, id, selectable) of columns ``cols`` of row t. GROUP > 1: column c is the block of
+    entries [c·GROUP, c·GROUP + GROUP) scored by its max, the block of the newest visible entry pinned
+    (+inf). MASK_G > 0: only columns whose block ``c // MASK_G`` is set in ``bm`` are selectable."""
     if KEYS_IN:
         key = tl.load(src_ptr + row_src + cols, mask=m, other=0)
         ok = m
     else:
-        x = tl.load(src_ptr + row_src + cols, mask=m, other=float("-inf"))
+        if GROUP > 1:
+            e = cols[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            x = tl.max(tl.load(src_ptr + row_src + e, mask=m[:, None] & (e < N_ENT), other=float("-inf")), 1)
+            vis = tl.load(vis_ptr + t).to(tl.int64)
+            x = tl.where((vis > 0) & (cols == (vis - 1) // GROUP), float("inf"), x)
+        else:
+            x = tl.load(src_ptr + row_src + cols, mask=m, other=float("-inf"))
         ok = m & (x > float("-inf"))            # NaN and -inf are not selectable
         x = tl.where(x == 0.0, 0.0, x)          # -0 and +0: one key
         b = x.to(tl.int32, bitcast=True)
         key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)   # float order as signed integer order
+    if MASK_G > 0:
+        blk = cols // MASK_G
+        ok = ok & (tl.load(bm_ptr + row_bm + blk, mask=m & (blk < NB_M), other=0) != 0)
     if IDS_IN:
         ids = tl.load(ids_ptr + row_ids + cols, mask=m, other=-1)
         ok = ok & (ids >= 0)
@@ -49,17 +61,23 @@ def _keys(src_ptr, ids_ptr, row_src, row_ids, cols, m, KEYS_IN: tl.constexpr, ID
 
 
 @triton.jit
-def _radix_select(src_ptr, ids_ptr, out_ids_ptr, out_keys_ptr, N, SEG, K,
-                  stride_src, stride_ids, stride_out,
-                  KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr, KEYS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, om_ptr,
+                  N, N_ENT, SEG, K, NB_M, stride_src, stride_ids, stride_bm, stride_out, stride_om,
+                  KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr, KEYS_OUT: tl.constexpr, GROUP: tl.constexpr,
+                  MASK_G: tl.constexpr, EXPAND: tl.constexpr, MASK_OUT: tl.constexpr, BLOCK: tl.constexpr):
     """Program (t, s): the top ``K`` of columns [s·SEG, min((s+1)·SEG, N)) of row t -> out[t, s·K : s·K+K]
-    (ids ascending then -1; with KEYS_OUT their keys too)."""
+    (ids ascending then -1; with KEYS_OUT their keys too; EXPAND > 1: id c written as the EXPAND ids
+    c·EXPAND + j, K·EXPAND slots). MASK_OUT writes a [T, N] uint8 map of the selected columns: 1 the
+    selection of a single program per row, 2 zeros over the segment (a first launch), 3 ones at the
+    selected ids (the second launch over the first one's lists)."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     lo = s * SEG
     hi = tl.minimum(lo + SEG, N)
     row_src = t * stride_src
     row_ids = t * stride_ids
+    row_bm = t * stride_bm
+    row_om = t * stride_om
     out_at = t * stride_out + s * K
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
@@ -74,7 +92,8 @@ def _radix_select(src_ptr, ids_ptr, out_ids_ptr, out_keys_ptr, N, SEG, K,
         hist = tl.zeros([256], dtype=tl.int32)
         for c0 in range(lo, stop, BLOCK):
             cols = c0 + offs
-            key, ids, ok = _keys(src_ptr, ids_ptr, row_src, row_ids, cols, cols < hi, KEYS_IN, IDS_IN)
+            key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, cols < hi,
+                                 N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
             m = ok & ((key & pmask) == prefix)
             dig = (key >> shift) & 0xFF
             if d == 0:
@@ -102,19 +121,31 @@ def _radix_select(src_ptr, ids_ptr, out_ids_ptr, out_keys_ptr, N, SEG, K,
     ties = tl.full([], 0, tl.int32)
     for c0 in range(lo, hi, BLOCK):
         cols = c0 + offs
-        key, ids, ok = _keys(src_ptr, ids_ptr, row_src, row_ids, cols, cols < hi, KEYS_IN, IDS_IN)
+        key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, cols < hi,
+                             N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
         eq = (ok & (key == thr)).to(tl.int32)
         sel = (ok & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
         si = sel.to(tl.int32)
-        at = out_at + taken + tl.cumsum(si, 0) - si
-        tl.store(out_ids_ptr + at, ids, mask=sel)
+        at = taken + tl.cumsum(si, 0) - si
+        if EXPAND > 1:
+            j = tl.arange(0, EXPAND)[None, :]
+            tl.store(out_ids_ptr + out_at + at[:, None] * EXPAND + j, ids.to(tl.int64)[:, None] * EXPAND + j,
+                     mask=sel[:, None])
+        else:
+            tl.store(out_ids_ptr + out_at + at, ids, mask=sel)
         if KEYS_OUT:
-            tl.store(out_keys_ptr + at, key, mask=sel)
+            tl.store(out_keys_ptr + out_at + at, key, mask=sel)
+        if MASK_OUT == 1:
+            tl.store(om_ptr + row_om + cols, si.to(tl.uint8), mask=cols < hi)
+        if MASK_OUT == 2:
+            tl.store(om_ptr + row_om + cols, tl.zeros([BLOCK], tl.uint8), mask=cols < hi)
+        if MASK_OUT == 3:
+            tl.store(om_ptr + row_om + ids, tl.full([BLOCK], 1, tl.uint8), mask=sel)
         taken += tl.sum(si, 0)
         ties += tl.sum(eq, 0)
-    for f0 in range(0, K, BLOCK):
+    for f0 in range(0, K * EXPAND, BLOCK):
         p = f0 + offs
-        tl.store(out_ids_ptr + out_at + p, tl.full([BLOCK], -1, tl.int32), mask=(p < K) & (p >= taken))
+        tl.store(out_ids_ptr + out_at + p, tl.full([BLOCK], -1, tl.int32), mask=(p < K * EXPAND) & (p >= taken * EXPAND))
 
 
 @dataclass(frozen=True)
@@ -135,48 +166,92 @@ def segment_size(n: int, k: int, split_min: int) -> int:
     return max(4 * k, next_pow2(int((n * max(k, 1)) ** 0.5)))
 
 
-def radix_topk(scores: torch.Tensor, topk: int, ids: Optional[torch.Tensor] = None, seg: Optional[int] = None,
+def radix_topk(scores: torch.Tensor, topk: int, ids: Optional[torch.Tensor] = None,
+               block_mask: Optional[torch.Tensor] = None, mask_block: int = 1, seg: Optional[int] = None,
                config: Optional[RadixSelectConfig] = None) -> torch.Tensor:
     """[T, n] fp32 scores (-inf: not selectable) -> int64 [T, topk]: the ``topk`` best entry ids ascending,
     then -1; exact ties to the lower entry id (what :func:`step_indexer_mx.select_topk` returns).
     ``ids`` [T, n] (-1: none): column j stands for entry ``ids[t, j]`` (an entry list, ascending where
     selectable): the result is ``ids`` at the selected columns, i.e. ``ids.gather(1, select_topk(...))``
-    with -1 kept. ``seg``: entries per first-launch program (None: :func:`segment_size`); rows wider split
-    in two launches."""
+    with -1 kept. ``block_mask`` [T, nb] (uint8/bool): only entries j whose block ``j // mask_block`` is
+    set (and < nb) are selectable (the candidate blocks). ``seg``: entries per first-launch program
+    (None: :func:`segment_size`); rows wider split in two launches."""
     if scores.dim() != 2:
         raise ValueError(f"radix_topk: scores must be [T, n], got shape {tuple(scores.shape)}")
     if topk < 0:
         raise ValueError(f"radix_topk: topk must be >= 0, got {topk}")
-    cfg = config or DEFAULT_CONFIG
     t, n = scores.shape
     out = torch.empty(t, topk, dtype=torch.long, device=scores.device)
     if t == 0 or topk == 0:
         return out
     if n == 0:
         return out.fill_(-1)
-    x = scores.float()
-    if x.stride(1) != 1:
-        x = x.contiguous()
     if ids is not None:
         if ids.shape != scores.shape:
             raise ValueError(f"radix_topk: ids must have the scores' shape {tuple(scores.shape)}, "
                              f"got {tuple(ids.shape)}")
-        if ids.stride(1) != 1:
-            ids = ids.contiguous()
-    idl = x if ids is None else ids
-    seg = segment_size(n, topk, cfg.split_min) if seg is None else max(int(seg), 1)
-    nseg = cdiv(n, seg)
-    if nseg == 1:
-        _radix_select[(t, 1)](x, idl, out, out, n, n, topk, x.stride(0), idl.stride(0), out.stride(0),
-                              KEYS_IN=False, IDS_IN=ids is not None, KEYS_OUT=False, BLOCK=cfg.block,
-                              num_warps=cfg.num_warps)
-        return out
-    cand = torch.empty(t, nseg * topk, dtype=torch.int32, device=scores.device)   # entry ids < 2^31
-    keys = torch.empty(t, nseg * topk, dtype=torch.int32, device=scores.device)
-    _radix_select[(t, nseg)](x, idl, cand, keys, n, seg, topk, x.stride(0), idl.stride(0), cand.stride(0),
-                             KEYS_IN=False, IDS_IN=ids is not None, KEYS_OUT=True, BLOCK=cfg.block,
-                             num_warps=cfg.num_warps)
-    m = nseg * topk
-    _radix_select[(t, 1)](keys, cand, out, out, m, m, topk, keys.stride(0), cand.stride(0), out.stride(0),
-                          KEYS_IN=True, IDS_IN=True, KEYS_OUT=False, BLOCK=cfg.block, num_warps=cfg.num_warps)
+        ids = _rowmajor(ids)
+    if block_mask is not None:
+        if block_mask.dim() != 2 or block_mask.shape[0] != t or mask_block < 1:
+            raise ValueError(f"radix_topk: block_mask must be [T={t}, blocks] with mask_block >= 1, got shape "
+                             f"{tuple(block_mask.shape)}, mask_block={mask_block}")
+        block_mask = _rowmajor(block_mask.view(torch.uint8) if block_mask.dtype == torch.bool else block_mask)
+    _select(_rowmajor(scores.float()), topk, out, ids=ids, block_mask=block_mask,
+            mask_block=mask_block if block_mask is not None else 0, seg=seg, config=config)
     return out
+
+
+def radix_candidates(scores: torch.Tensor, visible: torch.Tensor, num_blocks: int, block: int,
+                     seg: Optional[int] = None, config: Optional[RadixSelectConfig] = None):
+    """The candidate source's blocks (§3.5(d)) from [T, n] scores in one or two launches: block score = max
+    of its ``block`` entries, the newest visible entry's block pinned, the best ``num_blocks`` blocks with a
+    finite score (ties to the lower block) -> (int64 [T, num_blocks·block] their entry ids ascending, -1 for
+    none; uint8 [T, ceil(n / block)] 1 on the selected blocks). ``block`` a power of two."""
+    t, n = scores.shape
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"radix_candidates: block must be a power of two, got {block}")
+    nblk = cdiv(n, block)
+    out = torch.empty(t, num_blocks * block, dtype=torch.long, device=scores.device)
+    bmask = torch.zeros(t, nblk, dtype=torch.uint8, device=scores.device)
+    if t == 0 or num_blocks == 0 or n == 0:
+        return out.fill_(-1), bmask
+    _select(_rowmajor(scores.float()), num_blocks, out, n_cols=nblk, group=block, visible=visible.contiguous(),
+            mask_out=bmask, seg=seg, config=config)
+    return out, bmask
+
+
+def _rowmajor(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _select(x: torch.Tensor, k: int, out: torch.Tensor, n_cols: Optional[int] = None, ids=None, block_mask=None,
+            mask_block: int = 0, group: int = 1, visible=None, mask_out=None, seg=None, config=None) -> None:
+    """Launch one or two radix selections of ``k`` of the ``n_cols`` columns of ``x`` into ``out``."""
+    cfg = config or DEFAULT_CONFIG
+    t, n_ent = x.shape
+    n = n_ent if n_cols is None else n_cols
+    seg = segment_size(n, k, cfg.split_min) if seg is None else max(int(seg), 1)
+    nseg = cdiv(n, seg)
+    idl = x if ids is None else ids
+    vis = x if visible is None else visible
+    bm = x if block_mask is None else block_mask
+    om = x if mask_out is None else mask_out
+    common = dict(MASK_G=mask_block, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    strides = (idl.stride(0) if ids is not None else 0, bm.stride(0) if block_mask is not None else 0)
+    om_stride = om.stride(0) if mask_out is not None else 0
+    if nseg == 1:
+        _radix_select[(t, 1)](x, idl, vis, bm, out, out, om, n, n_ent, n, k, bm.shape[-1], x.stride(0), *strides,
+                              out.stride(0), om_stride, KEYS_IN=False, IDS_IN=ids is not None, KEYS_OUT=False,
+                              GROUP=group, EXPAND=group, MASK_OUT=1 if mask_out is not None else 0, **common)
+        return
+    cand = torch.empty(t, nseg * k, dtype=torch.int32, device=x.device)   # entry ids < 2^31
+    keys = torch.empty(t, nseg * k, dtype=torch.int32, device=x.device)
+    _radix_select[(t, nseg)](x, idl, vis, bm, cand, keys, om, n, n_ent, seg, k, bm.shape[-1], x.stride(0),
+                             *strides, cand.stride(0), om_stride, KEYS_IN=False, IDS_IN=ids is not None,
+                             KEYS_OUT=True, GROUP=group, EXPAND=1, MASK_OUT=2 if mask_out is not None else 0,
+                             **common)
+    m = nseg * k
+    common["MASK_G"] = 0
+    _radix_select[(t, 1)](keys, cand, vis, bm, out, out, om, m, m, m, k, 0, keys.stride(0), cand.stride(0), 0,
+                          out.stride(0), om_stride, KEYS_IN=True, IDS_IN=True, KEYS_OUT=False, GROUP=1,
+                          EXPAND=group, MASK_OUT=3 if mask_out is not None else 0, **common)

@@ -12,9 +12,8 @@ ascending, then -1, exact ties to the lower entry id (the model's rule; ``indexe
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Dict, Optional, Set
+from typing import Optional
 
 import torch
 import triton
@@ -23,7 +22,6 @@ import triton.language as tl
 from redknot.kernels import mx_formats as mx
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.indexer_mx import _index_keys
-from redknot.kernels.triton.radix_select import radix_topk
 
 
 @triton.jit
@@ -123,7 +121,7 @@ def candidate_entries(scores: torch.Tensor, visible: torch.Tensor, num_blocks: i
     bscore = pad.view(t, nblk, block).amax(-1)
     blk = torch.arange(nblk, device=scores.device)
     pinned = (visible[:, None] > 0) & (blk[None, :] == ((visible - 1).clamp(min=0) // block)[:, None])
-    ids = topk_select(bscore.masked_fill(pinned, float("inf")), num_blocks)           # [T, NB] ascending
+    ids = select_topk(bscore.masked_fill(pinned, float("inf")), num_blocks)           # [T, NB] ascending
     ent = ids[:, :, None] * block + torch.arange(block, device=scores.device)
     return torch.where(ids[:, :, None] >= 0, ent, torch.full_like(ent, -1)).flatten(1)
 
@@ -186,67 +184,6 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     ids = torch.sort(ids, dim=-1).values
     out[:, :k] = torch.where(ids == big, torch.full_like(ids, -1), ids)
     return out
-
-
-SELECT_ERRORS: Dict[str, str] = {}   # device -> why the radix selection is not used there
-_SELECT_CHECKED: Set[str] = set()
-
-
-def _select_self_check(device: torch.device, seed: int = 4321) -> Optional[str]:
-    """None when :func:`radix_topk` returns what :func:`select_topk` returns on ``device`` for fresh random
-    rows with heavy exact ties, -inf tails, a row with nothing selectable, fewer entries than k, and a row
-    long enough for the two-launch split; else what differs."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    for t, n, k in ((3, 1000, 64), (2, 70000, 512), (2, 40, 64)):
-        sc = torch.randint(-6, 7, (t, n), generator=g, device=device).float() * 0.125   # many exact ties
-        sc[0] = torch.randn(n, generator=g, device=device)
-        sc[-1, n // 3:] = float("-inf")
-        if t > 2:
-            sc[1] = float("-inf")
-        got = radix_topk(sc, k)
-        want = select_topk(sc, k)
-        if not torch.equal(got, want):
-            bad = int((got != want).any(1).sum())
-            return f"radix_topk differs from select_topk on {bad} of {t} rows (n={n}, k={k})"
-    return None
-
-
-def topk_select(scores: torch.Tensor, topk: int, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`select_topk` (with ``ids``: mapped through an entry list, -1 kept) through the radix-select
-    kernel: graph safe, a launch or two instead of a top-k and a sort. On the first call per CUDA device
-    (outside capture) the kernel is checked against :func:`select_topk` on fresh random rows; a build
-    failure or a mismatch is recorded in ``SELECT_ERRORS``, warned once, and ``select_topk`` runs from
-    then on. Off the GPU errors propagate (the interpreter tests exercise the kernel itself)."""
-    def reference() -> torch.Tensor:
-        at = select_topk(scores, topk)
-        if ids is None:
-            return at
-        got = ids.long().gather(1, at.clamp(min=0))
-        return torch.where(at >= 0, got, torch.full_like(got, -1))
-
-    dev = scores.device
-    if dev.type != "cuda":
-        return radix_topk(scores, topk, ids)
-    key = str(dev)
-    if key not in _SELECT_CHECKED and key not in SELECT_ERRORS and not torch.cuda.is_current_stream_capturing():
-        _SELECT_CHECKED.add(key)
-        try:
-            err = _select_self_check(dev)
-        except Exception as exc:  # a Triton build failure on this toolchain
-            err = f"{type(exc).__name__}: {str(exc)[:300]}"
-        if err:
-            _select_failed(key, err)
-    if key not in SELECT_ERRORS:
-        try:
-            return radix_topk(scores, topk, ids)
-        except Exception as exc:  # a build failure of a launch shape the check did not cover
-            _select_failed(key, f"{type(exc).__name__}: {str(exc)[:300]}")
-    return reference()
-
-
-def _select_failed(device: str, err: str) -> None:
-    SELECT_ERRORS[device] = err
-    warnings.warn(f"radix_topk is not used on {device} ({err}); running select_topk")
 
 
 def step_index_scores_reference(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,

@@ -462,7 +462,8 @@ def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) 
     """The indexer through the paged step kernel: every addressable entry on the index sources (the
     candidate source also publishes its blocks as entry lists); only the candidate entries on the
     layers that re-index inside them, when those are fewer than the table addresses."""
-    from redknot.kernels.triton.step_indexer_mx import candidate_entries, step_index_scores, topk_select
+    from redknot.kernels.triton.step_indexer_mx import step_index_scores
+    from redknot.kernels.triton.step_select import candidate_select, topk_select
 
     cfg, num = layer.cfg, layer.num
     keys = src.keys.view(-1, src.keys.shape[-1])
@@ -473,15 +474,15 @@ def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) 
         shared["topk"] = topk_select(score(entries=cand), cfg.index_topk, ids=cand)   # the listed ids
         return
     sc = score()
-    if cfg.is_candidate_source(layer.layer):
-        shared["cand_entries"] = candidate_entries(sc, visible, cfg.candidate_topk_blocks,
-                                                   cfg.candidate_block_size)
-    elif cfg.reads_candidates(layer.layer):
-        ent = shared["cand_entries"]
-        keep = torch.zeros(sc.shape[0], n_max + 1, dtype=torch.bool, device=sc.device)
-        keep.scatter_(1, torch.where((ent >= 0) & (ent < n_max), ent, n_max), True)
-        sc = sc.masked_fill(~keep[:, :n_max], float("-inf"))
-    shared["topk"] = topk_select(sc, cfg.index_topk)
+    if cfg.is_candidate_source(layer.layer):   # the blocks as entry lists and as a map [T, blocks]
+        shared["cand_entries"], shared["cand_blocks"] = candidate_select(
+            sc, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+        shared["topk"] = topk_select(sc, cfg.index_topk)
+    elif cfg.reads_candidates(layer.layer):    # every entry of the candidate blocks, in the same launch
+        shared["topk"] = topk_select(sc, cfg.index_topk, block_mask=shared["cand_blocks"],
+                                     mask_block=cfg.candidate_block_size)
+    else:
+        shared["topk"] = topk_select(sc, cfg.index_topk)
 
 
 def _index_scores_torch(q, wts, rows: _Rows, src, r: int, n_max: int, num) -> torch.Tensor:

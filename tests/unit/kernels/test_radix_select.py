@@ -6,9 +6,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from redknot.kernels.triton.radix_select import radix_topk, segment_size  # noqa: E402
+from redknot.kernels.triton.radix_select import radix_candidates, radix_topk, segment_size  # noqa: E402
 from redknot.kernels.triton.step_indexer_mx import (  # noqa: E402
-    page_rows, page_rows_reference, select_topk, topk_select)
+    candidate_entries, page_rows, page_rows_reference, select_topk)
+from redknot.kernels.triton.step_select import candidate_select, topk_reference, topk_select  # noqa: E402
 
 
 def _rows(t: int, n: int, seed: int, device) -> torch.Tensor:
@@ -72,6 +73,48 @@ def test_radix_topk_over_entry_lists(kernel_device):
     assert torch.equal(got, want)
 
 
+def test_radix_topk_inside_candidate_blocks(kernel_device):
+    """With a block map only the entries of set blocks are selectable (blocks past the map: none)."""
+    g = torch.Generator().manual_seed(21)
+    t, n, k, bs = 6, 900, 40, 8
+    sc = _rows(t, n, 22, "cpu")
+    bm = (torch.rand(t, 100, generator=g) < 0.3).to(torch.uint8)          # 100 blocks of 8 < 900 entries
+    bm[2] = 0
+    bm[3] = 1
+    want = topk_reference(sc, k, block_mask=bm, mask_block=bs)
+    keep = torch.zeros(t, n, dtype=torch.bool)
+    keep[:, :800] = bm.bool().repeat_interleave(bs, 1)
+    assert torch.equal(want, select_topk(sc.masked_fill(~keep, float("-inf")), k))   # the reference's own check
+    for seg in (None, 256):
+        got = radix_topk(sc.to(kernel_device), k, block_mask=bm.to(kernel_device), mask_block=bs, seg=seg).cpu()
+        assert torch.equal(got, want), seg
+    got = topk_select(sc.to(kernel_device), k, block_mask=bm.bool().to(kernel_device), mask_block=bs).cpu()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("seg", [None, 12])
+def test_radix_candidates_are_the_models_candidate_blocks(seg, kernel_device):
+    """Block maxima, the newest visible entry's block pinned, the best blocks by the lower-id rule, as
+    entry lists (``candidate_entries``) and as the map of the model's candidate mask."""
+    from redknot.models.deepseek_v41.attention import candidate_blocks
+
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        n, bs, nb = 203, 4, 9
+        vis = torch.tensor([203, 140, 9, 1, 0, 57, 203])
+        sc = torch.randint(-4, 5, (7, n), generator=g).float() * 0.5          # ties between blocks too
+        sc[6] = torch.randn(n, generator=g)
+        sc = sc.masked_fill(torch.arange(n)[None, :] >= vis[:, None], float("-inf"))
+        ent, bmap = radix_candidates(sc.to(kernel_device), vis.to(kernel_device), nb, bs, seg=seg)
+        assert torch.equal(ent.cpu(), candidate_entries(sc, vis, nb, bs)), seed
+        mask = candidate_blocks(sc, vis, nb, bs)                               # [T, n] bool, the PyTorch path
+        nblk = -(-n // bs)
+        assert bmap.shape == (7, nblk)
+        assert torch.equal(bmap.cpu().bool().repeat_interleave(bs, 1)[:, :n], mask), seed
+        got = candidate_select(sc.to(kernel_device), vis.to(kernel_device), nb, bs)
+        assert torch.equal(got[0].cpu(), ent.cpu()) and torch.equal(got[1].cpu(), bmap.cpu())
+
+
 def test_radix_topk_edges(kernel_device):
     sc = _rows(4, 30, 3, kernel_device)
     assert radix_topk(sc, 0).shape == (4, 0)
@@ -108,7 +151,7 @@ def test_page_rows_is_the_tables_rows(kernel_device):
 def test_gpu_radix_topk_real_sizes(n, t):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from redknot.kernels.triton.step_indexer_mx import SELECT_ERRORS
+    from redknot.kernels.triton.step_select import SELECT_ERRORS
 
     sc = _rows(t, n, n + t, "cuda")
     want = select_topk(sc, 512)
@@ -118,3 +161,20 @@ def test_gpu_radix_topk_real_sizes(n, t):
     bf = (torch.randn(t, n, device="cuda") * 0.1).to(torch.bfloat16).float()   # bf16 scores: exact ties
     bf[:, n - n // 5:] = float("-inf")
     assert torch.equal(radix_topk(bf, 512), select_topk(bf, 512))
+
+
+@pytest.mark.gpu
+def test_gpu_select_self_check_and_candidates():
+    """Every radix mode passes its first-use check on the GPU; the candidate blocks at V4.1's 2048 x 8."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from redknot.kernels.triton.step_select import candidates_reference, self_check
+
+    assert self_check(torch.device("cuda")) is None
+    for n, t in ((8192, 1), (131072, 32), (1 << 20, 1)):
+        sc = (torch.randn(t, n, device="cuda") * 0.1).to(torch.bfloat16).float()
+        vis = torch.full((t,), n - n // 7, device="cuda")
+        sc[:, n - n // 7:] = float("-inf")
+        got = radix_candidates(sc, vis, 2048, 8)
+        want = candidates_reference(sc, vis, 2048, 8)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
