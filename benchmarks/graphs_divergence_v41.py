@@ -60,12 +60,18 @@ class Spy:
         self.on = False
         self.rec: Dict[int, dict] = {}
         self.last = None
-        orig_index, orig_sel = ts._index, si.select_topk
+        orig_index, orig_kernel, orig_torch = ts._index, si.step_index_scores, ts._index_scores_torch
         spy = self
 
-        def sel(scores, topk):
-            out = orig_sel(scores, topk)
-            spy.last = scores.detach().float().clone()
+        def kernel_scores(*a, **k):   # the Triton step kernels' scores ([T, C] over ``entries`` when given)
+            out = orig_kernel(*a, **k)
+            ent = k.get("entries")
+            spy.last = (out.detach().float().clone(), None if ent is None else ent.clone())
+            return out
+
+        def torch_scores(*a, **k):    # the PyTorch step's scores [T, n_max]
+            out = orig_torch(*a, **k)
+            spy.last = (out.detach().float().clone(), None)
             return out
 
         def index(layer, u, qr, rows, state, shared):
@@ -73,14 +79,9 @@ class Spy:
             orig_index(layer, u, qr, rows, state, shared)
             if not spy.on:
                 return
-            cfg = layer.cfg
-            n_max = rows.blocks.shape[1] * rows.block_size // layer.ratio
-            cand = shared.get("cand_entries")
-            listed = (cand is not None and cfg.reads_candidates(layer.layer) and cand.shape[1] < n_max
-                      and spy.last is not None and spy.last.shape[1] == cand.shape[1])
-            spy.rec[layer.layer] = {"topk": shared["topk"].clone(), "scores": spy.last,
-                                    "cand": cand.clone() if listed else None}
-        ts._index, si.select_topk = index, sel
+            sc, cand = spy.last if spy.last is not None else (None, None)
+            spy.rec[layer.layer] = {"topk": shared["topk"].clone(), "scores": sc, "cand": cand}
+        ts._index, si.step_index_scores, ts._index_scores_torch = index, kernel_scores, torch_scores
 
         # Sub-layer outputs of both paths (attention input/output, MoE output), per layer.
         import redknot.models.deepseek_v41.attention as at
@@ -115,6 +116,8 @@ class Spy:
             keep("moe_out", layer, out)
             return out
         ts._attention, at.AttentionLayer.__call__, ts._moe, mm.moe_forward = attn_t, attn_e, moe_t, moe_e
+        # The eager PyTorch indexer keeps the scores it selected from when its Slots hold a dict.
+        mm.Slots = lambda: at.Slots(scores={})
 
     @contextlib.contextmanager
     def recording(self):
@@ -151,8 +154,11 @@ def _score(rec: dict, r: int, e: int) -> Optional[float]:
     return float(sc[r, e]) if 0 <= e < sc.shape[1] else None
 
 
-def compare_selections(eager: Dict[int, torch.Tensor], tens: Dict[int, dict], n: int) -> List[dict]:
-    """Rows (of the first ``n``) whose selection differs, per index-source layer, ascending layers."""
+def compare_selections(eager: Dict[int, torch.Tensor], tens: Dict[int, dict], n: int,
+                       eager_scores: Optional[Dict[int, torch.Tensor]] = None) -> List[dict]:
+    """Rows (of the first ``n``) whose selection differs, per index-source layer, ascending layers; the
+    scores are the tensor step's (``eager_scores``: the eager step's too, where it kept them)."""
+    eager_scores = eager_scores or {}
     out = []
     for layer in sorted(tens):
         rec = tens[layer]
@@ -169,6 +175,12 @@ def compare_selections(eager: Dict[int, torch.Tensor], tens: Dict[int, dict], n:
             only_t = {e: _score(rec, r, e) for e in sorted(b - a)}
             row = {"layer": layer, "row": r, "n_eager": len(a), "n_tensor": len(b),
                    "eager_only": only_e, "tensor_only": only_t}
+            es = eager_scores.get(layer)
+            if es is not None and r < es.shape[0]:
+                def e_score(e):
+                    return float(es[r, e]) if 0 <= e < es.shape[1] else None
+                row["eager_scores"] = {"eager_only": {e: e_score(e) for e in only_e},
+                                       "tensor_only": {e: e_score(e) for e in only_t}}
             if sc is not None:
                 picked = [_score(rec, r, e) for e in b]
                 picked = [s for s in picked if s is not None]
@@ -245,6 +257,8 @@ def probe_step(runner, spy: Spy, inputs, uncaptured, replay, n: int, label: str,
     lg_e, acts_e = lg_e.clone(), dict(spy.acts)
     eager_rec = dict(model.last_slots.record) if model.last_slots is not None else {}
     eager_rec = {k: v.clone() for k, v in eager_rec.items()}
+    eager_sc = getattr(model.last_slots, "scores", None) or {}
+    eager_sc = {k: v.float().clone() for k, v in eager_sc.items()}
     after_e = {k: v.clone() for k, v in real_state(runner).items()}
     alone = eager_alone(runner, inputs, lg_e, before)
     restore(runner, before)
@@ -261,7 +275,7 @@ def probe_step(runner, spy: Spy, inputs, uncaptured, replay, n: int, label: str,
         "min_top12_gap_eager": round(min(gaps), 6),
         "state_uncaptured_vs_eager": state_diff(after_u, after_e),
         "state_replay_vs_uncaptured": state_diff(after_g, after_u),
-        "selection_diffs": compare_selections(eager_rec, tens, n),
+        "selection_diffs": compare_selections(eager_rec, tens, n, eager_sc),
         "sublayers_uncaptured_vs_eager": compare_acts(acts_u, acts_e, n),
     }
     log.append(entry)
