@@ -8,8 +8,8 @@ the ids) against ``radix_topk`` (radix select, ids compacted in entry order), ex
 Rows of n fp32 scores (bf16-rounded, so exact ties occur as in the reference numerics; the last fifth
 -inf: entries a row cannot see), k = 512, T rows. Each call is captured in a CUDA graph and replayed
 (median of repetitions, CUDA events); every radix launch configuration listed is checked for exact
-equality with ``select_topk`` before it is timed. Also: the candidate source's block selection
-(``candidate_entries``: 2048 blocks of 8 over a ratio-1 row) through either selection.
+equality with ``select_topk`` before it is timed. Also the candidate source's block selection, 2048 blocks of 8 over a
+ratio-1 row: ``candidate_entries`` (PyTorch around ``select_topk``) against ``radix_candidates``.
 Results: ``DIR/select_topk_v41.md`` and ``.json``.
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _configs(smoke: bool):
 
     if smoke:
         return [DEFAULT_CONFIG, RadixSelectConfig(256, 2, 1024)]
-    return [DEFAULT_CONFIG, RadixSelectConfig(2048, 8, 32768), RadixSelectConfig(1024, 4, 8192),
-            RadixSelectConfig(2048, 8, 131072), RadixSelectConfig(512, 4, 32768)]
+    return [DEFAULT_CONFIG, RadixSelectConfig(2048, 8, 32768), RadixSelectConfig(4096, 8, 32768),
+            RadixSelectConfig(1024, 4, 8192), RadixSelectConfig(2048, 8, 131072)]
 
 
 def case(n: int, t: int, k: int, device, reps: int, configs) -> dict:
@@ -85,26 +85,22 @@ def case(n: int, t: int, k: int, device, reps: int, configs) -> dict:
 
 
 def candidate_case(n: int, t: int, device, reps: int, blocks: int, size: int) -> dict:
-    """``candidate_entries`` (block max, pin, select, expand) through ``select_topk`` vs ``topk_select``."""
+    """The candidate blocks: ``candidate_entries`` (pad, block max, pin, select_topk, expand) against
+    ``radix_candidates`` (the same entry lists, plus the block map, in one or two launches)."""
     import torch
 
-    from redknot.kernels.triton import step_indexer_mx as sim
+    from redknot.kernels.triton.radix_select import radix_candidates
+    from redknot.kernels.triton.step_indexer_mx import candidate_entries
 
     g = torch.Generator(device=device).manual_seed(7 * n + t)
     sc = (torch.randn(t, n, generator=g, device=device) * 0.1).to(torch.bfloat16).float()
     vis = torch.full((t,), n - n // 5, device=device)
     sc[:, n - n // 5:] = float("-inf")
-    fast = sim.candidate_entries(sc, vis, blocks, size)
-    saved = sim.topk_select
-    try:
-        sim.topk_select = lambda s, k, ids=None: sim.select_topk(s, k)
-        want = sim.candidate_entries(sc, vis, blocks, size)
-        old_ms = _time_ms(lambda: sim.candidate_entries(sc, vis, blocks, size), device, reps)
-    finally:
-        sim.topk_select = saved
-    new_ms = _time_ms(lambda: sim.candidate_entries(sc, vis, blocks, size), device, reps)
-    return {"n": n, "rows": t, "blocks": blocks, "block": size, "equal": bool(torch.equal(fast, want)),
-            "select_topk_ms": old_ms, "radix_ms": new_ms}
+    want = candidate_entries(sc, vis, blocks, size)
+    got = radix_candidates(sc, vis, blocks, size)[0]
+    return {"n": n, "rows": t, "blocks": blocks, "block": size, "equal": bool(torch.equal(got, want)),
+            "select_topk_ms": _time_ms(lambda: candidate_entries(sc, vis, blocks, size), device, reps),
+            "radix_ms": _time_ms(lambda: radix_candidates(sc, vis, blocks, size), device, reps)}
 
 
 def _table(rows, cands, configs) -> str:
@@ -118,7 +114,7 @@ def _table(rows, cands, configs) -> str:
         lines.append(f"| {r['n']} | {r['rows']} | {r['select_topk_ms']:.4f} | {cells} | "
                      f"{r['select_topk_ms'] / best:.1f}x |")
     lines += ["", "## Candidate blocks (candidate_entries)", "",
-              "| n | rows | blocks x size | equal | select_topk ms | radix ms |", "|---|---|---|---|---|---|"]
+              "| n | rows | blocks x size | equal | candidate_entries ms | radix_candidates ms |", "|---|---|---|---|---|---|"]
     for c in cands:
         lines.append(f"| {c['n']} | {c['rows']} | {c['blocks']} x {c['block']} | {'yes' if c['equal'] else 'NO'} | "
                      f"{c['select_topk_ms']:.4f} | {c['radix_ms']:.4f} |")
@@ -137,7 +133,7 @@ def main() -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    from redknot.kernels.triton.step_indexer_mx import SELECT_ERRORS
+    from redknot.kernels.triton.step_select import SELECT_ERRORS
 
     out = Path(args.out or os.environ.get("OUT") or ROOT / "outputs" / "select_topk_v41")
     out.mkdir(parents=True, exist_ok=True)

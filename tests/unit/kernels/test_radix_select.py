@@ -1,6 +1,11 @@
 """The radix-select top-k (:mod:`redknot.kernels.triton.radix_select`) against ``select_topk``, the PyTorch
 statement of the indexer's rule (best ids ascending then -1, exact ties to the lower id, -inf never), with
 fresh random rows: Triton's CPU interpreter here at small sizes, the GPU with ``-m gpu`` at real sizes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -178,3 +183,14 @@ def test_gpu_select_self_check_and_candidates():
         got = radix_candidates(sc, vis, 2048, 8)
         want = candidates_reference(sc, vis, 2048, 8)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+
+
+def test_select_benchmark_smoke(tmp_path):
+    """The benchmark's CPU smoke run checks both selections equal and writes its table."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "select_topk_v41.py"), "--smoke", "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    text = (tmp_path / "select_topk_v41.md").read_text()
+    assert "| 2000 | 3 |" in text and "NO" not in text
