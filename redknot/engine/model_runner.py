@@ -112,6 +112,8 @@ class ModelRunner:
         elif hardware.cuda_graphs and device.type == "cuda":
             from redknot.engine.cuda_graphs import CudaGraphCapture
             self.use_verify_graphs(CudaGraphCapture())
+            # DSpark: the draft's block forward per batch tier (the drafter's graphs, captured at warm-up)
+            self.speculator.use_draft_graphs(CudaGraphCapture(), self.max_num_seqs, self.padding_slot)
 
     def use_verify_graphs(self, capture):
         """Run decode and verify steps of DSpark drafting through :class:`VerifyGraphs` recorded with
@@ -205,6 +207,8 @@ class ModelRunner:
             self.graphs.capture()
         if self.verify_graphs is not None:
             self.verify_graphs.capture()
+        if self.speculator is not None:   # the drafter's graphs, when in use, share the pool
+            self.graph_pool = self.speculator.capture_draft_graphs(self.graph_pool)
         if self.speculator is not None and self.speculator.needs_profile and self.parallel:
             # Ranks would time different costs (and the profile's forwards would need every rank's
             # collectives): parallel layouts verify every draft instead (an effective value).

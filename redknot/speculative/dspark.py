@@ -71,6 +71,17 @@ class DSparkSpeculator:
     def set_costs(self, costs: CostModel) -> None:
         self.scheduler.costs = costs
 
+    def use_draft_graphs(self, capture, max_num_seqs: int, padding_slot: int):
+        """The DSpark drafter's block forward through CUDA graphs recorded with ``capture``
+        (:class:`redknot.speculative.draft_graphs.DraftGraphs`) -> the graphs (None for a drafter without)."""
+        use = getattr(self.drafter, "use_graphs", None)
+        return use(capture, max_num_seqs, padding_slot) if use is not None else None
+
+    def capture_draft_graphs(self, pool=None):
+        """Capture the drafter's graphs in ``pool`` -> the pool (unchanged without draft graphs)."""
+        capture = getattr(self.drafter, "capture_graphs", None)
+        return capture(pool) if capture is not None else pool
+
     @classmethod
     def create(cls, draft_models: Mapping[str, Any], state, sampler, features, max_model_len: int,
                replay: Optional[CompactReplay] = None) -> Optional["DSparkSpeculator"]:

@@ -106,6 +106,30 @@ class DSparkDrafter:
         self.num_mtp_rows = 0   # ring rows written (context K/V)
         self.num_drafted = 0
         self.num_steps = 0
+        self.graphs = None      # DraftGraphs: the block forward replayed per batch tier (use_graphs)
+
+    def use_graphs(self, capture, max_num_seqs: int, padding_slot: int, pool=None):
+        """Draft through :class:`redknot.speculative.draft_graphs.DraftGraphs` recorded with ``capture``
+        (captured by :meth:`capture_graphs`, e.g. at the engine's warm-up) -> the graphs."""
+        from redknot.speculative.draft_graphs import DraftGraphs
+
+        self.graphs = DraftGraphs(self.draft, self.rings, self.causal, max_num_seqs, padding_slot, capture, pool)
+        return self.graphs
+
+    def capture_graphs(self, pool=None):
+        """Capture the draft graphs (sharing ``pool``) -> the pool they use (None without graphs)."""
+        if self.graphs is None:
+            return pool
+        if pool is not None and not self.graphs.graphs:
+            self.graphs.pool = pool
+        self.graphs.capture()
+        return self.graphs.pool
+
+    def _forward_block(self, anchors: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+        """(h [B, g, D], base logits [B, g, V]) of the drafting requests: a graph replay when one holds B."""
+        if self.graphs is not None:
+            return self.graphs.forward_block(anchors, positions, slots)
+        return self.draft.forward_block(anchors, positions, self.rings, slots, self.causal)
 
     # ------------------------------------------------------------------ one step
     def propose(self, batch, streams: torch.Tensor, sampled: Dict[str, List[int]]) -> Dict[str, Draft]:
@@ -141,7 +165,7 @@ class DSparkDrafter:
         anchors = torch.tensor([r.anchor for r in reqs], dtype=torch.long, device=device)
         positions = torch.tensor([r.anchor_pos for r in reqs], dtype=torch.long, device=device)
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.long, device=device)
-        h, base = self.draft.forward_block(anchors, positions, self.rings, slots, self.causal)  # [B,g,D], [B,g,V]
+        h, base = self._forward_block(anchors, positions, slots)  # [B, g, D], [B, g, V]
         blocks = self.sampler.sample(base, self.draft.markov_bias, anchors, [r.row for r in reqs],
                                      [r.anchor_pos + 1 for r in reqs])
         tokens = torch.tensor([b.token_ids for b in blocks], dtype=torch.long, device=device)  # [B, g]
@@ -161,7 +185,7 @@ class DSparkDrafter:
         anchors = torch.zeros(num_requests, dtype=torch.long, device=device)
         positions = torch.full((num_requests,), self.draft.window, dtype=torch.long, device=device)
         slots = torch.full((num_requests,), slot, dtype=torch.long, device=device)
-        h, base = self.draft.forward_block(anchors, positions, self.rings, slots, self.causal)
+        h, base = self._forward_block(anchors, positions, slots)   # what drafting runs: replayed when captured
         prev = anchors
         for k in range(self.block_size):
             prev = (base[:, k] + self.draft.markov_bias(prev)).argmax(dim=-1)

@@ -33,7 +33,8 @@ import torch
 from redknot.models.deepseek_v41.attention import sparse_attend
 from redknot.models.deepseek_v4.dspark_draft import block_mask  # the same visibility in both families
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
-from redknot.models.deepseek_v41.moe import moe_forward
+from redknot.models.deepseek_v41.kernel_ops import ops_of
+from redknot.models.deepseek_v41.moe import moe_forward, route, swiglu_expert
 from redknot.models.deepseek_v41.ref_math import (
     Numerics, Weights, apply_rope, layer_rope, linear, rms_norm, window_qdq)
 
@@ -237,7 +238,7 @@ class V41DSparkDraft:
             pre_f, post_f, c_f = hc_mixes(h, w.float(f"{p}.hc_ffn_fn"), w.float(f"{p}.hc_ffn_base"),
                                           w.float(f"{p}.hc_ffn_scale"), *mix)
             u = rms_norm(hc_collapse(h, pre_a), w.float(f"{p}.ffn_norm.weight"), cfg.norm_eps)
-            h = hc_expand(moe_forward(u, w, s, self.scfg, num, prefix=f"{p}.ffn"), h, post_f, c_f)
+            h = hc_expand(stage_moe(u, w, s, self.scfg, num), h, post_f, c_f)
             pre = pre_f
         x = hc_collapse(h, pre)                                                       # [B*g, D] pre-norm
         y = rms_norm(x, w.float(f"{self.last}.norm.weight"), cfg.norm_eps)
@@ -263,6 +264,30 @@ class V41DSparkDraft:
         proj = self._dense(f"{self.last}.confidence_head.proj.weight", self.num.acc)    # [1, D + r]
         z = torch.cat([h.to(self.num.acc), self.markov_embed(prev)], dim=-1)
         return (z @ proj.t()).squeeze(-1)
+
+
+def stage_moe(u: torch.Tensor, w: Weights, s: int, scfg, num: Numerics) -> torch.Tensor:
+    """Stage ``s``'s MoE, u [N, D] -> [N, D], without reading anything on the host, so the block forward
+    can be captured in a CUDA graph (:class:`redknot.speculative.draft_graphs.DraftGraphs`): the routed
+    experts through the registry's kernel when the weights route there; else every expert over every
+    row with its routing weight (0 where the row does not route to it), expert ascending and then the
+    shared expert, the per-row summation order of ``moe_forward``'s grouped loop (whose per-expert row
+    counts are read on the host). Expert parallel layers go through ``moe_forward``."""
+    prefix = f"mtp.{s}.ffn"
+    if getattr(w, "expert_dispatch", None):
+        return moe_forward(u, w, s, scfg, num, prefix=prefix)
+    ids, weights = route(u, w, prefix, scfg, num.acc)
+    ops = ops_of(w)
+    routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, scfg, num)
+    shared = swiglu_expert(u, w, f"{prefix}.shared_experts", num, scfg.swiglu_limit, None)
+    if routed is not None:
+        return (routed.to(num.acc) + shared).to(num.dtype)
+    experts = torch.arange(scfg.n_routed_experts, device=u.device)
+    dense_w = ((ids[:, :, None] == experts) * weights[:, :, None]).sum(1)          # [N, E]
+    out = torch.zeros(u.shape[0], scfg.dim, dtype=num.acc, device=u.device)
+    for e in range(scfg.n_routed_experts):
+        out += swiglu_expert(u, w, f"{prefix}.experts.{e}", num, scfg.swiglu_limit, dense_w[:, e])
+    return (out + shared).to(num.dtype)
 
 
 def build_draft(target, loaded_draft: Dict[str, torch.Tensor], quantized, keep: bool) -> Optional[V41DSparkDraft]:
