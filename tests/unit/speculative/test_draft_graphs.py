@@ -188,8 +188,11 @@ def test_engine_drafter_drafts_the_same_blocks_through_graphs(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_draft_graph_replays_equal_eager(dtype):
-    """Real CUDA graphs (PyTorch math; bf16 also through the Triton ops): every tier's first replay checked
-    ok, later replays follow new requests and rewritten rings, and equal the eager block forward."""
+    """Real CUDA graphs (fp32: PyTorch math; bf16: through the Triton ops): every tier's first replay is
+    checked ok, and later replays follow new requests and rewritten rings. The replay equals the same
+    padded call run eagerly (same kernels, same inputs); fp32 also equals the unpadded eager call (cuBLAS
+    picks kernels by row count, so padding may change the last bits), while at bf16 the random draft
+    amplifies such rounding (see test_dspark_v41_draft_ops.py), so its padding difference is printed."""
     from redknot.engine.cuda_graphs import CudaGraphCapture
     from redknot.kernels import KernelSet
     from redknot.models.deepseek_v41.kernel_ops import V41Ops
@@ -201,19 +204,23 @@ def test_gpu_draft_graph_replays_equal_eager(dtype):
     graphs = DraftGraphs(draft, rings, False, max_num_seqs=4, padding_slot=SLOTS - 1, capture=CudaGraphCapture())
     graphs.capture()
     assert graphs.status.startswith("on:"), graphs.status
-    # fp32: cuBLAS picks kernels by row count (padding); bf16: the random draft amplifies rounding
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    padding = []
     for seed, b in enumerate((3, 4, 1, 2, 3)):
         if seed == 3:
             for ring in rings:
                 ring.copy_(torch.randn(ring.shape, device="cuda").to(dtype))
         a, p, s = _batch(b, seed, "cuda")
         h, base = graphs.forward_block(a, p, s)
+        h, base = h.clone(), base.clone()
+        padded_h, padded_base = graphs._step_fn(graphs.tier_of(b))()    # the buffers still hold this step
+        assert _close(h, padded_h[:b], 1e-3) and _close(base, padded_base[:b], 1e-3), (seed, b)
         want_h, want_base = draft.forward_block(a, p, rings, s)
-        assert _close(h, want_h, tol) and _close(base, want_base, tol), (seed, b, graphs.check_errors)
+        padding.append(float((base - want_base).norm() / want_base.norm()))
+        if dtype == torch.float32:
+            assert _close(h, want_h, 1e-4) and _close(base, want_base, 1e-4), (seed, b, graphs.check_errors)
     assert graphs.num_replays == 5
     assert all(c.startswith("ok") for c in graphs.checks.values()), graphs.checks
-    print(graphs.check_errors)
+    print({"checks": graphs.check_errors, "padding_rel_errors": padding})
 
 
 @pytest.mark.gpu
