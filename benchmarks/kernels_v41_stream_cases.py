@@ -25,13 +25,14 @@ STREAM_KEY = "stream"  # Case.key prefix of these rows (the report's table picks
 def _plans(smoke: bool):
     from redknot.kernels.triton.moe_stream import StreamPlan
     if smoke:
-        return [("fused regs 32x64", StreamPlan("regs", 32, 64)), ("fused scaled 32x64", StreamPlan("scaled", 32, 64))]
+        return [("fused regs 32x64", StreamPlan("regs", 32, 64)), ("fused scaled 32x64", StreamPlan("scaled", 32, 64)),
+                ("fused fp8 32x64", StreamPlan("fp8", 32, 64))]
     return [(f"fused {p.decode} {p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
              + (f" split{p.min_steps}" if p.min_steps else "") + (" inline" if p.inline else ""), p)
-            for p in (StreamPlan("regs", 64, 128, 4, 3), StreamPlan("scaled", 64, 128, 4, 3),
-                      StreamPlan("regs", 32, 256, 4, 3), StreamPlan("regs", 128, 128, 8, 3),
-                      StreamPlan("regs", 64, 128, 4, 4, min_steps=8), StreamPlan("regs", 64, 256, 4, 3),
-                      StreamPlan("regs", 64, 128, 4, 3, inline=True))]
+            for p in (StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("regs", 64, 128, 4, 3),
+                      StreamPlan("scaled", 64, 128, 4, 3), StreamPlan("fp8", 32, 128, 4, 3),
+                      StreamPlan("fp8", 128, 128, 8, 3), StreamPlan("regs", 32, 256, 4, 3),
+                      StreamPlan("regs", 64, 128, 4, 4, min_steps=8), StreamPlan("fp8", 64, 128, 4, 4, min_steps=8))]
 
 
 def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:

@@ -75,6 +75,7 @@ DECODE_TUNER = ConfigTuner("moe_mx_decode", [
     # the fused streams (``moe_stream``): one program per expert tile and column block over all of K
     StreamPlan("regs", 64, 128, 4, 3), StreamPlan("scaled", 64, 128, 4, 3), StreamPlan("regs", 32, 256, 4, 3),
     StreamPlan("regs", 128, 128, 8, 3), StreamPlan("regs", 64, 128, 4, 4, min_steps=8),
+    StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8", 32, 128, 4, 3),
 ])
 
 

@@ -39,7 +39,7 @@ from redknot.kernels.triton.dequant_mx import as_bytes, fp8_qdq_groups
 from redknot.kernels.triton.stream_scaled import tile_of
 
 ROW_TILE = 16  # rows per program (fixed: batch invariance)
-STREAM_DECODES = ("regs", "scaled")
+STREAM_DECODES = ("regs", "scaled", "fp8")  # fp8: ``moe_stream_fp8`` (FP4 -> e4m3 bytes, FP8 MMA per group)
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,8 @@ def stream_gemm(a, w, ws, rows: int, plan: StreamPlan, *, offs, tiles, rowid=Non
     2: bf16 [rows, N]. ``a``: bf16 QDQ'd rows [R, K] (row r reads ``rowid[r]``)."""
     if plan.decode not in STREAM_DECODES:
         raise ValueError(f"StreamPlan.decode={plan.decode!r}: must be one of {STREAM_DECODES}")
+    if plan.decode == "fp8":
+        raise ValueError("stream_gemm: decode='fp8' streams take e4m3 rows (moe_stream_fp8.stream_gemm_fp8)")
     w, ws = as_bytes(w), as_bytes(ws)
     G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
     if K % 32:
@@ -237,6 +239,11 @@ def moe_stream(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
         return out
     M = T * k
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if plan.decode not in STREAM_DECODES:
+        raise ValueError(f"StreamPlan.decode={plan.decode!r}: must be one of {STREAM_DECODES}")
+    if plan.decode == "fp8":
+        return _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit,
+                               plan, out)
     rows, inv, offs, wt, xq = _sorted_pairs(topk_idx, topk_weight, E, x)
     tiles = None if plan.inline else tile_map(offs, ROW_TILE, M)
     fused1 = slices(inter, D, plan) == 1 and mode == 0
@@ -250,4 +257,32 @@ def moe_stream(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
         reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
     fused2 = slices(D, inter, plan) == 1
     y = stream_gemm(act, w2, w2_scale, M, plan, epi=2 if fused2 else 0, **common)
+    return reduce_combine(y[None] if fused2 else y, inv, k, out)
+
+
+def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
+                    plan: StreamPlan, out: torch.Tensor) -> torch.Tensor:
+    """``moe_stream`` with ``decode="fp8"``: the token rows quantised to e4m3 + E8M0 once, the W1 | W3 epilogue
+    writing the W2 input in that form (one K slice), else partials, ``reduce_swiglu`` and a quantisation
+    pass (the QDQ values re-quantise to themselves)."""
+    from redknot.kernels.triton.moe_mx import _sorted_pairs
+    from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
+    from redknot.kernels.triton.quant_mx import act_quant_mx
+    from redknot.kernels.triton.splitk_mx import reduce_combine, reduce_swiglu, tile_map
+    T, k = topk_idx.shape
+    E, inter, D = w1.shape[0], w1.shape[1], w2.shape[1]
+    M = T * k
+    rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
+    xq, xs = act_quant_mx(x)
+    tiles = None if plan.inline else tile_map(offs, ROW_TILE, M)
+    common = dict(offs=offs, tiles=tiles)
+    if slices(inter, D, plan) == 1:
+        aq, sa = stream_gemm_fp8(xq, xs, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
+                                 limit=swiglu_limit, epi=1, **common)
+    else:
+        p1, p3 = stream_gemm_fp8(xq, xs, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, **common)
+        act = torch.empty(M, inter, dtype=torch.bfloat16, device=x.device)
+        aq, sa = act_quant_mx(reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False))
+    fused2 = slices(D, inter, plan) == 1
+    y = stream_gemm_fp8(aq, sa, w2, w2_scale, M, plan, epi=2 if fused2 else 0, **common)
     return reduce_combine(y[None] if fused2 else y, inv, k, out)

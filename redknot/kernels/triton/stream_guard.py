@@ -95,7 +95,14 @@ def stream_check(plan, device: torch.device, seed: int = 1234) -> Optional[str]:
     offs = torch.tensor([3, 5, 8], dtype=torch.int32, device=device)
     w1, s1, w3, s3, w2, s2 = packed
     tiles = splitk_mx.tile_map(offs, moe_stream.ROW_TILE, 8)
-    got = moe_stream.stream_gemm(qdq_bf16(x), w1, s1, 8, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3, ws3=s3)
+    if plan.decode == "fp8":
+        from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
+        from redknot.kernels.triton.quant_mx import act_quant_mx
+        got = stream_gemm_fp8(*act_quant_mx(x), w1, s1, 8, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3,
+                              ws3=s3)
+    else:
+        got = moe_stream.stream_gemm(qdq_bf16(x), w1, s1, 8, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3,
+                                     ws3=s3)
     want = splitk_mx.splitk_mm(qdq_bf16(x, split=True), w1, s1, 8, w_fp4=True, rowid=rowid, offs=offs, w3=w3,
                                ws3=s3, decode="registers")
     errs = [_rel(got[i].sum(0), want[i].sum(0)) for i in range(2)]

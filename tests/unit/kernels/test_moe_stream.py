@@ -15,7 +15,8 @@ ODD = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, tokens=9)
 # small launch shapes that cover each code path: both decodes, one K slice (fused epilogues) and K slices
 # (partials + the split-K reductions), the tile map and the inline tile lookup
 PLANS = [StreamPlan("regs", 32, 64), StreamPlan("scaled", 32, 64), StreamPlan("regs", 32, 32, min_steps=1),
-         StreamPlan("regs", 64, 128, inline=True)]
+         StreamPlan("regs", 64, 128, inline=True), StreamPlan("fp8", 32, 64), StreamPlan("fp8", 32, 32, min_steps=1),
+         StreamPlan("fp8", 64, 128, inline=True)]
 
 
 def _rel(a, b):
@@ -23,8 +24,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.decode}-{p.block_n}x{p.block_k}-s{p.min_steps}-i{p.inline}")
-@pytest.mark.parametrize("dims", [TOY_V41, ODD], ids=["toy", "odd"])
-@pytest.mark.parametrize("tokens", [1, 11])
+@pytest.mark.parametrize("dims,tokens", [(TOY_V41, 1), (ODD, 11)], ids=["toy-1", "odd-11"])
 def test_fused_stream_matches_reference(plan, dims, tokens, kernel_device):
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 60, tokens=tokens)
     out = moe_stream.moe_stream(x, idx, wt, *w, 10.0, plan)
@@ -33,7 +33,7 @@ def test_fused_stream_matches_reference(plan, dims, tokens, kernel_device):
     assert _rel(out, want) <= 3e-2
 
 
-@pytest.mark.parametrize("plan", PLANS[:2], ids=["regs", "scaled"])
+@pytest.mark.parametrize("plan", [PLANS[0], PLANS[1], PLANS[4]], ids=["regs", "scaled", "fp8"])
 def test_fused_stream_detects_a_wrong_weight(plan, kernel_device):
     """The tolerance separates right from wrong: nibbles swapped (element order) in W2 or in W1 fail it."""
     x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(TOY_V41, kernel_device, seed=3)
@@ -43,7 +43,8 @@ def test_fused_stream_detects_a_wrong_weight(plan, kernel_device):
     assert _rel(moe_stream.moe_stream(x, idx, wt, swap(w1), s1, w3, s3, w2, s2, 10.0, plan), want) > 0.1
 
 
-@pytest.mark.parametrize("plan", [PLANS[0], PLANS[2]], ids=["fused", "slices"])
+@pytest.mark.parametrize("plan", [PLANS[0], PLANS[2], PLANS[4], PLANS[5]],
+                         ids=["fused", "slices", "fp8-fused", "fp8-slices"])
 def test_fused_stream_token_is_batch_invariant(plan, kernel_device):
     x, idx, wt, w = moe_inputs(ODD, kernel_device, seed=8, tokens=9)
     full = moe_stream.moe_stream(x, idx, wt, *w, 10.0, plan)
@@ -61,16 +62,24 @@ def test_decode_tuner_plans_run_through_moe_splitk(kernel_device):
                        moe_stream.moe_stream(x, idx, wt, *w, 10.0, plan))
 
 
-def test_stream_check_passes_and_detects_a_wrong_stream(kernel_device, monkeypatch):
+@pytest.mark.parametrize("decode", ["regs", "fp8"])
+def test_stream_check_passes_and_detects_a_wrong_stream(decode, kernel_device, monkeypatch):
+    from redknot.kernels.triton import moe_stream_fp8
     device = torch.device(kernel_device)
-    plan = StreamPlan("regs", 32, 64)
+    plan = StreamPlan(decode, 32, 64)
     assert stream_guard.stream_check(plan, device) is None
     assert stream_guard.self_check(plan, device) is None
-    real = moe_stream.stream_gemm
+    mod, name = (moe_stream, "stream_gemm") if decode == "regs" else (moe_stream_fp8, "stream_gemm_fp8")
+    real = getattr(mod, name)
 
-    def off_by_one_scale(a, w, ws, *args, **kw):
-        return real(a, w, (ws.view(torch.uint8) + 1), *args, **kw)
-    monkeypatch.setattr(moe_stream, "stream_gemm", off_by_one_scale)
+    def off_by_one_scale(a, *args, **kw):
+        if decode == "regs":
+            w, ws, *rest = args
+        else:
+            sa, w, ws, *rest = args
+            return real(a, sa, w, ws.view(torch.uint8) + 1, *rest, **kw)
+        return real(a, w, ws.view(torch.uint8) + 1, *rest, **kw)
+    monkeypatch.setattr(mod, name, off_by_one_scale)
     assert "W1 | W3 sums differ from decode='registers'" in stream_guard.stream_check(plan, device)
 
 
@@ -142,4 +151,5 @@ def test_kernel_bench_stream_table_smoke(tmp_path):
     for variant in ("split-K scaled", "fused regs 32x64", "fused scaled 32x64", "ladder: bytes only",
                     "registers_wide"):
         assert f"| {variant} |" in text
+    assert "| fused fp8 32x64 |" in text
     assert "err vs ref" in text and "FAIL" not in text
