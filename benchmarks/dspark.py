@@ -30,7 +30,8 @@ padded step run eagerly (a capture fault) and against the engine's unpadded eage
 difference), and the replay also against the tensor-only step run unpadded and uncaptured. The
 ``padding_probe`` says which of the step's GEMM-like ops give a row a result that depends on the row
 count of the call (what a tier's padding rows change). ``draft_block_b*``: the draft's block forward
-eager and replayed from a graph (what drafting in graphs would save; the engine drafts eagerly), and the
+eager and replayed from the engine's draft graphs (``DraftGraphs``, first replay checked), and the whole
+drafting step with the block forward replayed, and the
 verification maths and schedule overhead per step. The random stored weights are made on the device in
 their stored formats; request 0 is prefilled (2048 tokens by default, one chunk) and copied to the other
 slots. ``--budget-s`` counts from the start, build included: a case that would start past it is skipped
@@ -149,14 +150,18 @@ class Bench:
 
 
 @torch.no_grad()
-def draft_step(d, drafter, sampler, batch: int, context: int) -> None:
+def draft_step(d, drafter, sampler, batch: int, context: int, forward=None) -> None:
     """One drafting step of ``batch`` requests: the stages' block forward (the block attention of
-    ``features.dspark.block_attention``), the Markov chain, the confidences (read back)."""
+    ``features.dspark.block_attention``; ``forward(anchors, positions, slots)``: a replayed one), the
+    Markov chain, the confidences (read back)."""
     device = d.device
     anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
     positions = torch.full((batch,), context, dtype=torch.long, device=device)
     slots = torch.arange(batch, dtype=torch.long, device=device)
-    h, base = d.forward_block(anchors, positions, drafter.rings, slots, drafter.causal)
+    if forward is None:
+        h, base = d.forward_block(anchors, positions, drafter.rings, slots, drafter.causal)
+    else:
+        h, base = forward(anchors, positions, slots)
     rows = [SamplingRow(f"r{i}", SamplingParams(temperature=1.0), seed=i, output_index=0) for i in range(batch)]
     blocks = MarkovSampler(sampler, "greedy").sample(base, d.markov_bias, anchors, rows, [context + 1] * batch)
     tokens = torch.tensor([b.token_ids for b in blocks], device=device)
@@ -353,27 +358,34 @@ class Bench41:
 
 @torch.no_grad()
 def draft_block_graph(bench: "Bench41", batch: int, capturer, repeats: int) -> Dict:
-    """The drafting step's block forward (the stages, the head) for ``batch`` requests: eager ms, and
-    captured in a graph (static anchors / positions / slots, the drafter's rings): replay ms and the
-    first replay's row errors against eager (h and logits). What a drafter in graphs would cost; the
-    engine's drafter runs eagerly."""
+    """The drafting step for ``batch`` requests eager and through the engine's draft graphs
+    (:class:`DraftGraphs`, the tier of ``batch``): the block forward (the stages, the head) eager ms and
+    replay ms, the first replay's check (against the same call run eagerly), and the whole drafting
+    step (block forward, Markov chain, confidences) with the block forward replayed."""
+    from redknot.speculative.draft_graphs import DraftGraphs
+
     d, device, ctx = bench.draft, bench.device, bench.context
     anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
     positions = torch.full((batch,), ctx, dtype=torch.long, device=device)
     slots = torch.arange(batch, dtype=torch.long, device=device)
     rings, causal = bench.drafter.rings, bench.drafter.causal
-    run = lambda: d.forward_block(anchors, positions, rings, slots, causal)   # noqa: E731
-    out: Dict = {"eager_ms": timed_ms(device, run, repeats)}
-    try:
-        got = capturer.capture(run)
-    except RuntimeError as exc:
-        out["graph"] = f"capture failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    out: Dict = {"eager_ms": timed_ms(device, lambda: d.forward_block(anchors, positions, rings, slots, causal),
+                                      repeats)}
+    graphs = DraftGraphs(d, rings, causal, batch, bench.num_slots - 1, capturer, tiers=[batch])
+    t0 = time.perf_counter()
+    graphs.capture()
+    out["capture_s"] = round(time.perf_counter() - t0, 2)
+    if graphs.tier_of(batch) is None:
+        out["graph"] = graphs.status
         return out
-    got.replay()
-    h, logits = run()
-    out["replay_vs_eager"] = {"h": row_error(got.outputs[0].flatten(0, 1), h.flatten(0, 1)),
-                              "logits": row_error(got.outputs[1].flatten(0, 1), logits.flatten(0, 1))}
-    out["graph_ms"] = timed_ms(device, got.replay, repeats)
+    graphs.forward_block(anchors, positions, slots)   # the first replay, checked
+    out["first_replay"] = {"check": graphs.checks.get(batch), "errors": graphs.check_errors.get(batch)}
+    if graphs.tier_of(batch) is None:
+        out["graph"] = graphs.status
+        return out
+    out["graph_ms"] = timed_ms(device, lambda: graphs.forward_block(anchors, positions, slots), repeats)
+    out["draft_step_graph_ms"] = timed_ms(device, lambda: draft_step(d, bench.drafter, bench.sampler, batch, ctx,
+                                                                     graphs.forward_block), repeats)
     return out
 
 

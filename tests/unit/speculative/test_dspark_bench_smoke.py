@@ -30,7 +30,9 @@ def test_dspark_benchmark_smoke_both_models(tmp_path):
         row = v41[f"batch_{b}"]
         assert row["draft"]["ms"] > 0
         assert all(row[f"verify_graph_q{q}"]["ms"] > 0 and row[f"verify_eager_q{q}"]["ms"] > 0 for q in range(1, 7))
-        assert v41[f"draft_block_b{b}"]["replay_vs_eager"]["logits"] == 0.0
+        block = v41[f"draft_block_b{b}"]
+        assert block["first_replay"]["check"].startswith("ok") and block["first_replay"]["errors"]["capture_logits"] == 0
+        assert block["graph_ms"] > 0 and block["draft_step_graph_ms"] > 0
         assert v41[f"verify_math_and_schedule_b{b}"]["schedule_ms"] > 0
     assert "prefill chunk 0..40" in v41["phases_s"]
 
