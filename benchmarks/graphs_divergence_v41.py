@@ -22,8 +22,11 @@ picked and the number of exact ties at the selection boundary. A selection that 
 entries of equal score is a tie rule; one whose boundary scores are a rounding apart is a near-tie;
 one whose scores differ clearly is a bug.
 
-    python benchmarks/graphs_divergence_v41.py --out $OUT      # H200, about 1-2 minutes
-    python benchmarks/graphs_divergence_v41.py --device cpu --scenarios schedule   # CPU (reference ops)
+Every scenario runs once per ``--dtypes`` pass: float32 (the tests' dtype) and float64 (no fp32 rounding:
+what is left there is structure, not rounding).
+
+    python benchmarks/graphs_divergence_v41.py --out $OUT      # H200, about 2-3 minutes
+    python benchmarks/graphs_divergence_v41.py --device cpu --scenarios schedule_fresh --dtypes float32
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from redknot.config.schema import (Accelerator, DType, EngineConfig, FeaturesCon
                                    ModelConfig, SchedulerConfig)
 
 CONF = ROOT / "conf" / "model" / "tiny-v41.yaml"
+DTYPE = DType.float32   # the pass being run (main sets it): the engines' hardware.dtype and kv_cache_dtype
 
 
 # ---------------------------------------------------------------------- selection spy
@@ -88,7 +92,8 @@ class Spy:
         import redknot.models.deepseek_v41.model as mm
 
         self.acts: Dict[tuple, torch.Tensor] = {}
-        orig_attn, orig_call, orig_moe_t, orig_moe_e = ts._attention, at.AttentionLayer.__call__, ts._moe, mm.moe_forward
+        orig_attn, orig_call = ts._attention, at.AttentionLayer.__call__
+        orig_moe_t, orig_moe_e = ts._moe, mm.moe_forward
 
         def keep(name, layer, t):
             if spy.on:
@@ -240,7 +245,7 @@ def restore(runner, saved: List[torch.Tensor]) -> None:
 
 
 def row_maxdiff(a: torch.Tensor, b: torch.Tensor) -> List[float]:
-    return [round(float(v), 7) for v in (a.float() - b.float()).abs().amax(-1).cpu()]
+    return [float(f"{float(v):.2g}") for v in (a.double() - b.double()).abs().amax(-1).cpu()]
 
 
 def probe_step(runner, spy: Spy, inputs, uncaptured, replay, n: int, label: str, log: list) -> object:
@@ -358,11 +363,11 @@ def decode_scenario(device: str, cache: str, spy: Spy, report: dict) -> None:
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     runs, logs = [], []
     for graphs in (False, True):
-        hw = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float32,
-                            kv_cache_dtype=DType.float32, cuda_graphs=graphs, memory_utilization=0.5,
+        hw = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DTYPE,
+                            kv_cache_dtype=DTYPE, cuda_graphs=graphs, memory_utilization=0.5,
                             cuda_graph_max_len=512)
         if device == "cpu":
-            hw = HardwareConfig()
+            hw = HardwareConfig(dtype=DTYPE, kv_cache_dtype=DTYPE)
         features = FeaturesConfig()
         features.dspark.method = "none"
         eng = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, block_size=16),
@@ -374,7 +379,7 @@ def decode_scenario(device: str, cache: str, spy: Spy, report: dict) -> None:
         got, lg = run_all(llm, prompts, params, record_logits=True)
         runs.append(({k: v.token_ids for k, v in got.items()}, _logit_rows(lg)))
         if graphs:
-            report["decode_status"] = llm.stats().cuda_graphs
+            report[f"decode_status@{DTYPE.value}"] = llm.stats().cuda_graphs
         llm.close()
     _report_runs("decode", prompts, runs, logs, report)
 
@@ -416,9 +421,9 @@ def _verify_llm(cache: str, dspark: bool, device: str, graphs: bool, fresh: bool
     (the GPU replay test runs on the engine the engine test left its state in); ``fresh``: a new one."""
     from test_verify_graphs import _make
 
-    key = (dspark, graphs)
+    key = (dspark, graphs, DTYPE)
     if fresh or key not in _LLMS:
-        llm = _make(cache, dspark, cuda=device == "cuda", graphs=graphs)
+        llm = _make(cache, dspark, cuda=device == "cuda", graphs=graphs, dtype=DTYPE)
         if device == "cpu" and dspark and graphs:
             from redknot.engine.cuda_graphs import HostGraphCapture
 
@@ -466,8 +471,8 @@ def verify_scenario(device: str, cache: str, spy: Spy, report: dict) -> None:
         got, got_lg = record_logits(on, prompts, GREEDY)
     finally:
         on.runner.speculator.draft_hook = None
-    report["verify_status"] = graphs.status
-    report["verify_checks"] = dict(graphs.checks)
+    report[f"verify_status@{DTYPE.value}"] = graphs.status
+    report[f"verify_checks@{DTYPE.value}"] = dict(graphs.checks)
     runs = [({k: v.token_ids for k, v in ref.items()}, ref_lg), ({k: v.token_ids for k, v in got.items()}, got_lg)]
     _report_runs("verify", prompts, runs, logs, report)
 
@@ -483,7 +488,7 @@ def schedule_scenario(device: str, cache: str, spy: Spy, report: dict, fresh: bo
     logs: list = []
     _probe_verify_graphs(runner, graphs, spy, logs)
     reqs = Requests(llm, prompts=[13, 6, 21, 30])
-    name = "schedule_fresh" if fresh else "schedule"
+    name = f"{'schedule_fresh' if fresh else 'schedule'}@{DTYPE.value}"
     print(f"\n== {name} (test_gpu_verify_replay_equals_eager_and_taps; "
           f"{'a new engine' if fresh else 'the engine the verify scenario ran on'}) ==")
     for ids, counts, kept in SCHEDULE:
@@ -502,6 +507,7 @@ def schedule_scenario(device: str, cache: str, spy: Spy, report: dict, fresh: bo
 
 def _report_runs(name: str, prompts, runs, logs: list, report: dict) -> None:
     (off_tok, off_lg), (on_tok, on_lg) = runs
+    name = f"{name}@{DTYPE.value}"
     print(f"\n== {name}: graphs off vs on ==")
     div = []
     for rid in prompts:
@@ -517,9 +523,12 @@ def _report_runs(name: str, prompts, runs, logs: list, report: dict) -> None:
 
 
 def main() -> None:
+    global DTYPE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for divergence.json (default: print only)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    ap.add_argument("--dtypes", default="float32,float64",
+                    help="passes over the scenarios, one per hardware.dtype (float64: no fp32 rounding)")
     ap.add_argument("--scenarios", default="verify,schedule,schedule_fresh,decode",
                     help="comma list of verify, schedule (on the verify scenario's engine), schedule_fresh, decode")
     args = ap.parse_args()
@@ -527,13 +536,16 @@ def main() -> None:
     report: dict = {"device": args.device}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as cache:
-        for s in args.scenarios.split(","):
-            t = time.time()
-            {"decode": decode_scenario, "verify": verify_scenario, "schedule": schedule_scenario,
-             "schedule_fresh": lambda *a: schedule_scenario(*a, fresh=True)}[s](args.device, cache, spy, report)
-            print(f"  ({s}: {time.time() - t:.1f} s)")
-        for llm in _LLMS.values():
-            llm.close()
+        for dt in args.dtypes.split(","):
+            DTYPE = DType(dt)
+            for s in args.scenarios.split(","):
+                t = time.time()
+                {"decode": decode_scenario, "verify": verify_scenario, "schedule": schedule_scenario,
+                 "schedule_fresh": lambda *a: schedule_scenario(*a, fresh=True)}[s](args.device, cache, spy, report)
+                print(f"  ({s}@{dt}: {time.time() - t:.1f} s)")
+            for llm in _LLMS.values():
+                llm.close()
+            _LLMS.clear()
     print(f"total {time.time() - t0:.1f} s")
     if args.out:
         out = Path(args.out)

@@ -42,6 +42,7 @@ class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    float64 = "float64"   # checks only: two engine paths compared without fp32 rounding (reference math)
 
 
 class WeightFormat(str, Enum):

@@ -8,7 +8,8 @@ import torch
 
 from redknot.config.schema import DType
 
-TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
+TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16,
+                DType.float64: torch.float64}
 
 
 def torch_dtype(dtype) -> torch.dtype:
