@@ -32,6 +32,7 @@ from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton import splitk_mx, stream_guard
 from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
 from redknot.kernels.triton.dequant_mx import chunk_rows, dequant_fp4_bf16, fp8_qdq_groups, qdq_bf16
+from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.splitk_mx import (RAW_MAX_ROWS, ROW_TILE, reduce_combine, reduce_swiglu, splitk_mm,
                                               tile_map)
 
@@ -84,21 +85,30 @@ ROUTE_KERNEL_MAX_PAIRS = 8192
 
 
 @triton.jit
-def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq_ptr, M, E, T, D, stride_x,
-                  stride_q, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr,
-                  QDQ: tl.constexpr, BLOCK_D: tl.constexpr):
+def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq_ptr, xs_ptr, M, E, T, D, stride_x,
+                  stride_q, stride_s, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                  BLOCK_E: tl.constexpr, QDQ: tl.constexpr, FP8: tl.constexpr, BLOCK_D: tl.constexpr):
     """Stable expert order without a sort: the sorted position of pair i is the number of pairs with a
     smaller expert id, plus those with the same id and a smaller index. Programs also count the pairs
     with id <= e for their slice of experts (the per-expert ends). QDQ: program t also writes token row
-    t's per-32 FP8 QDQ values (bf16, ``fp8_qdq_groups``: the bits of ``qdq_bf16``), one launch fewer."""
+    t's per-32 FP8 QDQ values (bf16, ``fp8_qdq_groups``: the bits of ``qdq_bf16``), one launch fewer; FP8:
+    its e4m3 values and E8M0 bytes instead (the bits of ``quant_mx.act_quant_mx``)."""
     pid = tl.program_id(0)
     if QDQ:
         if pid < T:
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + tl.arange(0, BLOCK_D)
                 v = tl.load(x_ptr + pid.to(tl.int64) * stride_x + cols, mask=cols < D, other=0.0).to(tl.float32)
-                q = tl.reshape(fp8_qdq_groups(tl.reshape(v, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
-                tl.store(xq_ptr + pid.to(tl.int64) * stride_q + cols, q.to(tl.bfloat16), mask=cols < D)
+                if FP8:
+                    vg = tl.reshape(v, (BLOCK_D // 32, 32))
+                    e = e8m0_exponent(tl.max(tl.abs(vg), 1), 448.0, 1e-4)
+                    q8 = tl.minimum(tl.maximum(vg * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
+                    tl.store(xq_ptr + pid.to(tl.int64) * stride_q + cols, tl.reshape(q8, (BLOCK_D,)), mask=cols < D)
+                    gs = d0 // 32 + tl.arange(0, BLOCK_D // 32)
+                    tl.store(xs_ptr + pid.to(tl.int64) * stride_s + gs, (e + 127).to(tl.uint8), mask=gs * 32 < D)
+                else:
+                    q = tl.reshape(fp8_qdq_groups(tl.reshape(v, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
+                    tl.store(xq_ptr + pid.to(tl.int64) * stride_q + cols, q.to(tl.bfloat16), mask=cols < D)
     if pid * BLOCK_I < M:
         i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
         im = i < M
@@ -125,11 +135,12 @@ def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq
 
 
 def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: int,
-                  x: Optional[torch.Tensor] = None):
+                  x: Optional[torch.Tensor] = None, fp8: bool = False):
     """(token row of each expert-sorted pair int32, sorted position of each pair int32, per-expert ends
     int32, routing weight per sorted pair fp32); stable order, no host sync. Up to
     ``ROUTE_KERNEL_MAX_PAIRS`` pairs one kernel, above it a sort. With ``x`` [T, D] a fifth result,
-    ``qdq_bf16(x)`` (written by the routing kernel when it runs)."""
+    ``qdq_bf16(x)`` (written by the routing kernel when it runs); with ``fp8`` instead a fifth and sixth,
+    ``act_quant_mx(x)`` (e4m3 [T, D], E8M0 [T, D/32])."""
     flat = topk_idx.reshape(-1)
     M = flat.numel()
     dev = flat.device
@@ -144,12 +155,17 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
         bi, be = 64, 64
         qdq = x is not None
         T, D = x.shape if qdq else (0, 0)
-        xq = torch.empty(T, D, dtype=torch.bfloat16, device=dev) if qdq else None
+        if fp8 and D % 32:
+            raise ValueError(f"_sorted_pairs: the hidden size {D} must be a multiple of 32 for FP8 rows")
+        xq = torch.empty(T, D, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev) if qdq else None
+        xs = torch.empty(T, D // 32, dtype=torch.uint8, device=dev) if qdq and fp8 else None
         grid = max(cdiv(M, bi), cdiv(experts, be), T)
-        _route_kernel[(grid,)](flat, w, inv, rows, wt, offs, x if qdq else w, xq if qdq else w, M, experts, T, D,
-                               x.stride(0) if qdq else 0, xq.stride(0) if qdq else 0, TOPK=topk_idx.shape[1],
-                               BLOCK_I=bi, BLOCK_J=64, BLOCK_E=be, QDQ=qdq, BLOCK_D=512, num_warps=4)
-        return (rows, inv, offs, wt) + ((xq,) if qdq else ())
+        _route_kernel[(grid,)](flat, w, inv, rows, wt, offs, x if qdq else w, xq if qdq else w,
+                               xs if xs is not None else w, M, experts, T, D, x.stride(0) if qdq else 0,
+                               xq.stride(0) if qdq else 0, xs.stride(0) if xs is not None else 0,
+                               TOPK=topk_idx.shape[1], BLOCK_I=bi, BLOCK_J=64, BLOCK_E=be, QDQ=qdq, FP8=fp8,
+                               BLOCK_D=512, num_warps=4)
+        return (rows, inv, offs, wt) + (((xq, xs) if fp8 else (xq,)) if qdq else ())
     ids, order = torch.sort(flat, stable=True)
     inv = torch.empty(M, dtype=torch.int32, device=dev)
     inv[order] = torch.arange(M, dtype=torch.int32, device=dev)
@@ -157,6 +173,9 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
     offs = torch.searchsorted(ids, torch.arange(experts, dtype=ids.dtype, device=dev), right=True, out_int32=True)
     rows = (order // topk_idx.shape[1]).to(torch.int32)
     wt = topk_weight.reshape(-1).float()[order].contiguous()
+    if x is not None and fp8:
+        from redknot.kernels.triton.quant_mx import act_quant_mx
+        return (rows, inv, offs, wt) + act_quant_mx(x)
     return (rows, inv, offs, wt) + ((qdq_bf16(x),) if x is not None else ())
 
 

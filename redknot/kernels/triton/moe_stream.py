@@ -264,7 +264,7 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
                     plan: StreamPlan, out: torch.Tensor) -> torch.Tensor:
     """``moe_stream`` with ``decode="fp8"``: the token rows quantised to e4m3 + E8M0 once, the W1 | W3 epilogue
     writing the W2 input in that form (one K slice), else partials, ``reduce_swiglu`` and a quantisation
-    pass (the QDQ values re-quantise to themselves)."""
+    pass (the QDQ values re-quantise to themselves). The routing kernel writes the quantised token rows."""
     from redknot.kernels.triton.moe_mx import _sorted_pairs
     from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
     from redknot.kernels.triton.quant_mx import act_quant_mx
@@ -272,8 +272,7 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     T, k = topk_idx.shape
     E, inter, D = w1.shape[0], w1.shape[1], w2.shape[1]
     M = T * k
-    rows, inv, offs, wt = _sorted_pairs(topk_idx, topk_weight, E)
-    xq, xs = act_quant_mx(x)
+    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True)
     tiles = None if plan.inline else tile_map(offs, ROW_TILE, M)
     common = dict(offs=offs, tiles=tiles)
     if slices(inter, D, plan) == 1:

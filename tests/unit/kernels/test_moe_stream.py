@@ -153,3 +153,18 @@ def test_kernel_bench_stream_table_smoke(tmp_path):
         assert f"| {variant} |" in text
     assert "| fused fp8 32x64 |" in text
     assert "err vs ref" in text and "FAIL" not in text
+
+
+@pytest.mark.parametrize("route_kernel", [True, False], ids=["kernel", "sort"])
+@pytest.mark.parametrize("tokens,dim", [(3, 64), (5, 1056)])
+def test_routing_writes_the_fp8_rows_of_act_quant(route_kernel, tokens, dim, kernel_device, monkeypatch):
+    """The routing step's e4m3 + E8M0 token rows are the bits of ``act_quant_mx`` (both routing paths)."""
+    from redknot.kernels.triton.quant_mx import act_quant_mx
+    if not route_kernel:
+        monkeypatch.setattr(moe_mx, "ROUTE_KERNEL_MAX_PAIRS", 0)
+    g = torch.Generator(device=kernel_device).manual_seed(tokens)
+    x = (torch.randn(tokens, dim, generator=g, device=kernel_device) * 3).to(torch.bfloat16)
+    idx = torch.randint(0, 4, (tokens, 2), generator=g, device=kernel_device)
+    got = moe_mx._sorted_pairs(idx, torch.rand(tokens, 2, generator=g, device=kernel_device), 4, x, fp8=True)
+    q, s = act_quant_mx(x)
+    assert torch.equal(got[4].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[5], s)
