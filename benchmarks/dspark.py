@@ -576,7 +576,8 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
         graphs = VerifyGraphs(bench.runner(), max_num_seqs=max(batches), block=g, capture=capturer,
                               tap_layers=bench.draft.dcfg.target_layer_ids, max_len=bench.max_len)
         needed = sorted({tier_for(b * q, graphs.tiers) for q in range(1, g + 2)})
-        why = clock.skip(10.0)
+        # expected: twice the last capture (larger tiers), at least 10 s
+        why = clock.skip(max([10.0] + [2 * c for c in verify_report["capture_s"].values()]))
         if why:
             row["verify_graphs"] = f"capture of tiers {needed} {why}"
         else:
@@ -586,7 +587,7 @@ def bench_v41(args, cuda: bool, device: torch.device, features: FeaturesConfig) 
             verify_report["tiers"][f"b{b}"] = needed
             verify_report["status"][f"b{b}"] = graphs.status
         for q in range(1, g + 2):
-            why = clock.skip()
+            why = clock.skip(clock.phases.get(f"verify b{b} q{q - 1}", 0.0))   # expected: as long as the last
             if why:
                 row[f"verify_q{q}"] = why
                 continue
