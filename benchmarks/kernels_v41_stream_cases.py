@@ -98,7 +98,7 @@ def _linear_rows(dims, device, smoke, graph):
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
     for sname, n, k in shapes:
         for m in decode:
-            for dec in ("registers", "registers_wide", "fp8", "scaled"):
+            for dec in ("registers", "registers_wide", "fp8", "fp8_n32", "scaled"):
                 def build(sname=sname, n=n, k=k, m=m, dec=dec):
                     g = torch.Generator(device=device).manual_seed(m + n)
                     w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)

@@ -289,7 +289,9 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 # separate pass above 16 rows, 8 warps from 64-row tiles, the weight tile as the MMA's first operand (its
 # 64 columns are the MMA's M; the rows are its N at every row count). Each output is the same dot product
 # in the same K order at every row count.
-LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide"])
+# ``fp8_n32``: the ``fp8`` stream with 32 weight columns per program (below the 64 rows of a Hopper
+# warpgroup MMA: synchronous MMAs whose per-group rescales overlap the next group's MMA).
+LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide", "fp8_n32"])
 
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
@@ -307,7 +309,9 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
             x2, weight, ws, block, out, d), x2.device)
 
     def run(dec: str) -> torch.Tensor:
-        warps, swap = 4, False
+        warps, swap, bn = 4, False, 0
+        if dec == "fp8_n32":
+            dec, bn = "fp8", 32
         if dec == "registers":
             raw, bm = rows <= splitk_mx.RAW_MAX_ROWS, splitk_mx.ROW_TILE
         elif dec == "registers_wide":
@@ -316,7 +320,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
         else:
             raw, bm = dec == "fp8" or rows <= splitk_mx.SCALED_RAW_MAX_ROWS, splitk_mx.dense_row_tile(rows)
         p = splitk_mx.splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, rows, w_fp4=False, wb=block, raw=raw,
-                                decode=dec, block_m=bm, num_warps=warps, swap=swap)
+                                decode=dec, block_m=bm, num_warps=warps, swap=swap, block_n=bn)
         return splitk_mx.reduce_rows(p, out)
 
     if decode != "registers":

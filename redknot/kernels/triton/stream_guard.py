@@ -23,6 +23,8 @@ from redknot.kernels.triton import splitk_mx
 from redknot.kernels.triton.dequant_mx import qdq_bf16
 
 R = TypeVar("R")
+# Dense-stream decodes that are a ``splitk_mx`` decode with another launch shape (``gemm_mx``'s tuner).
+LINEAR_ALIASES = {"fp8_n32": ("fp8", {"block_n": 32})}
 DECODE_ERRORS: Dict[Hashable, str] = {}  # decode (name or ``StreamPlan``) -> why it is not used on this device
 _CHECKED: Set[Hashable] = set()
 # Same exact products, another summation order: ~1e-6 relative in fp32, up to ~1e-4 where FP8 MMAs add a
@@ -43,6 +45,8 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
         return stream_check(decode, device, seed)
     if decode in ("registers", "registers_wide"):
         return None
+    launch = dict(LINEAR_ALIASES.get(decode, (decode, {}))[1])
+    decode = LINEAR_ALIASES.get(decode, (decode, {}))[0]
     g = torch.Generator(device=device).manual_seed(seed)
     E, N, K, T = 3, 128, 512, 5
     dense, packed = [], []
@@ -54,7 +58,7 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
     offs = torch.tensor([3, 5, 8], dtype=torch.int32, device=device)  # experts 0 / 1 / 2: 3, 2, 3 rows
     w1, s1, w3, s3 = packed
     got = splitk_mx.splitk_mm(qdq_bf16(x), w1, s1, 8, w_fp4=True, rowid=rowid, offs=offs, w3=w3, ws3=s3,
-                              decode=decode)
+                              decode=decode, **launch)
     want = splitk_mx.splitk_mm(qdq_bf16(x, split=True), w1, s1, 8, w_fp4=True, rowid=rowid, offs=offs, w3=w3,
                                ws3=s3, decode="registers")
     errs = [_rel(got[i].sum(0), want[i].sum(0)) for i in range(2)]
@@ -63,7 +67,7 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
     w, ws = mx.quant_fp8_blocks(torch.randn(N, K, generator=g, device=device) * 0.02, block)
     xd = torch.randn(rows, K, generator=g, device=device).to(torch.bfloat16)
     a = xd if decode == "fp8" else qdq_bf16(xd)
-    got = splitk_mx.splitk_mm(a, w, ws, rows, w_fp4=False, wb=block, raw=decode == "fp8", decode=decode,
+    got = splitk_mx.splitk_mm(a, w, ws, rows, w_fp4=False, wb=block, raw=decode == "fp8", decode=decode, **launch,
                               block_m=splitk_mx.dense_row_tile(rows))
     want = splitk_mx.splitk_mm(qdq_bf16(xd), w, ws, rows, w_fp4=False, wb=block, decode="registers")
     dense.append(_rel(got.sum(0), want.sum(0)))

@@ -168,3 +168,22 @@ def test_routing_writes_the_fp8_rows_of_act_quant(route_kernel, tokens, dim, ker
     got = moe_mx._sorted_pairs(idx, torch.rand(tokens, 2, generator=g, device=kernel_device), 4, x, fp8=True)
     q, s = act_quant_mx(x)
     assert torch.equal(got[4].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[5], s)
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_linear_fp8_n32_matches_reference_and_passes_its_check(rows, kernel_device, monkeypatch):
+    from redknot.kernels.triton import splitk_mx
+    g = torch.Generator(device=kernel_device).manual_seed(rows + 3)
+    w, ws = mx.quant_fp8_blocks(torch.randn(96, 128, generator=g, device=kernel_device) * 0.02, 32)
+    x = torch.randn(rows, 128, generator=g, device=kernel_device).to(torch.bfloat16)
+    out = gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode="fp8_n32")
+    assert _rel(out, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
+    assert stream_guard.self_check("fp8_n32", torch.device(kernel_device)) is None
+    real = splitk_mx.splitk_mm
+
+    def wrong_when_narrow(a, w, ws, *args, **kw):
+        if kw.get("block_n") == 32:
+            ws = ws.view(torch.uint8) + 1
+        return real(a, w, ws, *args, **kw)
+    monkeypatch.setattr(splitk_mx, "splitk_mm", wrong_when_narrow)
+    assert "differs from decode='registers'" in stream_guard.self_check("fp8_n32", torch.device(kernel_device))
