@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT)]
 
 SIZES = [(4096, 1), (4096, 32), (4096, 128), (8192, 1), (65536, 1), (65536, 32), (65536, 128),
          (262144, 1), (262144, 32), (262144, 128), (524288, 1)]
-SMOKE_SIZES = [(300, 2), (2000, 3)]
+SMOKE_SIZES = [(300, 2), (700, 2)]
 
 
 def _time_ms(fn, device, reps: int) -> float:
@@ -60,9 +60,9 @@ def _configs(smoke: bool):
     from redknot.kernels.triton.radix_select import DEFAULT_CONFIG, RadixSelectConfig
 
     if smoke:
-        return [DEFAULT_CONFIG, RadixSelectConfig(256, 2, 1024)]
-    return [DEFAULT_CONFIG, RadixSelectConfig(2048, 8, 32768), RadixSelectConfig(4096, 8, 32768),
-            RadixSelectConfig(1024, 4, 8192), RadixSelectConfig(2048, 8, 131072)]
+        return [DEFAULT_CONFIG, RadixSelectConfig(256, 128, 1)]
+    return [DEFAULT_CONFIG, RadixSelectConfig(16384, 4096, 16), RadixSelectConfig(4096, 2048, 16),
+            RadixSelectConfig(8192, 4096, 8), RadixSelectConfig(8192, 4096, 32)]
 
 
 def case(n: int, t: int, k: int, device, reps: int, configs) -> dict:
@@ -77,7 +77,7 @@ def case(n: int, t: int, k: int, device, reps: int, configs) -> dict:
     want = select_topk(sc, k)
     row = {"n": n, "rows": t, "k": k, "select_topk_ms": _time_ms(lambda: select_topk(sc, k), device, reps)}
     for c in configs:
-        tag = f"radix_b{c.block}_w{c.num_warps}_s{c.split_min}"
+        tag = f"radix_r{c.resident_max}_b{c.block}_p{c.per_thread}"
         got = radix_topk(sc, k, config=c)
         row[f"{tag}_equal"] = bool(torch.equal(got, want))
         row[f"{tag}_ms"] = _time_ms(lambda: radix_topk(sc, k, config=c), device, reps)
@@ -104,7 +104,7 @@ def candidate_case(n: int, t: int, device, reps: int, blocks: int, size: int) ->
 
 
 def _table(rows, cands, configs) -> str:
-    tags = [f"radix_b{c.block}_w{c.num_warps}_s{c.split_min}" for c in configs]
+    tags = [f"radix_r{c.resident_max}_b{c.block}_p{c.per_thread}" for c in configs]
     lines = [f"# Top-k selection (k = {rows[0]['k'] if rows else 0}): select_topk vs radix_topk", "",
              "| n | rows | select_topk ms | " + " | ".join(f"{t} ms (equal)" for t in tags) + " | best speed-up |",
              "|---|---|---|" + "---|" * len(tags) + "---|"]

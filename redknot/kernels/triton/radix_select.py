@@ -64,12 +64,14 @@ def _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, 
 def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, om_ptr,
                   N, N_ENT, SEG, K, NB_M, stride_src, stride_ids, stride_bm, stride_out, stride_om,
                   KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr, KEYS_OUT: tl.constexpr, GROUP: tl.constexpr,
-                  MASK_G: tl.constexpr, EXPAND: tl.constexpr, MASK_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                  MASK_G: tl.constexpr, EXPAND: tl.constexpr, MASK_OUT: tl.constexpr, BLOCK: tl.constexpr,
+                  RESIDENT: tl.constexpr):
     """Program (t, s): the top ``K`` of columns [s·SEG, min((s+1)·SEG, N)) of row t -> out[t, s·K : s·K+K]
     (ids ascending then -1; with KEYS_OUT their keys too; EXPAND > 1: id c written as the EXPAND ids
     c·EXPAND + j, K·EXPAND slots). MASK_OUT writes a [T, N] uint8 map of the selected columns: 1 the
     selection of a single program per row, 2 zeros over the segment (a first launch), 3 ones at the
-    selected ids (the second launch over the first one's lists)."""
+    selected ids (the second launch over the first one's lists). RESIDENT: the segment fits one tile, read
+    once and kept in registers through the passes (else every pass re-reads its tiles)."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     lo = s * SEG
@@ -87,13 +89,19 @@ def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, 
     krem = tl.full([], 0, tl.int32) + K   # entries still wanted among those matching the prefix
     keep_all = tl.full([], 0, tl.int32)
     stop = hi
+    if RESIDENT:
+        key_r, ids_r, ok_r = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, lo + offs,
+                                   lo + offs < hi, N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
     for d in tl.static_range(4):
         shift: tl.constexpr = 24 - 8 * d
         hist = tl.zeros([256], dtype=tl.int32)
         for c0 in range(lo, stop, BLOCK):
-            cols = c0 + offs
-            key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, cols < hi,
-                                 N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
+            if RESIDENT:
+                key, ok = key_r, ok_r
+            else:
+                cols = c0 + offs
+                key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols,
+                                     cols < hi, N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
             m = ok & ((key & pmask) == prefix)
             dig = (key >> shift) & 0xFF
             if d == 0:
@@ -121,8 +129,11 @@ def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, 
     ties = tl.full([], 0, tl.int32)
     for c0 in range(lo, hi, BLOCK):
         cols = c0 + offs
-        key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, cols < hi,
-                             N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
+        if RESIDENT:
+            key, ids, ok = key_r, ids_r, ok_r
+        else:
+            key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, cols < hi,
+                                 N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
         eq = (ok & (key == thr)).to(tl.int32)
         sel = (ok & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
         si = sel.to(tl.int32)
@@ -150,20 +161,31 @@ def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, 
 
 @dataclass(frozen=True)
 class RadixSelectConfig:
-    block: int = 1024      # entries per tile (at least the program's thread count: the histogram's layout)
-    num_warps: int = 4
-    split_min: int = 32768  # rows longer than this split into segments (two launches)
+    resident_max: int = 8192   # a segment of up to this many entries is read once and kept in registers
+    block: int = 4096          # the tile of a longer segment (re-read by every pass)
+    per_thread: int = 16       # entries a thread holds (sets the warp count, 4 to 16)
 
 
 DEFAULT_CONFIG = RadixSelectConfig()
 
 
-def segment_size(n: int, k: int, split_min: int) -> int:
-    """Entries a first-launch program takes: the whole row up to ``split_min``, else about sqrt(n·k)
-    (a segment's work and the second launch's list of (n/seg)·k candidates balance), at least 4k."""
-    if n <= split_min:
+def segment_size(n: int, k: int, cap: int) -> int:
+    """Columns a first-launch program takes: the whole row up to ``cap`` (one launch), else about
+    sqrt(n·k) up to ``cap`` (a segment's work and the second launch's list of (n/seg)·k candidates
+    balance), at least 4k (so the second launch has far fewer candidates than the row has columns)."""
+    if n <= cap:
         return max(n, 1)
-    return max(4 * k, next_pow2(int((n * max(k, 1)) ** 0.5)))
+    return max(4 * k, min(cap, next_pow2(int((n * max(k, 1)) ** 0.5))))
+
+
+def launch_shape(cols: int, group: int, cfg: RadixSelectConfig):
+    """(tile, warps, resident) of a program over ``cols`` columns of ``group`` entries each. The tile is at
+    least the thread count: ``tl.histogram`` counts a replicated element once per copy."""
+    cap = max(cfg.resident_max // group, 128)
+    resident = cols <= cap
+    block = next_pow2(cols) if resident else max(next_pow2(cfg.block) // group, 128)
+    warps = max(4, min(16, next_pow2(block * group) // (32 * cfg.per_thread)))
+    return max(block, 32 * warps), warps, resident
 
 
 def radix_topk(scores: torch.Tensor, topk: int, ids: Optional[torch.Tensor] = None,
@@ -230,28 +252,32 @@ def _select(x: torch.Tensor, k: int, out: torch.Tensor, n_cols: Optional[int] = 
     cfg = config or DEFAULT_CONFIG
     t, n_ent = x.shape
     n = n_ent if n_cols is None else n_cols
-    seg = segment_size(n, k, cfg.split_min) if seg is None else max(int(seg), 1)
+    cap = max(cfg.resident_max // group, 128)
+    seg = segment_size(n, k, cap) if seg is None else max(int(seg), 1)
     nseg = cdiv(n, seg)
     idl = x if ids is None else ids
     vis = x if visible is None else visible
     bm = x if block_mask is None else block_mask
     om = x if mask_out is None else mask_out
-    common = dict(MASK_G=mask_block, BLOCK=cfg.block, num_warps=cfg.num_warps)
     strides = (idl.stride(0) if ids is not None else 0, bm.stride(0) if block_mask is not None else 0)
     om_stride = om.stride(0) if mask_out is not None else 0
+    block, warps, resident = launch_shape(min(seg, n), group, cfg)
+    shape = dict(BLOCK=block, RESIDENT=resident, num_warps=warps)
     if nseg == 1:
         _radix_select[(t, 1)](x, idl, vis, bm, out, out, om, n, n_ent, n, k, bm.shape[-1], x.stride(0), *strides,
                               out.stride(0), om_stride, KEYS_IN=False, IDS_IN=ids is not None, KEYS_OUT=False,
-                              GROUP=group, EXPAND=group, MASK_OUT=1 if mask_out is not None else 0, **common)
+                              GROUP=group, MASK_G=mask_block, EXPAND=group,
+                              MASK_OUT=1 if mask_out is not None else 0, **shape)
         return
     cand = torch.empty(t, nseg * k, dtype=torch.int32, device=x.device)   # entry ids < 2^31
     keys = torch.empty(t, nseg * k, dtype=torch.int32, device=x.device)
     _radix_select[(t, nseg)](x, idl, vis, bm, cand, keys, om, n, n_ent, seg, k, bm.shape[-1], x.stride(0),
                              *strides, cand.stride(0), om_stride, KEYS_IN=False, IDS_IN=ids is not None,
-                             KEYS_OUT=True, GROUP=group, EXPAND=1, MASK_OUT=2 if mask_out is not None else 0,
-                             **common)
+                             KEYS_OUT=True, GROUP=group, MASK_G=mask_block, EXPAND=1,
+                             MASK_OUT=2 if mask_out is not None else 0, **shape)
     m = nseg * k
-    common["MASK_G"] = 0
+    block, warps, resident = launch_shape(m, 1, cfg)
     _radix_select[(t, 1)](keys, cand, vis, bm, out, out, om, m, m, m, k, 0, keys.stride(0), cand.stride(0), 0,
-                          out.stride(0), om_stride, KEYS_IN=True, IDS_IN=True, KEYS_OUT=False, GROUP=1,
-                          EXPAND=group, MASK_OUT=3 if mask_out is not None else 0, **common)
+                          out.stride(0), om_stride, KEYS_IN=True, IDS_IN=True, KEYS_OUT=False, GROUP=1, MASK_G=0,
+                          EXPAND=group, MASK_OUT=3 if mask_out is not None else 0, BLOCK=block, RESIDENT=resident,
+                          num_warps=warps)

@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from redknot.kernels.triton.radix_select import radix_candidates, radix_topk, segment_size  # noqa: E402
+from redknot.kernels.triton.radix_select import (  # noqa: E402
+    RadixSelectConfig, launch_shape, radix_candidates, radix_topk, segment_size)
 from redknot.kernels.triton.step_indexer_mx import (  # noqa: E402
     candidate_entries, page_rows, page_rows_reference, select_topk)
 from redknot.kernels.triton.step_select import candidate_select, topk_reference, topk_select  # noqa: E402
@@ -51,12 +52,16 @@ CASES = [
 ]
 
 
+SMALL_TILES = RadixSelectConfig(resident_max=256, block=128, per_thread=1)   # segments re-read per pass
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_radix_topk_is_select_topk(case, kernel_device):
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["resident", "tiled"])
+def test_radix_topk_is_select_topk(case, config, kernel_device):
     t, n, k, seg = CASES[case]
-    for seed in (case, case + 50):
+    for seed in (case, case + 50)[:1 if config is not None else 2]:
         sc = _rows(t, n, seed, kernel_device)
-        got = radix_topk(sc, k, seg=seg)
+        got = radix_topk(sc, k, seg=seg, config=config)
         assert got.dtype == torch.long and got.shape == (t, k)
         assert torch.equal(got.cpu(), select_topk(sc.cpu(), k)), seed
 
@@ -97,8 +102,8 @@ def test_radix_topk_inside_candidate_blocks(kernel_device):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("seg", [None, 12])
-def test_radix_candidates_are_the_models_candidate_blocks(seg, kernel_device):
+@pytest.mark.parametrize("seg,config", [(None, None), (12, None), (None, SMALL_TILES), (30, SMALL_TILES)])
+def test_radix_candidates_are_the_models_candidate_blocks(seg, config, kernel_device):
     """Block maxima, the newest visible entry's block pinned, the best blocks by the lower-id rule, as
     entry lists (``candidate_entries``) and as the map of the model's candidate mask."""
     from redknot.models.deepseek_v41.attention import candidate_blocks
@@ -110,7 +115,7 @@ def test_radix_candidates_are_the_models_candidate_blocks(seg, kernel_device):
         sc = torch.randint(-4, 5, (7, n), generator=g).float() * 0.5          # ties between blocks too
         sc[6] = torch.randn(n, generator=g)
         sc = sc.masked_fill(torch.arange(n)[None, :] >= vis[:, None], float("-inf"))
-        ent, bmap = radix_candidates(sc.to(kernel_device), vis.to(kernel_device), nb, bs, seg=seg)
+        ent, bmap = radix_candidates(sc.to(kernel_device), vis.to(kernel_device), nb, bs, seg=seg, config=config)
         assert torch.equal(ent.cpu(), candidate_entries(sc, vis, nb, bs)), seed
         mask = candidate_blocks(sc, vis, nb, bs)                               # [T, n] bool, the PyTorch path
         nblk = -(-n // bs)
@@ -130,11 +135,14 @@ def test_radix_topk_edges(kernel_device):
         radix_topk(sc[0], 4)
 
 
-def test_segment_size_balances_the_two_launches():
-    assert segment_size(4096, 512, 32768) == 4096
-    s = segment_size(1 << 19, 512, 32768)
-    assert s == 1 << 14 and s >= 4 * 512
-    assert segment_size(40000, 2048, 32768) >= 4 * 2048
+def test_segment_size_and_launch_shape():
+    assert segment_size(4096, 512, 8192) == 4096
+    assert segment_size(1 << 19, 512, 16384) == 1 << 14            # sqrt(n k), within the resident cap
+    assert segment_size(1 << 20, 512, 8192) == 8192
+    assert segment_size(40000, 2048, 2048) == 4 * 2048               # k-bound: a tiled segment
+    assert launch_shape(4096, 1, RadixSelectConfig()) == (4096, 8, True)
+    assert launch_shape(40, 1, RadixSelectConfig()) == (128, 4, True)
+    assert launch_shape(20000, 8, RadixSelectConfig()) == (512, 8, False)
 
 
 def test_page_rows_is_the_tables_rows(kernel_device):
@@ -193,4 +201,4 @@ def test_select_benchmark_smoke(tmp_path):
                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     text = (tmp_path / "select_topk_v41.md").read_text()
-    assert "| 2000 | 3 |" in text and "NO" not in text
+    assert "| 700 | 2 |" in text and "NO" not in text
