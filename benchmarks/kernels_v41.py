@@ -218,7 +218,7 @@ def tuned_choices() -> List[str]:
     for tuner in (MX_GEMM_TUNER, PREFILL_TUNER, DECODE_TUNER, LINEAR_DECODE_TUNER, ATTN_MX_TUNER, INDEX_MX_TUNER):
         for key, cfg in tuner.choices.items():
             times = sorted(tuner.timings.get(key, []), key=lambda r: r[1])
-            runner = f"; next {times[1][0]} at {times[1][1]:.4f} ms" if len(times) > 1 else ""
+            runner = ("; then " + ", ".join(f"{c} {ms:.4f} ms" for c, ms in times[1:])) if len(times) > 1 else ""
             best = f" {times[0][1]:.4f} ms" if times else ""
             out.append(f"{tuner.name} {key}: {cfg}{best}{runner}")
     return out

@@ -16,6 +16,7 @@ import torch
 from redknot.kernels import mx_formats as mx
 from redknot.kernels import ref_v41 as ref
 from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
+from redknot.kernels.triton import gemm_mx
 from redknot.kernels.triton.gemm_mx import linear_mx
 from kernels_v41_cases import _case, _checked, _graph_or_eager, _moe_bytes, _moe_case_inputs, _sizes
 
@@ -58,7 +59,8 @@ def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Call
             shared[key] = ref.moe_mx(x, idx, wt, *weights(), 10.0)
         return shared[key]
 
-    variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke)
+    variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke) + [
+        ("tuned (DECODE_TUNER)", None)]
     yield from _moe_rows(decode[:2], variants, dims, device, graph, weights, want)
     ladder = StreamPlan("regs", 32, 64) if smoke else StreamPlan("regs", 64, 128, 4, 3)
     for t in decode[:2]:
@@ -86,6 +88,9 @@ def _moe_rows(tokens, variants, dims, device, graph, weights, want):
                 fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=dec)  # noqa: E731
                 note = _checked("moe_mx", f"T={t}", fn, lambda: want(t, x, idx, wt), 3e-2)
                 run, _, how = _graph_or_eager(fn, device, graph)
+                if dec is None:
+                    key = (tuple(weights()[0].shape), tuple(weights()[4].shape))
+                    note = f"{fast_moe.DECODE_TUNER.choices.get(key, 'untimed')}; {note}"
                 return _case("moe_mx stream", f"T={t} {how_run} {name}", run, t * flops_per_token,
                              _moe_bytes(dims, idx), note=f"{how}; {note}", key=f"{STREAM_KEY} moe T={t}",
                              variant=name)
@@ -98,7 +103,7 @@ def _linear_rows(dims, device, smoke, graph):
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
     for sname, n, k in shapes:
         for m in decode:
-            for dec in ("registers", "registers_wide", "fp8", "fp8_n32", "scaled"):
+            for dec in ("registers", "registers_wide", "fp8", "fp8_n32", "scaled", None):
                 def build(sname=sname, n=n, k=k, m=m, dec=dec):
                     g = torch.Generator(device=device).manual_seed(m + n)
                     w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
@@ -106,9 +111,12 @@ def _linear_rows(dims, device, smoke, graph):
                     fn = lambda: linear_mx(x, w, ws, 32, path="splitk", decode=dec)  # noqa: E731
                     note = _checked("linear_mx", sname, fn, lambda: ref.linear_mx(x, w, ws, 32), 1e-2)
                     run, _, how = _graph_or_eager(fn, device, graph)
-                    return _case("linear_mx stream", f"{sname} M={m} {how_run} {dec}", run, 2 * m * n * k,
+                    name = dec or "tuned (LINEAR_DECODE_TUNER)"
+                    if dec is None:
+                        note = f"{gemm_mx.LINEAR_DECODE_TUNER.choices.get((tuple(w.shape), 32), 'untimed')}; {note}"
+                    return _case("linear_mx stream", f"{sname} M={m} {how_run} {name}", run, 2 * m * n * k,
                                  m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"{how}; {note}",
-                                 key=f"{STREAM_KEY} linear {sname} M={m}", variant=dec)
+                                 key=f"{STREAM_KEY} linear {sname} M={m}", variant=name)
                 yield f"stream linear {sname} M={m} {dec}", build
 
 

@@ -292,6 +292,9 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 # ``fp8_n32``: the ``fp8`` stream with 32 weight columns per program (below the 64 rows of a Hopper
 # warpgroup MMA: synchronous MMAs whose per-group rescales overlap the next group's MMA).
 LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide", "fp8_n32"])
+# Rows on which ``LINEAR_DECODE_TUNER`` times its candidates, whatever the size of the call that triggers
+# the tuning: the choice is per weight shape, measured at the decode batch the step targets.
+LINEAR_TUNE_ROWS = 32
 
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
@@ -305,8 +308,15 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
     from redknot.kernels.triton.dequant_mx import qdq_bf16
     rows = x2.shape[0]
     if decode is None:  # measured per weight shape (not per row count: rows stay batch-invariant)
-        decode = LINEAR_DECODE_TUNER.pick((tuple(weight.shape), block), lambda d: _linear_splitk(
-            x2, weight, ws, block, out, d), x2.device)
+        made = {}
+
+        def tuning_run(d: str) -> torch.Tensor:  # timed on LINEAR_TUNE_ROWS rows whatever the call's size
+            if not made:
+                g = torch.Generator(device=x2.device).manual_seed(0)
+                made["x"] = torch.randn(LINEAR_TUNE_ROWS, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
+                made["out"] = torch.empty(LINEAR_TUNE_ROWS, weight.shape[0], dtype=out.dtype, device=x2.device)
+            return _linear_splitk(made["x"], weight, ws, block, made["out"], d)
+        decode = LINEAR_DECODE_TUNER.pick((tuple(weight.shape), block), tuning_run, x2.device)
 
     def run(dec: str) -> torch.Tensor:
         warps, swap, bn = 4, False, 0

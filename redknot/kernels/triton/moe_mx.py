@@ -80,6 +80,8 @@ DECODE_TUNER = ConfigTuner("moe_mx_decode", [
 ])
 
 
+# Tokens of the batch on which ``DECODE_TUNER`` times its candidates (the decode target: batch 32).
+TUNE_TOKENS = 32
 # Pairs (T·k) up to which one routing kernel replaces the sort and its companions (decode batches).
 ROUTE_KERNEL_MAX_PAIRS = 8192
 
@@ -189,7 +191,7 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
     args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit, plan)
     if decode is None:
         key = (tuple(w1.shape), tuple(w2.shape))  # not the token count: a token's bits stay batch-invariant
-        decode = DECODE_TUNER.pick(key, lambda d: moe_splitk(*args[:-1], decode=d), x.device)
+        decode = DECODE_TUNER.pick(key, _tuning_run(x, topk_idx.shape[1], args[3:]), x.device)
     if isinstance(decode, StreamPlan):
         return stream_guard.with_fallback(x.device, decode, lambda: moe_stream(*args[:-1], decode),
                                           lambda: _moe_splitk(*args, "registers"))
@@ -197,6 +199,23 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
         return stream_guard.with_fallback(x.device, decode, lambda: _moe_splitk(*args, decode),
                                           lambda: _moe_splitk(*args, "registers"))
     return _moe_splitk(*args, decode)
+
+
+def _tuning_run(x: torch.Tensor, k: int, weights):
+    """``DECODE_TUNER``'s timed call: each candidate on ``TUNE_TOKENS`` tokens routed at random (fixed seed),
+    whatever the size of the call that triggers the tuning, so the choice per weight shape is measured at
+    the decode batch the step targets (inputs built on the first timed call: none under graph capture)."""
+    made = {}
+
+    def run(decode):
+        if not made:
+            E, D = weights[0].shape[0], x.shape[1]
+            g = torch.Generator(device=x.device).manual_seed(0)
+            made["x"] = torch.randn(TUNE_TOKENS, D, generator=g, device=x.device).to(x.dtype)
+            made["idx"] = torch.rand(TUNE_TOKENS, E, generator=g, device=x.device).topk(min(k, E), -1).indices
+            made["wt"] = torch.rand(TUNE_TOKENS, min(k, E), generator=g, device=x.device) + 0.1
+        return moe_splitk(made["x"], made["idx"], made["wt"], *weights, decode=decode)
+    return run
 
 
 def _moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,

@@ -187,3 +187,23 @@ def test_linear_fp8_n32_matches_reference_and_passes_its_check(rows, kernel_devi
         return real(a, w, ws, *args, **kw)
     monkeypatch.setattr(splitk_mx, "splitk_mm", wrong_when_narrow)
     assert "differs from decode='registers'" in stream_guard.self_check("fp8_n32", torch.device(kernel_device))
+
+
+def test_decode_tuners_time_a_fixed_batch(kernel_device, monkeypatch):
+    """The tuners time every candidate on a fixed decode batch, not on the call that triggers them: a
+    1-token call's MoE candidates run on ``TUNE_TOKENS`` tokens, a 1-row linear's on ``LINEAR_TUNE_ROWS``."""
+    from redknot.kernels.triton import _common
+    seen = {}
+
+    class Recorder(_common.ConfigTuner):
+        def pick(self, key, run, device):
+            seen[self.name] = run(self.candidates[0])
+            return self.candidates[0]
+    monkeypatch.setattr(moe_mx, "DECODE_TUNER", Recorder("moe", moe_mx.DECODE_TUNER.candidates))
+    monkeypatch.setattr(gemm_mx, "LINEAR_DECODE_TUNER", Recorder("linear", gemm_mx.LINEAR_DECODE_TUNER.candidates))
+    x, idx, wt, w = moe_inputs(TOY_V41, kernel_device, seed=6, tokens=1)
+    moe_mx.moe_splitk(x, idx, wt, *w, 10.0)
+    assert seen["moe"].shape == (moe_mx.TUNE_TOKENS, TOY_V41.hidden)
+    wl, wls = mx.quant_fp8_blocks(torch.randn(64, 96, device=kernel_device), 32)
+    gemm_mx.linear_mx(torch.randn(1, 96, device=kernel_device).to(torch.bfloat16), wl, wls, 32, path="splitk")
+    assert seen["linear"].shape == (gemm_mx.LINEAR_TUNE_ROWS, 64)
