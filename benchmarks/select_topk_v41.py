@@ -60,7 +60,7 @@ def _configs(smoke: bool):
     from redknot.kernels.triton.radix_select import DEFAULT_CONFIG, RadixSelectConfig
 
     if smoke:
-        return [DEFAULT_CONFIG, RadixSelectConfig(256, 128, 1)]
+        return [DEFAULT_CONFIG, RadixSelectConfig(256, 256, 1)]
     return [DEFAULT_CONFIG, RadixSelectConfig(16384, 4096, 16), RadixSelectConfig(4096, 2048, 16),
             RadixSelectConfig(8192, 4096, 8), RadixSelectConfig(8192, 4096, 32)]
 

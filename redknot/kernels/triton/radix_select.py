@@ -181,9 +181,9 @@ def segment_size(n: int, k: int, cap: int) -> int:
 def launch_shape(cols: int, group: int, cfg: RadixSelectConfig):
     """(tile, warps, resident) of a program over ``cols`` columns of ``group`` entries each. The tile is at
     least the thread count: ``tl.histogram`` counts a replicated element once per copy."""
-    cap = max(cfg.resident_max // group, 128)
+    cap = max(cfg.resident_max // group, 256)
     resident = cols <= cap
-    block = next_pow2(cols) if resident else max(next_pow2(cfg.block) // group, 128)
+    block = max(next_pow2(cols) if resident else next_pow2(cfg.block) // group, 256)   # >= the 256 bins
     warps = max(4, min(16, next_pow2(block * group) // (32 * cfg.per_thread)))
     return max(block, 32 * warps), warps, resident
 
@@ -252,7 +252,7 @@ def _select(x: torch.Tensor, k: int, out: torch.Tensor, n_cols: Optional[int] = 
     cfg = config or DEFAULT_CONFIG
     t, n_ent = x.shape
     n = n_ent if n_cols is None else n_cols
-    cap = max(cfg.resident_max // group, 128)
+    cap = max(cfg.resident_max // group, 256)
     seg = segment_size(n, k, cap) if seg is None else max(int(seg), 1)
     nseg = cdiv(n, seg)
     idl = x if ids is None else ids

@@ -52,7 +52,7 @@ CASES = [
 ]
 
 
-SMALL_TILES = RadixSelectConfig(resident_max=256, block=128, per_thread=1)   # segments re-read per pass
+SMALL_TILES = RadixSelectConfig(resident_max=256, block=256, per_thread=1)   # segments re-read per pass
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -110,8 +110,8 @@ def test_radix_candidates_are_the_models_candidate_blocks(seg, config, kernel_de
 
     for seed in (1, 2):
         g = torch.Generator().manual_seed(seed)
-        n, bs, nb = 203, 4, 9
-        vis = torch.tensor([203, 140, 9, 1, 0, 57, 203])
+        n, bs, nb = (203, 4, 9) if config is None else (1203, 4, 70)   # tiled: more blocks than a tile
+        vis = torch.tensor([n, 140, 9, 1, 0, 57, n])
         sc = torch.randint(-4, 5, (7, n), generator=g).float() * 0.5          # ties between blocks too
         sc[6] = torch.randn(n, generator=g)
         sc = sc.masked_fill(torch.arange(n)[None, :] >= vis[:, None], float("-inf"))
@@ -141,7 +141,7 @@ def test_segment_size_and_launch_shape():
     assert segment_size(1 << 20, 512, 8192) == 8192
     assert segment_size(40000, 2048, 2048) == 4 * 2048               # k-bound: a tiled segment
     assert launch_shape(4096, 1, RadixSelectConfig()) == (4096, 8, True)
-    assert launch_shape(40, 1, RadixSelectConfig()) == (128, 4, True)
+    assert launch_shape(40, 1, RadixSelectConfig()) == (256, 4, True)
     assert launch_shape(20000, 8, RadixSelectConfig()) == (512, 8, False)
 
 
