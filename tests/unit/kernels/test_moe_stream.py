@@ -129,6 +129,7 @@ def test_registers_wide_equals_registers_bits(rows, kernel_device):
     assert _rel(wide, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
 
 
+@pytest.mark.slow
 def test_kernel_bench_stream_table_smoke(tmp_path):
     """``kernels_v41.py --only stream`` (CPU interpreter, toy sizes): every variant row runs, is checked
     against the reference, and lands in the variant table."""
