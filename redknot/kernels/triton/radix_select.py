@@ -9,7 +9,8 @@ the digit where the count from the top reaches the ``k`` still wanted. After the
 ``thr`` and the number ``need`` of entries equal to it that are kept are known; one more pass in entry
 order keeps ``key > thr`` and the first ``need`` entries with ``key == thr`` and writes their ids by an
 exclusive prefix count, so the output is ascending for free. A row with at most ``k`` selectable
-entries keeps them all (the digit passes past the first run zero times).
+entries keeps them all, and once every key of the threshold's bin is wanted the lower digits do not
+matter: the remaining digit passes then read nothing.
 
 Long rows split in two launches: segments of ``seg`` entries each keep their own top-k (the row's
 top-k is inside the union of the segments' top-k under the same total order), as (key, id) lists in
@@ -88,6 +89,7 @@ def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, 
     pmask = tl.full([], 0, tl.int32)      # which bits of ``prefix`` are known
     krem = tl.full([], 0, tl.int32) + K   # entries still wanted among those matching the prefix
     keep_all = tl.full([], 0, tl.int32)
+    whole = tl.full([], 0, tl.int32)
     stop = hi
     if RESIDENT:
         key_r, ids_r, ok_r = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, lo + offs,
@@ -114,16 +116,19 @@ def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, 
         b = tl.max(tl.where(ge >= krem, bins, -1), 0)
         if d == 0:
             keep_all = (b < 0).to(tl.int32)                         # at most K selectable: keep them all
-            stop = tl.where(b < 0, lo, hi)
         b = tl.maximum(b, 0)
         krem -= tl.sum(tl.where(bins > b, hist, 0), 0)
+        if d < 3:   # every key of the threshold's bin is wanted: the lower digits do not matter
+            whole = whole | ((keep_all == 0) & (tl.sum(tl.where(bins == b, hist, 0), 0) == krem)).to(tl.int32)
+        stop = tl.where((keep_all != 0) | (whole != 0), lo, hi)     # later passes: nothing to read
         if d == 0:
             prefix = (b ^ 0x80) << 24
         else:
-            prefix = prefix | (b << shift)
+            prefix = prefix | (b << shift)                          # unchanged once ``whole`` (b = 0)
         pmask = tl.full([], -(1 << shift), tl.int32)   # the top 32 - shift bits are known
-    thr = tl.where(keep_all != 0, -2147483647 - 1, prefix)   # below every selectable key
-    need = tl.where(keep_all != 0, 0, krem)
+    # keep_all: below every selectable key; whole: keys >= the bin's lowest key, no ties to count
+    thr = tl.where(keep_all != 0, -2147483647 - 1, tl.where(whole != 0, prefix - 1, prefix))
+    need = tl.where((keep_all != 0) | (whole != 0), 0, krem)
 
     taken = tl.full([], 0, tl.int32)
     ties = tl.full([], 0, tl.int32)
