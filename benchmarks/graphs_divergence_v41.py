@@ -27,6 +27,7 @@ what is left there is structure, not rounding).
 
     python benchmarks/graphs_divergence_v41.py --out $OUT      # H200, about 2-3 minutes
     python benchmarks/graphs_divergence_v41.py --device cpu --scenarios schedule_fresh --dtypes float32
+    python benchmarks/graphs_divergence_v41.py --device cpu --scenarios perturb --dtypes float32  # amplification
 """
 from __future__ import annotations
 
@@ -412,6 +413,56 @@ def _probe_decode_graphs(runner, dg, spy: Spy, logs: list) -> None:
     dg.run = run
 
 
+def perturb_scenario(device: str, cache: str, spy: Spy, report: dict, rel: float = 1e-7, layer: int = 2) -> None:
+    """How far this model carries a last-bit difference: the decode scenario's engine run eagerly twice,
+    the second time with the streams entering ``layer`` multiplied by (1 + rel * N(0, 1)) in every step
+    (fp32 rounding is ~6e-8 relative). Per request: the first differing token, the reference's top-1/top-2
+    gap there and the logits differences per token up to it."""
+    import random
+
+    from llm_testutil import run_all
+
+    from redknot.engine import LLM, SamplingParams
+
+    model = load_yaml_option(CONF, ModelConfig)
+    model.max_position = 512
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(3, 2000) for _ in range(rng.randrange(4, 60))] for i in range(5)}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    runs = []
+    for noisy in (False, True):
+        hw = HardwareConfig(dtype=DTYPE, kv_cache_dtype=DTYPE)
+        if device == "cuda":
+            hw = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DTYPE, kv_cache_dtype=DTYPE,
+                                memory_utilization=0.5)
+        features = FeaturesConfig()
+        features.dspark.method = "none"
+        eng = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, block_size=16),
+                           cache_dir=cache)
+        llm = LLM(model, hw, features, eng)
+        if noisy:
+            gen = torch.Generator(device=llm.runner.device).manual_seed(1)
+
+            def hook(i, h, rows):
+                if i == layer:
+                    h.mul_(1 + rel * torch.randn(h.shape, generator=gen, dtype=h.dtype, device=h.device))
+            llm.runner.model.tap_hook = hook
+        got, lg = run_all(llm, prompts, params, record_logits=True)
+        runs.append(({k: v.token_ids for k, v in got.items()}, _logit_rows(lg)))
+        llm.close()
+    (a_tok, a_lg), (b_tok, b_lg) = runs
+    name = f"perturb@{DTYPE.value}"
+    print(f"\n== {name}: streams entering layer {layer} perturbed by {rel:g} (relative), eager both times ==")
+    out = []
+    for rid in prompts:
+        d = first_divergence(rid, a_tok[rid], b_tok[rid], a_lg[rid], b_lg[rid])
+        m = d["index"] + 1 if d["index"] is not None else len(a_tok[rid])
+        d["per_token"] = [float(f"{float(v):.2g}") for v in (a_lg[rid][:m] - b_lg[rid][:m]).abs().amax(-1)]
+        out.append(d)
+        print(f"  {json.dumps(d, default=float)}")
+    report[name] = out
+
+
 # ---------------------------------------------------------------------- scenarios: verify graphs
 _LLMS: Dict[tuple, object] = {}
 
@@ -529,8 +580,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--dtypes", default="float32,float64",
                     help="passes over the scenarios, one per hardware.dtype (float64: no fp32 rounding)")
-    ap.add_argument("--scenarios", default="verify,schedule,schedule_fresh,decode",
-                    help="comma list of verify, schedule (on the verify scenario's engine), schedule_fresh, decode")
+    ap.add_argument("--scenarios", default="verify,schedule,schedule_fresh,decode,perturb",
+                    help="comma list of verify, schedule (on the verify scenario's engine), schedule_fresh, decode, "
+                         "perturb (eager twice, the second with perturbed streams)")
+    ap.add_argument("--perturb-rel", type=float, default=1e-7)
+    ap.add_argument("--perturb-layer", type=int, default=2)
     args = ap.parse_args()
     spy = Spy()
     report: dict = {"device": args.device}
@@ -541,7 +595,9 @@ def main() -> None:
             for s in args.scenarios.split(","):
                 t = time.time()
                 {"decode": decode_scenario, "verify": verify_scenario, "schedule": schedule_scenario,
-                 "schedule_fresh": lambda *a: schedule_scenario(*a, fresh=True)}[s](args.device, cache, spy, report)
+                 "schedule_fresh": lambda *a: schedule_scenario(*a, fresh=True),
+                 "perturb": lambda *a: perturb_scenario(*a, rel=args.perturb_rel, layer=args.perturb_layer),
+                 }[s](args.device, cache, spy, report)
                 print(f"  ({s}@{dt}: {time.time() - t:.1f} s)")
             for llm in _LLMS.values():
                 llm.close()
