@@ -170,6 +170,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("all", "gemm", "stream"), default="all",
                     help="gemm: only the before/after table of the weight-stream GEMMs (no phase-1 checks); "
                          "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes)")
+    ap.add_argument("--stream-variants", choices=("core", "all"), default="core",
+                    help="the fused MoE stream plans timed by --only stream / gemm: core, or all (launch-shape "
+                         "neighbours too)")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
             f"dims {'toy' if args.smoke else 'V4.1'}")
     if args.only in ("gemm", "stream"):
         from kernels_v41_stream_cases import stream_cases
-        cases = list(stream_cases(dims, device, args.smoke))
+        cases = list(stream_cases(dims, device, args.smoke, args.stream_variants == "all"))
         if args.only == "gemm":
             cases = list(decode_compare_cases(dims, device, args.smoke)) + cases + list(
                 stream_variant_cases(dims, device, args.smoke))

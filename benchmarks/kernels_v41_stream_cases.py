@@ -23,20 +23,24 @@ from kernels_v41_cases import _case, _checked, _graph_or_eager, _moe_bytes, _moe
 STREAM_KEY = "stream"  # Case.key prefix of these rows (the report's table picks them up)
 
 
-def _plans(smoke: bool):
+def _plans(smoke: bool, extra: bool = False):
     from redknot.kernels.triton.moe_stream import StreamPlan
     if smoke:
         return [("fused regs 32x64", StreamPlan("regs", 32, 64)), ("fused scaled 32x64", StreamPlan("scaled", 32, 64)),
                 ("fused fp8 32x64", StreamPlan("fp8", 32, 64))]
+    plans = [StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("regs", 64, 128, 4, 3), StreamPlan("scaled", 64, 128, 4, 3),
+             StreamPlan("fp8", 32, 128, 4, 3), StreamPlan("fp8", 128, 128, 8, 3), StreamPlan("regs", 32, 256, 4, 3),
+             StreamPlan("regs", 64, 128, 4, 4, min_steps=8), StreamPlan("fp8", 64, 128, 4, 4, min_steps=8)]
+    if extra:  # launch-shape neighbours (``--stream-variants all``)
+        plans += [StreamPlan("fp8", 64, 128, 4, 3, inline=True), StreamPlan("fp8", 32, 256, 4, 3),
+                  StreamPlan("fp8", 64, 256, 4, 4), StreamPlan("fp8", 32, 128, 2, 3), StreamPlan("fp8", 32, 128, 4, 5),
+                  StreamPlan("fp8", 32, 128, 4, 3, min_steps=8), StreamPlan("regs", 64, 128, 4, 3, inline=True),
+                  StreamPlan("scaled", 128, 128, 8, 3)]
     return [(f"fused {p.decode} {p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
-             + (f" split{p.min_steps}" if p.min_steps else "") + (" inline" if p.inline else ""), p)
-            for p in (StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("regs", 64, 128, 4, 3),
-                      StreamPlan("scaled", 64, 128, 4, 3), StreamPlan("fp8", 32, 128, 4, 3),
-                      StreamPlan("fp8", 128, 128, 8, 3), StreamPlan("regs", 32, 256, 4, 3),
-                      StreamPlan("regs", 64, 128, 4, 4, min_steps=8), StreamPlan("fp8", 64, 128, 4, 4, min_steps=8))]
+             + (f" split{p.min_steps}" if p.min_steps else "") + (" inline" if p.inline else ""), p) for p in plans]
 
 
-def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
+def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False) -> Iterator[Tuple[str, Callable]]:
     """MoE decode batches (T=1, 32): the split-K ``scaled`` / ``registers`` streams and every fused plan; the
     ladder; the dense linears by decode; MoE at T=128 (ordered so that a budget cut loses the least).
     Graph replays where there is a GPU."""
@@ -59,7 +63,7 @@ def stream_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Call
             shared[key] = ref.moe_mx(x, idx, wt, *weights(), 10.0)
         return shared[key]
 
-    variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke) + [
+    variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke, extra) + [
         ("tuned (DECODE_TUNER)", None)]
     yield from _moe_rows(decode[:2], variants, dims, device, graph, weights, want)
     ladder = StreamPlan("regs", 32, 64) if smoke else StreamPlan("regs", 64, 128, 4, 3)
