@@ -28,14 +28,17 @@ def _plans(smoke: bool, extra: bool = False):
     if smoke:
         return [("fused regs 32x64", StreamPlan("regs", 32, 64)), ("fused scaled 32x64", StreamPlan("scaled", 32, 64)),
                 ("fused fp8 32x64", StreamPlan("fp8", 32, 64))]
-    plans = [StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("regs", 64, 128, 4, 3), StreamPlan("scaled", 64, 128, 4, 3),
-             StreamPlan("fp8", 32, 128, 4, 3), StreamPlan("fp8", 128, 128, 8, 3), StreamPlan("regs", 32, 256, 4, 3),
-             StreamPlan("regs", 64, 128, 4, 4, min_steps=8), StreamPlan("fp8", 64, 128, 4, 4, min_steps=8)]
+    # H200 run of the first fused plans (bf16 decodes only): regs 64x128 and its split8 best (1.43x split-K at
+    # T=32), dot_scaled / 32x256 / 128x128 slower; a bytes-only ladder at 57 % of the floor, decode-only at 29 %
+    plans = [StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8", 32, 128, 4, 3), StreamPlan("fp8", 64, 256, 4, 3),
+             StreamPlan("fp8", 32, 256, 4, 3), StreamPlan("fp8", 128, 256, 8, 3),
+             StreamPlan("fp8", 64, 128, 4, 4, min_steps=8), StreamPlan("regs", 64, 128, 4, 3),
+             StreamPlan("regs", 64, 128, 4, 4, min_steps=8)]
     if extra:  # launch-shape neighbours (``--stream-variants all``)
-        plans += [StreamPlan("fp8", 64, 128, 4, 3, inline=True), StreamPlan("fp8", 32, 256, 4, 3),
-                  StreamPlan("fp8", 64, 256, 4, 4), StreamPlan("fp8", 32, 128, 2, 3), StreamPlan("fp8", 32, 128, 4, 5),
-                  StreamPlan("fp8", 32, 128, 4, 3, min_steps=8), StreamPlan("regs", 64, 128, 4, 3, inline=True),
-                  StreamPlan("scaled", 128, 128, 8, 3)]
+        plans += [StreamPlan("fp8", 64, 128, 4, 3, inline=True), StreamPlan("fp8", 64, 256, 4, 4),
+                  StreamPlan("fp8", 32, 128, 2, 3), StreamPlan("fp8", 32, 128, 4, 5), StreamPlan("fp8", 64, 512, 4, 3),
+                  StreamPlan("fp8", 32, 256, 4, 3, min_steps=8), StreamPlan("scaled", 64, 128, 4, 3),
+                  StreamPlan("regs", 128, 128, 8, 3)]
     return [(f"fused {p.decode} {p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
              + (f" split{p.min_steps}" if p.min_steps else "") + (" inline" if p.inline else ""), p) for p in plans]
 
@@ -66,16 +69,23 @@ def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False) -> Ite
     variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke, extra) + [
         ("tuned (DECODE_TUNER)", None)]
     yield from _moe_rows(decode[:2], variants, dims, device, graph, weights, want)
-    ladder = StreamPlan("regs", 32, 64) if smoke else StreamPlan("regs", 64, 128, 4, 3)
+    # the ladder: the bf16 decode without its MMA, then bytes only at several tile shapes (bytes per weight row
+    # per K step: 64 / 128 / 256; does a longer contiguous read per row raise the stream's rate?)
+    rungs = [(2, StreamPlan("regs", 32, 64) if smoke else StreamPlan("regs", 64, 128, 4, 3))]
+    rungs += [(1, p) for p in ([StreamPlan("regs", 32, 64)] if smoke else [
+        StreamPlan("regs", 64, 128, 4, 3), StreamPlan("regs", 64, 256, 4, 3), StreamPlan("regs", 32, 512, 4, 3),
+        StreamPlan("regs", 128, 256, 8, 3)])]
     for t in decode[:2]:
-        for mode, name in ((2, "ladder: decode + sum, no MMA"), (1, "ladder: bytes only")):
-            def build(t=t, mode=mode, name=name):
+        for mode, ladder in rungs:
+            name = (f"ladder: {'decode + sum, no MMA' if mode == 2 else 'bytes only'} "
+                    f"{ladder.block_n}x{ladder.block_k} w{ladder.num_warps}")
+
+            def build(t=t, mode=mode, name=name, ladder=ladder):
                 x, idx, wt = _moe_case_inputs(dims, device, t, t)
                 fn = lambda: moe_stream(x, idx, wt, *weights(), 10.0, ladder, mode=mode)  # noqa: E731
                 run, _, how = _graph_or_eager(fn, device, graph)
                 return _case("moe_mx stream", f"T={t} {how_run} {name}", run, 0.0, _moe_bytes(dims, idx),
-                             note=f"{ladder}; output unchecked (diagnostic)", key=f"{STREAM_KEY} moe T={t}",
-                             variant=name)
+                             note="output unchecked (diagnostic)", key=f"{STREAM_KEY} moe T={t}", variant=name)
             yield f"stream moe T={t} {name}", build
     yield from _linear_rows(dims, device, smoke, graph)
     yield from _moe_rows(decode[2:], variants, dims, device, graph, weights, want)

@@ -149,7 +149,7 @@ def test_kernel_bench_stream_table_smoke(tmp_path):
         sys.modules.pop("kernels_v41_smoke", None)
     text = (tmp_path / "kernels_v41.md").read_text()
     assert "## Decode streams by variant" in text
-    for variant in ("split-K scaled", "fused regs 32x64", "fused scaled 32x64", "ladder: bytes only",
+    for variant in ("split-K scaled", "fused regs 32x64", "fused scaled 32x64", "ladder: bytes only 32x64 w4",
                     "registers_wide"):
         assert f"| {variant} |" in text
     assert "| fused fp8 32x64 |" in text
