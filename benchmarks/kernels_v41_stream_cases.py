@@ -142,7 +142,10 @@ def stream_lines(rows) -> List[str]:
             groups.setdefault(r.key[len(STREAM_KEY) + 1:], []).append(r)
     if not groups:
         return []
+    from redknot.kernels.triton import stream_guard
     lines = ["", "## Decode streams by variant (graph replays; fused MoE streams vs split-K)", "",
+             "Variants refused on this device by their first-use check or build (their rows ran the split-K "
+             f"``registers`` stream instead): {stream_guard.DECODE_ERRORS or 'none'}.", "",
              "| case | variant | ms | % of floor | vs first | note |", "|---|---|---|---|---|---|"]
     for key, rs in groups.items():
         base = rs[0].ms if rs[0].status == "ok" else 0.0
