@@ -6,8 +6,8 @@
 
 Per (context, batch) of decode rows (one request per row, each at its own context): the step attention
 (``step_attention_mx``: 64 heads of 512 over a 128-row FP8 window ring and 512 compressed FP4 entries) and
-the paged indexer (``step_index_scores`` + ``select_topk``: 32 heads of 128 over FP4 index keys, top-512
-of the visible entries, ratio 1) against their PyTorch references (the math the tensor step ran before:
+the paged indexer (``step_index_scores`` + ``topk_select``, the radix top-k: 32 heads of 128 over FP4
+index keys, top-512 of the visible entries, ratio 1) against their PyTorch references (the math the tensor step ran before:
 gathered, decoded, einsum, sort). Each is checked (attention: relative error; indexer: scores and the
 selection) and timed (CUDA events around a CUDA-graph replay of the call, median of repetitions), with
 the fraction of the bandwidth floor: bytes a call must read once at 4.17 TB/s (stored formats).
@@ -68,6 +68,7 @@ def case(ctx: int, batch: int, dims: dict, device, reps: int, reference: bool) -
 
     from redknot.kernels import mx_formats as mx
     from redknot.kernels.triton.step_attention_mx import step_attention_mx, step_attention_reference
+    from redknot.kernels.triton.step_select import topk_select
     from redknot.kernels.triton.step_indexer_mx import (select_topk, step_index_scores,
                                                           step_index_scores_reference)
 
@@ -105,9 +106,9 @@ def case(ctx: int, batch: int, dims: dict, device, reps: int, reference: bool) -
     for bf16 in (False, True):
         tag = "bf16" if bf16 else "fp32"
         sc = step_index_scores(*idx_args, bf16_scores=bf16)
-        sel = select_topk(sc, k)
+        sel = topk_select(sc, k)            # the tensor step's selection (radix select on a GPU)
         ib = int(vis.sum()) * mx.index_key_bytes(di) + sc.numel() * 4
-        row[f"index_{tag}_ms"] = _time_ms(lambda: select_topk(step_index_scores(*idx_args, bf16_scores=bf16), k),
+        row[f"index_{tag}_ms"] = _time_ms(lambda: topk_select(step_index_scores(*idx_args, bf16_scores=bf16), k),
                                           dev, reps)
         row[f"index_{tag}_floor_ms"] = ib / HBM_BYTES_PER_S * 1e3
         row[f"index_{tag}_fraction"] = row[f"index_{tag}_floor_ms"] / row[f"index_{tag}_ms"]
