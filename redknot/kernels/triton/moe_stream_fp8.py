@@ -45,16 +45,14 @@ def fp4_e4m3(b, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(acc, bg, sbg, a_ptr, sa_ptr, arow, rmask, c64, cmask, k0, stride_am, stride_sam, stride_bn,
-               stride_sbn, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
-    kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+def _group_dot(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    """acc + (this group's e4m3 weight columns · at) · 2^(sb-127+6) · sa: one 32-wide K group at k0."""
     kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
-    a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
-    sa = tl.load(sa_ptr + arow * stride_sam + k0 // 32, mask=rmask, other=127).to(tl.int32)
     b = tl.load(bg + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None], other=0)
     sb = tl.load(sbg + c64 * stride_sbn + k0 // 32, mask=cmask, other=127).to(tl.int32)
-    d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), tl.trans(a))
-    return acc + d * (pow2(sb - 121)[:, None] * pow2(sa - 127)[None, :])  # 2^(sb-127+6) · 2^(sa-127)
+    d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), at)
+    return acc + d * (pow2(sb - 121)[:, None] * sa[None, :])
 
 
 @triton.jit
@@ -97,11 +95,14 @@ def _stream_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_p
         for k_step in range(k_lo, k_hi, 32 * GROUPS):
             for g in tl.static_range(GROUPS):
                 k0 = tl.multiple_of(k_step + 32 * g, 32)
-                acc = _group_dot(acc, bg, sbg, a_ptr, sa_ptr, arow, rmask, c64, cmask, k0, stride_am, stride_sam,
-                                 stride_bn, stride_sbn, BLOCK_N, USE_ASM)
+                kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+                a = tl.load(a_ptr + arow[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
+                sa = pow2(tl.load(sa_ptr + arow * stride_sam + k0 // 32, mask=rmask, other=127).to(tl.int32) - 127)
+                at = tl.trans(a)  # the rows' group, shared by W1 and W3
+                acc = _group_dot(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N, USE_ASM)
                 if DUAL:
-                    acc3 = _group_dot(acc3, b3g, sb3g, a_ptr, sa_ptr, arow, rmask, c64, cmask, k0, stride_am,
-                                      stride_sam, stride_bn, stride_sbn, BLOCK_N, USE_ASM)
+                    acc3 = _group_dot(acc3, b3g, sb3g, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N,
+                                      USE_ASM)
         r64 = rows.to(tl.int64)
         omask = rmask[:, None] & cmask[None, :]
         if EPI == 0:
