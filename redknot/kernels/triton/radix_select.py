@@ -95,7 +95,7 @@ def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, 
         key_r, ids_r, ok_r = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, lo + offs,
                                    lo + offs < hi, N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
     for d in tl.static_range(4):
-        shift = 24 - 8 * d                                          # a constexpr: d is one
+        shift = 24 - 8 * d                  # a constexpr (d is one); never annotated: not reassignable
         hist = tl.zeros([256], dtype=tl.int32)
         for c0 in range(lo, stop, BLOCK):
             if RESIDENT:
