@@ -17,7 +17,9 @@ routed to it; the rows of an expert share the program). The weight tile is decod
 shifted into an fp16's exponent / mantissa field are that value times 2^-14 (code 1 lands on the fp16
 subnormal 2^-15, which the fp16 -> fp32 conversion keeps exactly), so the decode is two masks, two
 shifts and an or per value, one conversion, and one multiply by ``2^(s-127+14)``, in natural K order (the
-two nibbles of a byte joined), for a bf16 MMA with the weight as the first operand.
+two nibbles of a byte joined), for a bf16 MMA with the weight as the first operand. ``decode="fp8"`` runs the
+FP8 tensor-core form of the same stream (``moe_stream_fp8``: FP4 -> e4m3 bytes by word arithmetic, the cheapest
+decode; the H200 measured the bf16 decode, not the loads or the MMA, as what bounds the ``regs`` stream).
 
 Row tiles are 16 rows and the K slicing depends on the weight shape only: a row's result does not depend
 on how many rows share the call (batch invariance). Every product is the reference's exact product
