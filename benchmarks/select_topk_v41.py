@@ -3,6 +3,7 @@
 the ids) against ``radix_topk`` (radix select, ids compacted in entry order), exactly equal results.
 
     PYTHONUNBUFFERED=1 python benchmarks/select_topk_v41.py --out DIR     # on an H200, about 1-2 minutes
+    python benchmarks/select_topk_v41.py --quick --out DIR                # the default configuration only, < 1 minute
     python benchmarks/select_topk_v41.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
 
 Rows of n fp32 scores (bf16-rounded, so exact ties occur as in the reference numerics; the last fifth
@@ -126,6 +127,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="output folder (default: $OUT, else outputs/select_topk_v41)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (Triton interpreter)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="the default launch configuration only (fewer compiles)")
     args = ap.parse_args()
     import os
 
@@ -138,7 +140,7 @@ def main() -> int:
     out = Path(args.out or os.environ.get("OUT") or ROOT / "outputs" / "select_topk_v41")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    configs = _configs(args.smoke)
+    configs = _configs(args.smoke)[:1 if args.quick else None]
     k = 8 if args.smoke else 512
     rows = []
     for n, t in (SMOKE_SIZES if args.smoke else SIZES):
