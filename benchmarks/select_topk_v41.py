@@ -79,9 +79,14 @@ def case(n: int, t: int, k: int, device, reps: int, configs) -> dict:
     row = {"n": n, "rows": t, "k": k, "select_topk_ms": _time_ms(lambda: select_topk(sc, k), device, reps)}
     for c in configs:
         tag = f"radix_r{c.resident_max}_b{c.block}_p{c.per_thread}"
-        got = radix_topk(sc, k, config=c)
-        row[f"{tag}_equal"] = bool(torch.equal(got, want))
-        row[f"{tag}_ms"] = _time_ms(lambda: radix_topk(sc, k, config=c), device, reps)
+        try:
+            got = radix_topk(sc, k, config=c)
+            row[f"{tag}_equal"] = bool(torch.equal(got, want))
+            row[f"{tag}_ms"] = _time_ms(lambda: radix_topk(sc, k, config=c), device, reps)
+        except Exception as exc:   # a launch shape this toolchain does not build: reported, the rest still timed
+            row[f"{tag}_equal"] = False
+            row[f"{tag}_ms"] = float("nan")
+            row[f"{tag}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return row
 
 
@@ -110,7 +115,7 @@ def _table(rows, cands, configs) -> str:
              "| n | rows | select_topk ms | " + " | ".join(f"{t} ms (equal)" for t in tags) + " | best speed-up |",
              "|---|---|---|" + "---|" * len(tags) + "---|"]
     for r in rows:
-        best = min(r[f"{t}_ms"] for t in tags)
+        best = min((r[f"{t}_ms"] for t in tags if r[f"{t}_ms"] == r[f"{t}_ms"]), default=float("nan"))
         cells = " | ".join(f"{r[f'{t}_ms']:.4f} ({'yes' if r[f'{t}_equal'] else 'NO'})" for t in tags)
         lines.append(f"| {r['n']} | {r['rows']} | {r['select_topk_ms']:.4f} | {cells} | "
                      f"{r['select_topk_ms'] / best:.1f}x |")
