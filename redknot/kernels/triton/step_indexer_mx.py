@@ -9,6 +9,8 @@ writes -inf for entries the row cannot see (``e >= visible[t]``); a block wholly
 nothing. Every row scores the ``n_max`` entries its block table can address, so the launch shape
 depends only on the row count and the table width. The selection is a top-k on the device: valid ids
 ascending, then -1, exact ties to the lower entry id (the model's rule; ``indexer_topk_mx`` leaves them open).
+``select_topk`` and ``candidate_entries`` state it in PyTorch; the tensor step runs the same selections
+through the radix-select launches of :mod:`step_select`, checked against these on first use.
 """
 from __future__ import annotations
 
