@@ -17,44 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_kernels_v41 import _time_ms  # noqa: E402  (graph-replay timing, one copy)
 
 SIZES = [(4096, 1), (4096, 32), (4096, 128), (8192, 1), (65536, 1), (65536, 32), (65536, 128),
          (262144, 1), (262144, 32), (262144, 128), (524288, 1)]
 SMOKE_SIZES = [(300, 2), (700, 2)]
-
-
-def _time_ms(fn, device, reps: int) -> float:
-    """Median ms of one call: a CUDA graph replayed ``reps`` times on a GPU, one plain call on a CPU."""
-    import time
-
-    import torch
-
-    if device.type != "cuda":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _configs(smoke: bool):

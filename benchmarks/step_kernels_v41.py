@@ -52,6 +52,8 @@ def _time_ms(fn, device, reps: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    graph.replay()                  # one untimed replay: the first one pays lazy set-up
+    torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
