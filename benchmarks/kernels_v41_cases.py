@@ -330,6 +330,27 @@ def _graph_or_eager(fn, device, graph: bool):
     return g.replay, out, f"graph output == eager: {bool(torch.equal(out, eager))}"
 
 
+def moe_memo(dims, device) -> Tuple[Callable, Callable]:
+    """``weights()``: the MoE case's stored expert weights, made once; ``want(t, x, idx, wt)``: the reference
+    ``moe_mx`` output for ``t`` tokens, kept for the last ``t`` only (a real-size output is large)."""
+    shared = {}
+
+    def weights():
+        if "w" not in shared:
+            shared["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
+        return shared["w"]
+
+    def want(t, x, idx, wt):
+        key = ("moe", t)
+        if key not in shared:
+            for k in [k for k in shared if k != "w"]:
+                del shared[k]
+            shared[key] = ref.moe_mx(x, idx, wt, *weights(), 10.0)
+        return shared[key]
+
+    return weights, want
+
+
 def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[str, Callable]]:
     """Before / after pairs of the weight-stream GEMMs: each case once with the split-K kernels' earlier
     weight decode (``decode="registers"``: nibble masks and fp32 scale multiplies in registers, activations
@@ -342,20 +363,7 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
     prefill, decode = _sizes(dims, smoke)
     flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
     graphs = [False, True] if device.type == "cuda" else [False]
-    shared = {}
-
-    def weights():
-        if "w" not in shared:
-            shared["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
-        return shared["w"]
-
-    def want_moe(t, x, idx, wt):
-        key = ("moe", t)
-        if key not in shared:
-            for k in [k for k in shared if k != "w"]:
-                del shared[k]
-            shared[key] = ref.moe_mx(x, idx, wt, *weights(), 10.0)
-        return shared[key]
+    weights, want_moe = moe_memo(dims, device)
 
     for t in decode:
         for graph in graphs:

@@ -15,10 +15,10 @@ import torch
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels import ref_v41 as ref
-from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
+from redknot.kernels.triton.checks_mx import V41Dims
 from redknot.kernels.triton import gemm_mx
 from redknot.kernels.triton.gemm_mx import linear_mx
-from kernels_v41_cases import _case, _checked, _graph_or_eager, _moe_bytes, _moe_case_inputs, _sizes
+from kernels_v41_cases import _case, _checked, _graph_or_eager, _moe_bytes, _moe_case_inputs, _sizes, moe_memo
 
 STREAM_KEY = "stream"  # Case.key prefix of these rows (the report's table picks them up)
 
@@ -52,20 +52,7 @@ def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False) -> Ite
     _, decode = _sizes(dims, smoke)
     graph = device.type == "cuda"
     how_run = "graph" if graph else "eager"
-    shared = {}
-
-    def weights():
-        if "w" not in shared:
-            shared["w"] = moe_inputs(dims, device, seed=5, tokens=1)[3]
-        return shared["w"]
-
-    def want(t, x, idx, wt):
-        key = ("moe", t)
-        if key not in shared:
-            for k in [k for k in shared if k != "w"]:
-                del shared[k]
-            shared[key] = ref.moe_mx(x, idx, wt, *weights(), 10.0)
-        return shared[key]
+    weights, want = moe_memo(dims, device)
 
     variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke, extra) + [
         ("tuned (DECODE_TUNER)", None)]
