@@ -121,7 +121,8 @@ class ConfigTuner:
     (median of a few runs) and keeps the fastest that ran; a candidate that fails to compile is
     skipped and remembered in ``failures``. Without CUDA, under the interpreter, during CUDA-graph
     capture or while ``ConfigTuner.enabled`` is off, the first candidate is used untimed (and not
-    remembered). ``choices`` and ``timings`` are readable by benchmarks.
+    remembered). ``choices`` and ``timings`` are readable by benchmarks. Measured choices persist across
+    processes through ``tuning_cache`` (per GPU, compute capability, torch and triton version and class).
     """
 
     enabled = True
@@ -139,6 +140,39 @@ class ConfigTuner:
         if (not ConfigTuner.enabled or device.type != "cuda" or interpreting()
                 or torch.cuda.is_current_stream_capturing()):
             return self.candidates[0]
+        return self._measure(key, run, device)
+
+    def _measure(self, key: Hashable, run: Callable[[Any], Any], device: torch.device) -> Any:
+        """The choice stored by an earlier process (``tuning_cache``) when it still names a candidate that
+        runs once here, else a fresh measurement, stored for the next process."""
+        from redknot.kernels.triton import tuning_cache
+
+        store, key_text = tuning_cache.store(), tuning_cache.describe(key)
+        env = tuning_cache.environment(device) if store is not None and key_text is not None else None
+        entry = store.lookup(env, self.name, key_text) if env is not None else None
+        stored = tuning_cache.restore(entry, self.candidates) if entry is not None else None
+        if stored is not None:
+            try:
+                run(stored[0])  # the first-use guard: a stored choice that no longer builds or runs is re-tuned
+            except Exception as exc:
+                log.warning("%s %s: stored choice %s failed (%s: %s); tuning again", self.name, key, stored[0],
+                            type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")
+            else:
+                self.timings[key], self.failures[key] = stored[1], []
+                self.choices[key] = stored[0]
+                log.info("%s %s: stored choice %s", self.name, key, stored[0])
+                return stored[0]
+        elif entry is not None:
+            log.info("%s %s: stored choice %r is no candidate; tuning again", self.name, key, entry["choice"])
+        best = self._tune(key, run)
+        if env is not None:
+            texts = [(tuning_cache.describe(c), ms) for c, ms in self.timings[key]]
+            choice = tuning_cache.describe(best)
+            if choice is not None and all(t is not None for t, _ in texts):
+                store.record(env, self.name, key_text, choice, texts)
+        return best
+
+    def _tune(self, key: Hashable, run: Callable[[Any], Any]) -> Any:
         from triton.testing import do_bench
 
         results, failed = [], []
