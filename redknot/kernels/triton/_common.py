@@ -145,7 +145,7 @@ class ConfigTuner:
     def _measure(self, key: Hashable, run: Callable[[Any], Any], device: torch.device) -> Any:
         """The choice stored by an earlier process (``tuning_cache``) when it still names a candidate that
         runs once here, else a fresh measurement, stored for the next process."""
-        from redknot.kernels.triton import tuning_cache
+        from redknot.kernels import tuning_cache
 
         store, key_text = tuning_cache.store(), tuning_cache.describe(key)
         env = tuning_cache.environment(device) if store is not None and key_text is not None else None

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.testing
 
-from redknot.kernels.triton import tuning_cache
+from redknot.kernels import tuning_cache
 from redknot.kernels.triton._common import ConfigTuner
 
 CPU = torch.device("cpu")
@@ -158,3 +158,17 @@ def test_parallel_writers_merge(cache):
     one.record("env", "toy", "k1", "'a'", [("'a'", 1.0)])
     two.record("env", "toy", "k2", "'b'", [("'b'", 1.0)])
     assert set(json.loads(cache.read_text())["entries"]["env"]["toy"]) == {"k1", "k2"}
+
+
+def test_a_runs_cache_dir_holds_the_store_unless_the_variable_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv(tuning_cache.ENV_VAR, raising=False)
+    tuning_cache.reset()
+    try:
+        tuning_cache.use_cache_dir(str(tmp_path / "cache"))
+        assert tuning_cache.current_path() == str(tmp_path / "cache" / "tuning" / "kernel_choices.json")
+        tuning_cache.reset()
+        monkeypatch.setenv(tuning_cache.ENV_VAR, "0")
+        tuning_cache.use_cache_dir(str(tmp_path / "cache"))
+        assert tuning_cache.current_path() is None and tuning_cache.store() is None
+    finally:
+        tuning_cache.reset()

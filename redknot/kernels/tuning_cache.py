@@ -9,7 +9,8 @@ what a fresh measurement would have keyed: batch invariance is unchanged.
 
 Where: ``$REDKNOT_TUNING_CACHE`` (a file path; ``0``/``off``/``none``/empty disables the store), else
 ``outputs/cache/tuning/kernel_choices.json`` under the working directory, the engine's default
-``cache_dir``; :func:`set_path` overrides both. The file is read once per process; an unreadable, corrupt
+``cache_dir`` (the engine points it at its configured ``engine.cache_dir``, :func:`use_cache_dir`);
+:func:`set_path` overrides both. The file is read once per process; an unreadable, corrupt
 or other-format file is ignored with one warning (and replaced on the next write). Writes re-read the
 file, merge, and replace it atomically (temporary file + rename), so parallel processes never leave a
 torn file (the last writer of a class wins, and both measured the same thing).
@@ -126,6 +127,13 @@ def set_path(path: Optional[str]) -> None:
     """Use ``path`` for the store from now on (None: no store); overrides ``$REDKNOT_TUNING_CACHE``."""
     global _path
     _path = path
+
+
+def use_cache_dir(cache_dir: Optional[str]) -> None:
+    """Keep the store under a run's cache directory (``<cache_dir>/tuning/kernel_choices.json``), unless
+    ``$REDKNOT_TUNING_CACHE`` says otherwise (the variable wins, including ``off``)."""
+    if cache_dir and ENV_VAR not in os.environ:
+        set_path(os.path.join(cache_dir, "tuning", "kernel_choices.json"))
 
 
 def reset() -> None:
