@@ -172,3 +172,32 @@ def test_a_runs_cache_dir_holds_the_store_unless_the_variable_says_otherwise(tmp
         assert tuning_cache.current_path() is None and tuning_cache.store() is None
     finally:
         tuning_cache.reset()
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_second_process_reads_the_choice_instead_of_timing(tmp_path):
+    """Two real processes on the GPU: the first times ``linear_mx_decode``-style toy candidates and stores
+    the choice; the second finds it (no ``do_bench`` call) under the same GPU / torch / triton key."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import json, sys, torch, triton.testing
+        from redknot.kernels.triton._common import ConfigTuner
+        calls = []
+        real = triton.testing.do_bench
+        triton.testing.do_bench = lambda fn, **kw: (calls.append(1), real(fn, **kw))[1]
+        x = torch.randn(256, 256, device="cuda")
+        tuner = ConfigTuner("toy_cuda", [1, 2, 4])
+        got = tuner.pick(("k",), lambda reps: [x @ x for _ in range(reps)], torch.device("cuda"))
+        print(json.dumps({"choice": got, "timed": len(calls)}))
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {**os.environ, tuning_cache.ENV_VAR: str(tmp_path / "choices.json"),
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True,
+                                      text=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["timed"] == 3 and runs[1]["timed"] == 0 and runs[1]["choice"] == runs[0]["choice"]
+    (env_key,) = json.loads((tmp_path / "choices.json").read_text())["entries"]
+    assert torch.cuda.get_device_name() in env_key and "|sm" in env_key
