@@ -18,6 +18,7 @@ import torch
 
 from redknot.kernels.triton.radix_select import radix_candidates, radix_topk
 from redknot.kernels.triton.step_indexer_mx import candidate_entries, select_topk
+from redknot.kernels.triton.stream_guard import first_use
 
 R = TypeVar("R")
 SELECT_ERRORS: Dict[str, str] = {}   # device -> why the radix selection is not used there
@@ -90,21 +91,7 @@ def guarded(device: torch.device, fast: Callable[[], R], reference: Callable[[],
     """``fast()`` unless the radix selection failed its build or self-check on this CUDA device."""
     if device.type != "cuda":
         return fast()
-    key = str(device)
-    if key not in _CHECKED and key not in SELECT_ERRORS and not torch.cuda.is_current_stream_capturing():
-        _CHECKED.add(key)
-        try:
-            err = self_check(device)
-        except Exception as exc:  # a Triton build failure on this toolchain
-            err = f"{type(exc).__name__}: {str(exc)[:300]}"
-        if err:
-            _fail(key, err)
-    if key not in SELECT_ERRORS:
-        try:
-            return fast()
-        except Exception as exc:  # a build failure of a launch shape the check did not cover
-            _fail(key, f"{type(exc).__name__}: {str(exc)[:300]}")
-    return reference()
+    return first_use(str(device), _CHECKED, SELECT_ERRORS, lambda: self_check(device), fast, reference, _fail)
 
 
 def _fail(device: str, err: str) -> None:

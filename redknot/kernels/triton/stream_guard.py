@@ -120,25 +120,34 @@ def stream_check(plan, device: torch.device, seed: int = 1234) -> Optional[str]:
     return None
 
 
+def first_use(key: Hashable, checked: Set[Hashable], errors: Dict, check: Callable[[], Optional[str]],
+              fast: Callable[[], R], fallback: Callable[[], R], fail: Callable[[Hashable, str], None]) -> R:
+    """``fast()`` unless ``key`` failed on this process: ``check()`` runs once per key, outside a CUDA-graph
+    capture (a message, or an exception such as a Triton build failure, is a failure); a failure is
+    recorded through ``fail`` (which fills ``errors``) and ``fallback()`` runs from then on, as it does when
+    ``fast()`` itself raises (a launch shape the check did not cover)."""
+    if key not in checked and key not in errors and not torch.cuda.is_current_stream_capturing():
+        checked.add(key)
+        try:
+            err = check()
+        except Exception as exc:  # a Triton build failure on this toolchain
+            err = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if err:
+            fail(key, err)
+    if key not in errors:
+        try:
+            return fast()
+        except Exception as exc:  # a build failure of a launch shape the check did not cover
+            fail(key, f"{type(exc).__name__}: {str(exc)[:300]}")
+    return fallback()
+
+
 def with_fallback(device: torch.device, decode, fast: Callable[[], R], registers: Callable[[], R]) -> R:
     """``fast()`` (a ``scaled`` / ``fp8`` stream) unless that decode failed its build or self-check on this
     CUDA device (then ``registers()``; see the module docstring)."""
     if device.type != "cuda":
         return fast()
-    if decode not in _CHECKED and decode not in DECODE_ERRORS and not torch.cuda.is_current_stream_capturing():
-        _CHECKED.add(decode)
-        try:
-            err = self_check(decode, device)
-        except Exception as exc:  # a Triton build failure on this toolchain
-            err = f"{type(exc).__name__}: {str(exc)[:300]}"
-        if err:
-            _fail(decode, err)
-    if decode not in DECODE_ERRORS:
-        try:
-            return fast()
-        except Exception as exc:  # a build failure of a launch shape the check did not cover
-            _fail(decode, f"{type(exc).__name__}: {str(exc)[:300]}")
-    return registers()
+    return first_use(decode, _CHECKED, DECODE_ERRORS, lambda: self_check(decode, device), fast, registers, _fail)
 
 
 def _fail(decode: str, err: str) -> None:
