@@ -324,6 +324,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     cache_dir: str = "outputs/cache"  # where synthetic models are written (absolute after resolve)
+    # Keep the kernel tuners' measured launch choices in <cache_dir>/tuning/kernel_choices.json, so a later
+    # process on the same GPU and torch/triton versions skips the timing ($REDKNOT_TUNING_CACHE still wins).
+    kernel_tuning_store: bool = True
 
 
 # --------------------------------------------------------------------------- suite

@@ -68,7 +68,7 @@ class ModelRunner:
             props = torch.cuda.get_device_properties(device)
             family.check_memory(model_cfg, hardware, features, device_bytes=props.total_memory,
                                 device_name=props.name)
-        use_cache_dir(engine.cache_dir)  # measured kernel launch choices persist with the run's other caches
+        use_cache_dir(engine.cache_dir, engine.kernel_tuning_store)  # launch choices persist with the caches
         self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
                                         expert_rows=expert_rows)
         self.cfg = self.model.cfg

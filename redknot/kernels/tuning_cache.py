@@ -129,10 +129,15 @@ def set_path(path: Optional[str]) -> None:
     _path = path
 
 
-def use_cache_dir(cache_dir: Optional[str]) -> None:
-    """Keep the store under a run's cache directory (``<cache_dir>/tuning/kernel_choices.json``), unless
-    ``$REDKNOT_TUNING_CACHE`` says otherwise (the variable wins, including ``off``)."""
-    if cache_dir and ENV_VAR not in os.environ:
+def use_cache_dir(cache_dir: Optional[str], enabled: bool = True) -> None:
+    """Keep the store under a run's cache directory (``<cache_dir>/tuning/kernel_choices.json``), or no
+    store when ``enabled`` is false (``engine.kernel_tuning_store``), unless ``$REDKNOT_TUNING_CACHE`` says
+    otherwise (the variable wins, including ``off``)."""
+    if ENV_VAR in os.environ:
+        return
+    if not enabled:
+        set_path(None)
+    elif cache_dir:
         set_path(os.path.join(cache_dir, "tuning", "kernel_choices.json"))
 
 

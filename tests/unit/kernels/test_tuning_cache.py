@@ -174,6 +174,25 @@ def test_a_runs_cache_dir_holds_the_store_unless_the_variable_says_otherwise(tmp
         tuning_cache.reset()
 
 
+def test_engine_kernel_tuning_store_false_turns_the_store_off(tmp_path, monkeypatch):
+    """``engine.kernel_tuning_store: false``: no store, not even the default path under ``outputs/``;
+    the variable still wins when it is set."""
+    from redknot.config.schema import EngineConfig
+
+    assert EngineConfig().kernel_tuning_store is True
+    monkeypatch.delenv(tuning_cache.ENV_VAR, raising=False)
+    tuning_cache.reset()
+    try:
+        tuning_cache.use_cache_dir(str(tmp_path / "cache"), enabled=False)
+        assert tuning_cache.current_path() is None and tuning_cache.store() is None
+        tuning_cache.reset()
+        monkeypatch.setenv(tuning_cache.ENV_VAR, str(tmp_path / "mine.json"))
+        tuning_cache.use_cache_dir(str(tmp_path / "cache"), enabled=False)
+        assert tuning_cache.current_path() == str(tmp_path / "mine.json")
+    finally:
+        tuning_cache.reset()
+
+
 @pytest.mark.gpu
 def test_on_cuda_a_second_process_reads_the_choice_instead_of_timing(tmp_path):
     """Two real processes on the GPU: the first times ``linear_mx_decode``-style toy candidates and stores
