@@ -576,21 +576,9 @@ def test_gpu_engine_verifies_in_cuda_graphs(v41):
 def test_gpu_verify_replay_equals_eager_and_taps(v41):
     """Real CUDA graphs (fp64): every scheduled verify step's replay against the eager step (logits,
     pre-head rows, taps, state), as the host test does."""
-    llm = v41(True, cuda=True, graphs=True, dtype=DType.float64)
-    runner = llm.runner
-    graphs = runner.verify_graphs
-    assert graphs.status.startswith("on:"), graphs.status
-    graphs.check_first_replay = False
-    reqs = Requests(llm, prompts=[13, 6, 21, 30])
-    try:
-        for step, (ids, counts, kept) in enumerate(SCHEDULE):
-            inputs = reqs.inputs(ids, counts)
-            n = sum(counts)
-            _replay_equals_eager(runner, graphs, reqs, inputs, n, step, F64_TOL, F64_TOL, F64_TOL)
-            for b, k in zip(ids, kept):
-                reqs.lens[b] += k
-    finally:
-        graphs.check_first_replay = True
+    _walk_schedule_on_gpu(v41(True, cuda=True, graphs=True, dtype=DType.float64),
+                          lambda runner, graphs, reqs, inputs, n, step: _replay_equals_eager(
+                              runner, graphs, reqs, inputs, n, step, F64_TOL, F64_TOL, F64_TOL))
 
 
 @pytest.mark.gpu
@@ -598,7 +586,12 @@ def test_gpu_verify_replay_equals_eager_and_taps(v41):
 def test_gpu_verify_replay_is_the_padded_step_fp32(v41):
     """Real CUDA graphs in fp32: every scheduled verify step's replay equals the same padded step run
     uncaptured, bit for bit (logits, pre-head rows, taps, state)."""
-    llm = v41(True, cuda=True, graphs=True)
+    _walk_schedule_on_gpu(v41(True, cuda=True, graphs=True), _replay_is_the_padded_step)
+
+
+def _walk_schedule_on_gpu(llm, check) -> None:
+    """Real CUDA graphs: ``check(runner, graphs, reqs, inputs, n, step)`` on every step of SCHEDULE (first-replay
+    check off, so the replay itself is compared), each step keeping only its kept rows."""
     runner = llm.runner
     graphs = runner.verify_graphs
     assert graphs.status.startswith("on:"), graphs.status
@@ -606,8 +599,7 @@ def test_gpu_verify_replay_is_the_padded_step_fp32(v41):
     reqs = Requests(llm, prompts=[13, 6, 21, 30])
     try:
         for step, (ids, counts, kept) in enumerate(SCHEDULE):
-            inputs = reqs.inputs(ids, counts)
-            _replay_is_the_padded_step(runner, graphs, reqs, inputs, sum(counts), step)
+            check(runner, graphs, reqs, reqs.inputs(ids, counts), sum(counts), step)
             for b, k in zip(ids, kept):
                 reqs.lens[b] += k
     finally:
