@@ -1,0 +1,273 @@
+"""V4.1's MoE router and shared expert at decode sizes in five launches instead of ~33 small ones.
+
+At batch 1 a decode step's MoE (reference §3.7) is a dozen element-wise PyTorch ops around the router's
+GEMV (division by the temperature, softplus, sqrt, bias, two sorts for the top-k, gather, sum, division,
+route scale) and three FP8 linears for the shared expert (each: activation quantisation, split-K weight
+stream, slice reduction) with their clamps, SiLU, product and casts, then the combine with the routed
+experts. In a replayed graph each launch costs its fixed few microseconds, not its bytes. Here:
+
+* :func:`route_topk`: one program per token takes the router's fp32 logits (the GEMV stays the library's,
+  so the logits keep their bits) and writes the ids and weights of :func:`moe.route`: ``sqrt(softplus(l /
+  temp))`` (``softplus``: ``l`` above 20, else ``log1p(exp(l))``, as PyTorch), ``k`` rounds of arg-max
+  over ``s + bias`` (ties to the lower id, as the stable sort), ids ascending, weights ``s[id]`` normalised
+  by their fp32 sum in id order plus 1e-20 (IEEE division), times the route scale.
+* :func:`shared_expert_combine`: W1 | W3 in one FP8 weight stream (``stream_fp8``'s arithmetic: the token
+  rows quantised per 32 inside, one FP8 MMA per 32-wide group scaled by both powers of two, K slices as
+  ``splitk_mx.splitk_mm`` cuts them for ``decode="fp8"``), one program per row block that sums the slices,
+  rounds each linear to bf16, clamps, applies SiLU · up, rounds to bf16 and quantises the W2 input per 32
+  (the bits of ``act_quant_mx``), the W2 stream (``stream_fp8.fp8_stream``), and one reduction that sums
+  W2's slices, rounds to bf16 and adds the routed experts' bf16 sum in fp32: ``bf16(routed + shared)``.
+
+With the dense linears' ``fp8`` decode (``gemm_mx.LINEAR_DECODE_TUNER``'s first choice) every partial and
+every sum is the one ``linear_mx`` computes, so the shared expert keeps its bits; with another decode the
+results differ by summation order only. Transcendentals use libdevice's ``exp`` / ``log1p`` and
+correctly rounded ``sqrt`` / division (what PyTorch's CUDA kernels call), not Triton's fast ``exp``; the
+router's normalising sum adds the k weights in id order (PyTorch's reduction order may differ by an ulp).
+"""
+from __future__ import annotations
+
+import os
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
+
+# Triton's CPU interpreter runs no extern (libdevice) calls: there ``tl.exp`` / ``tl.log`` (numpy's fp32) stand in.
+_LIBDEVICE = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+# Rows up to which the step runs these kernels (decode and speculative verify); above, the PyTorch ops and
+# the registry's linears, whose per-row launch costs no longer dominate.
+MAX_ROWS = 16
+
+
+# ---------------------------------------------------------------------- router
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _softplus(x, LIBDEVICE: tl.constexpr):
+    """PyTorch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x))."""
+    if LIBDEVICE:
+        y = libdevice.log1p(libdevice.exp(x))
+    else:  # log1p(v) = log(1 + v) · v / ((1 + v) - 1), exact to a few ulp (v = 0 where 1 + v rounds to 1)
+        v = tl.exp(x)
+        w = 1.0 + v
+        y = tl.where(w == 1.0, v, tl.log(w) * (v / (w - 1.0)))
+    return tl.where(x > 20.0, x, y)
+
+
+@triton.jit
+def _route_topk(l_ptr, b_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale, K: tl.constexpr,
+                NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    x = tl.load(l_ptr + t * stride_l + e, mask=em, other=0.0).to(tl.float32)
+    if TEMP:  # PyTorch divides by a scalar as a product with its fp32 reciprocal
+        x = x * inv_temp
+    s = tl.sqrt_rn(_softplus(x, LIBDEVICE))
+    cur = tl.where(em, s + tl.load(b_ptr + e, mask=em, other=0.0), float("-inf"))
+    sel = tl.zeros([BLOCK_E], tl.int32) != 0
+    for _j in tl.static_range(K):  # arg-max, ties to the lower id (the stable descending sort)
+        m = tl.max(cur, 0)
+        idx = tl.min(tl.where((cur == m) & em & (sel == 0), e, BLOCK_E), 0)
+        hit = e == idx
+        sel = sel | hit
+        cur = tl.where(hit, float("-inf"), cur)
+    prev = tl.full([], -1, tl.int32)
+    total = tl.full([], 0.0, tl.float32)
+    for j in tl.static_range(K):  # ids ascending; their scores summed in that order
+        idx = tl.min(tl.where(sel & (e > prev), e, BLOCK_E), 0)
+        wj = tl.sum(tl.where(e == idx, s, 0.0), 0)
+        tl.store(ids_ptr + t * K + j, idx.to(tl.int64))
+        tl.store(w_ptr + t * K + j, wj)
+        total = total + wj
+        prev = idx
+    if NORM:
+        den = total + 1e-20
+        for j in tl.static_range(K):
+            wj = tl.load(w_ptr + t * K + j)
+            tl.store(w_ptr + t * K + j, tl.div_rn(wj, den) * scale)
+    else:
+        for j in tl.static_range(K):
+            wj = tl.load(w_ptr + t * K + j)
+            tl.store(w_ptr + t * K + j, wj * scale)
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, norm: bool,
+               scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 [T, k] ascending, weights fp32 [T, k]) of fp32 router logits [T, E] (see the module
+    docstring); ``norm``: divide by the weights' sum (``norm_topk_prob`` and k > 1)."""
+    T, E = logits.shape
+    if logits.dtype != torch.float32 or bias.dtype != torch.float32:
+        raise ValueError(f"route_topk: logits {logits.dtype} and bias {bias.dtype} must be float32")
+    if not 0 < k <= E:
+        raise ValueError(f"route_topk: k={k} must be in 1..{E} (the expert count)")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    if T:
+        inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temp, dtype=torch.float32))
+        be = max(16, next_pow2(E))
+        _route_topk[(T,)](logits, bias.contiguous(), ids, w, E, logits.stride(0), inv, float(scale), K=k,
+                          NORM=bool(norm), TEMP=temp != 1.0, BLOCK_E=be, LIBDEVICE=_LIBDEVICE, num_warps=4 if be <= 512 else 8)
+    return ids, w
+
+
+def route_topk_reference(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, norm: bool,
+                         scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch math of ``moe.route`` after its GEMV (the test reference)."""
+    scores = torch.sqrt(torch.nn.functional.softplus(logits / temp))
+    order = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[..., :k]
+    ids = order.sort(dim=-1).values
+    w = scores.gather(1, ids)
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scale
+
+
+# ---------------------------------------------------------------------- shared expert
+@triton.jit
+def _dual_fp8_stream(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KSPLIT, NB, stride_am, stride_bn,
+                     stride_sbn, stride_ps, stride_pm, WB: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """``stream_fp8._fp8_stream`` (A_RAW) over two weights of one shape: column blocks [0, NB) read W1 and
+    write partial columns [0, N), blocks [NB, 2·NB) read W3 and write columns [N, 2N)."""
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    half = (pid_n >= NB).to(tl.int32)
+    b_ptr = b1_ptr
+    sb_ptr = sb1_ptr
+    if pid_n >= NB:
+        b_ptr = b3_ptr
+        sb_ptr = sb3_ptr
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    r64 = rows.to(tl.int64)
+    cols = (pid_n - half * NB) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    c64 = cols.to(tl.int64)
+    wrow = (cols // WB).to(tl.int64) * stride_sbn
+    k_lo = pid_s * KSPLIT
+    k_hi = tl.minimum(K, k_lo + KSPLIT)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k_step in range(k_lo, k_hi, 32 * GROUPS):
+        for g in tl.static_range(GROUPS):
+            k0 = tl.multiple_of(k_step + 32 * g, 32)
+            kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+            x = tl.load(a_ptr + r64[:, None] * stride_am + kk[None, :], mask=rmask[:, None], other=0.0)
+            x = x.to(tl.float32)
+            e = e8m0_exponent(tl.max(tl.abs(x), 1), 448.0, 1e-4)
+            a = tl.minimum(tl.maximum(x * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            sa = pow2(e)
+            w = tl.load(b_ptr + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None], other=0.0)
+            sw = e8m0_decode(tl.load(sb_ptr + wrow + k0 // WB, mask=cmask, other=127))
+            acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+    out = pid_s.to(tl.int64) * stride_ps + r64[:, None] * stride_pm + (half * N + cols)[None, :]
+    tl.store(p_ptr + out, tl.trans(acc), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _swiglu_quant(p_ptr, q_ptr, s_ptr, N, S, stride_ps, stride_pm, stride_q, stride_s, limit,
+                  BLOCK_G: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Row r, BLOCK_G groups of 32 columns: g, u = bf16(Σ_s p) of W1 / W3 (slice order), the SwiGLU of
+    ``moe.swiglu_expert`` in fp32, bf16, then the per-32 e4m3 + E8M0 of ``act_quant_mx``."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * (BLOCK_G * 32) + tl.arange(0, BLOCK_G * 32)
+    cm = cols < N
+    g = tl.zeros([BLOCK_G * 32], tl.float32)
+    u = tl.zeros([BLOCK_G * 32], tl.float32)
+    for s in range(S):  # slice order 0..S-1 (``reduce_rows``)
+        base = p_ptr + s * stride_ps + r * stride_pm
+        g += tl.load(base + cols, mask=cm, other=0.0)
+        u += tl.load(base + N + cols, mask=cm, other=0.0)
+    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -limit), limit)
+    act = tl.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)) * u
+    act = tl.where(cm, act.to(tl.bfloat16).to(tl.float32), 0.0)
+    ag = tl.reshape(act, (BLOCK_G, 32))
+    e = e8m0_exponent(tl.max(tl.abs(ag), 1), 448.0, 1e-4)
+    q = tl.minimum(tl.maximum(ag * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
+    tl.store(q_ptr + r * stride_q + cols, tl.reshape(q, (BLOCK_G * 32,)), mask=cm)
+    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    tl.store(s_ptr + r * stride_s + gs, (e + 127).to(tl.uint8), mask=gs * 32 < N)
+
+
+@triton.jit
+def _reduce_add(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r, stride_o, BLOCK_D: tl.constexpr):
+    """out = bf16(fp32(routed) + fp32(bf16(Σ_s p))) (slice order)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(S):
+        acc += tl.load(p_ptr + s * stride_ps + t * stride_pm + cols, mask=cm, other=0.0)
+    y = acc.to(tl.bfloat16).to(tl.float32)
+    routed = tl.load(r_ptr + t * stride_r + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, (routed + y).to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def _slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
+    """(S, ksplit, block_m, block_n) of ``splitk_mx.splitk_mm`` with ``decode="fp8"`` for an [N, K] weight."""
+    from redknot.kernels.triton import splitk_mx as sk
+    block_n = sk.SCALED_BLOCK_N
+    bk = sk.block_k_for(K, False, sk.SCALED_BLOCK_K)
+    S = sk.split_count(N, K, block_n, bk, sk.SCALED_MIN_STEPS) if rows <= sk.SPLIT_MAX_ROWS else 1
+    ksplit = cdiv(cdiv(K, S), bk) * bk
+    return cdiv(K, ksplit), ksplit, sk.dense_row_tile(rows), block_n
+
+
+def shared_expert_combine(u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                          w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
+                          block: int = 32) -> torch.Tensor:
+    """bf16(routed + W2(SwiGLU(u))) [T, D]: u bf16 [T, D]; W1, W3 e4m3 [I, D] and W2 e4m3 [D, I] with E8M0
+    tiles of ``block``; routed [T, D] 16-bit (the routed experts' sum). Four launches (module docstring)."""
+    from redknot.kernels.triton.stream_fp8 import fp8_stream
+
+    T, D = u.shape
+    inter = w1.shape[0]
+    if w1.shape != (inter, D) or w3.shape != w1.shape or w2.shape != (D, inter):
+        raise ValueError(f"shared_expert_combine: weights {tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)} "
+                         f"do not fit u [T, {D}]: W1, W3 must be [I, {D}] and W2 [{D}, I]")
+    if D % 32 or inter % 32 or block % 32:
+        raise ValueError(f"shared_expert_combine: D={D}, I={inter}, block={block} must be multiples of 32")
+    if routed.shape != (T, D):
+        raise ValueError(f"shared_expert_combine: routed {tuple(routed.shape)} must be [{T}, {D}]")
+    out = torch.empty(T, D, dtype=routed.dtype, device=u.device)
+    if T == 0:
+        return out
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
+    if s1.stride() != s3.stride() or w1.stride() != w3.stride():
+        raise ValueError("shared_expert_combine: W1 and W3 (and their scales) must have the same strides")
+    S1, ks1, bm, bn = _slices(inter, D, T)
+    p1 = torch.empty(S1, T, 2 * inter, dtype=torch.float32, device=u.device)
+    groups = 4 if ks1 % 128 == 0 and D % 128 == 0 else 1
+    nb = cdiv(inter, bn)
+    _dual_fp8_stream[(cdiv(T, bm), 2 * nb, S1)](
+        u, w1, s1, w3, s3, p1, T, inter, D, ks1, nb, u.stride(0), w1.stride(0), s1.stride(0), p1.stride(0),
+        p1.stride(1), WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=4, num_stages=4)
+    aq = torch.empty(T, inter, dtype=torch.float8_e4m3fn, device=u.device)
+    sa = torch.empty(T, inter // 32, dtype=torch.uint8, device=u.device)
+    bg = min(16, next_pow2(inter // 32))
+    _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, aq, sa, inter, S1, p1.stride(0), p1.stride(1), aq.stride(0),
+                                              sa.stride(0), float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE,
+                                              num_warps=4)
+    S2, ks2, bm2, bn2 = _slices(D, inter, T)
+    p2 = fp8_stream(aq, sa, w2, s2, torch.empty(S2, T, D, dtype=torch.float32, device=u.device), ks2, block,
+                    bm2, bn2, num_warps=4)
+    bd = min(1024, next_pow2(D))
+    _reduce_add[(T, cdiv(D, bd))](p2, routed, out, D, S2, p2.stride(0), p2.stride(1), routed.stride(0),
+                                  out.stride(0), BLOCK_D=bd, num_warps=4)
+    return out
