@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from typing import Tuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -118,7 +119,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, no
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:
-        inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temp, dtype=torch.float32))
+        inv = float(np.float32(1.0) / np.float32(temp))   # host arithmetic: no tensor op, no device read
         be = max(16, next_pow2(E))
         _route_topk[(T,)](logits, bias.contiguous(), ids, w, E, logits.stride(0), inv, float(scale), K=k,
                           NORM=bool(norm), TEMP=temp != 1.0, BLOCK_E=be, LIBDEVICE=_LIBDEVICE, num_warps=4 if be <= 512 else 8)

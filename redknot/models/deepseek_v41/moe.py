@@ -69,3 +69,47 @@ def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,
         start += c
     out += swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
     return out.to(num.dtype)
+
+
+def _fp8_linear_weights(ops, w: Weights, name: str, num: Numerics):
+    """(e4m3 weight, E8M0 scale) when ``linear`` would run ``name`` through the registry's ``linear_mx``
+    (the conditions of ``V41Ops.linear``), else None."""
+    if ops.linear_mx is None or not (w.keep and num.act_quant and ops._dtype_ok("linear_mx", num)):
+        return None
+    weight, scale = w.tensors.get(name), w.tensors.get(Weights.scale_name(name))
+    if weight is None or scale is None or weight.dtype != torch.float8_e4m3fn:
+        return None
+    return weight, scale
+
+
+def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numerics) -> Optional[torch.Tensor]:
+    """:func:`moe_forward`'s routed + shared sum for the tensor step's few rows with the fused decode kernels
+    (``redknot.kernels.triton.step_moe_v41``): the router's tail and top-k in one launch after its GEMV, the
+    registry's grouped routed experts, the shared expert with the combine in four launches. None where they
+    do not apply (no Triton step kernels, more than ``MAX_ROWS`` rows, weights not kept FP8 / MXFP4, a
+    kernel that does not build): the caller runs the PyTorch / per-linear path."""
+    from redknot.models.deepseek_v41 import fused_rows
+
+    if u.dim() != 2 or num.acc != torch.float32 or not fused_rows.fused(w, u):
+        return None
+    from redknot.kernels.triton.step_moe_v41 import MAX_ROWS, route_topk, shared_expert_combine
+
+    ops = ops_of(w)
+    sp = f"{prefix}.shared_experts"
+    shared = [_fp8_linear_weights(ops, w, f"{sp}.{p}.weight", num) for p in ("w1", "w3", "w2")]
+    if u.shape[0] > MAX_ROWS or any(s is None for s in shared) or ops.moe_mx is None:
+        return None
+    k = cfg.n_activated_experts
+    logits = F.linear(u.to(num.acc), w.dense(f"{prefix}.gate.weight", num.acc))
+    got = fused_rows._guarded(route_topk, logits, w.float(f"{prefix}.gate.bias"), k, cfg.gate_temp,
+                              cfg.norm_topk_prob and k > 1, cfg.route_scale)
+    ids, weights = got if got is not None else route(u, w, prefix, cfg, num.acc)
+    routed = ops.moe(u, ids, weights, w, prefix, cfg, num)
+    if routed is None:
+        return None
+    (w1, s1), (w3, s3), (w2, s2) = shared
+    out = fused_rows._guarded(shared_expert_combine, u.to(num.dtype), w1, s1, w3, s3, w2, s2, cfg.swiglu_limit,
+                              routed)
+    if out is None:
+        out = (routed.to(num.acc) + swiglu_expert(u, w, sp, num, cfg.swiglu_limit, None)).to(num.dtype)
+    return out

@@ -47,7 +47,7 @@ from redknot.models.deepseek_v41.attention import candidate_blocks, grouped_outp
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.kernel_ops import ops_of
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
-from redknot.models.deepseek_v41.moe import route, swiglu_expert
+from redknot.models.deepseek_v41.moe import moe_step_kernels, route, swiglu_expert
 from redknot.models.deepseek_v41.ref_math import (
     acc_dtype, apply_rope, bf16_round, linear, plain_linear, rms_norm, topk_ids)
 
@@ -317,6 +317,9 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)
+    fused = moe_step_kernels(u, w, prefix, cfg, num)   # few rows on the step kernels: ~12 launches, not ~38
+    if fused is not None:
+        return fused
     if cfg.is_index_source(layer.layer):
         with region("indexer"):
             _index(layer, u, qr, rows, state, shared)
