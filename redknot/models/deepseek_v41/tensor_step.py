@@ -277,6 +277,9 @@ def _hashes(model, step: TensorStep, rows: _Rows, state) -> Optional[torch.Tenso
 # ---------------------------------------------------------------------- MoE
 def _moe(u: torch.Tensor, w, layer: int, cfg, num) -> torch.Tensor:
     prefix = f"layers.{layer}.ffn"
+    fused = moe_step_kernels(u, w, prefix, cfg, num)   # few rows on the step kernels: ~12 launches, not ~38
+    if fused is not None:
+        return fused
     ids, weights = route(u, w, prefix, cfg, num.acc)
     ops = ops_of(w)
     routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)
@@ -317,9 +320,6 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)
-    fused = moe_step_kernels(u, w, prefix, cfg, num)   # few rows on the step kernels: ~12 launches, not ~38
-    if fused is not None:
-        return fused
     if cfg.is_index_source(layer.layer):
         with region("indexer"):
             _index(layer, u, qr, rows, state, shared)
