@@ -389,36 +389,99 @@ def _attend_torch(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]
 
 
 def _compress(layer, u, rows: _Rows, state) -> None:
-    cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
+    """The kv source's compressor: the latent rows (ratio 1: the normed ``wkv`` row; ratio 2: the gated pool
+    of each row's group (p-1, p), then the ring update), then the entries the step's rows close and their
+    index keys, quantised on insert. With the step kernels on 16-bit rows the look-back, pooling, norm and
+    ring stores run in one launch and the keys' norm, both RoPEs and both inserts in another
+    (:mod:`redknot.kernels.triton.step_compress_v41`); elsewhere, and where a kernel does not build, the
+    PyTorch math of the eager path."""
+    w, num, p = layer.w, layer.num, layer.p
     src = state.sources[layer.layer]
+    fused = _compress_kernels(layer, u)
+    latent = _compress_pool_kernel(layer, u, rows, src) if fused else None
+    if latent is None:
+        latent = _compress_latent(layer, u, rows, src)
+    keys = plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype)       # before its norm
+    if fused:
+        from redknot.kernels.triton.step_compress_v41 import insert_entries
+
+        cfg = layer.cfg
+        done = fused_rows._guarded(insert_entries, keys, latent, w.float(f"{p}.indexer.k_norm.weight"), layer.inv,
+                                   rows.pos, rows.blocks, src.keys.view(-1, src.keys.shape[-1]),
+                                   src.entries.view(-1, src.entries.shape[-1]), layer.ratio, rows.block_size,
+                                   cfg.norm_eps)
+        if done is not None:
+            return
+    _compress_insert(layer, keys, latent, rows, src)
+
+
+def _compress_kernels(layer, u) -> bool:
+    """Whether the compressor runs its step kernels: the step's Triton kernels on 16-bit rows of widths
+    they take, up to ``MAX_ROWS`` rows."""
+    from redknot.kernels.triton.step_compress_v41 import MAX_ROWS, supported
+
+    cfg = layer.cfg
+    return (step_kernels(layer.w) and fused_rows.fused(layer.w, u) and layer.num.dtype == u.dtype
+            and u.shape[0] <= MAX_ROWS and layer.ratio in (1, 2)
+            and supported(cfg.head_dim, cfg.index_head_dim, layer.inv.shape[0]))
+
+
+def _compress_pool_kernel(layer, u, rows: _Rows, src) -> Optional[torch.Tensor]:
+    """The latent rows through the pooling kernel (ratio 2), or through the same norm launch the PyTorch
+    math runs (ratio 1); None: the kernel does not build here (the ring is then untouched)."""
+    from redknot.kernels.triton.step_compress_v41 import pool_rows
+
+    cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
+    if layer.ratio == 1:
+        return _compress_latent(layer, u, rows, src)
+    a = acc_dtype(num.dtype)
+    ua = u.to(a)
+    kv_a = plain_linear(ua, w, f"{p}.compressor.wkv.weight", a)                # [T, Dh]
+    gate = plain_linear(ua, w, f"{p}.compressor.wgate.weight", a)
+    return fused_rows._guarded(pool_rows, kv_a, gate, src.kv_rows, src.gate_rows, rows.slot, rows.pos, rows.back,
+                               rows.last, w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps, layer.ratio,
+                               num.dtype)
+
+
+def _compress_latent(layer, u, rows: _Rows, src) -> torch.Tensor:
+    """The latent rows [T, Dh] as PyTorch math (the ratio-2 ring updated after its reads)."""
+    cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
+    norm = f"{p}.compressor.norm.weight"
+    r = layer.ratio
+    if r == 1:
+        return fused_rows.norm(plain_linear(u, w, f"{p}.compressor.wkv.weight", num.dtype), w, norm, cfg.norm_eps)
+    a = acc_dtype(num.dtype)
+    kv_a = plain_linear(u.to(a), w, f"{p}.compressor.wkv.weight", a)       # [T, Dh]
+    gate = plain_linear(u.to(a), w, f"{p}.compressor.wgate.weight", a)
+    # Group (p-1, p) for every row; only odd positions close a group and store it.
+    ka = rows.ring_lookback(src.kv_rows, kv_a, r).flip(1).to(a)            # [T, r, Dh] oldest first
+    ga = rows.ring_lookback(src.gate_rows, gate, r).flip(1).to(a)
+    pooled = (ka * torch.softmax(ga, dim=1)).sum(1)
+    latent = fused_rows.norm(pooled.to(num.dtype), w, norm, cfg.norm_eps)
+    ring = src.kv_rows.shape[1]
+    dst = rows.ring_dest(ring)
+    src.kv_rows.view(-1, src.kv_rows.shape[-1]).index_copy_(0, dst, kv_a.to(src.kv_rows.dtype))
+    src.gate_rows.view(-1, src.gate_rows.shape[-1]).index_copy_(0, dst, gate.to(src.gate_rows.dtype))
+    return latent
+
+
+def _compress_insert(layer, keys: torch.Tensor, latent: torch.Tensor, rows: _Rows, src) -> None:
+    """Index keys (``keys``: the ``indexer.wk`` rows before their norm) and entries of the rows that close a
+    group, as PyTorch math (the registry's insert where the step runs its kernels)."""
+    cfg, w, p = layer.cfg, layer.w, layer.p
     r = layer.ratio
     per = src.entries.shape[1]
     pos = rows.pos
     if r == 1:
-        latent = rms_norm(plain_linear(u, w, f"{p}.compressor.wkv.weight", num.dtype),
-                          w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
         ent = pos
         dest = rows.page(ent, r, per)
     else:
-        a = acc_dtype(num.dtype)
-        kv_a = plain_linear(u.to(a), w, f"{p}.compressor.wkv.weight", a)       # [T, Dh]
-        gate = plain_linear(u.to(a), w, f"{p}.compressor.wgate.weight", a)
-        # Group (p-1, p) for every row; only odd positions close a group and store it.
-        ka = rows.ring_lookback(src.kv_rows, kv_a, r).flip(1).to(a)            # [T, r, Dh] oldest first
-        ga = rows.ring_lookback(src.gate_rows, gate, r).flip(1).to(a)
-        pooled = (ka * torch.softmax(ga, dim=1)).sum(1)
-        latent = rms_norm(pooled.to(num.dtype), w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
-        ring = src.kv_rows.shape[1]
-        dst = rows.ring_dest(ring)
-        src.kv_rows.view(-1, src.kv_rows.shape[-1]).index_copy_(0, dst, kv_a.to(src.kv_rows.dtype))
-        src.gate_rows.view(-1, src.gate_rows.shape[-1]).index_copy_(0, dst, gate.to(src.gate_rows.dtype))
         closes = (pos + 1) % r == 0
         ent = ((pos + 1) // r - 1).clamp(min=0)
         spare = torch.full_like(ent, rows.spare_block * per)
         dest = torch.where(closes, rows.page(ent, r, per), spare)
     epos = ent * r
-    keys = rms_norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype),
-                    w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
+    keys = fused_rows.norm(keys, w, f"{p}.indexer.k_norm.weight", cfg.norm_eps)
     if step_kernels(w):  # quantised on insert (bit-exact with the packing below)
         ops = ops_of(w)
         tables = {}   # keys and entries rotate by the same entry positions (RoPE bits equal apply_rope's)
