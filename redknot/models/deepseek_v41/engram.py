@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from redknot.kernels import mx_formats as mx
+from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.kernel_ops import ops_of
-from redknot.models.deepseek_v41.ref_math import Numerics, Weights, linear
+from redknot.models.deepseek_v41.ref_math import Numerics, Weights, acc_dtype, linear
 
 
 def table_rows(w: Weights, prefix: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -48,13 +49,28 @@ def engram_gate(h: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qk: tor
     return (hf + gate.unsqueeze(-1) * value.unsqueeze(1)).to(h.dtype)
 
 
+def _fused_gate(w: Weights, h: torch.Tensor, kv: torch.Tensor) -> bool:
+    """The gate runs :mod:`redknot.kernels.triton.step_engram_v41` where the row epilogues run Triton
+    (``fused_rows.fused``: the attention ops on Triton, 16-bit rows) and the gate math is fp32."""
+    return (fused_rows.fused(w, h) and kv.dtype == h.dtype and acc_dtype(h.dtype) == torch.float32)
+
+
 def engram_forward(h: torch.Tensor, ids: torch.Tensor, w: Weights, layer: int, num: Numerics, eps: float,
                    token_mask=None) -> torch.Tensor:
     """Apply layer ``layer``'s Engram to h [T, hc, D] given its row ids [T, n_cols]."""
     prefix = f"layers.{layer}.engram"
     t, hc, d = h.shape
     rows = table_rows(w, prefix, ids, num.dtype).reshape(t, -1)             # [T, n_cols*hd]
-    kv = linear(rows, w, f"{prefix}.wkv.weight", num).to(num.acc)           # [T, (hc+1)*D]
+    kv = linear(rows, w, f"{prefix}.wkv.weight", num)                       # [T, (hc+1)*D]
+    if _fused_gate(w, h, kv):   # the gate in one launch (eager and tensor-only steps alike)
+        from redknot.kernels.triton.step_engram_v41 import engram_gate_rows
+
+        mask = None if token_mask is None else token_mask.to(torch.float32)
+        got = fused_rows._guarded(engram_gate_rows, h, kv, w.float(f"{prefix}.q_weight"),
+                                  w.float(f"{prefix}.k_weight"), eps, mask)
+        if got is not None:
+            return got
+    kv = kv.to(num.acc)
     key = kv[:, :hc * d].view(t, hc, d)                                     # keys first
     value = kv[:, hc * d:]
     qk = w.float(f"{prefix}.q_weight") * w.float(f"{prefix}.k_weight")      # [hc, D]

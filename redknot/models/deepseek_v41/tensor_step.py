@@ -76,15 +76,20 @@ class TensorStep:
 class _Rows:
     """Per-row facts derived on the device (no host read)."""
 
-    def __init__(self, step: TensorStep, state, block_size: int):
+    def __init__(self, step: TensorStep, state, block_size: int, fused: bool = False):
         t = step.input_ids.shape[0]
         dev = step.input_ids.device
-        qsl = step.query_start_loc.long()
         self.t = t
-        self.row = torch.arange(t, device=dev)
-        b = qsl.shape[0] - 1
         self.spare_slot = state.num_slots - 1
         self.spare_block = state.num_blocks - 1
+        self.block_size = block_size
+        self._memo = {}   # per-step index tensors every layer would otherwise recompute (launches)
+        self.fused = fused and self._fused_facts(step, state)
+        if self.fused:
+            return
+        qsl = step.query_start_loc.long()
+        self.row = torch.arange(t, device=dev)
+        b = qsl.shape[0] - 1
         raw = torch.searchsorted(qsl[1:].contiguous(), self.row, right=True)    # B past the last request
         real = raw < b
         self.seq = raw.clamp(max=b - 1)
@@ -96,8 +101,31 @@ class _Rows:
         self.slot = torch.where(real, step.seq_slots.long()[self.seq], torch.full_like(self.row, self.spare_slot))
         self.blocks = torch.where(real[:, None], step.block_tables.long()[self.seq],
                                   torch.full_like(step.block_tables.long()[self.seq], self.spare_block))  # [T, W]
-        self.block_size = block_size
-        self._memo = {}   # per-step index tensors every layer would otherwise recompute (launches)
+
+    def _fused_facts(self, step: TensorStep, state) -> bool:
+        """The same facts, and the ring writes / visible counts of every ring size and ratio the state has,
+        in one launch (:func:`redknot.kernels.triton.step_rows_v41.step_rows`); False: the kernel does not
+        build here (the PyTorch math then)."""
+        from redknot.kernels.triton.step_rows_v41 import FIELDS, MAX_KINDS, step_rows
+
+        rings = {w.shape[1] for w in state.windows}
+        rings |= {src.kv_rows.shape[1] for src in state.sources.values() if src.kv_rows is not None}
+        if state.engram_ids is not None:
+            rings.add(state.engram_ids.shape[1])
+        rings = sorted(rings)[:MAX_KINDS]          # any other size: ring_dest's PyTorch math
+        ratios = sorted({src.ratio for src in state.sources.values() if src.ratio > 0})[:MAX_KINDS]
+        got = fused_rows._guarded(step_rows, step.query_start_loc, step.positions, step.seq_slots,
+                                  step.block_tables, self.spare_slot, self.spare_block, rings, ratios)
+        if got is None:
+            return False
+        facts, self.blocks = got
+        self.row, self.seq, self.first, self.last, self.back, self.slot = facts[:len(FIELDS)]
+        self.pos = step.positions.long()
+        for k, ring in enumerate(rings):
+            self._memo[("dest", ring)] = facts[len(FIELDS) + k]
+        for k, ratio in enumerate(ratios):
+            self._memo[("visible", ratio)] = facts[len(FIELDS) + len(rings) + k]
+        return True
 
     def memo(self, key, make):
         got = self._memo.get(key)
@@ -162,7 +190,7 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
     check_tensor_step(model)
     cfg, w, num = model.cfg, model.w, model.num
     with region("rows+hashes"):
-        rows = _Rows(step, state, state.layout.block_size)
+        rows = _Rows(step, state, state.layout.block_size, fused=step_kernels(w))
         hashes = _hashes(model, step, rows, state)
     e = w.dense("embed.weight", model.dtype)[step.input_ids]
     h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -262,14 +290,26 @@ def site_fns(model, h: torch.Tensor):
 
 
 # ---------------------------------------------------------------------- Engram
+_HASH_KERNEL_ROWS = 1024   # rows up to which the hashing kernel runs (one program walks them)
+
+
 def _hashes(model, step: TensorStep, rows: _Rows, state) -> Optional[torch.Tensor]:
     if model.hasher is None:
         return None
+    ring = state.engram_ids.shape[1]
+    if rows.fused and step.input_ids.shape[0] <= _HASH_KERNEL_ROWS:   # look-back, hash and ring write: one launch
+        from redknot.kernels.triton.step_rows_v41 import step_hashes
+
+        hs = model.hasher
+        got = fused_rows._guarded(step_hashes, step.input_ids, model.token_map, state.engram_ids, rows.slot,
+                                  rows.pos, rows.back, rows.ring_dest(ring), hs.multipliers, hs.primes, hs.offsets,
+                                  hs.layout.pad_c)
+        if got is not None:
+            return got
     lb = model.hasher.layout.lookback
     comp = model.token_map[step.input_ids]                                      # [T]
     hist = rows.ring_lookback(state.engram_ids, comp, lb + 1).flip(1)           # [T, lb+1], oldest first
     out = model.hasher.hash(hist, rows.pos)[:, 0]                               # [T, L, cols]
-    ring = state.engram_ids.shape[1]
     state.engram_ids.view(-1).index_copy_(0, rows.ring_dest(ring), comp)
     return out
 
