@@ -73,3 +73,5 @@ def test_shared_expert_combine_at_v41_sizes(t, shared_weights):
     assert torch.equal(replay, got)
     alone = shared_expert_combine(u[-1:], w1, s1, w3, s3, w2, s2, LIMIT, routed[-1:])
     assert torch.equal(alone, got[-1:])    # batch invariance: a row's bits do not depend on the others
+    for prologue in (False, True):         # the W2 stream forming its own input: the same bits
+        assert torch.equal(shared_expert_combine(u, w1, s1, w3, s3, w2, s2, LIMIT, routed, prologue=prologue), got)

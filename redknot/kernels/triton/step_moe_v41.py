@@ -1,4 +1,4 @@
-"""V4.1's MoE router and shared expert at decode sizes in five launches instead of ~33 small ones.
+"""V4.1's MoE router and shared expert at decode sizes in four or five launches instead of ~33 small ones.
 
 At batch 1 a decode step's MoE (reference §3.7) is a dozen element-wise PyTorch ops around the router's
 GEMV (division by the temperature, softplus, sqrt, bias, two sorts for the top-k, gather, sum, division,
@@ -16,7 +16,9 @@ experts. In a replayed graph each launch costs its fixed few microseconds, not i
   ``splitk_mx.splitk_mm`` cuts them for ``decode="fp8"``), one program per row block that sums the slices,
   rounds each linear to bf16, clamps, applies SiLU · up, rounds to bf16 and quantises the W2 input per 32
   (the bits of ``act_quant_mx``), the W2 stream (``stream_fp8.fp8_stream``), and one reduction that sums
-  W2's slices, rounds to bf16 and adds the routed experts' bf16 sum in fp32: ``bf16(routed + shared)``.
+  W2's slices, rounds to bf16 and adds the routed experts' bf16 sum in fp32: ``bf16(routed + shared)``. At
+  one or two rows (``PROLOGUE_MAX_ROWS``) the W2 stream forms its slice of the W2 input itself from the
+  W1 | W3 partials (the same bits; three launches).
 
 With the dense linears' ``fp8`` decode (``gemm_mx.LINEAR_DECODE_TUNER``'s first choice) every partial and
 every sum is the one ``linear_mx`` computes, so the shared expert keeps its bits; with another decode the
@@ -27,7 +29,7 @@ router's normalising sum adds the k weights in id order (PyTorch's reduction ord
 from __future__ import annotations
 
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -44,6 +46,10 @@ _LIBDEVICE = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 # Rows up to which the step runs these kernels (decode and speculative verify); above, the PyTorch ops and
 # the registry's linears, whose per-row launch costs no longer dominate.
 MAX_ROWS = 16
+# Rows up to which the W2 stream forms its input itself (``_w2_swiglu_stream``: one launch fewer). Each of
+# its D/64 column blocks re-reads the W1 | W3 partials of its K slice from L2 (about 7 MB at one V4.1 row):
+# cheaper than a launch at one or two rows, not at sixteen.
+PROLOGUE_MAX_ROWS = 2
 
 
 # ---------------------------------------------------------------------- router
@@ -206,6 +212,47 @@ def _swiglu_quant(p_ptr, q_ptr, s_ptr, N, S, stride_ps, stride_pm, stride_q, str
 
 
 @triton.jit
+def _w2_swiglu_stream(p1_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, S1, KSPLIT, stride_p1s, stride_p1m, stride_bn,
+                      stride_sbn, stride_ps, stride_pm, limit, WB: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``_swiglu_quant`` as the prologue of the W2 stream (``_fp8_stream`` with quantised rows): each program
+    forms its K slice of the W2 input from the W1 | W3 partials (``K`` = the expert width) itself, the same
+    bits, one launch fewer; every column block repeats that work, so it runs for a row or two only."""
+    pid_s = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    r64 = rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    c64 = cols.to(tl.int64)
+    wrow = (cols // WB).to(tl.int64) * stride_sbn
+    k_lo = pid_s * KSPLIT
+    k_hi = tl.minimum(K, k_lo + KSPLIT)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k_step in range(k_lo, k_hi, 32 * GROUPS):
+        for g in tl.static_range(GROUPS):
+            k0 = tl.multiple_of(k_step + 32 * g, 32)
+            kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+            gs = tl.zeros([BLOCK_M, 32], tl.float32)
+            us = tl.zeros([BLOCK_M, 32], tl.float32)
+            for s in range(S1):  # slice order (``reduce_rows``)
+                base = p1_ptr + s * stride_p1s + r64[:, None] * stride_p1m
+                gs += tl.load(base + kk[None, :], mask=rmask[:, None], other=0.0)
+                us += tl.load(base + K + kk[None, :], mask=rmask[:, None], other=0.0)
+            gv = tl.minimum(gs.to(tl.bfloat16).to(tl.float32), limit)
+            uv = tl.minimum(tl.maximum(us.to(tl.bfloat16).to(tl.float32), -limit), limit)
+            x = (tl.div_rn(gv, 1.0 + _exp(-gv, LIBDEVICE)) * uv).to(tl.bfloat16).to(tl.float32)
+            e = e8m0_exponent(tl.max(tl.abs(x), 1), 448.0, 1e-4)
+            a = tl.minimum(tl.maximum(x * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            sa = pow2(e)
+            w = tl.load(b_ptr + c64[:, None] * stride_bn + kk[None, :], mask=cmask[:, None], other=0.0)
+            sw = e8m0_decode(tl.load(sb_ptr + wrow + k0 // WB, mask=cmask, other=127))
+            acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
+    out = pid_s.to(tl.int64) * stride_ps + r64[:, None] * stride_pm + cols[None, :]
+    tl.store(p_ptr + out, tl.trans(acc), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _reduce_add(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r, stride_o, BLOCK_D: tl.constexpr):
     """out = bf16(fp32(routed) + fp32(bf16(Σ_s p))) (slice order)."""
     t = tl.program_id(0).to(tl.int64)
@@ -231,9 +278,10 @@ def _slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
 
 def shared_expert_combine(u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
                           w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
-                          block: int = 32) -> torch.Tensor:
+                          block: int = 32, prologue: Optional[bool] = None) -> torch.Tensor:
     """bf16(routed + W2(SwiGLU(u))) [T, D]: u bf16 [T, D]; W1, W3 e4m3 [I, D] and W2 e4m3 [D, I] with E8M0
-    tiles of ``block``; routed [T, D] 16-bit (the routed experts' sum). Four launches (module docstring)."""
+    tiles of ``block``; routed [T, D] 16-bit (the routed experts' sum). Four launches (module docstring), three
+    with ``prologue`` (the W2 stream forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits."""
     from redknot.kernels.triton.stream_fp8 import fp8_stream
 
     T, D = u.shape
@@ -259,15 +307,24 @@ def shared_expert_combine(u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w
     _dual_fp8_stream[(cdiv(T, bm), 2 * nb, S1)](
         u, w1, s1, w3, s3, p1, T, inter, D, ks1, nb, u.stride(0), w1.stride(0), s1.stride(0), p1.stride(0),
         p1.stride(1), WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=4, num_stages=4)
-    aq = torch.empty(T, inter, dtype=torch.float8_e4m3fn, device=u.device)
-    sa = torch.empty(T, inter // 32, dtype=torch.uint8, device=u.device)
-    bg = min(16, next_pow2(inter // 32))
-    _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, aq, sa, inter, S1, p1.stride(0), p1.stride(1), aq.stride(0),
-                                              sa.stride(0), float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE,
-                                              num_warps=4)
     S2, ks2, bm2, bn2 = _slices(D, inter, T)
-    p2 = fp8_stream(aq, sa, w2, s2, torch.empty(S2, T, D, dtype=torch.float32, device=u.device), ks2, block,
-                    bm2, bn2, num_warps=4)
+    p2 = torch.empty(S2, T, D, dtype=torch.float32, device=u.device)
+    if prologue is None:
+        prologue = T <= PROLOGUE_MAX_ROWS
+    if prologue:
+        g2 = 4 if ks2 % 128 == 0 and inter % 128 == 0 else 1
+        _w2_swiglu_stream[(cdiv(T, bm2), cdiv(D, bn2), S2)](
+            p1, w2, s2, p2, T, D, inter, S1, ks2, p1.stride(0), p1.stride(1), w2.stride(0), s2.stride(0),
+            p2.stride(0), p2.stride(1), float(limit), WB=block, BLOCK_M=bm2, BLOCK_N=bn2, GROUPS=g2,
+            LIBDEVICE=_LIBDEVICE, num_warps=4, num_stages=4)
+    else:
+        aq = torch.empty(T, inter, dtype=torch.float8_e4m3fn, device=u.device)
+        sa = torch.empty(T, inter // 32, dtype=torch.uint8, device=u.device)
+        bg = min(16, next_pow2(inter // 32))
+        _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, aq, sa, inter, S1, p1.stride(0), p1.stride(1), aq.stride(0),
+                                                  sa.stride(0), float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE,
+                                                  num_warps=4)
+        fp8_stream(aq, sa, w2, s2, p2, ks2, block, bm2, bn2, num_warps=4)
     bd = min(1024, next_pow2(D))
     _reduce_add[(T, cdiv(D, bd))](p2, routed, out, D, S2, p2.stride(0), p2.stride(1), routed.stride(0),
                                   out.stride(0), BLOCK_D=bd, num_warps=4)

@@ -85,7 +85,7 @@ def _fp8_linear_weights(ops, w: Weights, name: str, num: Numerics):
 def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numerics) -> Optional[torch.Tensor]:
     """:func:`moe_forward`'s routed + shared sum for the tensor step's few rows with the fused decode kernels
     (``redknot.kernels.triton.step_moe_v41``): the router's tail and top-k in one launch after its GEMV, the
-    registry's grouped routed experts, the shared expert with the combine in four launches. None where they
+    registry's grouped routed experts, the shared expert with the combine in three or four launches. None where they
     do not apply (no Triton step kernels, more than ``MAX_ROWS`` rows, weights not kept FP8 / MXFP4, a
     kernel that does not build): the caller runs the PyTorch / per-linear path."""
     from redknot.models.deepseek_v41 import fused_rows
