@@ -24,7 +24,7 @@ from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.kernel_ops import (
     attend_spans, block_table, host_ints, index_spans, insert_rows, ops_of, page_rows, segments, span_rows)
 from redknot.models.deepseek_v41.ref_math import (
-    Numerics, Weights, acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, rms_norm, topk_ids)
+    Numerics, Weights, acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, topk_ids)
 from redknot.models.deepseek_v41.state import V41State
 
 ROW_CHUNK = 256  # query rows scored / attended at once (bounds [rows, candidates, dim] temporaries)
@@ -200,7 +200,8 @@ class AttentionLayer:
     def _compress(self, u: torch.Tensor, spans: List[Span], state: V41State) -> None:
         """The compressor over every span at once: one projection of all rows, the ratio-2 groups that
         complete in this step pooled together (carry-over rows from each sequence's ring), one write of
-        the index keys and one of the compressed entries (one registry insert each when routed)."""
+        the index keys and one of the compressed entries (one registry insert each when routed). Its norms
+        are ``fused_rows.norm``, as the tensor-only step's compressor (same bits on the Triton path)."""
         cfg, w, num, p = self.cfg, self.w, self.num, self.p
         src = state.sources[self.layer]
         r = self.ratio
@@ -219,8 +220,8 @@ class AttentionLayer:
         gseg, k = segments(count_, sum(count))
         ent = first_[gseg] + k                                                     # [G] entry ids
         if r == 1:
-            latent = rms_norm(plain_linear(x, w, f"{p}.compressor.wkv.weight", num.dtype),
-                              w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
+            latent = fused_rows.norm(plain_linear(x, w, f"{p}.compressor.wkv.weight", num.dtype), w,
+                                     f"{p}.compressor.norm.weight", cfg.norm_eps)
         else:
             a = acc_dtype(num.dtype)
             kv_a = plain_linear(x.to(a), w, f"{p}.compressor.wkv.weight", a)       # [rows, Dh]
@@ -238,7 +239,7 @@ class AttentionLayer:
                 ka = torch.where(in_chunk, kv_a[li], kv_ring[old].to(a))
                 ga = torch.where(in_chunk, gate[li], gate_ring[old].to(a))
                 pooled = (ka * torch.softmax(ga, dim=1)).sum(1)
-                latent = rms_norm(pooled.to(num.dtype), w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps)
+                latent = fused_rows.norm(pooled.to(num.dtype), w, f"{p}.compressor.norm.weight", cfg.norm_eps)
             ks, kk = segments(keep_, sum(keep))
             local = n[ks] - keep_[ks] + kk                                         # each span's last ``keep`` rows
             dst = slot[ks] * ring + (ctx[ks] + local) % ring
@@ -247,8 +248,8 @@ class AttentionLayer:
             if latent is None:
                 return
         epos = ent * r
-        keys = rms_norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype),
-                        w.float(f"{p}.indexer.k_norm.weight"), cfg.norm_eps)
+        keys = fused_rows.norm(plain_linear(latent, w, f"{p}.indexer.wk.weight", num.dtype), w,
+                               f"{p}.indexer.k_norm.weight", cfg.norm_eps)
         dest = page_rows(block_table(spans), gseg, ent, r, state.layout.block_size)
         ops = ops_of(w)
         if ops is not None and ops.attention:  # quantised on insert by the registry op
