@@ -36,6 +36,8 @@ is ``benchmarks/e2e_cut.py``.
     python benchmarks/e2e_v41.py --out outputs/e2e_v41      (or: benchmarks/e2e_cut.py --model v41 ...)
     python benchmarks/e2e_v41.py --out outputs/e2e_v41_1m --prefill 32768,131072,1048576 --decode-batch '' \
         --decode-context '' --skip-parity --skip-profile --budget-s 540   # long prefills, up to 1M tokens
+    python benchmarks/e2e_v41.py --out outputs/e2e_v41_dec --prefill '' --decode-context 8192,131072,1048576 \
+        --decode-synthetic --decode-graphs --budget-s 300   # decode in graphs at 1M without the 1M prefill
 
 Each prefill is timed chunk by chunk (synchronised): the chunk times are fitted to ``a + b * start``
 (``v41_prefill_profile.ChunkFit``; the indexer's scoring of every visible entry is the part that grows),
@@ -204,6 +206,44 @@ class Batch:
         blocks = self.layout.blocks_for(self.lens[seq])
         per_block = sum(src.entries[0].numel() + src.keys[0].numel() for src in self.state.sources.values())
         return blocks * per_block
+
+
+def fill_synthetic(b: Batch, ctx: int, seed: int = 0, pool: int = 4096) -> None:
+    """Every sequence of ``b`` at length ``ctx`` on caches of valid random bytes: rows packed from normal
+    values by the stored formats' own packers (no NaN or out-of-range scale), tiled over every window slot
+    and page; ratio-2 carry-over rows and Engram look-back ids random too. A decode step's work depends on
+    the lengths and shapes, not on the values, so its timing equals a prefilled state's without the prefill
+    (the indexer's selections differ, their cost does not)."""
+    from redknot.kernels import mx_formats as mx
+
+    cfg, dev = b.model.cfg, b.model.device
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rows(pack, dim):
+        return pack(torch.randn(pool, dim, generator=g)).to(dev)
+
+    def tile(dst: torch.Tensor, src: torch.Tensor) -> None:
+        flat = dst.view(-1, dst.shape[-1])
+        for s in range(0, flat.shape[0], 1 << 22):
+            n = min(1 << 22, flat.shape[0] - s)
+            flat[s:s + n] = src[torch.arange(s, s + n, device=dev) % pool]
+
+    win = rows(mx.pack_window_rows, cfg.head_dim)
+    ent = rows(mx.pack_compressed_entries, cfg.head_dim)
+    key = rows(mx.pack_index_keys, cfg.index_head_dim)
+    st = b.state
+    for w in st.windows:
+        tile(w, win)
+    for src in st.sources.values():
+        tile(src.entries, ent)
+        tile(src.keys, key)
+        for carry in (src.kv_rows, src.gate_rows):
+            if carry is not None:
+                carry.copy_(torch.randn(carry.shape, generator=g, dtype=carry.dtype))
+    if st.engram_ids is not None:
+        hi = int(b.model.token_map.max().item()) + 1 if b.model.token_map is not None else cfg.vocab_size
+        st.engram_ids.copy_(torch.randint(0, hi, st.engram_ids.shape, generator=g))
+    b.lens = [ctx] * b.b
 
 
 def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -> dict:
@@ -625,6 +665,9 @@ def main(argv=None) -> dict:
                     help="kernel backend of the V4.1 ops (default: triton on a GPU, reference with --smoke; "
                          "--smoke --backend triton runs the Triton kernels in Triton's CPU interpreter)")
     ap.add_argument("--engram-vocab", type=int, default=100000)
+    ap.add_argument("--decode-synthetic", action="store_true",
+                    help="decode contexts that no --prefill reaches run on a synthetic state (valid random cache "
+                         "bytes, see fill_synthetic): CUDA-graph rows only, no prefill needed")
     ap.add_argument("--decode-graphs", action="store_true",
                     help="also time decode through the tensor-only step captured in a CUDA graph (its "
                          "attention/indexer are PyTorch math), with its error against the eager step")
@@ -686,6 +729,48 @@ def main(argv=None) -> dict:
     profiles = [1 if a.smoke else 100]   # the CPU profiler is slow to start: one profile in a smoke run
     from v41_prefill_profile import ChunkFit, cache_bytes, group_regions, region_shares
     fit = ChunkFit()   # per-chunk seconds = a + b * start, over the chunks of the last timed prefill
+
+    def decode_rows(b, ctx: int, eager: bool) -> None:
+        """Decode rows at context ``ctx`` for every batch: eager (``eager``) and through the CUDA-graph step."""
+        for bs in batches:
+            if over_budget(10 + a.decode_steps * bs * 0.01):
+                print(f"decode ctx {ctx} batch {bs}: skipped (budget)")
+                report["decode"].append({"context": ctx, "batch": bs, "skipped": "budget"})
+                continue
+            seqs = list(range(bs))
+            floor_ms = decode_floor_s(cfg, ctx, bs) * 1e3
+            if not eager:   # a synthetic state: the graph only (one eager step checks its replay)
+                report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": None, "floor_ms": floor_ms,
+                                         "fraction_of_floor": None, "state": "synthetic"})
+            else:
+                b.step([[5]] * bs, seqs=seqs)   # warm-up
+                sync(device)
+                t = time.perf_counter()
+                for i in range(a.decode_steps):
+                    b.step([[7 + i]] * bs, seqs=seqs)
+                sync(device)
+                ms = (time.perf_counter() - t) / a.decode_steps * 1e3
+                print(f"decode ctx {ctx} batch {bs}: {ms:.2f} ms/step eager ({100 * floor_ms / ms:.1f} % of the "
+                      f"floor {floor_ms:.3f} ms)")
+                report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": ms, "floor_ms": floor_ms,
+                                         "fraction_of_floor": floor_ms / ms})
+            if a.decode_graphs and not over_budget(10 + a.decode_steps * bs * 0.01):
+                g = graph_decode(b, bs, a.decode_steps, device, profile=not a.skip_profile)
+                report["decode"][-1].update(g)
+                if "graph_ms_per_step" in g:
+                    print(f"decode ctx {ctx} batch {bs}: {g['graph_ms_per_step']:.2f} ms/step {g['graph']} "
+                          f"({100 * floor_ms / g['graph_ms_per_step']:.1f} % of the floor), rel err vs "
+                          f"eager {g['graph_rel_err']:.2e}")
+                else:
+                    print(f"decode ctx {ctx} batch {bs}: graph {g['graph']}")
+            if eager and not a.skip_profile and not over_budget(10):
+                report["op_shares"][f"decode b{bs} at {ctx}"] = registry_shares(
+                    ops, lambda: b.step([[8]] * bs, seqs=seqs), device)
+            if eager and not a.skip_profile and not over_budget(10) and profiles[0]:
+                profiles[0] -= 1
+                report["profile"][f"decode b{bs} at {ctx}"] = op_shares(
+                    lambda: b.step([[9]] * bs, seqs=seqs), device)
+
     for ctx in ctxs:
         proj = None
         if last is not None:
@@ -742,40 +827,7 @@ def main(argv=None) -> dict:
         last = (ctx, dt)
         if ctx in dctx and batches:
             b.clone_first()
-            for bs in batches:
-                if over_budget(10 + a.decode_steps * bs * 0.01):
-                    print(f"decode ctx {ctx} batch {bs}: skipped (budget)")
-                    report["decode"].append({"context": ctx, "batch": bs, "skipped": "budget"})
-                    continue
-                seqs = list(range(bs))
-                b.step([[5]] * bs, seqs=seqs)   # warm-up
-                sync(device)
-                t = time.perf_counter()
-                for i in range(a.decode_steps):
-                    b.step([[7 + i]] * bs, seqs=seqs)
-                sync(device)
-                ms = (time.perf_counter() - t) / a.decode_steps * 1e3
-                floor_ms = decode_floor_s(cfg, ctx, bs) * 1e3
-                print(f"decode ctx {ctx} batch {bs}: {ms:.2f} ms/step eager ({100 * floor_ms / ms:.1f} % of the "
-                      f"floor {floor_ms:.3f} ms)")
-                report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": ms, "floor_ms": floor_ms,
-                                         "fraction_of_floor": floor_ms / ms})
-                if a.decode_graphs and not over_budget(10 + a.decode_steps * bs * 0.01):
-                    g = graph_decode(b, bs, a.decode_steps, device, profile=not a.skip_profile)
-                    report["decode"][-1].update(g)
-                    if "graph_ms_per_step" in g:
-                        print(f"decode ctx {ctx} batch {bs}: {g['graph_ms_per_step']:.2f} ms/step {g['graph']} "
-                              f"({100 * floor_ms / g['graph_ms_per_step']:.1f} % of the floor), rel err vs "
-                              f"eager {g['graph_rel_err']:.2e}")
-                    else:
-                        print(f"decode ctx {ctx} batch {bs}: graph {g['graph']}")
-                if not a.skip_profile and not over_budget(10):
-                    report["op_shares"][f"decode b{bs} at {ctx}"] = registry_shares(
-                        ops, lambda: b.step([[8]] * bs, seqs=seqs), device)
-                if not a.skip_profile and not over_budget(10) and profiles[0]:
-                    profiles[0] -= 1
-                    report["profile"][f"decode b{bs} at {ctx}"] = op_shares(
-                        lambda: b.step([[9]] * bs, seqs=seqs), device)
+            decode_rows(b, ctx, eager=True)
         if not a.skip_profile and not over_budget(3 * dt * a.chunk / ctx + 10):
             # One chunk at one position, run three times (the lengths rolled back after each): once to
             # compile and tune its shapes, then under the registry-op timer, then under the profiler.
@@ -795,6 +847,16 @@ def main(argv=None) -> dict:
             if profiles[0] and not over_budget(dt * a.chunk / ctx + 10):
                 profiles[0] -= 1
                 report["profile"][name] = op_shares(chunk, device)
+        del b
+    for ctx in sorted(dctx - set(ctxs)) if a.decode_synthetic and batches else []:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t_s = time.perf_counter()
+        b = Batch(model, max(batches), ctx + (a.decode_steps + 4) * (len(batches) + 1) + 64)
+        fill_synthetic(b, ctx, seed=ctx)
+        sync(device)
+        print(f"synthetic state at {ctx} for {max(batches)} sequences ({time.perf_counter() - t_s:.1f} s)")
+        decode_rows(b, ctx, eager=False)
         del b
     report["seconds"] = time.perf_counter() - t_start
     write(report, a.out)
@@ -842,8 +904,11 @@ def write(report: dict, out: str) -> None:
         if "skipped" in r:
             lines.append(f"| {r['context']} | {r['batch']} | skipped | | |")
             continue
-        lines.append(f"| {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['floor_ms']:.3f} | "
-                     f"{100 * r['fraction_of_floor']:.1f} |")
+        if r["ms_per_step"] is None:
+            lines.append(f"| {r['context']} | {r['batch']} (synthetic state) | graph only | {r['floor_ms']:.3f} | |")
+        else:
+            lines.append(f"| {r['context']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['floor_ms']:.3f} | "
+                         f"{100 * r['fraction_of_floor']:.1f} |")
         if "graph_ms_per_step" in r:
             lines.append(f"| {r['context']} | {r['batch']} (graph, rel err {r['graph_rel_err']:.1e}) | "
                          f"{r['graph_ms_per_step']:.2f} | {r['floor_ms']:.3f} | "

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -71,3 +72,39 @@ def test_the_prefill_profile_regions_add_up_and_the_chunk_fit_predicts(tmp_path)
     fit = ChunkFit.fit([(s, 0.5 + 2e-6 * s) for s in range(0, 65536, 8192)])
     assert abs(fit.a - 0.5) < 1e-9 and abs(fit.b - 2e-6) < 1e-12
     assert abs(fit.prefill(32768, 8192) - sum(0.5 + 2e-6 * s for s in range(0, 32768, 8192))) < 1e-9
+
+
+def test_synthetic_decode_state_is_valid_and_its_graph_step_equals_eager(tmp_path):
+    """``--decode-synthetic``: a decode context no prefill reaches runs on caches of valid random bytes (every
+    stored row unpacks to finite values, every sequence at the context's length) and the tensor-only step
+    equals the eager step there, as after a real prefill."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import e2e_v41
+    finally:
+        sys.path.pop(0)
+    from redknot.kernels import KernelSet
+    from redknot.kernels import mx_formats as mx
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+
+    res = e2e_v41.main(["--smoke", "--prefill", "24", "--decode-synthetic", "--decode-graphs", "--skip-parity",
+                        "--skip-profile", "--out", str(tmp_path)])
+    rows = [d for d in res["decode"] if d["context"] == 40]
+    assert {d["batch"] for d in rows} == {1, 3} and all(d["state"] == "synthetic" for d in rows)
+    for d in rows:
+        assert d["ms_per_step"] is None and d["graph_ms_per_step"] > 0
+        assert d["graph_rel_err"] < 1e-6, d
+    cfg = e2e_v41.cut_config(True, 100)
+    model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, torch.device("cpu")), "reference",
+                          V41Ops(KernelSet(default="reference"), route_all=True), torch.device("cpu"))
+    b = e2e_v41.Batch(model, 2, 128)
+    e2e_v41.fill_synthetic(b, 100, seed=3)
+    assert b.lens == [100, 100]
+    st = b.state
+    for w in st.windows:
+        assert torch.isfinite(mx.unpack_window_rows(w.view(-1, w.shape[-1]))).all()
+    for src in st.sources.values():
+        ent = mx.unpack_compressed_entries(src.entries.view(-1, src.entries.shape[-1]))
+        keys = mx.unpack_index_keys(src.keys.view(-1, src.keys.shape[-1]))
+        assert torch.isfinite(ent).all() and torch.isfinite(keys).all()
+        assert ent.abs().amax() > 0 and keys.abs().amax() > 0
