@@ -352,11 +352,12 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     t = u.shape[0]
     pos = rows.pos
     with region("attn.q_kv"):
+        inv = _shared_inv(layer, u, pos, shared["rope"])
         qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
         q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
-                            layer.inv, shared["rope"])
+                            inv, shared["rope"])
         kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight", cfg.norm_eps,
-                                  pos, layer.inv, shared["rope"])
+                                  pos, inv, shared["rope"])
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)
@@ -366,7 +367,35 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     with region("attend"):
         o = _attend(layer, q, kv, rows, state, shared["topk"])
     with region("attn.out"):
-        return grouped_output(o, pos, layer.inv, cfg, w, p, num, shared["rope"])
+        return grouped_output(o, pos, inv, cfg, w, p, num, shared["rope"])
+
+
+def _shared_inv(layer, u: torch.Tensor, pos: torch.Tensor, tables) -> torch.Tensor:
+    """The layer's RoPE frequencies as the first earlier layer's tensor with the same values (the V4.1 layers
+    use two tables: θ 10000 on ratio-0 layers, θ 160000 + YaRN on the others), so the step computes each
+    cos/sin table once instead of once per layer (six launches each). The values are compared once per
+    layer, outside graph capture (a host read); a layer first met inside a capture keeps its own tensor.
+    The other rotations of the layer on these positions (the indexer's query) find the shared table under
+    the layer's own tensor too."""
+    inv = layer.inv
+    if not fused_rows.fused(layer.w, u):
+        return inv
+    got = layer.__dict__.get("_step_inv")
+    if got is None:
+        if inv.is_cuda and torch.cuda.is_current_stream_capturing():
+            return inv
+        seen = layer.w.__dict__.setdefault("_step_invs", [])
+        got = next((c for c in seen if c.shape == inv.shape and c.dtype == inv.dtype and c.device == inv.device
+                    and torch.equal(c, inv)), None)
+        if got is None:
+            seen.append(inv)
+            got = inv
+        layer.__dict__["_step_inv"] = got
+    if got is not inv:
+        cos, sin = fused_rows._table(tables, pos, got)
+        # the key fused_rows._table looks the layer's own tensor up by (the tensors kept alive with it)
+        tables.setdefault((id(inv), pos.data_ptr(), pos.shape[0]), (cos, sin, pos, inv))
+    return got
 
 
 def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
