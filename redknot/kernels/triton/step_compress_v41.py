@@ -6,7 +6,8 @@ the pooling, the norms, the RoPE tables and the two cache inserts. Here:
 * :func:`pool_rows` (ratio ``r`` > 1): per row, the ``r`` raw ``wkv`` / ``wgate`` rows of its group
   (positions p-r+1..p: the step's own rows where its request has them, else the compressor ring as it
   was before this step), the softmax over the group, the gated sum, the cast to the row dtype and the RMS
-  norm; then the step's rows are stored into the ring. One program per request runs its rows in order and
+  norm (of the stored row, loaded back: its reduction then runs on the layout ``rope_rows`` gives a row);
+  then the step's rows are stored into the ring. One program per request runs its rows in order and
   stores only after all of them read (a ring of ``2 + backtrack`` rows can be smaller than a verify's
   look-back reach), so no store can land before a read of the same ring row.
 * :func:`insert_entries`: per row whose position closes a group (every row at ratio 1), the page row of
@@ -119,10 +120,12 @@ def _pool_rows(kv_ptr, gate_ptr, kv_ring_ptr, gate_ring_ptr, slot_ptr, pos_ptr, 
             kv = tl.where(k <= j, tl.load(kv_ptr + new), tl.load(kv_ring_ptr + old * D + offs))
             wt = tl.div_rn(_exp(g - gm, LIBDEVICE), den)
             acc = acc + _mul_rn(kv, wt, ASM)
-        x = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        y = _norm_pairs(x, w_ptr, offs, eps, D).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, y)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + offs, acc.to(out_ptr.dtype.element_ty))
     tl.debug_barrier()                          # every read of the ring above precedes the stores below
+    for j in range(0, n):                       # the norm of the stored row, loaded as rope_rows loads its rows
+        dst = out_ptr + (first + j).to(tl.int64) * stride_out + offs
+        y = _norm_pairs(tl.load(dst).to(tl.float32), w_ptr, offs, eps, D)
+        tl.store(dst, y.to(out_ptr.dtype.element_ty))
     for j in range(tl.maximum(n - ring, 0), n):  # the request's last ``ring`` rows (the others: nowhere)
         row = first + j
         dst = slot * ring + tl.load(pos_ptr + row) % ring
@@ -145,8 +148,10 @@ def pool_rows(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch.Tensor, gate_
         raise ValueError(f"pool_rows: row width {d} must be a power of two")
     if kv_ring.dtype != torch.float32 or kv.dtype != torch.float32 or gate.dtype != torch.float32:
         raise ValueError(f"pool_rows: fp32 rows and rings expected, got {kv.dtype}, {gate.dtype}, {kv_ring.dtype}")
-    if kv.stride() != gate.stride() or kv.stride(-1) != 1:
-        raise ValueError("pool_rows: kv and gate must be row-major with the same row stride")
+    kv, gate = kv.contiguous(), gate.contiguous()
+    slot, pos, back, last = (x.contiguous() for x in (slot, pos, back, last))
+    if not (kv_ring.is_contiguous() and gate_ring.is_contiguous()):
+        raise ValueError("pool_rows: the rings must be contiguous [S, ring, D]")
     ring = kv_ring.shape[1]
     out = torch.empty(t, d, dtype=dtype, device=kv.device)
     if t:
@@ -241,8 +246,7 @@ def insert_entries(keys: torch.Tensor, latent: torch.Tensor, k_norm_w: torch.Ten
         if d & (d - 1) or d < g or 2 * half > d:
             raise ValueError(f"insert_entries: {name} width {d} must be a power of two >= {g} and >= 2*half "
                              f"({2 * half})")
-    if keys.stride(-1) != 1 or latent.stride(-1) != 1 or blocks.stride(-1) != 1:
-        raise ValueError("insert_entries: rows and block tables must be row-major")
+    keys, latent, blocks, pos = keys.contiguous(), latent.contiguous(), blocks.contiguous(), pos.contiguous()
     if t:
         _insert_entries[(t,)](keys, latent, k_norm_w, inv.to(torch.float64).contiguous(), pos, blocks,
                               key_cache, entry_cache, keys.stride(0), latent.stride(0), blocks.stride(0),
