@@ -310,7 +310,8 @@ def _scores(q, weights, keys, visible, ncols, cand=None, bs=8, blockmax=False, b
     if T == 0 or ncols == 0:
         return out.fill_(float("-inf"))
     if config is None:
-        key = (min(next_pow2(T), 1024), HI, DI, next_pow2(n), cand is not None, blockmax, bf16)
+        key = (min(next_pow2(T), 1024), HI, DI, min(next_pow2(n), STREAM_TUNE_ENTRIES), cand is not None, blockmax,
+               bf16)   # entry counts above 65536 share a class, as in the stream's
         config = INDEX_MX_TUNER.pick(key, lambda cfg: _scores(q, weights, keys, visible, ncols, cand, bs, blockmax,
                                                               bf16, cfg), q.device)
     block_n = max(config.block_n, bs)
@@ -347,9 +348,33 @@ def _select(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return ids
 
 
+CHUNK_ALIGN = 16   # token chunks are multiples of this: Triton specialises integer arguments divisible by 16
+
+
 def _chunks(t: int, per_token_bytes: int, limit: int):
+    """Token ranges of at most ``limit // per_token_bytes`` tokens (one at least) covering ``t``, of nearly
+    equal sizes that are multiples of ``CHUNK_ALIGN`` (the last also takes ``t``'s own remainder): a long
+    prefill's chunk splits into pieces like its first, whole chunks do, so they keep the kernels' tuning
+    class (token counts above 512 share one) and compiled specialisation (a count divisible by 16), and a
+    chunk's start never triggers a compile or a tuning pass that its warm-up did not see. Plain steps of
+    ``limit // per_token_bytes`` tokens leave a remainder of any size (2, 126, 249, 482 tokens of the
+    candidate source's chunks at 262K-778K entries in a 1M-token V4.1 prefill), each a new class."""
     step = max(1, min(t, limit // max(per_token_bytes, 1)))
-    return [(t0, min(t, t0 + step)) for t0 in range(0, t, step)]
+    if step >= t:
+        return [(0, t)]
+    if step < CHUNK_ALIGN:
+        return [(t0, min(t, t0 + step)) for t0 in range(0, t, step)]
+    step -= step % CHUNK_ALIGN
+    pieces = cdiv(t, step)
+    units, tail = divmod(t, CHUNK_ALIGN)
+    base, extra = divmod(units, pieces)   # base + 1 <= step // CHUNK_ALIGN whenever extra > 0
+    out, t0 = [], 0
+    for i in range(pieces):
+        size = (base + (i < extra)) * CHUNK_ALIGN + (tail if i == pieces - 1 else 0)
+        if size:
+            out.append((t0, t0 + size))
+            t0 += size
+    return out
 
 
 # How the layers that re-index inside candidate blocks select: streamed over each token's candidate list
