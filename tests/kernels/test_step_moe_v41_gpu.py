@@ -13,8 +13,9 @@ from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
 from redknot.kernels.triton import gemm_mx  # noqa: E402
 from redknot.kernels.triton.checks_mx import REAL_V41, capture_graph  # noqa: E402
-from redknot.kernels.triton.step_moe_v41 import (route_topk, route_topk_reference,  # noqa: E402
-                                                 shared_expert_combine)
+from redknot.kernels.triton.step_moe_v41 import (route_and_gate_up, route_topk,  # noqa: E402
+                                                 route_topk_reference, shared_expert_combine,
+                                                 shared_expert_finish)
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
@@ -38,7 +39,7 @@ def test_route_topk_at_v41_sizes(t):
     wid, ww = route_topk_reference(logits, bias, K, 1.0, True, 1.5)
     assert torch.equal(ids, wid)
     assert ((w - ww).abs() / ww.abs()).max().item() < 1e-6
-    graph, out = capture_graph(lambda: route_topk(logits, bias, K, 1.0, True, 1.5))
+    _, out = capture_graph(lambda: route_topk(logits, bias, K, 1.0, True, 1.5))
     assert torch.equal(out[0], ids) and torch.equal(out[1], w)
 
 
@@ -75,3 +76,21 @@ def test_shared_expert_combine_at_v41_sizes(t, shared_weights):
     assert torch.equal(alone, got[-1:])    # batch invariance: a row's bits do not depend on the others
     for prologue in (False, True):         # the W2 stream forming its own input: the same bits
         assert torch.equal(shared_expert_combine(u, w1, s1, w3, s3, w2, s2, LIMIT, routed, prologue=prologue), got)
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_router_and_gate_up_in_one_launch_at_v41_sizes(t, shared_weights):
+    w1, s1, w3, s3, w2, s2 = shared_weights
+    g = torch.Generator(device="cuda").manual_seed(200 + t)
+    u = (torch.randn(t, D, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    routed = torch.randn(t, D, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(t, E, generator=g, device="cuda") * 2
+    bias = torch.randn(E, generator=g, device="cuda") * 0.05
+    ids, w, p1 = route_and_gate_up(logits, bias, K, 1.0, True, 1.5, u, w1, s1, w3, s3)
+    want_ids, want_w = route_topk(logits, bias, K, 1.0, True, 1.5)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    out = shared_expert_finish(p1, w2, s2, LIMIT, routed)
+    assert torch.equal(out, shared_expert_combine(u, w1, s1, w3, s3, w2, s2, LIMIT, routed))
+    _, replay = capture_graph(lambda: shared_expert_finish(
+        route_and_gate_up(logits, bias, K, 1.0, True, 1.5, u, w1, s1, w3, s3)[2], w2, s2, LIMIT, routed))
+    assert torch.equal(replay, out)

@@ -75,9 +75,9 @@ def _softplus(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _route_topk(l_ptr, b_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale, K: tl.constexpr,
-                NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _route_row(l_ptr, b_ptr, ids_ptr, w_ptr, t, E, stride_l, inv_temp, scale, K: tl.constexpr, KP: tl.constexpr,
+               NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Token t's ids (ascending) and weights; everything stays in registers until the two stores."""
     e = tl.arange(0, BLOCK_E)
     em = e < E
     x = tl.load(l_ptr + t * stride_l + e, mask=em, other=0.0).to(tl.float32)
@@ -92,24 +92,30 @@ def _route_topk(l_ptr, b_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale, K: t
         hit = e == idx
         sel = sel | hit
         cur = tl.where(hit, float("-inf"), cur)
+    j_all = tl.arange(0, KP)
+    ids = tl.zeros([KP], tl.int32)
+    ws = tl.zeros([KP], tl.float32)
     prev = tl.full([], -1, tl.int32)
     total = tl.full([], 0.0, tl.float32)
     for j in tl.static_range(K):  # ids ascending; their scores summed in that order
         idx = tl.min(tl.where(sel & (e > prev), e, BLOCK_E), 0)
         wj = tl.sum(tl.where(e == idx, s, 0.0), 0)
-        tl.store(ids_ptr + t * K + j, idx.to(tl.int64))
-        tl.store(w_ptr + t * K + j, wj)
+        ids = tl.where(j_all == j, idx, ids)
+        ws = tl.where(j_all == j, wj, ws)
         total = total + wj
         prev = idx
     if NORM:
-        den = total + 1e-20
-        for j in tl.static_range(K):
-            wj = tl.load(w_ptr + t * K + j)
-            tl.store(w_ptr + t * K + j, tl.div_rn(wj, den) * scale)
-    else:
-        for j in tl.static_range(K):
-            wj = tl.load(w_ptr + t * K + j)
-            tl.store(w_ptr + t * K + j, wj * scale)
+        ws = tl.div_rn(ws, tl.zeros_like(ws) + (total + 1e-20))
+    km = j_all < K
+    tl.store(ids_ptr + t * K + j_all, ids.to(tl.int64), mask=km)
+    tl.store(w_ptr + t * K + j_all, ws * scale, mask=km)
+
+
+@triton.jit
+def _route_topk(l_ptr, b_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale, K: tl.constexpr, KP: tl.constexpr,
+                NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+    _route_row(l_ptr, b_ptr, ids_ptr, w_ptr, tl.program_id(0), E, stride_l, inv_temp, scale, K, KP, NORM, TEMP,
+               BLOCK_E, LIBDEVICE)
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, norm: bool,
@@ -128,7 +134,8 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, no
         inv = float(np.float32(1.0) / np.float32(temp))   # host arithmetic: no tensor op, no device read
         be = max(16, next_pow2(E))
         _route_topk[(T,)](logits, bias.contiguous(), ids, w, E, logits.stride(0), inv, float(scale), K=k,
-                          NORM=bool(norm), TEMP=temp != 1.0, BLOCK_E=be, LIBDEVICE=_LIBDEVICE, num_warps=4 if be <= 512 else 8)
+                          KP=next_pow2(k), NORM=bool(norm), TEMP=temp != 1.0, BLOCK_E=be, LIBDEVICE=_LIBDEVICE,
+                          num_warps=4 if be <= 512 else 8)
     return ids, w
 
 
@@ -146,20 +153,18 @@ def route_topk_reference(logits: torch.Tensor, bias: torch.Tensor, k: int, temp:
 
 # ---------------------------------------------------------------------- shared expert
 @triton.jit
-def _dual_fp8_stream(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KSPLIT, NB, stride_am, stride_bn,
-                     stride_sbn, stride_ps, stride_pm, WB: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+def _gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, pid_m, pid_n, pid_s, M, N, K, KSPLIT, NB, stride_am,
+             stride_bn, stride_sbn, stride_ps, stride_pm, WB: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
     """``stream_fp8._fp8_stream`` (A_RAW) over two weights of one shape: column blocks [0, NB) read W1 and
     write partial columns [0, N), blocks [NB, 2·NB) read W3 and write columns [N, 2N)."""
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
     half = (pid_n >= NB).to(tl.int32)
     b_ptr = b1_ptr
     sb_ptr = sb1_ptr
     if pid_n >= NB:
         b_ptr = b3_ptr
         sb_ptr = sb3_ptr
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     r64 = rows.to(tl.int64)
     cols = (pid_n - half * NB) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -183,6 +188,26 @@ def _dual_fp8_stream(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KS
             acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
     out = pid_s.to(tl.int64) * stride_ps + r64[:, None] * stride_pm + (half * N + cols)[None, :]
     tl.store(p_ptr + out, tl.trans(acc), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _route_gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KSPLIT, NB, stride_am, stride_bn,
+                   stride_sbn, stride_ps, stride_pm, l_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale,
+                   WB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                   ROUTE: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                   TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """The shared expert's W1 | W3 stream (``_gate_up``); with ROUTE one more column of programs, whose
+    first routes the M tokens (``_route_row``): the router and the stream in one launch."""
+    pid_n = tl.program_id(1)
+    if pid_n < 2 * NB:
+        _gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, tl.program_id(0), pid_n, tl.program_id(2), M, N,
+                 K, KSPLIT, NB, stride_am, stride_bn, stride_sbn, stride_ps, stride_pm, WB, BLOCK_M, BLOCK_N,
+                 GROUPS)
+    elif ROUTE:
+        if (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
+            for t in range(M):
+                _route_row(l_ptr, bias_ptr, ids_ptr, w_ptr, t, E, stride_l, inv_temp, scale, TOPK, KP, NORM, TEMP,
+                           BLOCK_E, LIBDEVICE)
 
 
 @triton.jit
@@ -276,39 +301,63 @@ def _slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
     return cdiv(K, ksplit), ksplit, sk.dense_row_tile(rows), block_n
 
 
-def shared_expert_combine(u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
-                          w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
-                          block: int = 32, prologue: Optional[bool] = None) -> torch.Tensor:
-    """bf16(routed + W2(SwiGLU(u))) [T, D]: u bf16 [T, D]; W1, W3 e4m3 [I, D] and W2 e4m3 [D, I] with E8M0
-    tiles of ``block``; routed [T, D] 16-bit (the routed experts' sum). Four launches (module docstring), three
-    with ``prologue`` (the W2 stream forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits."""
-    from redknot.kernels.triton.stream_fp8 import fp8_stream
-
-    T, D = u.shape
+def _check_shared(u, w1, s1, w3, s3, w2, block: int, name: str):
+    D = u.shape[1]
     inter = w1.shape[0]
-    if w1.shape != (inter, D) or w3.shape != w1.shape or w2.shape != (D, inter):
-        raise ValueError(f"shared_expert_combine: weights {tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)} "
+    w2_shape = (D, inter) if w2 is None else tuple(w2.shape)
+    if w1.shape != (inter, D) or w3.shape != w1.shape or w2_shape != (D, inter):
+        raise ValueError(f"{name}: weights {tuple(w1.shape)}, {tuple(w3.shape)}, {w2_shape} "
                          f"do not fit u [T, {D}]: W1, W3 must be [I, {D}] and W2 [{D}, I]")
     if D % 32 or inter % 32 or block % 32:
-        raise ValueError(f"shared_expert_combine: D={D}, I={inter}, block={block} must be multiples of 32")
-    if routed.shape != (T, D):
-        raise ValueError(f"shared_expert_combine: routed {tuple(routed.shape)} must be [{T}, {D}]")
-    out = torch.empty(T, D, dtype=routed.dtype, device=u.device)
-    if T == 0:
-        return out
-    u = u if u.stride(-1) == 1 else u.contiguous()
-    s1, s3, s2 = (s.view(torch.uint8) for s in (s1, s3, s2))
+        raise ValueError(f"{name}: D={D}, I={inter}, block={block} must be multiples of 32")
     if s1.stride() != s3.stride() or w1.stride() != w3.stride():
-        raise ValueError("shared_expert_combine: W1 and W3 (and their scales) must have the same strides")
+        raise ValueError(f"{name}: W1 and W3 (and their scales) must have the same strides")
+
+
+def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None) -> torch.Tensor:
+    """The W1 | W3 partials [S, T, 2I] (``_route_gate_up``); ``route``: (logits, bias, ids, w, k, temp, norm,
+    scale), the router's programs in the same launch."""
+    T, D = u.shape
+    inter = w1.shape[0]
     S1, ks1, bm, bn = _slices(inter, D, T)
     p1 = torch.empty(S1, T, 2 * inter, dtype=torch.float32, device=u.device)
     groups = 4 if ks1 % 128 == 0 and D % 128 == 0 else 1
     nb = cdiv(inter, bn)
-    _dual_fp8_stream[(cdiv(T, bm), 2 * nb, S1)](
+    if route is None:
+        rargs, rkw = (p1, p1, p1, p1, 0, 0, 1.0, 1.0), dict(ROUTE=False, TOPK=1, KP=1, NORM=False, TEMP=False,
+                                                           BLOCK_E=16)
+    else:
+        logits, bias, ids, w, k, temp, norm, scale = route
+        rargs = (logits, bias, ids, w, logits.shape[1], logits.stride(0), float(np.float32(1.0) / np.float32(temp)),
+                 float(scale))
+        rkw = dict(ROUTE=True, TOPK=k, KP=next_pow2(k), NORM=bool(norm), TEMP=temp != 1.0,
+                   BLOCK_E=max(16, next_pow2(logits.shape[1])))
+    _route_gate_up[(cdiv(T, bm), 2 * nb + (route is not None), S1)](
         u, w1, s1, w3, s3, p1, T, inter, D, ks1, nb, u.stride(0), w1.stride(0), s1.stride(0), p1.stride(0),
-        p1.stride(1), WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=4, num_stages=4)
+        p1.stride(1), *rargs, WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, LIBDEVICE=_LIBDEVICE, **rkw,
+        num_warps=4, num_stages=4)
+    return p1
+
+
+def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
+                         block: int = 32, prologue: Optional[bool] = None) -> torch.Tensor:
+    """bf16(routed + W2(SwiGLU)) [T, D] from the W1 | W3 partials ``p1`` [S, T, 2I] of :func:`route_and_gate_up`:
+    the SwiGLU + quantisation, the W2 stream, the reduction with the combine (``prologue``: the W2 stream
+    forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits either way."""
+    from redknot.kernels.triton.stream_fp8 import fp8_stream
+
+    S1, T, two_i = p1.shape
+    inter = two_i // 2
+    D = w2.shape[0]
+    if w2.shape != (D, inter) or routed.shape != (T, D):
+        raise ValueError(f"shared_expert_finish: W2 {tuple(w2.shape)} and routed {tuple(routed.shape)} must be "
+                         f"[D, {inter}] and [{T}, D]")
+    out = torch.empty(T, D, dtype=routed.dtype, device=p1.device)
+    if T == 0:
+        return out
+    s2 = s2.view(torch.uint8)
     S2, ks2, bm2, bn2 = _slices(D, inter, T)
-    p2 = torch.empty(S2, T, D, dtype=torch.float32, device=u.device)
+    p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
     if prologue is None:
         prologue = T <= PROLOGUE_MAX_ROWS
     if prologue:
@@ -318,14 +367,56 @@ def shared_expert_combine(u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w
             p2.stride(0), p2.stride(1), float(limit), WB=block, BLOCK_M=bm2, BLOCK_N=bn2, GROUPS=g2,
             LIBDEVICE=_LIBDEVICE, num_warps=4, num_stages=4)
     else:
-        aq = torch.empty(T, inter, dtype=torch.float8_e4m3fn, device=u.device)
-        sa = torch.empty(T, inter // 32, dtype=torch.uint8, device=u.device)
+        aq = torch.empty(T, inter, dtype=torch.float8_e4m3fn, device=p1.device)
+        sa = torch.empty(T, inter // 32, dtype=torch.uint8, device=p1.device)
         bg = min(16, next_pow2(inter // 32))
         _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, aq, sa, inter, S1, p1.stride(0), p1.stride(1), aq.stride(0),
                                                   sa.stride(0), float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE,
                                                   num_warps=4)
         fp8_stream(aq, sa, w2, s2, p2, ks2, block, bm2, bn2, num_warps=4)
+    routed = routed if routed.stride(-1) == 1 else routed.contiguous()
     bd = min(1024, next_pow2(D))
     _reduce_add[(T, cdiv(D, bd))](p2, routed, out, D, S2, p2.stride(0), p2.stride(1), routed.stride(0),
                                   out.stride(0), BLOCK_D=bd, num_warps=4)
     return out
+
+
+def route_and_gate_up(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, norm: bool, scale: float,
+                      u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                      block: int = 32) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, weights) of :func:`route_topk` and the shared expert's W1 | W3 partials [S, T, 2I] in one launch
+    (u bf16 [T, D]; W1, W3 e4m3 [I, D] with E8M0 tiles of ``block``); :func:`shared_expert_finish` ends it."""
+    T, E = logits.shape
+    if logits.dtype != torch.float32 or bias.dtype != torch.float32:
+        raise ValueError(f"route_and_gate_up: logits {logits.dtype} and bias {bias.dtype} must be float32")
+    if not 0 < k <= E:
+        raise ValueError(f"route_and_gate_up: k={k} must be in 1..{E} (the expert count)")
+    if u.shape[0] != T:
+        raise ValueError(f"route_and_gate_up: u has {u.shape[0]} rows, the logits {T}")
+    s1, s3 = s1.view(torch.uint8), s3.view(torch.uint8)
+    _check_shared(u, w1, s1, w3, s3, None, block, "route_and_gate_up")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
+    if T == 0:
+        return ids, w, torch.empty(1, 0, 2 * w1.shape[0], dtype=torch.float32, device=u.device)
+    p1 = _gate_up_launch(u, w1, s1, w3, s3, block, (logits, bias.contiguous(), ids, w, k, temp, norm, scale))
+    return ids, w, p1
+
+
+def shared_expert_combine(u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                          w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
+                          block: int = 32, prologue: Optional[bool] = None) -> torch.Tensor:
+    """bf16(routed + W2(SwiGLU(u))) [T, D]: u bf16 [T, D]; W1, W3 e4m3 [I, D] and W2 e4m3 [D, I] with E8M0
+    tiles of ``block``; routed [T, D] 16-bit (the routed experts' sum). Four launches (module docstring), three
+    with ``prologue`` (the W2 stream forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits."""
+    T, D = u.shape
+    s1, s3 = s1.view(torch.uint8), s3.view(torch.uint8)
+    _check_shared(u, w1, s1, w3, s3, w2, block, "shared_expert_combine")
+    if routed.shape != (T, D):
+        raise ValueError(f"shared_expert_combine: routed {tuple(routed.shape)} must be [{T}, {D}]")
+    if T == 0:
+        return torch.empty(T, D, dtype=routed.dtype, device=u.device)
+    u = u if u.stride(-1) == 1 else u.contiguous()
+    return shared_expert_finish(_gate_up_launch(u, w1, s1, w3, s3, block), w2, s2, limit, routed, block, prologue)

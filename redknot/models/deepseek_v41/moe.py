@@ -84,32 +84,34 @@ def _fp8_linear_weights(ops, w: Weights, name: str, num: Numerics):
 
 def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numerics) -> Optional[torch.Tensor]:
     """:func:`moe_forward`'s routed + shared sum for the tensor step's few rows with the fused decode kernels
-    (``redknot.kernels.triton.step_moe_v41``): the router's tail and top-k in one launch after its GEMV, the
-    registry's grouped routed experts, the shared expert with the combine in three or four launches. None where they
-    do not apply (no Triton step kernels, more than ``MAX_ROWS`` rows, weights not kept FP8 / MXFP4, a
-    kernel that does not build): the caller runs the PyTorch / per-linear path."""
+    (``redknot.kernels.triton.step_moe_v41``): after the router's GEMV one launch for its tail and top-k and the
+    shared expert's W1 | W3, the registry's grouped routed experts, then the shared expert's W2 with the
+    combine in two or three launches. None where they do not apply (no Triton step kernels, more than
+    ``MAX_ROWS`` rows, weights not kept FP8 / MXFP4, a kernel that does not build): the caller runs the
+    PyTorch / per-linear path."""
     from redknot.models.deepseek_v41 import fused_rows
 
     if u.dim() != 2 or num.acc != torch.float32 or not fused_rows.fused(w, u):
         return None
-    from redknot.kernels.triton.step_moe_v41 import MAX_ROWS, route_topk, shared_expert_combine
+    from redknot.kernels.triton.step_moe_v41 import MAX_ROWS, route_and_gate_up, shared_expert_finish
 
     ops = ops_of(w)
     sp = f"{prefix}.shared_experts"
     shared = [_fp8_linear_weights(ops, w, f"{sp}.{p}.weight", num) for p in ("w1", "w3", "w2")]
     if u.shape[0] > MAX_ROWS or any(s is None for s in shared) or ops.moe_mx is None:
         return None
+    (w1, s1), (w3, s3), (w2, s2) = shared
     k = cfg.n_activated_experts
     logits = F.linear(u.to(num.acc), w.dense(f"{prefix}.gate.weight", num.acc))
-    got = fused_rows._guarded(route_topk, logits, w.float(f"{prefix}.gate.bias"), k, cfg.gate_temp,
-                              cfg.norm_topk_prob and k > 1, cfg.route_scale)
-    ids, weights = got if got is not None else route(u, w, prefix, cfg, num.acc)
+    got = fused_rows._guarded(route_and_gate_up, logits, w.float(f"{prefix}.gate.bias"), k, cfg.gate_temp,
+                              cfg.norm_topk_prob and k > 1, cfg.route_scale, u.to(num.dtype), w1, s1, w3, s3)
+    if got is None:
+        return None
+    ids, weights, gate_up = got
     routed = ops.moe(u, ids, weights, w, prefix, cfg, num)
     if routed is None:
         return None
-    (w1, s1), (w3, s3), (w2, s2) = shared
-    out = fused_rows._guarded(shared_expert_combine, u.to(num.dtype), w1, s1, w3, s3, w2, s2, cfg.swiglu_limit,
-                              routed)
+    out = fused_rows._guarded(shared_expert_finish, gate_up, w2, s2, cfg.swiglu_limit, routed)
     if out is None:
         out = (routed.to(num.acc) + swiglu_expert(u, w, sp, num, cfg.swiglu_limit, None)).to(num.dtype)
     return out

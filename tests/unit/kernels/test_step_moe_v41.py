@@ -12,8 +12,9 @@ pytest.importorskip("triton")
 from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
 from redknot.kernels.triton import gemm_mx  # noqa: E402
-from redknot.kernels.triton.step_moe_v41 import (route_topk, route_topk_reference,  # noqa: E402
-                                                 shared_expert_combine)
+from redknot.kernels.triton.step_moe_v41 import (route_and_gate_up, route_topk,  # noqa: E402
+                                                 route_topk_reference, shared_expert_combine,
+                                                 shared_expert_finish)
 
 LIMIT = 10.0
 
@@ -95,6 +96,19 @@ def test_shared_expert_combine_matches_linear_mx(t, d, inter, kernel_device):
     ref = _want(lambda x, w, s: ref_v41.linear_mx(x, w, s, 32, 32), *args)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert err < 2e-2, err       # bf16 roundings of the linears in another summation order
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_router_and_gate_up_in_one_launch_equal_the_two_kernels(t, kernel_device):
+    u, w1, s1, w3, s3, w2, s2, routed = _shared_case(t, 64, 96, 20 + t, kernel_device)
+    g = torch.Generator().manual_seed(t)
+    logits = (torch.randn(t, 40, generator=g) * 3).to(kernel_device)
+    bias = (torch.randn(40, generator=g) * 0.1).to(kernel_device)
+    ids, w, p1 = route_and_gate_up(logits, bias, 6, 1.0, True, 1.5, u, w1, s1, w3, s3)
+    want_ids, want_w = route_topk(logits, bias, 6, 1.0, True, 1.5)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    got = shared_expert_finish(p1, w2, s2, LIMIT, routed)
+    assert torch.equal(got, shared_expert_combine(u, w1, s1, w3, s3, w2, s2, LIMIT, routed))
 
 
 def test_shared_expert_combine_rejects_bad_shapes(kernel_device):
