@@ -39,9 +39,10 @@ from redknot.kernels.triton.step_rope_v41 import _mul_rn
 # Triton's CPU interpreter runs no extern (libdevice) calls: there numpy's exp / cos / sin stand in.
 _LIBDEVICE = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
-# Rows up to which the step runs these kernels: one program per request walks its rows in order, which pays
-# while per-layer launches dominate (decode, speculative verify); above, the PyTorch ops.
-MAX_ROWS = 64
+# Rows up to which the step runs these kernels (decode and verify batches up to 128 requests of 4 rows): one
+# program per request walks that request's rows in order, so a step of long chunks (prefill-like) would run
+# them one after another; there the PyTorch ops, whose per-launch cost no longer dominates, are kept.
+MAX_ROWS = 512
 
 
 def supported(latent_dim: int, key_dim: int, half: int) -> bool:
