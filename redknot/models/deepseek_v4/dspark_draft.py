@@ -198,6 +198,7 @@ class DSparkDraft(nn.Module):
             h.remove()
         self._target = weakref.ref(target)  # the family maps model -> draft; no cycle keeps both alive
         self._hooks = [target.layers[i].register_forward_hook(self._tap_hook(i)) for i in self.dcfg.target_layer_ids]
+        target.tap_hook = self.tap_streams  # the varlen tensor-only step (verify graphs) hands its taps here
         return self
 
     def compact_replay_skips_taps(self) -> bool:
@@ -210,6 +211,12 @@ class DSparkDraft(nn.Module):
         def hook(module, args, out):
             self._taps[layer] = out.mean(dim=1)  # [T, D]: the hc-mean of the completed residual
         return hook
+
+    def tap_streams(self, layer: int, streams: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+        """The target's ``tap_hook``: ``streams`` [T, hc, D] leaving ``layer`` in a tensor-only step (or
+        handed over after a verify-graph replay), kept as the forward hooks keep them."""
+        if layer in self.dcfg.target_layer_ids:
+            self._taps[layer] = streams.mean(dim=1)
 
     def last_taps(self, num_rows: int) -> torch.Tensor:
         """[T, k*D] taps of the target's last forward (its ``num_rows`` rows, in step order)."""

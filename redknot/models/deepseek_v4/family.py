@@ -74,6 +74,12 @@ class DeepseekV4Family(ModelFamily):
             found[DSPARK] = draft
         return found
 
+    def varlen_forward(self, model, state, *, input_ids, positions, query_start_loc, seq_slots, block_tables):
+        from redknot.models.deepseek_v4.varlen_step import varlen_forward
+
+        return varlen_forward(model, state, input_ids=input_ids, positions=positions,
+                              query_start_loc=query_start_loc, seq_slots=seq_slots, block_tables=block_tables)
+
     def expert_layers(self, model) -> Sequence[Any]:
         return [layer.ffn for layer in model.layers]
 

@@ -46,6 +46,17 @@ class DeepseekV4(nn.Module):
         # First of the window-only layers at the top of the stack (== num_layers when there are none).
         self.tail_start = cfg.num_layers - cfg.num_trailing_sliding_layers
         self._rope: Optional[RopeTables] = None
+        # (layer, streams leaving it, None): DSpark taps of a varlen tensor-only step (varlen_step.py); the
+        # eager forward hands them over through forward hooks instead.
+        self.tap_hook = None
+
+    @property
+    def supports_varlen_graphs(self) -> bool:
+        """:func:`varlen_step.varlen_forward` takes 1..γ+1 rows per request from ``query_start_loc`` (DSpark
+        verify in CUDA graphs); not with expert-parallel MoE dispatch."""
+        from redknot.models.deepseek_v4.varlen_step import varlen_blocker
+
+        return varlen_blocker(self) is None
 
     @property
     def device(self) -> torch.device:
