@@ -530,16 +530,26 @@ def test_greedy_with_dspark_through_graphs_equals_plain_greedy(v41):
         on.runner.verify_graphs = None
 
 
-def test_v4_keeps_verify_steps_eager(engines):
-    """DeepSeek-V4's tensor-only forward is one token per sequence: its verify graphs stay off with
-    that reason and its DSpark steps run eagerly."""
+def test_v4_verify_steps_run_in_graphs(engines):
+    """DeepSeek-V4 (0731 layout, DSpark) has a variable-length tensor-only step (varlen_step.py): its verify
+    graphs capture every tier, the engine's decode and verify steps replay them with every first replay
+    checked against eager, and greedy output equals plain greedy (test_verify_graphs_v4.py compares the
+    steps themselves)."""
+    from spec_testutil import run_all
+
     llm = engines(arch="dspark")
     runner = llm.runner
     try:
-        graphs = runner.use_verify_graphs(HostGraphCapture())
-        graphs.capture()
-        assert graphs.status.startswith("off: the model's tensor-only forward handles one token per sequence")
-        assert runner.cuda_graphs_status == graphs.status and not graphs.graphs
+        graphs = _host_graphs(llm)
+        assert runner.cuda_graphs_status == graphs.status and sorted(graphs.graphs) == graphs.tiers
+        prompts = {f"e{k}": [(7 * i + 3 * k) % 60 + 2 for i in range(n)] for k, n in enumerate((3, 21, 9))}
+        want = run_all(engines(arch="dspark", dspark=False), prompts, GREEDY)
+        got = run_all(llm, prompts, GREEDY)
+        assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in want.items()}
+        assert sum(o.metrics.num_draft_accepted for o in got.values()) > 0
+        assert graphs.checks and all(c.startswith("ok") for c in graphs.checks.values()), graphs.checks
+        assert graphs.num_replays >= len(graphs.checks) + 4, (graphs.num_replays, graphs.checks)
+        assert graphs.status.startswith("on:"), graphs.status
     finally:
         runner.verify_graphs = None
 

@@ -102,6 +102,17 @@ SCHEDULE = [([0, 1, 2, 3], [1, 4, 2, 3], [1, 2, 2, 1]),
             ([0, 1, 2, 3], [1, 1, 1, 1], [1, 1, 1, 1])]
 
 
+def _reject(reqs, b: int, fed: int, kept: int) -> None:
+    """Request ``b`` keeps ``kept`` of the ``fed`` rows of its step; where it rejects some, the token at the
+    first rejected position changes (the bonus token replaces the rejected draft), so the next step rewrites
+    that position with other values and stale rows cannot pass for fresh ones."""
+    reqs.lens[b] += kept
+    if kept < fed:
+        pos = reqs.lens[b]
+        tok = reqs.seqs[b][pos]
+        reqs.seqs[b][pos] = tok + 1 if tok < 119999 else tok - 1
+
+
 def test_v4_verify_steps_through_graphs_equal_eager(v4):
     """Mixed per-request lengths 1..GAMMA+1 in one step, over six tiers: the replayed step's logits,
     pre-head streams, DSpark taps (as the drafter reads them) and every real state byte equal the eager
@@ -132,12 +143,52 @@ def test_v4_verify_steps_through_graphs_equal_eager(v4):
             _assert_close(streams, eager_streams, f"step {step} streams")
             _assert_close(taps, reqs.draft.last_taps(n), f"step {step} taps")
             _assert_state_close(after_graph, real_state(runner), f"step {step}")
-            for b, k in zip(ids, kept):  # verification kept k rows; the rest are rolled back
-                reqs.lens[b] += k
+            for b, n_b, k in zip(ids, counts, kept):  # verification kept k rows; the rest are rolled back
+                _reject(reqs, b, n_b, k)
     finally:
         graphs.check_first_replay = True
         runner.verify_graphs = None
     assert tiers == {12, 16, 1, 3, 8, 4}
+
+
+def _varlen_vs_eager(runner, inputs, start: List[torch.Tensor]) -> float:
+    """Largest state difference of one step run by the varlen step and eagerly, each from the state
+    ``start`` (every state tensor)."""
+    from redknot.models.deepseek_v4.varlen_step import varlen_forward
+
+    meta = inputs.to(runner.device)
+    for t, b in zip(all_state(runner), start):
+        t.copy_(b)
+    varlen_forward(runner.model, runner.state, input_ids=meta.input_ids, positions=meta.positions,
+                   query_start_loc=meta.query_start_loc, seq_slots=meta.seq_slots, block_tables=meta.block_tables)
+    got = [t.clone() for t in real_state(runner)]
+    for t, b in zip(all_state(runner), start):
+        t.copy_(b)
+    runner.model.forward(meta, runner.state)
+    return max((a.double() - b.double()).abs().max().item() for a, b in zip(got, real_state(runner)))
+
+
+def test_v4_without_in_step_look_back_fails_the_comparison(v4, monkeypatch):
+    """Negative control: a step that stores only each request's last row in the rings (what a one-token
+    decode step stores) leaves a row's window and compressor windows without the earlier rows of its own
+    request in this step; the comparison with eager shows an error far above TOL, while the varlen step's
+    own stores stay within it."""
+    from redknot.models.deepseek_v4.varlen_step import VarlenContext
+
+    llm = v4(True)
+    runner = llm.runner
+    reqs = Requests(llm, prompts=[125, 10], seed=2)
+    inputs = reqs.inputs([0, 1], [4, 2])                   # rows 125..128: 127 closes CSA entry 31, HCA entry 0
+    start = [t.clone() for t in all_state(runner)]
+    assert _varlen_vs_eager(runner, inputs, start) <= TOL
+    real = VarlenContext.ring_write_rows
+
+    def last_row_only(self, ring):
+        rows, dest = real(self, ring)
+        spare = self.spare_slot * ring + self.meta.positions.remainder(ring)
+        return rows, torch.where(self.row == self.last, dest, spare)
+    monkeypatch.setattr(VarlenContext, "ring_write_rows", last_row_only)
+    assert _varlen_vs_eager(runner, inputs, start) > 1e3 * TOL
 
 
 def test_v4_rollback_after_a_partial_accept_through_graphs(v4):
@@ -154,8 +205,8 @@ def test_v4_rollback_after_a_partial_accept_through_graphs(v4):
     ids, first, kept, second = [0, 1, 2], [4, 4, 3], [2, 1, 3], [4, 3, 2]
     try:
         graphs.run(reqs.inputs(ids, first))      # request 0: positions 125..128, 127 closes HCA entry 0
-        for b, k in zip(ids, kept):
-            reqs.lens[b] += k                    # request 0 keeps 125, 126: the closed entry is rejected
+        for b, n_b, k in zip(ids, first, kept):
+            _reject(reqs, b, n_b, k)             # request 0 keeps 125, 126: the closed entry is rejected
         nxt = reqs.inputs(ids, second)
         _, logits = (v.clone() for v in graphs.run(nxt))
         via_graphs = [t.clone() for t in real_state(runner)]
