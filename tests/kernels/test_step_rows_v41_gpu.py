@@ -1,8 +1,9 @@
 """The step's row facts, Engram hashes and Engram gate kernels on the GPU at real V4.1 sizes: 1 / 32 / 128 rows
 (decode and varlen verify), block tables of a 1M-token context (4096 blocks of 256), the window / compressor /
 Engram rings, the real Engram layout (2 layers, n-grams up to 4, 8 heads, primes above 16M) and a 5120-wide
-hc stream of 4; each against the PyTorch math, and the row + hash launches captured in a CUDA graph (no host
-sync) whose replay equals the eager call."""
+hc stream of 4, 64 query heads of 512; each against the PyTorch math (the q / kv epilogue against the two
+``rope_rows`` launches, bit for bit), and the row + hash launches captured in a CUDA graph (no host sync)
+whose replay equals the eager call."""
 from types import SimpleNamespace
 
 import pytest
@@ -111,3 +112,22 @@ def test_engram_gate_at_real_sizes(rows):
     tol = 2.0 ** -7 * torch.maximum(got.abs(), want.abs()) + 1e-5 * kvf[:, None, hc * d:].abs()
     assert ((got - want).abs() <= tol).all()
     assert (got != want).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 32, 128])
+def test_rope_q_kv_equals_rope_rows_bit_for_bit_at_real_sizes(rows):
+    """64 query heads of 512 and the 512-wide kv latent, 64 rotated dims: the one-launch epilogue equals the
+    two ``rope_rows`` launches of the eager layers (compiled with the PTX ``mul.rn`` rotation)."""
+    from redknot.kernels.triton.step_qkv_v41 import rope_q_kv
+    from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
+    from redknot.models.deepseek_v41.ref_math import rope_inv_freq
+
+    g = torch.Generator().manual_seed(rows)
+    q = (torch.randn(rows, 64, 512, generator=g) * 3).to(torch.bfloat16).to(DEV)
+    kv = (torch.randn(rows, 512, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    w = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16).float().to(DEV)
+    pos = torch.randint(0, 1 << 20, (rows,), generator=g).to(DEV)
+    cos, sin = rope_table(pos, rope_inv_freq(64, 160000.0, (16.0, 65536, 32.0, 1.0)).to(DEV))
+    got_q, got_kv = rope_q_kv(q, kv, cos, sin, w, 1e-6)
+    assert torch.equal(got_q, rope_rows(q, cos, sin))
+    assert torch.equal(got_kv, rope_rows(kv, cos, sin, norm_w=w, eps=1e-6))

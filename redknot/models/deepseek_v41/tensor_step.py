@@ -354,10 +354,14 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     with region("attn.q_kv"):
         inv = _shared_inv(layer, u, pos, shared["rope"])
         qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
-        q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
-                            inv, shared["rope"])
-        kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight", cfg.norm_eps,
-                                  pos, inv, shared["rope"])
+        q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim)
+        kv = linear(u, w, f"{p}.wkv.weight", num)
+        got = _rope_q_kv(w, q, kv, pos, inv, shared["rope"], f"{p}.kv_norm.weight", cfg.norm_eps)
+        if got is not None:   # both row epilogues in one launch (the bits of the two below)
+            q, kv = got
+        else:
+            q = fused_rows.rope(q, w, pos, inv, shared["rope"])
+            kv = fused_rows.norm_rope(kv, w, f"{p}.kv_norm.weight", cfg.norm_eps, pos, inv, shared["rope"])
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)
@@ -368,6 +372,19 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
         o = _attend(layer, q, kv, rows, state, shared["topk"])
     with region("attn.out"):
         return grouped_output(o, pos, inv, cfg, w, p, num, shared["rope"])
+
+
+def _rope_q_kv(w, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, tables, norm: str,
+               eps: float):
+    """(fused_rows.rope(q), fused_rows.norm_rope(kv)) in one launch (:mod:`redknot.kernels.triton.step_qkv_v41`)
+    where both would run the row kernel; None elsewhere."""
+    if not (fused_rows.fused(w, q) and fused_rows._ok(q, inv) and kv.dtype == q.dtype
+            and kv.shape == (q.shape[0], q.shape[-1])):
+        return None
+    from redknot.kernels.triton.step_qkv_v41 import rope_q_kv
+
+    cos, sin = fused_rows._table(tables, pos, inv)
+    return fused_rows._guarded(rope_q_kv, q, kv, cos, sin, w.float(norm), eps)
 
 
 def _shared_inv(layer, u: torch.Tensor, pos: torch.Tensor, tables) -> torch.Tensor:
