@@ -24,8 +24,9 @@ step's library GEMMs (cuBLAS picks its kernel, and so its summation order, by ro
 tier the real rows may round differently from an unpadded step; that difference is reported with the
 check, not treated as a fault.
 
-The V4 model's tensor-only forward handles one token per sequence; its verify steps run eagerly
-(``VerifyGraphs.status`` says so).
+Both families have such a step: V4.1's ``tensor_step`` and V4's ``varlen_step`` (window, CSA/HCA
+compressors, indexer, MoE and mHC over 1..g+1 rows per request). A model without one runs its verify
+steps eagerly (``VerifyGraphs.status`` says so).
 """
 from __future__ import annotations
 
