@@ -196,18 +196,17 @@ def _route_gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KSPL
                    WB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
                    ROUTE: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
                    TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """The shared expert's W1 | W3 stream (``_gate_up``); with ROUTE one more column of programs, whose
-    first routes the M tokens (``_route_row``): the router and the stream in one launch."""
+    """The shared expert's W1 | W3 stream (``_gate_up``); with ROUTE M more columns of programs, the first
+    program of each routing one token (``_route_row``): the router and the stream in one launch."""
     pid_n = tl.program_id(1)
     if pid_n < 2 * NB:
         _gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, tl.program_id(0), pid_n, tl.program_id(2), M, N,
                  K, KSPLIT, NB, stride_am, stride_bn, stride_sbn, stride_ps, stride_pm, WB, BLOCK_M, BLOCK_N,
                  GROUPS)
-    elif ROUTE:
+    elif ROUTE:  # program column 2·NB + t routes token t (the top-k rounds are serial reductions)
         if (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
-            for t in range(M):
-                _route_row(l_ptr, bias_ptr, ids_ptr, w_ptr, t, E, stride_l, inv_temp, scale, TOPK, KP, NORM, TEMP,
-                           BLOCK_E, LIBDEVICE)
+            _route_row(l_ptr, bias_ptr, ids_ptr, w_ptr, pid_n - 2 * NB, E, stride_l, inv_temp, scale, TOPK, KP, NORM,
+                       TEMP, BLOCK_E, LIBDEVICE)
 
 
 @triton.jit
@@ -316,7 +315,7 @@ def _check_shared(u, w1, s1, w3, s3, w2, block: int, name: str):
 
 def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None) -> torch.Tensor:
     """The W1 | W3 partials [S, T, 2I] (``_route_gate_up``); ``route``: (logits, bias, ids, w, k, temp, norm,
-    scale), the router's programs in the same launch."""
+    scale), the router's programs (one per token) in the same launch."""
     T, D = u.shape
     inter = w1.shape[0]
     S1, ks1, bm, bn = _slices(inter, D, T)
@@ -332,7 +331,7 @@ def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None) -> torch.Tensor:
                  float(scale))
         rkw = dict(ROUTE=True, TOPK=k, KP=next_pow2(k), NORM=bool(norm), TEMP=temp != 1.0,
                    BLOCK_E=max(16, next_pow2(logits.shape[1])))
-    _route_gate_up[(cdiv(T, bm), 2 * nb + (route is not None), S1)](
+    _route_gate_up[(cdiv(T, bm), 2 * nb + (T if route is not None else 0), S1)](
         u, w1, s1, w3, s3, p1, T, inter, D, ks1, nb, u.stride(0), w1.stride(0), s1.stride(0), p1.stride(0),
         p1.stride(1), *rargs, WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, LIBDEVICE=_LIBDEVICE, **rkw,
         num_warps=4, num_stages=4)
