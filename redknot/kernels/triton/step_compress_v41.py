@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from redknot.kernels.triton._common import interpreting, next_pow2
+from redknot.kernels.triton._common import interpreting
 from redknot.kernels.triton.quant_mx import e2m1_code, e8m0_exponent, pow2
 from redknot.kernels.triton.step_rope_v41 import _mul_rn
 
