@@ -44,10 +44,24 @@ log = logging.getLogger(__name__)
 
 @triton.jit
 def _index_keys(key_ptr, ent, ok, stride_k, DI: tl.constexpr, BLOCK_N: tl.constexpr):
+    kq, ks = _key_bytes(key_ptr, ent, ok, stride_k, DI)
+    return _decode_keys(kq, ks, DI, BLOCK_N)
+
+
+@triton.jit
+def _key_bytes(key_ptr, ent, ok, stride_k, DI: tl.constexpr):
+    """The packed e2m1 bytes [BN, DI/2] and E8M0 bytes [BN, DI/32] of index-key rows ``ent`` (masked rows:
+    code 0 and scale byte 127)."""
     base = key_ptr + ent.to(tl.int64)[:, None] * stride_k
-    p = tl.load(base + tl.arange(0, DI // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    kq = tl.load(base + tl.arange(0, DI // 2)[None, :], mask=ok[:, None], other=0)
+    ks = tl.load(base + DI // 2 + tl.arange(0, DI // 32)[None, :], mask=ok[:, None], other=127)
+    return kq, ks
+
+
+@triton.jit
+def _decode_keys(kq, sb, DI: tl.constexpr, BLOCK_N: tl.constexpr):
+    p = kq.to(tl.int32)
     v = e2m1_half(tl.reshape(tl.join(p, p >> 4), (BLOCK_N, DI))).to(tl.float32)   # value * 2^-14, exact
-    sb = tl.load(base + DI // 2 + tl.arange(0, DI // 32)[None, :], mask=ok[:, None], other=127)
     sc = e8m0_decode(sb) * 16384.0    # exact below 2^114 (scale bytes up to 240; keys never come near)
     v = tl.reshape(tl.reshape(v, (BLOCK_N, DI // 32, 32)) * sc[:, :, None], (BLOCK_N, DI))
     return v.to(tl.bfloat16)
@@ -99,7 +113,7 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
                   stride_qt, stride_qh, stride_wt, stride_k, stride_bm, stride_cb,
                   HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
-                  BS: tl.constexpr, CAND: tl.constexpr, SCALED: tl.constexpr):
+                  BS: tl.constexpr, CAND: tl.constexpr, SCALED: tl.constexpr, PREFETCH: tl.constexpr):
     """Streaming top-K of one tile of tokens over its split of the entries (newest block first): the
     scores of ``_index_scores``, packed with their ids, kept in the token's buffer when above its bar.
     Blocks of ``BLOCK_N`` entries are aligned to multiples of ``BLOCK_N`` (every split starts on one),
@@ -110,7 +124,10 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
     entries ``b·BS .. b·BS+BS-1`` of each, below ``NKEYS`` and the token's visibility. ``SCALED``: the key
     bytes go to ``tl.dot_scaled`` as MXFP4 (packed e2m1, E8M0 per 32: exactly the index-key row), which on
     SM90 converts them to bf16 in a few byte permutes per 8 values instead of the register decode's ~17
-    integer operations per value; both give the exact key values and the same bf16 MMA."""
+    integer operations per value; both give the exact key values and the same bf16 MMA. ``PREFETCH`` (not
+    with ``CAND``): each step issues the key loads of the next block before it computes its own, so the
+    load latency overlaps the step's MMA and selection (the loop is not software-pipelined otherwise);
+    the bytes loaded for every block are the same, so are the selections."""
     pid_s = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_ok = toks < T
@@ -138,6 +155,10 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
     buf = buf_ptr + rows[:, None] * CAP
     count = tl.zeros([BLOCK_T], tl.int32)
     theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
+    if PREFETCH:   # the newest block's bytes, as the loop's first step would load them
+        ents0 = e_lo + (n_blocks - 1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok0 = (ents0 < e_hi) & (ents0 >= e_lo)
+        nq, ns = _key_bytes(key_ptr, tl.where(ok0, ents0, 0), ok0, stride_k, DI)
     for j in range(n_blocks):
         ents = e_lo + (n_blocks - 1 - j) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = ents < e_hi
@@ -146,13 +167,17 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
             blk = tl.load(cb_ptr + tok * stride_cb + ents // BS, mask=ok, other=-1)   # one token: tok < T
             ents = blk * BS + ents % BS
             ok = ok & (blk >= 0) & (ents < NKEYS)
+        if PREFETCH:
+            kq, ks = nq, ns
+            nents = ents - BLOCK_N
+            nok = (nents >= e_lo) & (nents < e_hi)
+            nq, ns = _key_bytes(key_ptr, tl.where(nok, nents, 0), nok, stride_k, DI)
+        else:
+            kq, ks = _key_bytes(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI)
         if SCALED:
-            kb = key_ptr + tl.where(ok, ents, 0).to(tl.int64)[:, None] * stride_k
-            kq = tl.load(kb + tl.arange(0, DI // 2)[None, :], mask=ok[:, None], other=0)
-            ks = tl.load(kb + DI // 2 + tl.arange(0, DI // 32)[None, :], mask=ok[:, None], other=127)
             d = tl.trans(tl.dot_scaled(kq, ks, "e2m1", q_t, None, "bf16", fast_math=True))
         else:
-            keys = _index_keys(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI, BLOCK_N)   # [BN, DI]
+            keys = _decode_keys(kq, ks, DI, BLOCK_N)   # [BN, DI]
             d = tl.dot(q, tl.trans(keys))
         d = tl.reshape(d, (BLOCK_T, HP, BLOCK_N))
         if BF16:
@@ -190,15 +215,27 @@ class StreamConfig:
     num_warps: int = 4
     num_splits: int = 0  # 0: chosen from the problem size (enough programs for the device)
     decode: str = "registers"   # or "scaled": the key bytes through tl.dot_scaled (see _index_stream)
+    prefetch: bool = False      # the next block's key bytes loaded before this block's work (not with CAND)
+
+    def __repr__(self) -> str:
+        """The stored tuning choices name configurations by this text: without ``prefetch`` it stays the
+        text of the shapes that predate it."""
+        text = (f"StreamConfig(block_t={self.block_t}, block_n={self.block_n}, num_warps={self.num_warps}, "
+                f"num_splits={self.num_splits}, decode={self.decode!r}")
+        return text + (", prefetch=True)" if self.prefetch else ")")
 
 
 # More tokens per program decode each key block for more query rows, and the ``scaled`` decode makes
 # that decode cheap (the decode of FP4 key bytes, not the MMA, bounds the stream at two tokens: 57 TFLOP/s
 # at 1M entries against 117 for the score pass tuned up to eight); the first entry is the untuned default
-# (CPU, interpreter, graph capture). Few entries: each one is a compile in the first chunk.
+# (CPU, interpreter, graph capture). Few entries: each one is a compile in the first chunk. Tokens per
+# program barely moved the prefill stream (8192 tokens at 40-73K entries: 40-65 ms for every shape), so a
+# step's fixed cost (the key load's latency, the buffer's count reduction and branch) bounds it, not the
+# per-entry work: the 128-entry shapes halve the steps per token for the same work per entry.
 STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
     StreamConfig(2, 64, 4), StreamConfig(4, 64, 8, decode="scaled"), StreamConfig(8, 64, 8, decode="scaled"),
-    StreamConfig(8, 64, 8),
+    StreamConfig(8, 64, 8), StreamConfig(2, 128, 8), StreamConfig(2, 64, 4, prefetch=True),
+    StreamConfig(4, 64, 8, decode="scaled", prefetch=True),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -282,7 +319,8 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
         q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), bm.stride(0), cb.stride(0),
         HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
         BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
-        CAND=cand_blocks is not None, SCALED=config.decode == "scaled", num_warps=config.num_warps)
+        CAND=cand_blocks is not None, SCALED=config.decode == "scaled",
+        PREFETCH=config.prefetch and cand_blocks is None, num_warps=config.num_warps)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     big = torch.iinfo(torch.int32).max
     ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last
