@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         first = None
         for cfg in indexer_mx.STREAM_TUNER.candidates:
             got = case(group, f"block_t {cfg.block_t}, block_n {cfg.block_n}, warps {cfg.num_warps}, "
-                              f"decode {cfg.decode}",
+                              f"decode {cfg.decode}{', prefetch' if getattr(cfg, 'prefetch', False) else ''}",
                        lambda cfg=cfg: indexer_mx.stream_topk(q, w, keys, vis, topk, True, config=cfg), scored, first)
             first = got if first is None else first
         group = f"candidate source (top-k + {nb} blocks), {t} queries, {n} entries"
