@@ -229,9 +229,10 @@ class StreamConfig:
 # that decode cheap (the decode of FP4 key bytes, not the MMA, bounds the stream at two tokens: 57 TFLOP/s
 # at 1M entries against 117 for the score pass tuned up to eight); the first entry is the untuned default
 # (CPU, interpreter, graph capture). Few entries: each one is a compile in the first chunk. Tokens per
-# program barely moved the prefill stream (8192 tokens at 40-73K entries: 40-65 ms for every shape), so a
-# step's fixed cost (the key load's latency, the buffer's count reduction and branch) bounds it, not the
-# per-entry work: the 128-entry shapes halve the steps per token for the same work per entry.
+# program barely moved the prefill stream (8192 tokens at 40-73K entries: 40-65 ms for every shape), which
+# points at a step's latency rather than its work: ptxas gives every shape 230-255 registers a thread (one
+# or two programs an SM) and the loop's loads are not software-pipelined. The 128-entry shape halves the
+# steps per token; the ``prefetch`` shapes load the next block's key bytes before a step's own work.
 STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
     StreamConfig(2, 64, 4), StreamConfig(4, 64, 8, decode="scaled"), StreamConfig(8, 64, 8, decode="scaled"),
     StreamConfig(8, 64, 8), StreamConfig(2, 128, 8), StreamConfig(2, 64, 4, prefetch=True),
