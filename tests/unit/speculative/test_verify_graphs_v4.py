@@ -113,14 +113,53 @@ def _reject(reqs, b: int, fed: int, kept: int) -> None:
         reqs.seqs[b][pos] = tok + 1 if tok < 119999 else tok - 1
 
 
-def test_v4_verify_steps_through_graphs_equal_eager(v4):
-    """Mixed per-request lengths 1..GAMMA+1 in one step, over six tiers: the replayed step's logits,
-    pre-head streams, DSpark taps (as the drafter reads them) and every real state byte equal the eager
-    step's (fp64 weights; fp32 rounding of V4's ops, TOL), each step from the same state with the previous step's rejected rows left in it."""
-    llm = v4(True)
-    graphs = _host_graphs(llm)
-    graphs.check_first_replay = False          # compare the replay itself, not the checked eager result
+def _replay_equals_eager(runner, graphs, reqs, inputs, n: int, step: int) -> None:
+    """One verify step replayed from its tier (through the runner), then the same step run eagerly from the
+    state before it: logits, pre-head streams, DSpark taps (as the drafter reads them) and every real state
+    byte agree within TOL."""
+    before = [t.clone() for t in all_state(runner)]
+    replays = graphs.num_replays
+    streams, logits = (v.clone() for v in runner._forward(inputs))
+    assert graphs.num_replays == replays + 1, step
+    taps = reqs.draft.last_taps(n).clone()
+    after_graph = [t.clone() for t in real_state(runner)]
+    for t, b in zip(all_state(runner), before):
+        t.copy_(b)
+    eager_streams, eager_logits = runner.eager_forward(inputs)
+    assert logits.shape == eager_logits.shape == (n, runner.vocab_size)
+    _assert_close(logits, eager_logits, f"step {step} logits")
+    _assert_close(streams, eager_streams, f"step {step} streams")
+    _assert_close(taps, reqs.draft.last_taps(n), f"step {step} taps")
+    _assert_state_close(after_graph, real_state(runner), f"step {step}")
+
+
+def _replay_is_the_padded_step(runner, graphs, reqs, inputs, n: int, step: int) -> None:
+    """One verify step replayed from its tier, then the same padded step run uncaptured (the recorded callable
+    on the same static buffers) from the state before it: the same ops on the same inputs, so logits, streams,
+    taps and every real state byte are bitwise equal; a value baked in at capture, a buffer the graph does not
+    read or a race would show here."""
+    before = [t.clone() for t in all_state(runner)]
+    streams, logits = (v.clone() for v in graphs.run(inputs))
+    tier = min(t for t in graphs.tiers if t >= n)
+    taps = [h[:n].clone() for h in graphs.graphs[tier].outputs[2:]]
+    after_graph = [t.clone() for t in real_state(runner)]
+    for t, b in zip(all_state(runner), before):
+        t.copy_(b)
+    assert graphs._fill(inputs.meta) == tier
+    with torch.no_grad():
+        got = graphs._step_fn(tier)()
+    assert len(got) == 2 + len(taps) and len(taps) == 3, (len(got), len(taps))
+    for name, x, y in [("logits", logits, got[1][:n]), ("streams", streams, got[0][:n])] + \
+            [(f"tap {i}", h, g[:n]) for i, h, g in zip(graphs.tap_layers, taps, got[2:])]:
+        assert torch.equal(x, y), (step, name, (x.double() - y.double()).abs().max().item())
+    _assert_state_close(after_graph, real_state(runner), f"step {step}", 0.0)
+
+
+def _walk(llm, graphs, check) -> set:
+    """``check(runner, graphs, reqs, inputs, n, step)`` on every step of SCHEDULE (first-replay check off, so
+    the replay itself is compared), each step keeping its kept rows -> the tiers the steps ran in."""
     runner = llm.runner
+    graphs.check_first_replay = False
     reqs = Requests(llm, prompts=PROMPTS)
     tiers = set()
     try:
@@ -128,27 +167,37 @@ def test_v4_verify_steps_through_graphs_equal_eager(v4):
             inputs = reqs.inputs(ids, counts)
             assert graphs.can_run(inputs), counts
             n = sum(counts)
-            before = [t.clone() for t in all_state(runner)]
-            replays = graphs.num_replays
-            streams, logits = (v.clone() for v in runner._forward(inputs))
-            assert graphs.num_replays == replays + 1
+            check(runner, graphs, reqs, inputs, n, step)
             tiers.add(min(t for t in graphs.tiers if t >= n))
-            taps = reqs.draft.last_taps(n).clone()
-            after_graph = [t.clone() for t in real_state(runner)]
-            for t, b in zip(all_state(runner), before):
-                t.copy_(b)
-            eager_streams, eager_logits = runner.eager_forward(inputs)
-            assert logits.shape == eager_logits.shape == (n, runner.vocab_size)
-            _assert_close(logits, eager_logits, f"step {step} logits")
-            _assert_close(streams, eager_streams, f"step {step} streams")
-            _assert_close(taps, reqs.draft.last_taps(n), f"step {step} taps")
-            _assert_state_close(after_graph, real_state(runner), f"step {step}")
             for b, n_b, k in zip(ids, counts, kept):  # verification kept k rows; the rest are rolled back
                 _reject(reqs, b, n_b, k)
     finally:
         graphs.check_first_replay = True
-        runner.verify_graphs = None
-    assert tiers == {12, 16, 1, 3, 8, 4}
+    return tiers
+
+
+def test_v4_verify_steps_through_graphs_equal_eager(v4):
+    """Mixed per-request lengths 1..GAMMA+1 in one step, over six tiers: the replayed step's logits,
+    pre-head streams, DSpark taps (as the drafter reads them) and every real state byte equal the eager
+    step's (fp64 weights; fp32 rounding of V4's ops, TOL), each step from the same state with the previous
+    step's rejected rows left in it."""
+    llm = v4(True)
+    graphs = _host_graphs(llm)
+    try:
+        assert _walk(llm, graphs, _replay_equals_eager) == {12, 16, 1, 3, 8, 4}
+    finally:
+        llm.runner.verify_graphs = None
+
+
+def test_v4_replay_is_the_padded_step_bit_for_bit(v4):
+    """Every scheduled verify step's replay equals the same padded step run uncaptured, bit for bit (logits,
+    streams, taps, state)."""
+    llm = v4(True)
+    graphs = _host_graphs(llm)
+    try:
+        _walk(llm, graphs, _replay_is_the_padded_step)
+    finally:
+        llm.runner.verify_graphs = None
 
 
 def _varlen_vs_eager(runner, inputs, start: List[torch.Tensor]) -> float:
@@ -301,3 +350,21 @@ def test_gpu_v4_engine_verifies_in_cuda_graphs(v4):
     prompts = {f"g{k}": [(29 * i + 7 * k) % 120000 + 3 for i in range(n)] for k, n in enumerate((6, 33, 118, 124))}
     _greedy_through_graphs(v4(False, cuda=True), on, prompts, logits_atol=LOGITS_ATOL)
     assert on.stats().num_cuda_graph_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_v4_verify_replays_equal_the_padded_step_and_eager(v4):
+    """Real CUDA graphs (fp64): every scheduled verify step's replay equals the same padded step run
+    uncaptured bit for bit, and the eager step within TOL (logits, streams, taps, state)."""
+    llm = v4(True, cuda=True, graphs=True)
+    graphs = llm.runner.verify_graphs
+    assert graphs.status.startswith("on:"), graphs.status
+
+    def both(runner, graphs, reqs, inputs, n, step):
+        start = [t.clone() for t in all_state(runner)]
+        _replay_is_the_padded_step(runner, graphs, reqs, inputs, n, step)
+        for t, b in zip(all_state(runner), start):
+            t.copy_(b)
+        _replay_equals_eager(runner, graphs, reqs, inputs, n, step)
+    assert _walk(llm, graphs, both) == {12, 16, 1, 3, 8, 4}
