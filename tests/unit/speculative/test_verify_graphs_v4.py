@@ -18,7 +18,8 @@ from spec_testutil import features
 from test_verify_graphs import GAMMA, LOGITS_ATOL, MAX_SEQS, Requests, _greedy_through_graphs, _host_graphs
 
 from redknot.bench.typed import load_yaml_option
-from redknot.config.schema import Accelerator, DType, EngineConfig, HardwareConfig, ModelConfig, SchedulerConfig
+from redknot.config.schema import (Accelerator, DType, EngineConfig, HardwareConfig, KernelsConfig, ModelConfig,
+                                   SchedulerConfig)
 from redknot.engine.cuda_graphs import HostGraphCapture
 
 CONF = Path(__file__).resolve().parents[3] / "conf" / "model" / "tiny-0731.yaml"
@@ -31,7 +32,8 @@ WINDOW = 128
 TOL = 5e-5
 
 
-def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False, dtype: DType = DType.float64):
+def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False, dtype: DType = DType.float64,
+          kernels: str = "reference"):
     from redknot.engine import LLM
 
     model = load_yaml_option(CONF, ModelConfig)
@@ -40,7 +42,7 @@ def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False, dt
     if cuda:
         hardware = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=dtype,
                                   kv_cache_dtype=dtype, cuda_graphs=graphs, memory_utilization=0.5,
-                                  cuda_graph_max_len=512)
+                                  cuda_graph_max_len=512, kernels=KernelsConfig(default=kernels))
     # block_size: a multiple of the HCA ratio (128)
     sched = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=160, long_prefill_chunk=64,
                             block_size=128)
@@ -53,10 +55,11 @@ def v4(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("v4-verify-graphs"))
     made = {}
 
-    def make(dspark: bool, cuda: bool = False, graphs: bool = False, dtype: DType = DType.float64):
-        key = (dspark, cuda, graphs, dtype)
+    def make(dspark: bool, cuda: bool = False, graphs: bool = False, dtype: DType = DType.float64,
+             kernels: str = "reference"):
+        key = (dspark, cuda, graphs, dtype, kernels)
         if key not in made:
-            made[key] = _make(cache, dspark, cuda, graphs, dtype)
+            made[key] = _make(cache, dspark, cuda, graphs, dtype, kernels)
         return made[key]
     yield make
     for llm in made.values():
@@ -368,3 +371,19 @@ def test_gpu_v4_verify_replays_equal_the_padded_step_and_eager(v4):
             t.copy_(b)
         _replay_equals_eager(runner, graphs, reqs, inputs, n, step)
     assert _walk(llm, graphs, both) == {12, 16, 1, 3, 8, 4}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_v4_verify_replays_with_triton_kernels(v4):
+    """The Hopper configuration's kernels (hardware sm90-port: ``kernels.default=triton``; the varlen step hands
+    each row to the Triton window/compressed attention, indexer top-k and MoE as a one-token row of its own)
+    in fp32 through real CUDA graphs: every scheduled verify step's replay equals the same padded step run
+    uncaptured bit for bit, and the first replay of a tier passes its check against the eager step."""
+    llm = v4(True, cuda=True, graphs=True, dtype=DType.float32, kernels="triton")
+    graphs = llm.runner.verify_graphs
+    assert graphs.status.startswith("on:"), graphs.status
+    assert _walk(llm, graphs, _replay_is_the_padded_step) == {12, 16, 1, 3, 8, 4}
+    reqs = Requests(llm, prompts=[126, 40], seed=6)
+    graphs.run(reqs.inputs([0, 1], [4, 3]))                  # tier 8, checked on its first replay
+    assert graphs.checks[8].startswith("ok"), graphs.checks
