@@ -31,7 +31,8 @@ def draft_step(d, drafter, sampler, batch: int, context: int, forward=None) -> N
     ``features.dspark.block_attention``; ``forward(anchors, positions, slots)``: a replayed one), the
     Markov chain, the confidences (read back)."""
     device = d.device
-    anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
+    # a different anchor per request: identical rows would all route to the same experts
+    anchors = 7 + torch.arange(batch, dtype=torch.long, device=device)
     positions = torch.full((batch,), context, dtype=torch.long, device=device)
     slots = torch.arange(batch, dtype=torch.long, device=device)
     if forward is None:

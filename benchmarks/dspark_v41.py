@@ -166,7 +166,8 @@ def draft_block_graph(bench: "Bench41", batch: int, capturer, repeats: int) -> D
     from redknot.speculative.draft_graphs import DraftGraphs
 
     d, device, ctx = bench.draft, bench.device, bench.context
-    anchors = torch.full((batch,), 7, dtype=torch.long, device=device)
+    # a different anchor per request: identical rows would all route to the same experts
+    anchors = 7 + torch.arange(batch, dtype=torch.long, device=device)
     positions = torch.full((batch,), ctx, dtype=torch.long, device=device)
     slots = torch.arange(batch, dtype=torch.long, device=device)
     rings, causal = bench.drafter.rings, bench.drafter.causal

@@ -246,6 +246,18 @@ def fill_synthetic(b: Batch, ctx: int, seed: int = 0, pool: int = 4096) -> None:
     b.lens = [ctx] * b.b
 
 
+def distinct_ids(base: int, n: int, vocab: int) -> List[int]:
+    """``n`` different token ids from ``base``: every sequence of a decode batch feeds its own token, so the
+    rows route to the experts independent rows would (one token for all cloned sequences would give
+    identical rows routed to the same k experts, and a step that reads k experts' weights, not the distinct
+    experts of the batch that the floor counts)."""
+    return [(base + 7919 * i) % (vocab - 3) + 3 for i in range(n)]
+
+
+def distinct_rows(base: int, n: int, vocab: int) -> List[List[int]]:
+    return [[x] for x in distinct_ids(base, n, vocab)]
+
+
 def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -> dict:
     """Decode of sequences 0..bs-1 through the tensor-only step (``deepseek_v41/tensor_step.py``): captured
     in a CUDA graph and replayed on a GPU, run as is on a CPU. The step's attention, indexer and
@@ -257,7 +269,8 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -
 
     dev = b.model.device
     seqs = list(range(bs))
-    step = TensorStep(torch.full((bs,), 11, dtype=torch.long, device=dev),
+    ids = distinct_ids(11, bs, b.model.cfg.vocab_size)
+    step = TensorStep(torch.tensor(ids, dtype=torch.long, device=dev),
                       torch.tensor([b.lens[s] for s in seqs], dtype=torch.long, device=dev),
                       torch.arange(bs + 1, dtype=torch.int32, device=dev),
                       torch.arange(bs, dtype=torch.int32, device=dev),
@@ -275,7 +288,7 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -
             out = tensor_forward(b.model, step, b.state)
         sync(device)
         got = out.float().clone()
-        want = b.step([[11]] * bs, seqs=seqs).float()
+        want = b.step([[x] for x in ids], seqs=seqs).float()
         for s in seqs:
             b.lens[s] -= 1
         rel = ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-30)).max().item()
@@ -743,11 +756,11 @@ def main(argv=None) -> dict:
                 report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": None, "floor_ms": floor_ms,
                                          "fraction_of_floor": None, "state": "synthetic"})
             else:
-                b.step([[5]] * bs, seqs=seqs)   # warm-up
+                b.step(distinct_rows(5, bs, cfg.vocab_size), seqs=seqs)   # warm-up
                 sync(device)
                 t = time.perf_counter()
                 for i in range(a.decode_steps):
-                    b.step([[7 + i]] * bs, seqs=seqs)
+                    b.step(distinct_rows(7 + i, bs, cfg.vocab_size), seqs=seqs)
                 sync(device)
                 ms = (time.perf_counter() - t) / a.decode_steps * 1e3
                 print(f"decode ctx {ctx} batch {bs}: {ms:.2f} ms/step eager ({100 * floor_ms / ms:.1f} % of the "
@@ -765,11 +778,11 @@ def main(argv=None) -> dict:
                     print(f"decode ctx {ctx} batch {bs}: graph {g['graph']}")
             if eager and not a.skip_profile and not over_budget(10):
                 report["op_shares"][f"decode b{bs} at {ctx}"] = registry_shares(
-                    ops, lambda: b.step([[8]] * bs, seqs=seqs), device)
+                    ops, lambda: b.step(distinct_rows(8, bs, cfg.vocab_size), seqs=seqs), device)
             if eager and not a.skip_profile and not over_budget(10) and profiles[0]:
                 profiles[0] -= 1
                 report["profile"][f"decode b{bs} at {ctx}"] = op_shares(
-                    lambda: b.step([[9]] * bs, seqs=seqs), device)
+                    lambda: b.step(distinct_rows(9, bs, cfg.vocab_size), seqs=seqs), device)
 
     for ctx in ctxs:
         proj = None

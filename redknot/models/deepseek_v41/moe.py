@@ -42,9 +42,15 @@ def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,
     """u [T, D] -> [T, D]: routed experts (rows grouped by expert, fp32 sum) + shared expert.
     ``prefix``: the tensors' name prefix (default ``layers.{layer}.ffn``; DSpark stages ``mtp.{s}.ffn``)."""
     prefix = prefix or f"layers.{layer}.ffn"
-    ids, weights = route(u, w, prefix, cfg, num.acc)
     dispatch = getattr(w, "expert_dispatch", None)   # expert parallel (parallel.py), else None
     ep_layer = None if dispatch is None else dispatch.get(prefix)
+    if ep_layer is None and prefix == f"layers.{layer}.ffn":
+        # Few rows on the step kernels: the tensor step's fused MoE, so an eager decode or verify step and
+        # its CUDA-graph replay compute the same bits (None elsewhere: the paths below).
+        fused = moe_step_kernels(u, w, prefix, cfg, num)
+        if fused is not None:
+            return fused
+    ids, weights = route(u, w, prefix, cfg, num.acc)
     if ep_layer is not None:  # routed experts over the EP group; the shared expert stays local
         routed = ep_layer.dispatcher(None, u, ids, weights, ep_layer.experts, ep_layer.limit)
         out = routed.to(num.acc) + swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
