@@ -88,18 +88,7 @@ class Compressor(nn.Module):
         write_ring(gate_ring, ctx, gate)
         meta, m, per_block = ctx.meta, self.ratio, pool.shape[1]
         pos = meta.positions  # [B]
-        span = 2 * m if self.overlap else m
-        ring, width = kv_ring.shape[1], kv_ring.shape[2]
-        row_pos = pos[:, None] - (span - 1) + torch.arange(span, device=pos.device)  # [B, span]
-        src = (meta.seq_slots.long()[:, None] * ring + row_pos.remainder(ring)).flatten()
-        valid = (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
-        kv_rows = torch.where(valid, kv_ring.view(-1, width)[src], 0.0)  # [B*span, C]
-        gate_rows = torch.where(valid, gate_ring.view(-1, width)[src], float("-inf"))
-        # Without has_prev the op pools window j with window j-1 of the rows: the odd entries are
-        # each sequence's (previous, current) pair; the even ones straddle two sequences.
-        pooled = ks.compressor(kv_rows, gate_rows, self.ape, m, self.overlap, False)
-        if self.overlap:
-            pooled = pooled[1::2]  # [B, hd]
+        pooled = pool_ring_windows(self, ks, kv_ring, gate_ring, pos, meta.seq_slots)  # [B, hd]
         closes = (pos + 1) % m == 0  # [B]
         w = ((pos + 1) // m - 1).clamp(min=0)  # the entry p closes (where it does)
         cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
@@ -129,3 +118,22 @@ class Indexer(nn.Module):
         q = ks.rope(q, *ctx.cos_sin(COMPRESS))
         weights = self.weights_proj(ks, x).float() * self.n_heads ** -0.5  # [T, IH]
         return ks.indexer_topk(q, weights, keys, ctx.meta, self.ratio, self.topk, self.head_dim ** -0.5)
+
+
+def pool_ring_windows(comp, ks, kv_ring: torch.Tensor, gate_ring: torch.Tensor, pos: torch.Tensor,
+                      seq_slots: torch.Tensor) -> torch.Tensor:
+    """[R, hd]: for every row (a sequence slot at an absolute position, the rows already in the rings) the
+    compressor ``comp``'s pooled window ending at that position, with the window before it where windows
+    overlap; shapes independent of the positions (CUDA graphs)."""
+    m = comp.ratio
+    span = 2 * m if comp.overlap else m
+    ring, width = kv_ring.shape[1], kv_ring.shape[2]
+    row_pos = pos[:, None] - (span - 1) + torch.arange(span, device=pos.device)  # [R, span]
+    src = (seq_slots.long()[:, None] * ring + row_pos.remainder(ring)).flatten()
+    valid = (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
+    kv_rows = torch.where(valid, kv_ring.view(-1, width)[src], 0.0)  # [R*span, C]
+    gate_rows = torch.where(valid, gate_ring.view(-1, width)[src], float("-inf"))
+    # Without has_prev the op pools window j with window j-1 of the rows: the odd entries are each
+    # row's (previous, current) pair; the even ones straddle two rows.
+    pooled = ks.compressor(kv_rows, gate_rows, comp.ape, m, comp.overlap, False)
+    return pooled[1::2] if comp.overlap else pooled

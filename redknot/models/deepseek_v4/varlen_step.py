@@ -43,6 +43,7 @@ import torch
 
 from redknot.kernels.ref_moe import _moe_every_expert
 from redknot.models.deepseek_v4.attention import visible_entries
+from redknot.models.deepseek_v4.compressor import pool_ring_windows
 from redknot.models.deepseek_v4.rope import COMPRESS
 from redknot.step.context import StepContext, write_ring
 from redknot.step.metadata import StepMetadata
@@ -108,18 +109,7 @@ def compressor_update(comp, ks, x: torch.Tensor, ctx: VarlenContext, kv_ring: to
     write_ring(gate_ring, ctx, gate)
     meta, m, per_block = ctx.meta, comp.ratio, pool.shape[1]
     pos = meta.positions  # [T]
-    span = 2 * m if comp.overlap else m
-    ring, width = kv_ring.shape[1], kv_ring.shape[2]
-    row_pos = pos[:, None] - (span - 1) + torch.arange(span, device=pos.device)  # [T, span]
-    src = (meta.seq_slots.long()[:, None] * ring + row_pos.remainder(ring)).flatten()
-    valid = (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
-    kv_rows = torch.where(valid, kv_ring.view(-1, width)[src], 0.0)  # [T*span, C]
-    gate_rows = torch.where(valid, gate_ring.view(-1, width)[src], float("-inf"))
-    # Without has_prev the op pools window j with window j-1 of the rows: the odd entries are each
-    # row's (previous, current) pair; the even ones straddle two rows.
-    pooled = ks.compressor(kv_rows, gate_rows, comp.ape, m, comp.overlap, False)
-    if comp.overlap:
-        pooled = pooled[1::2]  # [T, hd]
+    pooled = pool_ring_windows(comp, ks, kv_ring, gate_ring, pos, meta.seq_slots)  # [T, hd]
     closes = (pos + 1) % m == 0  # [T]
     w = ((pos + 1) // m - 1).clamp(min=0)  # the entry p closes (where it does)
     cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
