@@ -61,11 +61,12 @@ class Spy:
     def __init__(self):
         import redknot.kernels.triton.step_indexer_mx as si
         import redknot.models.deepseek_v41.tensor_step as ts
+        import redknot.models.deepseek_v41.tensor_step_sources as tss
 
         self.on = False
         self.rec: Dict[int, dict] = {}
         self.last = None
-        orig_index, orig_kernel, orig_torch = ts._index, si.step_index_scores, ts._index_scores_torch
+        orig_index, orig_kernel, orig_torch = ts._index, si.step_index_scores, tss._index_scores_torch
         spy = self
 
         def kernel_scores(*a, **k):   # the Triton step kernels' scores ([T, C] over ``entries`` when given)
@@ -86,7 +87,7 @@ class Spy:
                 return
             sc, cand = spy.last if spy.last is not None else (None, None)
             spy.rec[layer.layer] = {"topk": shared["topk"].clone(), "scores": sc, "cand": cand}
-        ts._index, si.step_index_scores, ts._index_scores_torch = index, kernel_scores, torch_scores
+        ts._index, si.step_index_scores, tss._index_scores_torch = index, kernel_scores, torch_scores
 
         # Sub-layer outputs of both paths (attention input/output, MoE output), per layer.
         import redknot.models.deepseek_v41.attention as at

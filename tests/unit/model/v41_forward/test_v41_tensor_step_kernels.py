@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 import redknot.models.deepseek_v41.tensor_step as ts  # noqa: E402
+import redknot.models.deepseek_v41.tensor_step_sources as tss  # noqa: E402
 from redknot.models.deepseek_v41 import fused_rows  # noqa: E402
 from redknot.kernels import KernelSet  # noqa: E402
 from redknot.models.deepseek_v41.kernel_ops import V41Ops  # noqa: E402
@@ -66,12 +67,12 @@ class Twins:
         self.scores = None
         self.torch_cand, self.cand_layers = None, 0
         self.kernel_attend, self.kernel_compress, self.kernel_index = ts._attend, ts._compress, ts._index
-        scores_torch = ts._index_scores_torch
+        scores_torch = tss._index_scores_torch
 
         def keep_scores(*a):
             self.scores = scores_torch(*a)
             return self.scores
-        monkeypatch.setattr(ts, "_index_scores_torch", keep_scores)
+        monkeypatch.setattr(tss, "_index_scores_torch", keep_scores)
         monkeypatch.setattr(ts, "_attend", self.attend)
         monkeypatch.setattr(ts, "_compress", self.compress)
         monkeypatch.setattr(ts, "_index", self.index)
@@ -79,6 +80,7 @@ class Twins:
     def _torch(self, fn, *args):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(ts, "step_kernels", lambda w: False)
+            m.setattr(tss, "step_kernels", lambda w: False)   # the compressor's and indexer's own check
             return fn(*args)
 
     def _bytes(self, a, b):
