@@ -342,7 +342,7 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     t = u.shape[0]
     pos = rows.pos
     with region("attn.q_kv"):
-        inv = _shared_inv(layer, u, pos, shared["rope"])
+        inv = _shared_inv(layer, u)
         qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
         q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim)
         kv = linear(u, w, f"{p}.wkv.weight", num)
@@ -377,13 +377,13 @@ def _rope_q_kv(w, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, inv: tor
     return fused_rows._guarded(rope_q_kv, q, kv, cos, sin, w.float(norm), eps)
 
 
-def _shared_inv(layer, u: torch.Tensor, pos: torch.Tensor, tables) -> torch.Tensor:
+def _shared_inv(layer, u: torch.Tensor) -> torch.Tensor:
     """The layer's RoPE frequencies as the first earlier layer's tensor with the same values (the V4.1 layers
     use two tables: θ 10000 on ratio-0 layers, θ 160000 + YaRN on the others), so the step computes each
     cos/sin table once instead of once per layer (six launches each). The values are compared once per
     layer, outside graph capture (a host read); a layer first met inside a capture keeps its own tensor.
-    The other rotations of the layer on these positions (the indexer's query) find the shared table under
-    the layer's own tensor too."""
+    The layer's other rotation on these positions (the indexer's query) reads the same tensor
+    (:func:`step_inv`)."""
     inv = layer.inv
     if not fused_rows.fused(layer.w, u):
         return inv
@@ -398,10 +398,6 @@ def _shared_inv(layer, u: torch.Tensor, pos: torch.Tensor, tables) -> torch.Tens
             seen.append(inv)
             got = inv
         layer.__dict__["_step_inv"] = got
-    if got is not inv:
-        cos, sin = fused_rows._table(tables, pos, got)
-        # the key fused_rows._table looks the layer's own tensor up by (the tensors kept alive with it)
-        tables.setdefault((id(inv), pos.data_ptr(), pos.shape[0]), (cos, sin, pos, inv))
     return got
 
 

@@ -33,6 +33,12 @@ def step_kernels(w) -> bool:
                                                                "cache_insert_mx")))
 
 
+def step_inv(layer) -> torch.Tensor:
+    """The RoPE frequency tensor the step rotates the layer's rows with: the one it shares with an earlier
+    layer of equal values (``tensor_step._shared_inv``, so their cos/sin table is computed once), else its own."""
+    return layer.__dict__.get("_step_inv", layer.inv)
+
+
 def _compress(layer, u, rows: _Rows, state) -> None:
     """The kv source's compressor: the latent rows (ratio 1: the normed ``wkv`` row; ratio 2: the gated pool
     of each row's group (p-1, p), then the ring update), then the entries the step's rows close and their
@@ -146,7 +152,7 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     t = u.shape[0]
     dev = u.device
     q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
-    q = fused_rows.rope(q, w, rows.pos, layer.inv, shared.get("rope"), qdq=True)
+    q = fused_rows.rope(q, w, rows.pos, step_inv(layer), shared.get("rope"), qdq=True)
     wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
         * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
     r = layer.ratio
