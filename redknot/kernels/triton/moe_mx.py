@@ -46,8 +46,10 @@ PATHS = ("auto", "splitk", "grouped", "tiled")
 
 @dataclass(frozen=True)
 class MoePlan:
-    """A prefill plan: ``grouped`` (bf16 expert chunks + ``torch._grouped_mm``) or ``tiled`` (the split-K
-    kernel as a plain grouped GEMM: one K slice, ``block_m`` rows per tile, FP4 decoded in registers)."""
+    """A prefill plan: ``grouped`` (bf16 expert chunks + ``torch._grouped_mm``), ``tiled`` (the split-K
+    kernel as a plain grouped GEMM: one K slice, ``block_m`` rows per tile, FP4 decoded in registers) or
+    ``fp8`` (``moe_prefill_fp8``: FP4 -> e4m3 in registers, one FP8 MMA per 32-wide K group, ``block_k`` =
+    32 x the groups per loop step, the weight tile as the MMA's first operand)."""
     path: str
     block_m: int = 64
     block_n: int = 128
@@ -55,6 +57,7 @@ class MoePlan:
     num_warps: int = 8
     swap: bool = False  # the decoded weight tile as the MMA's first operand (it never leaves registers)
     decode: str = "scaled"  # ``splitk_mx.DECODES``: how the tiled kernel decodes the FP4 weight tiles
+    num_stages: int = 3  # ``fp8`` plans: software-pipelining depth of the K loop
 
 
 # Measured per token-count class on the first call (the first plan off the GPU or under graph capture).
@@ -62,6 +65,10 @@ class MoePlan:
 PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("grouped"), MoePlan("tiled", 64, 128, 128, 8, True), MoePlan("tiled", 128, 64, 128, 8, True),
     MoePlan("tiled", 64, 64, 128, 4, True),
+    # FP8 tensor cores (``moe_prefill_fp8``; not measured on the H200 yet): block_m rows x block_n weight
+    # columns, W1 | W3 in one program (two fp32 accumulators of [BN, BM])
+    MoePlan("fp8", 128, 128, 64, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 64, 4, True, "fp8", 4),
+    MoePlan("fp8", 64, 256, 64, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 64, 4, True, "fp8", 4),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)
@@ -264,6 +271,9 @@ def moe_prefill(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_sca
         plan = PREFILL_TUNER.pick(key, lambda p: moe_prefill(*args, plan=p), x.device)
     if plan.path == "grouped":
         return moe_grouped(*args)
+    if plan.path == "fp8":
+        from redknot.kernels.triton import moe_prefill_fp8 as fp8
+        return fp8.guarded(plan, x.device, lambda: fp8.moe_prefill_fp8(*args, plan), lambda: moe_grouped(*args))
     return moe_splitk(*args, plan=plan)
 
 

@@ -1,0 +1,220 @@
+"""MoE prefill on FP8 tensor cores (``MoePlan("fp8", ...)``, a ``moe_mx.PREFILL_TUNER`` candidate).
+
+The prefill form of the FP8 decode stream (``moe_stream_fp8``): the (token, slot) pairs sorted by expert
+(``moe_mx._sorted_pairs``: the routing kernel or the stable sort), the token rows quantised once to e4m3 +
+E8M0 per 32 (``quant_mx.act_quant_mx``, the reference's activation format), then two grouped GEMMs whose
+programs own one expert's ``block_m``-row tile (found from the per-expert ends, ``tile_of``) and
+``block_n`` weight columns over all of K:
+
+* K steps over 32-wide groups: the weight's packed FP4 bytes of the group are turned into e4m3 bytes in
+  registers (``fp4_e4m3``: e2m1 · 2^-6, a few integer operations per 4 bytes), one FP8 MMA per group with
+  the decoded weight tile as the first operand (it never goes to shared memory) and the rows' e4m3 group
+  transposed as the second, and the group's fp32 result scaled by ``2^(s_w - 127 + 6) · 2^(s_a - 127)``
+  (exact: powers of two) and added in K order: the reference's block-wise sum (§3.0), as the decode
+  stream computes it;
+* W1 | W3 in one program (the rows' group loaded once for both); its epilogue is the decode stream's
+  ``EPI 1``: bf16 rounding, clamped SwiGLU, routing weight, bf16, then e4m3 + E8M0 per 32 columns (the W2
+  input, one byte per element);
+* W2 (rows in sorted order, no gather) with the bf16 slot epilogue; ``reduce_combine`` adds a token's k
+  slots in slot order.
+
+Programs are numbered column block fastest, so the programs of one row tile (one expert's weights, one
+set of token rows) run side by side and share the rows through L2; each touched expert's weights are read
+once per row tile. Untouched experts are never read and nothing is decoded to memory (the ``grouped`` plan
+writes every expert as bf16). No host sync; four launches after the routing (quantise, W1 | W3, W2,
+combine).
+
+Speed: not measured on the H200 yet (``benchmarks/kernels_v41.py --only gemm`` times it beside
+``grouped``); the tuner keeps it only where it measures faster. The per-group scaling costs two fp32
+operations per accumulator element per 32-deep MMA (the price of the reference's block order on tensor
+cores that accumulate without scales).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Optional, Set
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton.dequant_mx import as_bytes
+from redknot.kernels.triton.moe_stream_fp8 import fp4_e4m3, use_asm
+from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
+from redknot.kernels.triton.stream_scaled import tile_of
+
+
+@triton.jit
+def _group_mma(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    """acc + (the group's e4m3 weight columns [BN, 32] · at [32, BM]) · 2^(sb-127+6) · sa."""
+    kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
+    b = tl.load(bg + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None], other=0)
+    sb = tl.load(sbg + c64 * stride_sbn + k0 // 32, mask=cmask, other=127).to(tl.int32)
+    d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), at)
+    return acc + d * (pow2(sb - 121)[:, None] * sa[None, :])
+
+
+@triton.jit
+def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr, offs_ptr,
+                    G, N, K, limit, stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm,
+                    stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr, USE_ASM: tl.constexpr,
+                    G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``,
+    all of K in steps of GROUPS 32-wide groups. EPI 1 (needs DUAL): the W2 input, e4m3 [rows, N] + E8M0
+    [rows, N/32]; EPI 2: bf16 [rows, N]."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_blocks
+    pid_n = pid % n_blocks
+    grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
+    if grp >= 0:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        if GATHER:
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            arow = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        c64 = cols.to(tl.int64)
+        bg = b_ptr + grp.to(tl.int64) * stride_bg
+        sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
+        b3g = b3_ptr + grp.to(tl.int64) * stride_bg
+        sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
+        a_rows = a_ptr + arow[:, None] * stride_am
+        sa_rows = sa_ptr + arow * stride_sam
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k_step in range(0, K, 32 * GROUPS):
+            for g in tl.static_range(GROUPS):
+                k0 = tl.multiple_of(k_step + 32 * g, 32)
+                kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+                a = tl.load(a_rows + kk[None, :], mask=rmask[:, None], other=0.0)
+                sa = pow2(tl.load(sa_rows + k0 // 32, mask=rmask, other=127).to(tl.int32) - 127)
+                at = tl.trans(a)  # the rows' group, shared by W1 and W3
+                acc = _group_mma(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N, USE_ASM)
+                if DUAL:
+                    acc3 = _group_mma(acc3, b3g, sb3g, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N,
+                                      USE_ASM)
+        r64 = rows.to(tl.int64)
+        omask = rmask[:, None] & cmask[None, :]
+        if EPI == 1:  # moe_stream_fp8 EPI 1: e4m3 + E8M0 per 32 of bf16(w · silu(min(g, L)) · clamp(u, ±L))
+            g1 = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
+            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
+            act = (g1 / (1.0 + tl.exp(-g1)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+            ag = tl.reshape(act, (BLOCK_M, BLOCK_N // 32, 32))
+            e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
+            q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
+            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
+            gs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8),
+                     mask=rmask[:, None] & (gs[None, :] * 32 < N))
+        else:
+            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
+
+
+def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=None, ws3=None, wt=None,
+                     limit: float = 0.0):
+    """One grouped GEMM over MXFP4 experts ``w`` [G, N, K/2] (E8M0 ``ws`` [G, N, K/32]) for ``rows`` rows
+    grouped by ``offs`` (per-expert ends); ``aq`` e4m3 [R, K] with E8M0 ``sa`` [R, K/32] (sorted row r reads
+    ``rowid[r]``). With ``w3``: W1 | W3 and the SwiGLU epilogue, returns (e4m3 [rows, N], E8M0 [rows, N/32]);
+    without: bf16 [rows, N]. ``plan``: ``moe_mx.MoePlan`` (block_m, block_n, block_k = 32 · groups per
+    loop step, num_warps, num_stages)."""
+    w, ws = as_bytes(w), as_bytes(ws)
+    G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
+    if K % 32:
+        raise ValueError(f"prefill_gemm_fp8: K={K} must be a multiple of 32")
+    dual = w3 is not None
+    bm, bn = plan.block_m, plan.block_n
+    if dual and bn % 32:
+        raise ValueError(f"MoePlan.block_n={bn}: the fused SwiGLU quantises per 32 columns (a multiple of 32)")
+    groups = max(1, plan.block_k // 32)
+    while K % (32 * groups):
+        groups //= 2
+    dev = aq.device
+    if dual:
+        p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
+        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.uint8, device=dev)
+    else:
+        p, ps = torch.empty(rows, N, dtype=torch.bfloat16, device=dev), None
+    result = (p, ps) if dual else p
+    if rows == 0:
+        return result
+    n_tiles = cdiv(rows, bm) + min(G, rows)  # a bound on the live row tiles; programs past them exit
+    w3g = as_bytes(w3) if dual else w
+    s3g = as_bytes(ws3) if dual else ws
+    _prefill_fp8_mm[(n_tiles * cdiv(N, bn),)](
+        aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, ps if ps is not None else p,
+        wt if wt is not None else p, offs, G, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
+        w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), ps.stride(0) if ps is not None else 0,
+        GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2, USE_ASM=use_asm(dev),
+        G_POW2=max(16, next_pow2(G)), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return result
+
+
+def moe_prefill_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
+                    plan) -> torch.Tensor:
+    """``moe_mx`` through the FP8 grouped GEMMs (module docstring): sorted pairs and the token rows' e4m3 +
+    E8M0 (one routing kernel up to ``moe_mx.ROUTE_KERNEL_MAX_PAIRS`` pairs, else the sort and
+    ``act_quant_mx``), W1 | W3 + SwiGLU, W2, slot combine. No host sync."""
+    from redknot.kernels.triton.moe_mx import _sorted_pairs
+    from redknot.kernels.triton.splitk_mx import reduce_combine
+    T, k = topk_idx.shape
+    E, D = w1.shape[0], w2.shape[1]
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    M = T * k
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True)
+    aq, sa = prefill_gemm_fp8(xq, xs, w1, w1_scale, M, plan, offs=offs, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
+                              limit=swiglu_limit)
+    y = prefill_gemm_fp8(aq, sa, w2, w2_scale, M, plan, offs=offs)
+    return reduce_combine(y[None], inv, k, out)
+
+
+# First use per plan on a CUDA device: the plan against the ``grouped`` plan (bf16 experts, library GEMM: an
+# independent implementation) on fresh random experts; bf16 roundings of differently ordered fp32 sums
+# differ by an ulp here and there, a wrong decode or epilogue is off by O(1).
+CHECK_TOL = 2e-2
+_CHECKED: Set = set()
+
+
+def self_check(plan, device: torch.device, seed: int = 4321) -> Optional[str]:
+    """None when ``plan`` computes what ``moe_mx.moe_grouped`` computes (within ``CHECK_TOL``) on fresh
+    random MXFP4 experts with uneven rows per expert and an empty expert, else what differs."""
+    from redknot.kernels.triton.moe_mx import moe_grouped
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, D, inter, T, k = 5, 256, 192, 40, 2
+    packed = []
+    for n, kk in ((inter, D), (inter, D), (D, inter)):  # W1, W3, W2
+        packed.append(torch.randint(0, 256, (E, n, kk // 2), generator=g, device=device, dtype=torch.uint8))
+        packed.append(torch.randint(118, 124, (E, n, kk // 32), generator=g, device=device, dtype=torch.uint8))
+    x = torch.randn(T, D, generator=g, device=device).to(torch.bfloat16)
+    pick = torch.rand(T, E - 1, generator=g, device=device) * torch.arange(1, E, device=device)  # skewed; the last expert empty
+    idx = pick.topk(k, -1).indices
+    wt = torch.rand(T, k, generator=g, device=device) + 0.1
+    got = moe_prefill_fp8(x, idx, wt, *packed, 10.0, plan)
+    want = moe_grouped(x, idx, wt, *packed, 10.0)
+    err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+    return None if err <= CHECK_TOL else f"differs from the grouped plan by {err:.3g} (tolerance {CHECK_TOL:g})"
+
+
+def guarded(plan, device: torch.device, fast, fallback):
+    """``fast()`` unless ``plan`` failed its build or ``self_check`` on this CUDA device (recorded in
+    ``stream_guard.DECODE_ERRORS``, which the benchmarks print; then ``fallback()``)."""
+    from redknot.kernels.triton import stream_guard
+    if device.type != "cuda":
+        return fast()
+    errors: Dict = stream_guard.DECODE_ERRORS
+
+    def fail(key, err):
+        errors[key] = err
+        warnings.warn(f"moe_prefill_fp8: plan {key} is not used on this device ({err}); running 'grouped'")
+    return stream_guard.first_use(plan, _CHECKED, errors, lambda: self_check(plan, device), fast, fallback, fail)

@@ -1,0 +1,82 @@
+"""The FP8 tensor-core MoE prefill plan (``moe_prefill_fp8``, ``MoePlan("fp8", ...)``) against ``ref_v41.moe_mx``
+and the FP8 decode stream at small sizes with fresh random inputs: few experts, uneven rows per expert, empty
+experts, row tiles that straddle experts. Runs on the GPU when there is one, else under Triton's interpreter."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redknot.kernels import ref_v41  # noqa: E402
+from redknot.kernels.triton import moe_mx, moe_prefill_fp8  # noqa: E402
+from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs  # noqa: E402
+from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream  # noqa: E402
+from redknot.kernels.triton.quant_mx import act_quant_mx  # noqa: E402
+
+SMALL = V41Dims(hidden=128, experts=6, topk_experts=2, moe_inter=96, tokens=23)
+# block_m, block_n, block_k (32 x groups per loop step), warps, stages
+PLANS = [moe_mx.MoePlan("fp8", 16, 32, 32, 4, True, "fp8", 2), moe_mx.MoePlan("fp8", 32, 64, 64, 4, True, "fp8", 3)]
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _skewed_routing(tokens: int, experts: int, k: int, device, seed: int):
+    """Top-k ids with uneven counts per expert and the last two experts never chosen."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    live = experts - 2
+    score = torch.rand(tokens, live, generator=g, device=device) * torch.arange(1, live + 1, device=device) ** 2
+    return score.topk(k, -1).indices
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=["16x32", "32x64"])
+@pytest.mark.parametrize("tokens", [1, 23])
+def test_fp8_prefill_matches_reference(plan, tokens, kernel_device):
+    x, _, wt, w = moe_inputs(SMALL, kernel_device, seed=100 + tokens + plan.block_m, tokens=tokens)
+    idx = _skewed_routing(tokens, SMALL.experts, SMALL.topk_experts, kernel_device, seed=tokens)
+    counts = torch.bincount(idx.reshape(-1), minlength=SMALL.experts)
+    assert counts[-2:].sum() == 0  # empty experts
+    out = moe_mx.moe_prefill(x, idx, wt, *w, 10.0, plan=plan)
+    want = ref_v41.moe_mx(x, idx, wt, *w, 10.0)
+    assert out.shape == want.shape and out.dtype == torch.bfloat16
+    assert _rel(out, want) <= 3e-2
+    # the decode stream on FP8 tensor cores computes the same products in the same K order
+    stream = moe_stream(x, idx, wt, *w, 10.0, StreamPlan("fp8", 32, 64))
+    assert _rel(out, stream) <= 5e-3
+
+
+def test_fp8_prefill_first_gemm_is_the_decode_streams(kernel_device):
+    """The W1 | W3 launch alone: its e4m3 + E8M0 W2 input agrees with the decode stream's EPI 1 (row tiles
+    of 32 across experts of 0..40 rows)."""
+    from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
+    from redknot.kernels.triton.splitk_mx import tile_map
+    x, idx, wt, w = moe_inputs(SMALL, kernel_device, seed=7, tokens=31)
+    idx = _skewed_routing(31, SMALL.experts, SMALL.topk_experts, kernel_device, seed=3)
+    rows, _inv, offs, wsort = moe_mx._sorted_pairs(idx, wt, SMALL.experts)
+    xq, xs = act_quant_mx(x)
+    M = idx.numel()
+    aq, sa = moe_prefill_fp8.prefill_gemm_fp8(xq, xs, w[0], w[1], M, PLANS[1], offs=offs, rowid=rows, w3=w[2],
+                                              ws3=w[3], wt=wsort, limit=10.0)
+    sp = StreamPlan("fp8", 32, 64)
+    from redknot.kernels.triton.moe_stream import ROW_TILE
+    bq, bs = stream_gemm_fp8(xq, xs, w[0], w[1], M, sp, offs=offs, tiles=tile_map(offs, ROW_TILE, M), rowid=rows,
+                             w3=w[2], ws3=w[3], wt=wsort, limit=10.0, epi=1)
+    got = aq.float().view(M, -1, 32) * torch.exp2(sa.float() - 127)[:, :, None]
+    want = bq.float().view(M, -1, 32) * torch.exp2(bs.float() - 127)[:, :, None]
+    assert _rel(got, want) <= 5e-3
+    assert (sa.int() - bs.int()).abs().max() <= 1
+
+
+def test_fp8_prefill_detects_a_wrong_weight(kernel_device):
+    """The tolerance separates right from wrong: W2 with swapped nibbles (element order) fails it."""
+    x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(SMALL, kernel_device, seed=2, tokens=9)
+    want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
+    swapped = ((w2 >> 4) | (w2 << 4)).to(torch.uint8)
+    out = moe_mx.moe_prefill(x, idx, wt, w1, s1, w3, s3, swapped, s2, 10.0, plan=PLANS[0])
+    assert _rel(out, want) > 0.1
+
+
+def test_fp8_prefill_self_check_and_tuner_entry(kernel_device):
+    assert moe_prefill_fp8.self_check(PLANS[0], torch.device(kernel_device)) is None
+    assert any(p.path == "fp8" for p in moe_mx.PREFILL_TUNER.candidates)
+    assert moe_mx.PREFILL_TUNER.candidates[0].path == "grouped"  # untimed (off the GPU) choice unchanged
