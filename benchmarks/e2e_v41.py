@@ -62,6 +62,7 @@ import time
 from typing import Dict, List
 
 import torch
+from step_profile_v41 import format_views, step_views
 
 print = functools.partial(print, flush=True)  # noqa: A001  (progress unbuffered)
 
@@ -258,13 +259,14 @@ def distinct_rows(base: int, n: int, vocab: int) -> List[List[int]]:
     return [[x] for x in distinct_ids(base, n, vocab)]
 
 
-def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -> dict:
+def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, profile_steps: int = 20) -> dict:
     """Decode of sequences 0..bs-1 through the tensor-only step (``deepseek_v41/tensor_step.py``): captured
     in a CUDA graph and replayed on a GPU, run as is on a CPU. The step's attention, indexer and
     compressor are PyTorch math (the registry's attention ops take host spans); linears and the MoE
     go through the registry. Parity: the replay against an eager step of the same rows (position-
-    addressed writes, so running both at one position is harmless). ``profile``: also the device time of
-    one eager tensor step by kernel and region (:func:`step_profile`)."""
+    addressed writes, so running both at one position is harmless). ``profile``: also where the step's
+    device time goes, ``profile_steps`` eager steps and as many replays under torch.profiler, against the
+    replay's wall time (``step_profile_v41.step_views``)."""
     from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
 
     dev = b.model.device
@@ -301,77 +303,16 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False) -
                 tensor_forward(b.model, step, b.state)
         sync(device)
         ms = (time.perf_counter() - t) / steps * 1e3
+        views = None
+        if profile:
+            def eager():
+                return tensor_forward(b.model, step, b.state)
+            views = step_views(eager, graph.replay if graph is not None else eager, device, profile_steps, ms)
         del graph, out
     except RuntimeError as exc:   # capture refused (a host sync in a routed op) or out of memory
         return {"graph": f"failed: {str(exc).splitlines()[0][:200]}"}
-    prof = None
-    if profile:
-        try:
-            prof = step_profile(lambda: tensor_forward(b.model, step, b.state), device)
-        except Exception as exc:   # noqa: BLE001  (a profiler API difference must not cost the timings)
-            prof = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     return {"graph": "captured" if device.type == "cuda" else "tensor-only step, not captured (CPU)",
-            "graph_ms_per_step": ms, "graph_rel_err": rel, **({"step_profile": prof} if prof else {})}
-
-
-def step_profile(fn, device, top: int = 30) -> dict:
-    """Device time of one tensor step run eagerly, summed per kernel name and per step region (the
-    ``v41_step.*`` ranges of ``tensor_step``: mHC sites, q/kv projections, compressor, indexer,
-    attention, output projection, MoE, Engram). A graph replay runs the same kernels without the
-    launch gaps, so their device time is what a replay costs. Each kernel is attributed to the
-    region enclosing the host call that launched it; ``coverage`` is the attributed share of all
-    device time the profiler saw. On a CPU: self CPU time per op instead."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    import redknot.models.deepseek_v41.tensor_step as ts
-
-    cuda = device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    ts.PROFILE_REGIONS = True
-    try:
-        fn()
-        sync(device)
-        with profile(activities=acts) as prof:
-            fn()
-            sync(device)
-    except RuntimeError as exc:
-        return {"error": str(exc).splitlines()[0][:200]}
-    finally:
-        ts.PROFILE_REGIONS = False
-
-    def region(ev) -> str:
-        while ev is not None:
-            if ev.name.startswith("v41_step."):
-                return ev.name[len("v41_step."):]
-            ev = ev.cpu_parent
-        return "(outside the regions)"
-
-    by_kernel: Dict[str, list] = {}
-    by_region: Dict[str, list] = {}
-    device_total = 0.0
-    for ev in prof.events():
-        if ev.device_type != DeviceType.CPU:   # kernels, copies (a region's GPU span is not device work)
-            device_total += ev.device_time_total if cuda and not ev.name.startswith("v41_step.") else 0.0
-            continue
-        items = [(k.name, k.duration) for k in ev.kernels] if cuda else \
-            ([(ev.name, ev.self_cpu_time_total)] if not ev.name.startswith("v41_step.") else [])
-        for name, us in items:
-            for table, key in ((by_kernel, name[:90]), (by_region, region(ev))):
-                row = table.setdefault(key, [0.0, 0])
-                row[0] += us
-                row[1] += 1
-    total = sum(v[0] for v in by_region.values()) or 1.0
-
-    def rows(table, n):
-        out = sorted(({"name": k, "ms": v[0] / 1e3, "share": v[0] / total, "calls": v[1]}
-                      for k, v in table.items()), key=lambda r: -r["ms"])
-        rest = out[n:]
-        return out[:n] + ([{"name": "(rest)", "ms": sum(r["ms"] for r in rest), "share": sum(r["share"] for r in rest),
-                            "calls": sum(r["calls"] for r in rest)}] if rest else [])
-    return {"total_ms": total / 1e3, "kernels": sum(v[1] for v in by_region.values()),
-            "coverage": (total / device_total) if cuda and device_total else None,
-            "by_region": rows(by_region, 40), "by_kernel": rows(by_kernel, top)}
+            "graph_ms_per_step": ms, "graph_rel_err": rel, **({"step_views": views} if views else {})}
 
 
 def warm_classes(model, ctx: int, chunk: int, device, warmed: set) -> None:
@@ -684,6 +625,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-graphs", action="store_true",
                     help="also time decode through the tensor-only step captured in a CUDA graph (its "
                          "attention/indexer are PyTorch math), with its error against the eager step")
+    ap.add_argument("--profile-steps", type=int, default=20,
+                    help="with --decode-graphs: eager steps and graph replays under torch.profiler per decode row "
+                         "(step_profile_v41: device time by kernel and region, busy time vs the replay's wall)")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
     a = ap.parse_args(argv)
@@ -697,7 +641,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)   # toy shapes: a second thread only contends with whatever else runs
         smoke_prefill = a.prefill if a.prefill != ap.get_default("prefill") else "40"   # toy contexts may be given
         a.prefill, a.chunk, a.parity_tokens, a.decode_steps, a.engram_vocab = smoke_prefill, 32, 40, 1, 100
-        a.decode_batch, a.decode_context = "1,3", "40"
+        a.decode_batch, a.decode_context, a.profile_steps = "1,3", "40", min(a.profile_steps, 2)
     cfg = cut_config(a.smoke, a.engram_vocab)
     backend = a.backend or ("reference" if a.smoke else "triton")
     if a.smoke and backend == "triton":
@@ -768,7 +712,8 @@ def main(argv=None) -> dict:
                 report["decode"].append({"context": ctx, "batch": bs, "ms_per_step": ms, "floor_ms": floor_ms,
                                          "fraction_of_floor": floor_ms / ms})
             if a.decode_graphs and not over_budget(10 + a.decode_steps * bs * 0.01):
-                g = graph_decode(b, bs, a.decode_steps, device, profile=not a.skip_profile)
+                g = graph_decode(b, bs, a.decode_steps, device, profile=not a.skip_profile,
+                                 profile_steps=a.profile_steps)
                 report["decode"][-1].update(g)
                 if "graph_ms_per_step" in g:
                     print(f"decode ctx {ctx} batch {bs}: {g['graph_ms_per_step']:.2f} ms/step {g['graph']} "
@@ -776,6 +721,10 @@ def main(argv=None) -> dict:
                           f"eager {g['graph_rel_err']:.2e}")
                 else:
                     print(f"decode ctx {ctx} batch {bs}: graph {g['graph']}")
+                for view, v in g.get("step_views", {}).items():
+                    print(f"decode ctx {ctx} batch {bs}: {view} profile: " + (v["error"] if "error" in v else
+                          f"{v['launches_per_step']:.0f} launches/step, busy {v['busy_ms_per_step']:.3f} ms/step, "
+                          f"replay wall - busy {v['gap_ms_per_step']:.3f} ms/step ({v['kind']})"))
             if eager and not a.skip_profile and not over_budget(10):
                 report["op_shares"][f"decode b{bs} at {ctx}"] = registry_shares(
                     ops, lambda: b.step(distinct_rows(8, bs, cfg.vocab_size), seqs=seqs), device)
@@ -929,18 +878,8 @@ def write(report: dict, out: str) -> None:
         elif "graph" in r:
             lines.append(f"| {r['context']} | {r['batch']} (graph) | {r['graph']} | | |")
     for r in report["decode"]:
-        prof = r.get("step_profile")
-        if prof and "error" in prof:
-            lines += ["", f"tensor step profile, decode b{r['batch']} at {r['context']}: failed ({prof['error']})"]
-        if not prof or "by_region" not in prof:
-            continue
-        cov = "" if prof["coverage"] is None else f", {100 * prof['coverage']:.0f} % of the device time seen"
-        head = f"tensor step, decode b{r['batch']} at {r['context']}: {prof['total_ms']:.3f} ms in {prof['kernels']} " \
-               f"kernels{cov}"
-        for what in ("by_region", "by_kernel"):
-            lines += ["", f"## Device time {what.replace('_', ' ')}: {head}", "", "| name | share | ms | calls |",
-                      "|---|---|---|---|"]
-            lines += [f"| `{x['name']}` | {100 * x['share']:.1f} % | {x['ms']:.3f} | {x['calls']} |" for x in prof[what]]
+        if r.get("step_views"):
+            lines += format_views(r["step_views"], f"tensor step, decode b{r['batch']} at {r['context']}")
     for name, rows in report["op_shares"].items():
         lines += ["", f"## Registry ops: {name}", "", "| op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| {r['op']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
