@@ -29,7 +29,10 @@ position first, so the timings and shares are steady-state.
 
 Decode runs eager; ``--decode-graphs`` also runs it through the tensor-only step
 (``deepseek_v41/tensor_step.py``) captured in a CUDA graph, timed per replay and compared with the
-eager step (that step's attention and indexer are PyTorch math, not the registry's span kernels).
+eager step (that step's attention and indexer are PyTorch math, not the registry's span kernels), and
+(unless ``--skip-profile``) profiled: ``--profile-steps`` eager steps and as many replays under torch.profiler,
+device time per kernel and per step region, busy time against the replay's wall time (the launch gaps),
+in the report's "Decode step profile" sections (``step_profile_v41``).
 ``--smoke`` runs every step at toy width on a CPU (kernel ops: their PyTorch references). The V4 cut
 is ``benchmarks/e2e_cut.py``.
 
@@ -38,6 +41,8 @@ is ``benchmarks/e2e_cut.py``.
         --decode-context '' --skip-parity --skip-profile --budget-s 540   # long prefills, up to 1M tokens
     python benchmarks/e2e_v41.py --out outputs/e2e_v41_dec --prefill '' --decode-context 8192,131072,1048576 \
         --decode-synthetic --decode-graphs --budget-s 300   # decode in graphs at 1M without the 1M prefill
+    python benchmarks/e2e_v41.py --out outputs/e2e_v41_prof --prefill '' --decode-context 8192 --decode-batch 1,32 \
+        --decode-synthetic --decode-graphs --skip-parity --profile-steps 10 --budget-s 240   # where a step's time goes
 
 Each prefill is timed chunk by chunk (synchronised): the chunk times are fitted to ``a + b * start``
 (``v41_prefill_profile.ChunkFit``; the indexer's scoring of every visible entry is the part that grows),
@@ -259,14 +264,15 @@ def distinct_rows(base: int, n: int, vocab: int) -> List[List[int]]:
     return [[x] for x in distinct_ids(base, n, vocab)]
 
 
-def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, profile_steps: int = 20) -> dict:
+def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, profile_steps: int = 20,
+                 profile_replay: bool = True) -> dict:
     """Decode of sequences 0..bs-1 through the tensor-only step (``deepseek_v41/tensor_step.py``): captured
     in a CUDA graph and replayed on a GPU, run as is on a CPU. The step's attention, indexer and
     compressor are PyTorch math (the registry's attention ops take host spans); linears and the MoE
     go through the registry. Parity: the replay against an eager step of the same rows (position-
     addressed writes, so running both at one position is harmless). ``profile``: also where the step's
     device time goes, ``profile_steps`` eager steps and as many replays under torch.profiler, against the
-    replay's wall time (``step_profile_v41.step_views``)."""
+    replay's wall time (``step_profile_v41.step_views``; the replays only with ``profile_replay``)."""
     from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
 
     dev = b.model.device
@@ -307,7 +313,8 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, p
         if profile:
             def eager():
                 return tensor_forward(b.model, step, b.state)
-            views = step_views(eager, graph.replay if graph is not None else eager, device, profile_steps, ms)
+            replay = (graph.replay if graph is not None else eager) if profile_replay else None
+            views = step_views(eager, replay, device, profile_steps, ms)
         del graph, out
     except RuntimeError as exc:   # capture refused (a host sync in a routed op) or out of memory
         return {"graph": f"failed: {str(exc).splitlines()[0][:200]}"}
@@ -628,6 +635,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile-steps", type=int, default=20,
                     help="with --decode-graphs: eager steps and graph replays under torch.profiler per decode row "
                          "(step_profile_v41: device time by kernel and region, busy time vs the replay's wall)")
+    ap.add_argument("--skip-replay-profile", action="store_true",
+                    help="profile the eager steps only, not the graph replays (a profiler that fails on graphs)")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
     a = ap.parse_args(argv)
@@ -713,7 +722,7 @@ def main(argv=None) -> dict:
                                          "fraction_of_floor": floor_ms / ms})
             if a.decode_graphs and not over_budget(10 + a.decode_steps * bs * 0.01):
                 g = graph_decode(b, bs, a.decode_steps, device, profile=not a.skip_profile,
-                                 profile_steps=a.profile_steps)
+                                 profile_steps=a.profile_steps, profile_replay=not a.skip_replay_profile)
                 report["decode"][-1].update(g)
                 if "graph_ms_per_step" in g:
                     print(f"decode ctx {ctx} batch {bs}: {g['graph_ms_per_step']:.2f} ms/step {g['graph']} "

@@ -98,8 +98,8 @@ def kernel_report(events, steps: int, wall_ms: float | None = None, top: int = 4
                      if not _is_device(ev) and ev.name.startswith(RANGE_PREFIX)), key=lambda r: (r[0], -r[1]))
     device = [ev for ev in events if _is_device(ev) and not _is_range(ev)]
     host_launch = {ev.id: ev for ev in events if not _is_device(ev) and _LAUNCH.match(ev.name)}
-    host_ops = {ev.id: ev for ev in events if not _is_device(ev) and not _RUNTIME.match(ev.name)
-                and not _is_range(ev)}
+    # host ops (and ranges: a kernel launched by no PyTorch op may be linked to the range around it)
+    host_ops = {ev.id: ev for ev in events if not _is_device(ev) and not _RUNTIME.match(ev.name)}
     if device:
         kind = "device"
         items, times, found = [], [], 0
@@ -115,7 +115,7 @@ def kernel_report(events, steps: int, wall_ms: float | None = None, top: int = 4
         span = max(ev.time_range.end for ev in device) - min(ev.time_range.start for ev in device)
     else:
         kind = "host (no device events: self CPU time of the host ops)"
-        ops = [ev for ev in host_ops.values() if ev.self_cpu_time_total > 0]
+        ops = [ev for ev in host_ops.values() if ev.self_cpu_time_total > 0 and not _is_range(ev)]
         items = [(ev.name, ev.self_cpu_time_total) for ev in ops]
         times = [ev.time_range.start for ev in ops]
         found = None

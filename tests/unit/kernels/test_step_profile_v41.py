@@ -53,6 +53,9 @@ def test_gpu_trace_attribution_busy_time_and_gaps():
     assert [r["name"] for r in rep["by_kernel"]] == ["fused_moe_kernel", "gemm_kernel", "Memcpy DtoD"]
     assert abs(sum(r["share"] for r in rep["by_kernel"]) - 1) < 1e-12
     # a kernel with neither a launch call nor a linked op in the trace is reported as such, not dropped
+    # a kernel without a launch call in the trace, linked to the range around its launch, counts there
+    linked = sp.kernel_report([ev("v41_step.engram", 0, 9, id=5), ev("k", 20, 30, "CUDA", id=6, linked=5)], 1)
+    assert [(r["name"], r["calls"]) for r in linked["by_region"]] == [("engram", 1)]
     lone = sp.kernel_report([ev("k", 0, 10, "CUDA", id=77)], steps=1)
     assert lone["by_region"][0]["name"] == "(launch not in the trace)" and lone["gap_ms_per_step"] is None
     # the rest row sums what it folds
