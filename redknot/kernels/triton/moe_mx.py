@@ -66,9 +66,12 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("grouped"), MoePlan("tiled", 64, 128, 128, 8, True), MoePlan("tiled", 128, 64, 128, 8, True),
     MoePlan("tiled", 64, 64, 128, 4, True),
     # FP8 tensor cores (``moe_prefill_fp8``; not measured on the H200 yet): block_m rows x block_n weight
-    # columns, W1 | W3 in one program (two fp32 accumulators of [BN, BM])
-    MoePlan("fp8", 128, 128, 64, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 64, 4, True, "fp8", 4),
-    MoePlan("fp8", 64, 256, 64, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 64, 4, True, "fp8", 4),
+    # columns, one 32-wide group per MMA, W1 | W3 in one program. Each compiles for sm90 without register
+    # spills (ptxas: 196-217 registers for W1 | W3, 118-148 for W2); 128 x 128, 64 x 256 and two groups per
+    # loop step spill.
+    MoePlan("fp8", 128, 64, 32, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 3),
+    MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 4), MoePlan("fp8", 32, 256, 32, 8, True, "fp8", 3),
+    MoePlan("fp8", 64, 64, 32, 4, True, "fp8", 3),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)
@@ -99,12 +102,14 @@ ROUTE_KERNEL_MAX_PAIRS = 8192
 @triton.jit
 def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq_ptr, xs_ptr, M, E, T, D, stride_x,
                   stride_q, stride_s, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-                  BLOCK_E: tl.constexpr, QDQ: tl.constexpr, FP8: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_E: tl.constexpr, QDQ: tl.constexpr, FP8: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HALVES: tl.constexpr = False):
     """Stable expert order without a sort: the sorted position of pair i is the number of pairs with a
     smaller expert id, plus those with the same id and a smaller index. Programs also count the pairs
     with id <= e for their slice of experts (the per-expert ends). QDQ: program t also writes token row
     t's per-32 FP8 QDQ values (bf16, ``fp8_qdq_groups``: the bits of ``qdq_bf16``), one launch fewer; FP8:
-    its e4m3 values and E8M0 bytes instead (the bits of ``quant_mx.act_quant_mx``)."""
+    its e4m3 values and E8M0 bytes instead (the bits of ``quant_mx.act_quant_mx``; HALVES: the e4m3 values of
+    each 32-wide group in ``moe_stream_fp8h`` halves order)."""
     pid = tl.program_id(0)
     if QDQ:
         if pid < T:
@@ -115,6 +120,9 @@ def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq
                     vg = tl.reshape(v, (BLOCK_D // 32, 32))
                     e = e8m0_exponent(tl.max(tl.abs(vg), 1), 448.0, 1e-4)
                     q8 = tl.minimum(tl.maximum(vg * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
+                    if HALVES:
+                        q8 = tl.reshape(tl.permute(tl.reshape(q8, (BLOCK_D // 32, 16, 2)), (0, 2, 1)),
+                                        (BLOCK_D // 32, 32))
                     tl.store(xq_ptr + pid.to(tl.int64) * stride_q + cols, tl.reshape(q8, (BLOCK_D,)), mask=cols < D)
                     gs = d0 // 32 + tl.arange(0, BLOCK_D // 32)
                     tl.store(xs_ptr + pid.to(tl.int64) * stride_s + gs, (e + 127).to(tl.uint8), mask=gs * 32 < D)
@@ -147,12 +155,13 @@ def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq
 
 
 def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: int,
-                  x: Optional[torch.Tensor] = None, fp8: bool = False):
+                  x: Optional[torch.Tensor] = None, fp8: bool = False, halves: bool = False):
     """(token row of each expert-sorted pair int32, sorted position of each pair int32, per-expert ends
     int32, routing weight per sorted pair fp32); stable order, no host sync. Up to
     ``ROUTE_KERNEL_MAX_PAIRS`` pairs one kernel, above it a sort. With ``x`` [T, D] a fifth result,
     ``qdq_bf16(x)`` (written by the routing kernel when it runs); with ``fp8`` instead a fifth and sixth,
-    ``act_quant_mx(x)`` (e4m3 [T, D], E8M0 [T, D/32])."""
+    ``act_quant_mx(x)`` (e4m3 [T, D], E8M0 [T, D/32]); ``halves``: the e4m3 values in
+    ``moe_stream_fp8h.halves_order``."""
     flat = topk_idx.reshape(-1)
     M = flat.numel()
     dev = flat.device
@@ -176,7 +185,7 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
                                xs if xs is not None else w, M, experts, T, D, x.stride(0) if qdq else 0,
                                xq.stride(0) if qdq else 0, xs.stride(0) if xs is not None else 0,
                                TOPK=topk_idx.shape[1], BLOCK_I=bi, BLOCK_J=64, BLOCK_E=be, QDQ=qdq, FP8=fp8,
-                               BLOCK_D=512, num_warps=4)
+                               BLOCK_D=512, HALVES=halves, num_warps=4)
         return (rows, inv, offs, wt) + (((xq, xs) if fp8 else (xq,)) if qdq else ())
     ids, order = torch.sort(flat, stable=True)
     inv = torch.empty(M, dtype=torch.int32, device=dev)
@@ -187,7 +196,11 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
     wt = topk_weight.reshape(-1).float()[order].contiguous()
     if x is not None and fp8:
         from redknot.kernels.triton.quant_mx import act_quant_mx
-        return (rows, inv, offs, wt) + act_quant_mx(x)
+        xq, xs = act_quant_mx(x)
+        if halves:
+            from redknot.kernels.triton.moe_stream_fp8h import halves_order
+            xq = halves_order(xq)
+        return rows, inv, offs, wt, xq, xs
     return (rows, inv, offs, wt) + ((qdq_bf16(x),) if x is not None else ())
 
 

@@ -46,12 +46,12 @@ from redknot.kernels.triton.stream_scaled import tile_of
 
 
 @triton.jit
-def _group_mma(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
-               USE_ASM: tl.constexpr):
-    """acc + (the group's e4m3 weight columns [BN, 32] · at [32, BM]) · 2^(sb-127+6) · sa."""
+def _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc + (the group's e4m3 weight columns [BN, 32] · at [32, BM]) · 2^(sb-127+6) · sa (columns clamped
+    into the weight: no masks)."""
     kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
-    b = tl.load(bg + c64[:, None] * stride_bn + kh[None, :], mask=cmask[:, None], other=0)
-    sb = tl.load(sbg + c64 * stride_sbn + k0 // 32, mask=cmask, other=127).to(tl.int32)
+    b = tl.load(bg + (c_off[:, None] + kh[None, :]))
+    sb = tl.load(sbg + (cs_off + k0 // 32)).to(tl.int32)
     d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), at)
     return acc + d * (pow2(sb - 121)[:, None] * sa[None, :])
 
@@ -60,7 +60,8 @@ def _group_mma(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOC
 def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr, offs_ptr,
                     G, N, K, limit, stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm,
                     stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr, USE_ASM: tl.constexpr,
-                    G_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                    G_POW2: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GROUPS: tl.constexpr):
     """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``,
     all of K in steps of GROUPS 32-wide groups. EPI 1 (needs DUAL): the W2 input, e4m3 [rows, N] + E8M0
     [rows, N/32]; EPI 2: bf16 [rows, N]."""
@@ -72,32 +73,40 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
     if grp >= 0:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
+        # rows past the tile's end read the tile's first row and columns past N the last column (results
+        # never stored): the K loop's loads need no masks; 32-bit offsets from 64-bit bases
         if GATHER:
-            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0)
+            arow = tl.where(rmask, arow, tl.load(rowid_ptr + row0))
         else:
-            arow = rows.to(tl.int64)
+            arow = tl.where(rmask, rows, row0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
-        c64 = cols.to(tl.int64)
+        ccol = tl.minimum(cols, N - 1)
+        c_off = ccol * stride_bn
+        cs_off = ccol * stride_sbn
         bg = b_ptr + grp.to(tl.int64) * stride_bg
         sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
         b3g = b3_ptr + grp.to(tl.int64) * stride_bg
         sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
-        a_rows = a_ptr + arow[:, None] * stride_am
-        sa_rows = sa_ptr + arow * stride_sam
+        if WIDE:  # row offsets past 2^31 bytes
+            a_off = arow.to(tl.int64) * stride_am
+            sa_off = arow.to(tl.int64) * stride_sam
+        else:
+            a_off = arow * stride_am
+            sa_off = arow * stride_sam
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k_step in range(0, K, 32 * GROUPS):
             for g in tl.static_range(GROUPS):
                 k0 = tl.multiple_of(k_step + 32 * g, 32)
                 kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
-                a = tl.load(a_rows + kk[None, :], mask=rmask[:, None], other=0.0)
-                sa = pow2(tl.load(sa_rows + k0 // 32, mask=rmask, other=127).to(tl.int32) - 127)
+                a = tl.load(a_ptr + (a_off[:, None] + kk[None, :]))
+                sa = pow2(tl.load(sa_ptr + (sa_off + k0 // 32)).to(tl.int32) - 127)
                 at = tl.trans(a)  # the rows' group, shared by W1 and W3
-                acc = _group_mma(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N, USE_ASM)
+                acc = _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
                 if DUAL:
-                    acc3 = _group_mma(acc3, b3g, sb3g, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOCK_N,
-                                      USE_ASM)
+                    acc3 = _group_mma(acc3, b3g, sb3g, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
         r64 = rows.to(tl.int64)
         omask = rmask[:, None] & cmask[None, :]
         if EPI == 1:  # moe_stream_fp8 EPI 1: e4m3 + E8M0 per 32 of bf16(w · silu(min(g, L)) · clamp(u, ±L))
@@ -153,7 +162,7 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
         wt if wt is not None else p, offs, G, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
         w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2, USE_ASM=use_asm(dev),
-        G_POW2=max(16, next_pow2(G)), BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=plan.num_warps,
+        G_POW2=max(16, next_pow2(G)), WIDE=aq.numel() >= 2**31 or w.stride(0) >= 2**31, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
     return result
 
@@ -197,7 +206,8 @@ def self_check(plan, device: torch.device, seed: int = 4321) -> Optional[str]:
         packed.append(torch.randint(0, 256, (E, n, kk // 2), generator=g, device=device, dtype=torch.uint8))
         packed.append(torch.randint(118, 124, (E, n, kk // 32), generator=g, device=device, dtype=torch.uint8))
     x = torch.randn(T, D, generator=g, device=device).to(torch.bfloat16)
-    pick = torch.rand(T, E - 1, generator=g, device=device) * torch.arange(1, E, device=device)  # skewed; the last expert empty
+    # skewed counts; the last expert empty
+    pick = torch.rand(T, E - 1, generator=g, device=device) * torch.arange(1, E, device=device)
     idx = pick.topk(k, -1).indices
     wt = torch.rand(T, k, generator=g, device=device) + 0.1
     got = moe_prefill_fp8(x, idx, wt, *packed, 10.0, plan)
