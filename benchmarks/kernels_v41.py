@@ -4,6 +4,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --out DIR     # on an H200, about 4-6 minutes
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only gemm --out DIR   # weight-stream GEMMs, before/after
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only stream --out DIR # decode streams by variant
+    PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only prefill --out DIR  # MoE prefill plans, 8192 tokens
     python benchmarks/kernels_v41.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
 
 Phase 1 (correctness): every op against its PyTorch reference (``redknot.kernels.ref_v41``) on fresh
@@ -167,8 +168,10 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 131072, 1048576],
                     help="compressed entries visible to attention / indexer cases")
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--only", choices=("all", "gemm", "stream"), default="all",
+    ap.add_argument("--only", choices=("all", "gemm", "stream", "prefill"), default="all",
                     help="gemm: only the before/after table of the weight-stream GEMMs (no phase-1 checks); "
+                         "prefill: only the MoE prefill plans at 8192 tokens (grouped, the measured choice, "
+                         "each FP8 tensor-core plan); "
                          "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes)")
     ap.add_argument("--stream-variants", choices=("core", "all"), default="core",
                     help="the fused MoE stream plans timed by --only stream / gemm: core, or all (launch-shape "
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
         args.reps = 1
     import torch
     from redknot.kernels.triton.checks_mx import REAL_V41, TOY_V41
-    from kernels_v41_cases import decode_compare_cases, engram_transfer, stream_variant_cases, timed_cases
+    from kernels_v41_cases import (decode_compare_cases, engram_transfer, prefill_compare_cases,
+                                   stream_variant_cases, timed_cases)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -189,6 +193,10 @@ def main(argv=None) -> int:
     run = Run(args, device)
     run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
             f"dims {'toy' if args.smoke else 'V4.1'}")
+    if args.only == "prefill":
+        for desc, build in prefill_compare_cases(dims, device, args.smoke):
+            timed(run, build, desc)
+        return write_results(run)
     if args.only in ("gemm", "stream"):
         from kernels_v41_stream_cases import stream_cases
         cases = list(stream_cases(dims, device, args.smoke, args.stream_variants == "all"))

@@ -378,18 +378,7 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                                  f"{how}; {note}",
                                  key=f"moe T={t} {'graph' if graph else 'eager'}", variant=variant)
                 yield f"compare moe T={t} graph={graph} {variant}", build
-    plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
-    for variant, plan in plans:
-        def build(variant=variant, plan=plan):
-            x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
-            fn = lambda: fast_moe.moe_prefill(x, idx, wt, *weights(), 10.0, plan=plan)  # noqa: E731
-            note = _checked("moe_mx", f"T={prefill}", fn, lambda: want_moe(prefill, x, idx, wt), 3e-2)
-            chosen = plan or fast_moe.PREFILL_TUNER.choices.get(
-                (min(1 << (prefill - 1).bit_length(), 65536), dims.topk_experts, tuple(weights()[0].shape),
-                 tuple(weights()[4].shape)), "measured choice")
-            return _case("moe_mx prefill", f"T={prefill}", fn, prefill * flops_per_token, _moe_bytes(dims, idx),
-                         note=f"plan {chosen}; {note}", key=f"moe prefill T={prefill}", variant=variant)
-        yield f"compare moe prefill {variant}", build
+    yield from prefill_compare_cases(dims, device, smoke, weights, want_moe)
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
     for name, n, k in shapes:
         for m in decode:
@@ -408,6 +397,34 @@ def decode_compare_cases(dims: V41Dims, device, smoke: bool) -> Iterator[Tuple[s
                                      note=f"decode={dec or _tuned('linear', (tuple(w.shape), 32))}; {how}; {note}",
                                      key=f"linear {label}", variant=variant)
                     yield f"compare linear {name} M={m} graph={graph} {variant}", build
+
+
+def prefill_compare_cases(dims: V41Dims, device, smoke: bool, weights=None,
+                          want_moe=None) -> Iterator[Tuple[str, Callable]]:
+    """MoE prefill at the prefill token count: the ``grouped`` plan (before) against the measured choice over
+    all ``PREFILL_TUNER`` plans (after), then every FP8 tensor-core plan (``moe_prefill_fp8``) by name, each
+    checked against ``ref_v41.moe_mx`` first (ms and % of floor in the timings table)."""
+    from redknot.kernels.triton import moe_mx as fast_moe
+    prefill, _ = _sizes(dims, smoke)
+    flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
+    if weights is None:
+        weights, want_moe = moe_memo(dims, device)
+    plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
+    plans += [(f"plan {p.path} {p.block_m}x{p.block_n} w{p.num_warps} s{p.num_stages}", p)
+              for p in fast_moe.PREFILL_TUNER.candidates if p.path == "fp8"]
+    for variant, plan in plans:
+        def build(variant=variant, plan=plan):
+            x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
+            fn = lambda: fast_moe.moe_prefill(x, idx, wt, *weights(), 10.0, plan=plan)  # noqa: E731
+            note = _checked("moe_mx", f"T={prefill}", fn, lambda: want_moe(prefill, x, idx, wt), 3e-2)
+            chosen = plan or fast_moe.PREFILL_TUNER.choices.get(
+                (min(1 << (prefill - 1).bit_length(), 65536), dims.topk_experts, tuple(weights()[0].shape),
+                 tuple(weights()[4].shape)), "measured choice")
+            paired = variant in ("before", "after")
+            return _case("moe_mx prefill", f"T={prefill}" + ("" if paired else f" {variant}"), fn,
+                         prefill * flops_per_token, _moe_bytes(dims, idx), note=f"plan {chosen}; {note}",
+                         key=f"moe prefill T={prefill}" if paired else "", variant=variant if paired else "")
+        yield f"compare moe prefill {variant}", build
 
 
 class _Knobs:

@@ -162,8 +162,8 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
         wt if wt is not None else p, offs, G, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
         w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2, USE_ASM=use_asm(dev),
-        G_POW2=max(16, next_pow2(G)), WIDE=aq.numel() >= 2**31 or w.stride(0) >= 2**31, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        G_POW2=max(16, next_pow2(G)), WIDE=aq.numel() >= 2**31, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result
 
 
