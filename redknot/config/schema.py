@@ -327,6 +327,9 @@ class EngineConfig:
     # Keep the kernel tuners' measured launch choices in <cache_dir>/tuning/kernel_choices.json, so a later
     # process on the same GPU and torch/triton versions skips the timing ($REDKNOT_TUNING_CACHE still wins).
     kernel_tuning_store: bool = True
+    # Use the shipped launch choices (redknot/kernels/tuned/*.json) for a class the store has no entry for,
+    # when they were measured on the same GPU and torch/triton versions ($REDKNOT_TUNING_SEED still wins).
+    kernel_tuning_seed: bool = True
 
 
 # --------------------------------------------------------------------------- suite

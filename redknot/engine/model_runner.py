@@ -20,7 +20,7 @@ from redknot.engine.inputs import StepInputs
 from redknot.engine.messages import ModelRunnerOutput
 from redknot.kernels import KernelSet
 from redknot.kernels.dtypes import torch_dtype
-from redknot.kernels.tuning_cache import use_cache_dir
+from redknot.kernels.tuning_cache import use_cache_dir, use_seed
 from redknot.models.family import ExpertRows, ModelFamily
 from redknot.sample import Sampler, SamplingRow
 from redknot.speculative.dspark import DSparkSpeculator
@@ -69,6 +69,7 @@ class ModelRunner:
             family.check_memory(model_cfg, hardware, features, device_bytes=props.total_memory,
                                 device_name=props.name)
         use_cache_dir(engine.cache_dir, engine.kernel_tuning_store)  # launch choices persist with the caches
+        use_seed(engine.kernel_tuning_seed)  # shipped launch choices for the same GPU and versions
         self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
                                         expert_rows=expert_rows)
         self.cfg = self.model.cfg

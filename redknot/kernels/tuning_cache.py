@@ -14,6 +14,20 @@ Where: ``$REDKNOT_TUNING_CACHE`` (a file path; ``0``/``off``/``none``/empty disa
 or other-format file is ignored with one warning (and replaced on the next write). Writes re-read the
 file, merge, and replace it atomically (temporary file + rename), so parallel processes never leave a
 torn file (the last writer of a class wins, and both measured the same thing).
+
+Shipped choices (the seed): JSON files of the store's format under ``redknot/kernels/tuned/`` (package
+data), consulted only for a class the store has no entry for. A seed entry is used under the store's own
+rule: the same environment string, i.e. the same GPU name and compute capability and the same torch and
+triton versions; a seed measured under other versions is not used (one warning per process names the
+file, its versions and this process's), because launch choices are re-measured whenever the versions
+change, as the store does. A used seed choice passes the same first-use guard as a stored one (a choice
+that no longer builds or runs is tuned again, and that measurement goes to the store, which then wins).
+Nothing is ever written to a seed. ``$REDKNOT_TUNING_SEED`` (a file or folder of ``*.json`` seeds;
+``off``/``0``/empty: none) replaces the packaged folder; else ``engine.kernel_tuning_seed`` (default true,
+:func:`use_seed`) turns the packaged seeds on or off; :func:`set_seed_path` overrides both. The seed is
+independent of the store: either can be off. A seed file that is not valid JSON of the store's format is
+ignored with a warning naming the file. ``python -m redknot.kernels.tuning_cache export STORE OUT`` writes
+a seed from a store (``--gpu`` keeps the environments whose GPU part contains a text).
 """
 from __future__ import annotations
 
@@ -22,7 +36,8 @@ import logging
 import os
 import tempfile
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -48,7 +63,7 @@ def environment(device: torch.device) -> str:
     return f"{gpu}|torch {torch.__version__}|triton {triton.__version__}"
 
 
-def describe(value: Any) -> Optional[str]:
+def describe(value: Any) -> str | None:
     """A stable text for a key or candidate, or None when its ``repr`` names an object address."""
     text = repr(value)
     return None if " at 0x" in text else text
@@ -59,11 +74,11 @@ class TuningStore:
 
     def __init__(self, path: str):
         self.path = path
-        self.entries: Dict[str, Dict[str, Dict[str, Dict[str, Any]]]] = {}
+        self.entries: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
         self._loaded = False
         self._lock = threading.Lock()
 
-    def _read(self, warn: bool) -> Dict[str, Any]:
+    def _read(self, warn: bool) -> dict[str, Any]:
         try:
             with open(self.path, encoding="utf-8") as f:
                 data = json.load(f)
@@ -85,7 +100,7 @@ class TuningStore:
             self.entries = self._read(warn=True)
             self._loaded = True
 
-    def lookup(self, env: str, tuner: str, key: str) -> Optional[Dict[str, Any]]:
+    def lookup(self, env: str, tuner: str, key: str) -> dict[str, Any] | None:
         """The stored entry ``{"choice": str, "timings": [[str, ms], ...]}``, or None."""
         with self._lock:
             self._load()
@@ -93,7 +108,7 @@ class TuningStore:
         ok = isinstance(entry, dict) and isinstance(entry.get("choice"), str)
         return entry if ok else None
 
-    def record(self, env: str, tuner: str, key: str, choice: str, timings: Sequence[Tuple[str, float]]) -> None:
+    def record(self, env: str, tuner: str, key: str, choice: str, timings: Sequence[tuple[str, float]]) -> None:
         """Store one class's choice: merged into the file as it is now, written atomically."""
         entry = {"choice": choice, "timings": [[c, float(ms)] for c, ms in timings]}
         with self._lock:
@@ -120,16 +135,20 @@ class TuningStore:
 
 
 _path: Any = _UNSET
-_stores: Dict[str, TuningStore] = {}
+_stores: dict[str, TuningStore] = {}
+SEED_ENV_VAR = "REDKNOT_TUNING_SEED"
+SEED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+_seed_path: Any = _UNSET
+_seeds: dict[str, Seed] = {}
 
 
-def set_path(path: Optional[str]) -> None:
+def set_path(path: str | None) -> None:
     """Use ``path`` for the store from now on (None: no store); overrides ``$REDKNOT_TUNING_CACHE``."""
     global _path
     _path = path
 
 
-def use_cache_dir(cache_dir: Optional[str], enabled: bool = True) -> None:
+def use_cache_dir(cache_dir: str | None, enabled: bool = True) -> None:
     """Keep the store under a run's cache directory (``<cache_dir>/tuning/kernel_choices.json``), or no
     store when ``enabled`` is false (``engine.kernel_tuning_store``), unless ``$REDKNOT_TUNING_CACHE`` says
     otherwise (the variable wins, including ``off``)."""
@@ -142,13 +161,16 @@ def use_cache_dir(cache_dir: Optional[str], enabled: bool = True) -> None:
 
 
 def reset() -> None:
-    """Back to ``$REDKNOT_TUNING_CACHE`` / the default, with every file read again on next use."""
-    global _path
+    """Back to ``$REDKNOT_TUNING_CACHE`` / ``$REDKNOT_TUNING_SEED`` / the defaults, with every file read
+    again on next use."""
+    global _path, _seed_path
     _path = _UNSET
     _stores.clear()
+    _seed_path = _UNSET
+    _seeds.clear()
 
 
-def current_path() -> Optional[str]:
+def current_path() -> str | None:
     if _path is not _UNSET:
         return _path
     value = os.environ.get(ENV_VAR)
@@ -157,7 +179,7 @@ def current_path() -> Optional[str]:
     return None if value.strip().lower() in _OFF else value
 
 
-def store() -> Optional[TuningStore]:
+def store() -> TuningStore | None:
     """The store in use, or None when disabled."""
     path = current_path()
     if path is None:
@@ -167,7 +189,7 @@ def store() -> Optional[TuningStore]:
     return _stores[path]
 
 
-def restore(entry: Dict[str, Any], candidates: Sequence[Any]) -> Optional[Tuple[Any, List[Tuple[Any, float]]]]:
+def restore(entry: dict[str, Any], candidates: Sequence[Any]) -> tuple[Any, list[tuple[Any, float]]] | None:
     """The candidate a stored entry names and its timings (those still candidates), or None when the stored
     choice is no candidate any more (renamed, removed, reshaped)."""
     by_text = {describe(c): c for c in candidates}
@@ -182,3 +204,164 @@ def restore(entry: Dict[str, Any], candidates: Sequence[Any]) -> Optional[Tuple[
             except (TypeError, ValueError):
                 continue
     return choice, timings
+
+
+# ----------------------------------------------------------------------------------------- the seed
+def read_seed_file(path: str) -> dict[str, Any]:
+    """The entries of one seed file; ``ValueError`` naming the file when it is not the store's format."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"kernel tuning seed {path}: not readable as JSON ({exc})") from exc
+    if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
+        raise ValueError(f"kernel tuning seed {path}: not a tuning store of format {FORMAT} "
+                         '({"format": 1, "entries": {environment: {tuner: {class: {"choice": ...}}}}})')
+    for env, tuners in data["entries"].items():
+        if not isinstance(tuners, dict) or not all(isinstance(keys, dict) for keys in tuners.values()):
+            raise ValueError(f"kernel tuning seed {path}: environment {env!r} does not map tuners to classes")
+    return data["entries"]
+
+
+def _split(env: str) -> tuple[str, str]:
+    """(GPU part, versions part) of an environment string (``environment``): ``name|smXY``, ``torch ..|triton ..``."""
+    parts = env.split("|")
+    gpu = "|".join(p for p in parts if not p.startswith(("torch ", "triton ")))
+    return gpu, "|".join(p for p in parts if p.startswith(("torch ", "triton ")))
+
+
+class Seed:
+    """Read-only shipped choices: every ``*.json`` of a folder (or one file), merged in name order."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.entries: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+        self.origin: dict[str, str] = {}     # environment -> the file that holds it
+        self._loaded = False
+        self._warned: set = set()
+        self._lock = threading.Lock()
+
+    def files(self) -> list[str]:
+        if os.path.isdir(self.path):
+            return sorted(os.path.join(self.path, n) for n in os.listdir(self.path) if n.endswith(".json"))
+        return [self.path] if os.path.exists(self.path) else []
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for path in self.files():
+            try:
+                entries = read_seed_file(path)
+            except ValueError as exc:
+                log.warning("%s: ignored, the kernels are tuned on first use", exc)
+                continue
+            for env, tuners in entries.items():
+                self.origin.setdefault(env, path)
+                for tuner, keys in tuners.items():
+                    self.entries.setdefault(env, {}).setdefault(tuner, {}).update(keys)
+
+    def lookup(self, env: str, tuner: str, key: str) -> dict[str, Any] | None:
+        """The shipped entry for exactly this environment, or None. A seed for this GPU under other torch /
+        triton versions is not used; the first such miss in a process logs one warning."""
+        with self._lock:
+            self._load()
+            entry = self.entries.get(env, {}).get(tuner, {}).get(key)
+            if entry is None and env not in self.entries and env not in self._warned:
+                self._warned.add(env)
+                gpu, versions = _split(env)
+                other = sorted(e for e in self.entries if _split(e)[0] == gpu)
+                if other:
+                    log.warning("kernel tuning seed %s holds choices for %s under %s, this process runs %s: not "
+                                "used (choices are measured per torch/triton version); the kernels are tuned on "
+                                "first use", self.origin[other[0]], gpu, ", ".join(_split(e)[1] for e in other),
+                                versions)
+        ok = isinstance(entry, dict) and isinstance(entry.get("choice"), str)
+        return entry if ok else None
+
+
+def set_seed_path(path: str | None) -> None:
+    """Use the seed file or folder ``path`` from now on (None: no seed); overrides ``$REDKNOT_TUNING_SEED``."""
+    global _seed_path
+    _seed_path = path
+
+
+def use_seed(enabled: bool = True) -> None:
+    """``engine.kernel_tuning_seed``: the packaged seeds on or off, unless ``$REDKNOT_TUNING_SEED`` is set
+    (the variable wins, including ``off``)."""
+    if SEED_ENV_VAR in os.environ:
+        return
+    set_seed_path(SEED_DIR if enabled else None)
+
+
+def current_seed_path() -> str | None:
+    if _seed_path is not _UNSET:
+        return _seed_path
+    value = os.environ.get(SEED_ENV_VAR)
+    if value is None:
+        return SEED_DIR
+    return None if value.strip().lower() in _OFF else value
+
+
+def seed() -> Seed | None:
+    """The seed in use, or None when disabled."""
+    path = current_seed_path()
+    if path is None:
+        return None
+    if path not in _seeds:
+        _seeds[path] = Seed(path)
+    return _seeds[path]
+
+
+def lookup(env: str, tuner: str, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The entry for a class and where it came from: the store (``"stored"``) first, else the seed
+    (``"shipped"``); (None, None) when neither has one."""
+    st, sd = store(), seed()
+    entry = st.lookup(env, tuner, key) if st is not None else None
+    if entry is not None:
+        return entry, "stored"
+    entry = sd.lookup(env, tuner, key) if sd is not None else None
+    return (entry, "shipped") if entry is not None else (None, None)
+
+
+def export(store_path: str, out_path: str, gpu: str | None = None) -> dict[str, int]:
+    """Write a seed from a store: its entries (those whose environment's GPU part contains ``gpu``, when
+    given), in the store's format. Returns the classes written per environment."""
+    entries = read_seed_file(store_path)   # the store's format is the seed's
+    if gpu is not None:
+        entries = {e: t for e, t in entries.items() if gpu.lower() in _split(e)[0].lower()}
+    if not entries:
+        raise ValueError(f"{store_path}: no environment to export" + (f" matching GPU {gpu!r}" if gpu else ""))
+    folder = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(folder, exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "entries": entries}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    read_seed_file(out_path)
+    return {e: sum(len(keys) for keys in t.values()) for e, t in entries.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m redknot.kernels.tuning_cache",
+                                 description="Kernel tuning store tools")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write a seed (shipped choices) from a store")
+    ex.add_argument("store", help="a store file (kernel_choices.json)")
+    ex.add_argument("out", help="the seed file to write (e.g. redknot/kernels/tuned/h200.json)")
+    ex.add_argument("--gpu", default=None, help="keep the environments whose GPU part contains this text")
+    a = ap.parse_args(argv)
+    try:
+        counts = export(a.store, a.out, a.gpu)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 1
+    for env, n in counts.items():
+        print(f"{env}: {n} classes")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

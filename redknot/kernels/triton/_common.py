@@ -122,7 +122,8 @@ class ConfigTuner:
     skipped and remembered in ``failures``. Without CUDA, under the interpreter, during CUDA-graph
     capture or while ``ConfigTuner.enabled`` is off, the first candidate is used untimed (and not
     remembered). ``choices`` and ``timings`` are readable by benchmarks. Measured choices persist across
-    processes through ``tuning_cache`` (per GPU, compute capability, torch and triton version and class).
+    processes through ``tuning_cache`` (per GPU, compute capability, torch and triton version and class);
+    a class no stored choice covers may take the shipped seed's choice for the same environment.
     """
 
     enabled = True
@@ -143,29 +144,31 @@ class ConfigTuner:
         return self._measure(key, run, device)
 
     def _measure(self, key: Hashable, run: Callable[[Any], Any], device: torch.device) -> Any:
-        """The choice stored by an earlier process (``tuning_cache``) when it still names a candidate that
-        runs once here, else a fresh measurement, stored for the next process."""
+        """The choice stored by an earlier process (``tuning_cache``; else the shipped seed's, for the same
+        GPU and versions) when it still names a candidate that runs once here, else a fresh measurement,
+        stored for the next process."""
         from redknot.kernels import tuning_cache
 
         store, key_text = tuning_cache.store(), tuning_cache.describe(key)
-        env = tuning_cache.environment(device) if store is not None and key_text is not None else None
-        entry = store.lookup(env, self.name, key_text) if env is not None else None
+        wanted = key_text is not None and (store is not None or tuning_cache.seed() is not None)
+        env = tuning_cache.environment(device) if wanted else None
+        entry, source = tuning_cache.lookup(env, self.name, key_text) if env is not None else (None, None)
         stored = tuning_cache.restore(entry, self.candidates) if entry is not None else None
         if stored is not None:
             try:
                 run(stored[0])  # the first-use guard: a stored choice that no longer builds or runs is re-tuned
             except Exception as exc:
-                log.warning("%s %s: stored choice %s failed (%s: %s); tuning again", self.name, key, stored[0],
+                log.warning("%s %s: %s choice %s failed (%s: %s); tuning again", self.name, key, source, stored[0],
                             type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")
             else:
                 self.timings[key], self.failures[key] = stored[1], []
                 self.choices[key] = stored[0]
-                log.info("%s %s: stored choice %s", self.name, key, stored[0])
+                log.info("%s %s: %s choice %s", self.name, key, source, stored[0])
                 return stored[0]
         elif entry is not None:
-            log.info("%s %s: stored choice %r is no candidate; tuning again", self.name, key, entry["choice"])
+            log.info("%s %s: %s choice %r is no candidate; tuning again", self.name, key, source, entry["choice"])
         best = self._tune(key, run)
-        if env is not None:
+        if env is not None and store is not None:
             texts = [(tuning_cache.describe(c), ms) for c, ms in self.timings[key]]
             choice = tuning_cache.describe(best)
             if choice is not None and all(t is not None for t, _ in texts):

@@ -26,6 +26,7 @@ def cache(tmp_path, monkeypatch):
     tuning_cache.reset()
     path = tmp_path / "choices.json"
     tuning_cache.set_path(str(path))
+    tuning_cache.set_seed_path(None)   # the shipped seed has its own tests (test_tuning_seed.py)
     yield path
     tuning_cache.reset()
 
