@@ -204,3 +204,37 @@ def test_the_packaged_seeds_are_valid():
             for keys in tuners.values():
                 assert all(isinstance(e.get("choice"), str) for e in keys.values()), name
     assert os.path.isfile(os.path.join(tuning_cache.SEED_DIR, "__init__.py"))   # shipped with the package
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_exported_seed_spares_a_fresh_process_the_timing(tmp_path):
+    """Real processes on the GPU: one times toy candidates into a store, ``export`` turns the store into a
+    seed, and a process with no store (``off``) and that seed picks the same choice without timing."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import json, torch, triton.testing
+        from redknot.kernels.triton._common import ConfigTuner
+        calls = []
+        real = triton.testing.do_bench
+        triton.testing.do_bench = lambda fn, **kw: (calls.append(1), real(fn, **kw))[1]
+        x = torch.randn(256, 256, device="cuda")
+        got = ConfigTuner("toy_seed", [1, 2, 4]).pick(("k",), lambda reps: [x @ x for _ in range(reps)],
+                                                      torch.device("cuda"))
+        print(json.dumps({"choice": got, "timed": len(calls)}))
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", script], env={**base, **env}, check=True, capture_output=True,
+                             text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    store, seed = tmp_path / "choices.json", tmp_path / "seed.json"
+    first = run(**{tuning_cache.ENV_VAR: str(store), tuning_cache.SEED_ENV_VAR: "off"})
+    assert first["timed"] == 3
+    assert tuning_cache.main(["export", str(store), str(seed), "--gpu", torch.cuda.get_device_name()]) == 0
+    second = run(**{tuning_cache.ENV_VAR: "off", tuning_cache.SEED_ENV_VAR: str(seed)})
+    assert second == {"choice": first["choice"], "timed": 0}
