@@ -68,6 +68,7 @@ from typing import Dict, List
 
 import torch
 from step_profile_v41 import format_views, step_views
+from v41_prefill_profile import ChunkFit, cache_bytes, group_regions, region_shares
 
 print = functools.partial(print, flush=True)  # noqa: A001  (progress unbuffered)
 
@@ -693,7 +694,6 @@ def main(argv=None) -> dict:
     batches = [int(x) for x in a.decode_batch.split(",") if x]
     last = None
     profiles = [1 if a.smoke else 100]   # the CPU profiler is slow to start: one profile in a smoke run
-    from v41_prefill_profile import ChunkFit, cache_bytes, group_regions, region_shares
     fit = ChunkFit()   # per-chunk seconds = a + b * start, over the chunks of the last timed prefill
 
     def decode_rows(b, ctx: int, eager: bool) -> None:
