@@ -49,7 +49,8 @@ class MoePlan:
     """A prefill plan: ``grouped`` (bf16 expert chunks + ``torch._grouped_mm``), ``tiled`` (the split-K
     kernel as a plain grouped GEMM: one K slice, ``block_m`` rows per tile, FP4 decoded in registers) or
     ``fp8`` (``moe_prefill_fp8``: FP4 -> e4m3 in registers, one FP8 MMA per 32-wide K group, ``block_k`` =
-    32 x the groups per loop step, the weight tile as the MMA's first operand)."""
+    32 x the groups per loop step, the weight tile as the MMA's first operand; ``decode`` ``fp8`` or
+    ``fp8_prefetch``)."""
     path: str
     block_m: int = 64
     block_n: int = 128
@@ -66,12 +67,13 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("grouped"), MoePlan("tiled", 64, 128, 128, 8, True), MoePlan("tiled", 128, 64, 128, 8, True),
     MoePlan("tiled", 64, 64, 128, 4, True),
     # FP8 tensor cores (``moe_prefill_fp8``; not measured on the H200 yet): block_m rows x block_n weight
-    # columns, one 32-wide group per MMA, W1 | W3 in one program. Each compiles for sm90 without register
-    # spills (ptxas: 196-217 registers for W1 | W3, 118-148 for W2); 128 x 128, 64 x 256 and two groups per
-    # loop step spill.
+    # columns, W1 | W3 in one program; block_k 32: one group per loop step (``fp8_prefetch``: the next
+    # group's scale bytes loaded one step ahead), 128: four groups per step with 32-bit scale words. Each
+    # compiles for sm90 without register spills (ptxas, W1 | W3 / W2 registers: 200 / 132, 217 / 146,
+    # 196 / 118, 255 / 170, 254 / 169, 248 / 167); 128 x 128, and 128 / 64-row tiles at block_k 128, spill.
     MoePlan("fp8", 128, 64, 32, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 3),
-    MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 4), MoePlan("fp8", 32, 256, 32, 8, True, "fp8", 3),
-    MoePlan("fp8", 64, 64, 32, 4, True, "fp8", 3),
+    MoePlan("fp8", 32, 256, 32, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 32, 8, True, "fp8_prefetch", 3),
+    MoePlan("fp8", 64, 128, 32, 8, True, "fp8_prefetch", 3), MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)

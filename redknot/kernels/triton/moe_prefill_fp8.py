@@ -57,13 +57,24 @@ def _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N: tl.constexpr, U
 
 
 @triton.jit
+def _group_mma_s(acc, bg, sb, at, sa, c_off, k0, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """``_group_mma`` with the weight columns' E8M0 bytes of the group given (int32)."""
+    kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
+    b = tl.load(bg + (c_off[:, None] + kh[None, :]))
+    d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), at)
+    return acc + d * (pow2(sb - 121)[:, None] * sa[None, :])
+
+
+@triton.jit
 def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr, offs_ptr,
                     G, N, K, limit, stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm,
                     stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr, USE_ASM: tl.constexpr,
-                    G_POW2: tl.constexpr, WIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    GROUPS: tl.constexpr):
+                    G_POW2: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
     """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``,
-    all of K in steps of GROUPS 32-wide groups. EPI 1 (needs DUAL): the W2 input, e4m3 [rows, N] + E8M0
+    all of K in steps of GROUPS 32-wide groups. WORDS (GROUPS 4): the E8M0 bytes of a step's four groups
+    read as one 32-bit word per row / column, the next step's words loaded while this step runs; PREFETCH
+    (GROUPS 1): the next group's scale bytes loaded while this group runs. EPI 1 (needs DUAL): the W2 input, e4m3 [rows, N] + E8M0
     [rows, N/32]; EPI 2: bf16 [rows, N]."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -97,16 +108,70 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
             sa_off = arow * stride_sam
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k_step in range(0, K, 32 * GROUPS):
-            for g in tl.static_range(GROUPS):
-                k0 = tl.multiple_of(k_step + 32 * g, 32)
-                kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
-                a = tl.load(a_ptr + (a_off[:, None] + kk[None, :]))
-                sa = pow2(tl.load(sa_ptr + (sa_off + k0 // 32)).to(tl.int32) - 127)
-                at = tl.trans(a)  # the rows' group, shared by W1 and W3
-                acc = _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
+        if WORDS:  # scale words: 4 groups per load, prefetched one step ahead (byte g of a word: group g)
+            saw_ptr = sa_ptr.to(tl.pointer_type(tl.int32))
+            sbw_g = sbg.to(tl.pointer_type(tl.int32))
+            sb3w_g = sb3g.to(tl.pointer_type(tl.int32))
+            sa_w = sa_off // 4
+            cs_w = cs_off // 4
+            saw = tl.load(saw_ptr + sa_w)
+            sbw = tl.load(sbw_g + cs_w)
+            sb3w = sbw
+            if DUAL:
+                sb3w = tl.load(sb3w_g + cs_w)
+            for k_step in range(0, K, 128):
+                nxt = tl.minimum(k_step + 128, K - 128) // 128
+                saw_n = tl.load(saw_ptr + (sa_w + nxt))
+                sbw_n = tl.load(sbw_g + (cs_w + nxt))
+                sb3w_n = sbw_n
                 if DUAL:
-                    acc3 = _group_mma(acc3, b3g, sb3g, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
+                    sb3w_n = tl.load(sb3w_g + (cs_w + nxt))
+                for g in tl.static_range(4):
+                    k0 = tl.multiple_of(k_step + 32 * g, 32)
+                    kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+                    a = tl.load(a_ptr + (a_off[:, None] + kk[None, :]))
+                    sa = pow2(((saw >> (8 * g)) & 0xFF) - 127)
+                    at = tl.trans(a)
+                    acc = _group_mma_s(acc, bg, (sbw >> (8 * g)) & 0xFF, at, sa, c_off, k0, BLOCK_N, USE_ASM)
+                    if DUAL:
+                        acc3 = _group_mma_s(acc3, b3g, (sb3w >> (8 * g)) & 0xFF, at, sa, c_off, k0, BLOCK_N,
+                                            USE_ASM)
+                saw = saw_n
+                sbw = sbw_n
+                sb3w = sb3w_n
+        elif PREFETCH:  # one group per step, the next group's scale bytes loaded while this group runs
+            sa_n = tl.load(sa_ptr + sa_off).to(tl.int32)
+            sb_n = tl.load(sbg + cs_off).to(tl.int32)
+            sb3_n = sb_n
+            if DUAL:
+                sb3_n = tl.load(sb3g + cs_off).to(tl.int32)
+            for k_step in range(0, K, 32):
+                k0 = tl.multiple_of(k_step, 32)
+                sa_c = sa_n
+                sb_c = sb_n
+                sb3_c = sb3_n
+                nxt = tl.minimum(k_step + 32, K - 32) // 32
+                sa_n = tl.load(sa_ptr + (sa_off + nxt)).to(tl.int32)
+                sb_n = tl.load(sbg + (cs_off + nxt)).to(tl.int32)
+                if DUAL:
+                    sb3_n = tl.load(sb3g + (cs_off + nxt)).to(tl.int32)
+                kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+                at = tl.trans(tl.load(a_ptr + (a_off[:, None] + kk[None, :])))
+                sa = pow2(sa_c - 127)
+                acc = _group_mma_s(acc, bg, sb_c, at, sa, c_off, k0, BLOCK_N, USE_ASM)
+                if DUAL:
+                    acc3 = _group_mma_s(acc3, b3g, sb3_c, at, sa, c_off, k0, BLOCK_N, USE_ASM)
+        else:
+            for k_step in range(0, K, 32 * GROUPS):
+                for g in tl.static_range(GROUPS):
+                    k0 = tl.multiple_of(k_step + 32 * g, 32)
+                    kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+                    a = tl.load(a_ptr + (a_off[:, None] + kk[None, :]))
+                    sa = pow2(tl.load(sa_ptr + (sa_off + k0 // 32)).to(tl.int32) - 127)
+                    at = tl.trans(a)  # the rows' group, shared by W1 and W3
+                    acc = _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
+                    if DUAL:
+                        acc3 = _group_mma(acc3, b3g, sb3g, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
         r64 = rows.to(tl.int64)
         omask = rmask[:, None] & cmask[None, :]
         if EPI == 1:  # moe_stream_fp8 EPI 1: e4m3 + E8M0 per 32 of bf16(w · silu(min(g, L)) · clamp(u, ±L))
@@ -131,7 +196,8 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
                      limit: float = 0.0):
     """One grouped GEMM over MXFP4 experts ``w`` [G, N, K/2] (E8M0 ``ws`` [G, N, K/32]) for ``rows`` rows
     grouped by ``offs`` (per-expert ends); ``aq`` e4m3 [R, K] with E8M0 ``sa`` [R, K/32] (sorted row r reads
-    ``rowid[r]``). With ``w3``: W1 | W3 and the SwiGLU epilogue, returns (e4m3 [rows, N], E8M0 [rows, N/32]);
+    ``rowid[r]``). ``plan.decode``: ``fp8``, or ``fp8_prefetch`` (with block_k 32: each group's scale bytes
+    loaded one group ahead). With ``w3``: W1 | W3 and the SwiGLU epilogue, returns (e4m3 [rows, N], E8M0 [rows, N/32]);
     without: bf16 [rows, N]. ``plan``: ``moe_mx.MoePlan`` (block_m, block_n, block_k = 32 · groups per
     loop step, num_warps, num_stages)."""
     w, ws = as_bytes(w), as_bytes(ws)
@@ -145,6 +211,10 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     groups = max(1, plan.block_k // 32)
     while K % (32 * groups):
         groups //= 2
+    s3 = as_bytes(ws3) if dual else ws
+    # 32-bit scale words (block_k 128): each row's / column's scale bytes start on a 4-byte boundary
+    words = groups == 4 and all(t.stride(-2) % 4 == 0 and t.stride(0) % 4 == 0 and t.data_ptr() % 4 == 0
+                                for t in (sa, ws, s3))
     dev = aq.device
     if dual:
         p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
@@ -162,7 +232,8 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
         wt if wt is not None else p, offs, G, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
         w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2, USE_ASM=use_asm(dev),
-        G_POW2=max(16, next_pow2(G)), WIDE=aq.numel() >= 2**31, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
+        G_POW2=max(16, next_pow2(G)), WIDE=aq.numel() >= 2**31, WORDS=words,
+        PREFETCH=groups == 1 and plan.decode == "fp8_prefetch", BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result
 

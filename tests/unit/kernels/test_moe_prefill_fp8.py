@@ -13,8 +13,12 @@ from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream  # noqa: E4
 from redknot.kernels.triton.quant_mx import act_quant_mx  # noqa: E402
 
 SMALL = V41Dims(hidden=128, experts=6, topk_experts=2, moe_inter=96, tokens=23)
+WIDE = V41Dims(hidden=256, experts=6, topk_experts=3, moe_inter=128, tokens=23)  # K % 128 == 0: scale words
 # block_m, block_n, block_k (32 x groups per loop step), warps, stages
-PLANS = [moe_mx.MoePlan("fp8", 16, 32, 32, 4, True, "fp8", 2), moe_mx.MoePlan("fp8", 32, 64, 64, 4, True, "fp8", 3)]
+PLANS = [moe_mx.MoePlan("fp8", 16, 32, 32, 4, True, "fp8", 2), moe_mx.MoePlan("fp8", 32, 64, 64, 4, True, "fp8", 3),
+         moe_mx.MoePlan("fp8", 16, 64, 32, 4, True, "fp8_prefetch", 2),
+         moe_mx.MoePlan("fp8", 16, 64, 128, 4, True, "fp8", 2)]
+CASES = [(PLANS[0], SMALL), (PLANS[1], SMALL), (PLANS[2], SMALL), (PLANS[3], WIDE), (PLANS[2], WIDE)]
 
 
 def _rel(a, b):
@@ -29,12 +33,12 @@ def _skewed_routing(tokens: int, experts: int, k: int, device, seed: int):
     return score.topk(k, -1).indices
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["16x32", "32x64"])
+@pytest.mark.parametrize("plan,dims", CASES, ids=["16x32", "32x64-2groups", "prefetch", "words", "prefetch-wide"])
 @pytest.mark.parametrize("tokens", [1, 23])
-def test_fp8_prefill_matches_reference(plan, tokens, kernel_device):
-    x, _, wt, w = moe_inputs(SMALL, kernel_device, seed=100 + tokens + plan.block_m, tokens=tokens)
-    idx = _skewed_routing(tokens, SMALL.experts, SMALL.topk_experts, kernel_device, seed=tokens)
-    counts = torch.bincount(idx.reshape(-1), minlength=SMALL.experts)
+def test_fp8_prefill_matches_reference(plan, dims, tokens, kernel_device):
+    x, _, wt, w = moe_inputs(dims, kernel_device, seed=100 + tokens + plan.block_m, tokens=tokens)
+    idx = _skewed_routing(tokens, dims.experts, dims.topk_experts, kernel_device, seed=tokens)
+    counts = torch.bincount(idx.reshape(-1), minlength=dims.experts)
     assert counts[-2:].sum() == 0  # empty experts
     out = moe_mx.moe_prefill(x, idx, wt, *w, 10.0, plan=plan)
     want = ref_v41.moe_mx(x, idx, wt, *w, 10.0)
