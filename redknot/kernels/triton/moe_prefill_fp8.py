@@ -74,8 +74,8 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
     """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``,
     all of K in steps of GROUPS 32-wide groups. WORDS (GROUPS 4): the E8M0 bytes of a step's four groups
     read as one 32-bit word per row / column, the next step's words loaded while this step runs; PREFETCH
-    (GROUPS 1): the next group's scale bytes loaded while this group runs. EPI 1 (needs DUAL): the W2 input, e4m3 [rows, N] + E8M0
-    [rows, N/32]; EPI 2: bf16 [rows, N]."""
+    (GROUPS 1): the next group's scale bytes loaded while this group runs. EPI 1 (needs DUAL): the W2 input,
+    e4m3 [rows, N] + E8M0 [rows, N/32]; EPI 2: bf16 [rows, N]."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_blocks
