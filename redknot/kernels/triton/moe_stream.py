@@ -41,7 +41,10 @@ from redknot.kernels.triton.dequant_mx import as_bytes, fp8_qdq_groups
 from redknot.kernels.triton.stream_scaled import tile_of
 
 ROW_TILE = 16  # rows per program (fixed: batch invariance)
-STREAM_DECODES = ("regs", "scaled", "fp8")  # fp8: ``moe_stream_fp8`` (FP4 -> e4m3 bytes, FP8 MMA per group)
+# fp8: ``moe_stream_fp8`` (FP4 -> e4m3 bytes, FP8 MMA per group); fp8h: ``moe_stream_fp8h`` (the same with each
+# group's K elements in halves order: no byte permutes; hidden and intermediate sizes multiples of 128, else fp8)
+STREAM_DECODES = ("regs", "scaled", "fp8", "fp8h")
+FP8_DECODES = ("fp8", "fp8h")
 
 
 @dataclass(frozen=True)
@@ -187,8 +190,8 @@ def stream_gemm(a, w, ws, rows: int, plan: StreamPlan, *, offs, tiles, rowid=Non
     2: bf16 [rows, N]. ``a``: bf16 QDQ'd rows [R, K] (row r reads ``rowid[r]``)."""
     if plan.decode not in STREAM_DECODES:
         raise ValueError(f"StreamPlan.decode={plan.decode!r}: must be one of {STREAM_DECODES}")
-    if plan.decode == "fp8":
-        raise ValueError("stream_gemm: decode='fp8' streams take e4m3 rows (moe_stream_fp8.stream_gemm_fp8)")
+    if plan.decode in FP8_DECODES:
+        raise ValueError(f"stream_gemm: decode={plan.decode!r} streams take e4m3 rows (moe_stream_fp8 / fp8h)")
     w, ws = as_bytes(w), as_bytes(ws)
     G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
     if K % 32:
@@ -243,7 +246,7 @@ def moe_stream(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
     x = x if x.stride(-1) == 1 else x.contiguous()
     if plan.decode not in STREAM_DECODES:
         raise ValueError(f"StreamPlan.decode={plan.decode!r}: must be one of {STREAM_DECODES}")
-    if plan.decode == "fp8":
+    if plan.decode in FP8_DECODES:
         return _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit,
                                plan, out)
     rows, inv, offs, wt, xq = _sorted_pairs(topk_idx, topk_weight, E, x)
@@ -264,26 +267,32 @@ def moe_stream(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
 
 def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
                     plan: StreamPlan, out: torch.Tensor) -> torch.Tensor:
-    """``moe_stream`` with ``decode="fp8"``: the token rows quantised to e4m3 + E8M0 once, the W1 | W3 epilogue
-    writing the W2 input in that form (one K slice), else partials, ``reduce_swiglu`` and a quantisation
-    pass (the QDQ values re-quantise to themselves). The routing kernel writes the quantised token rows."""
+    """``moe_stream`` with ``decode="fp8"`` / ``"fp8h"``: the token rows quantised to e4m3 + E8M0 once, the
+    W1 | W3 epilogue writing the W2 input in that form (one K slice), else partials, ``reduce_swiglu`` and a
+    quantisation pass (the QDQ values re-quantise to themselves). The routing kernel writes the quantised token
+    rows. ``fp8h`` keeps the rows in halves order (``moe_stream_fp8h``) where the hidden and intermediate sizes
+    are multiples of 128, else runs the ``fp8`` kernels with the plan's launch shape."""
     from redknot.kernels.triton.moe_mx import _sorted_pairs
     from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
+    from redknot.kernels.triton.moe_stream_fp8h import halves_order, stream_gemm_fp8h
     from redknot.kernels.triton.quant_mx import act_quant_mx
     from redknot.kernels.triton.splitk_mx import reduce_combine, reduce_swiglu, tile_map
     T, k = topk_idx.shape
     E, inter, D = w1.shape[0], w1.shape[1], w2.shape[1]
     M = T * k
-    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True)
+    halves = plan.decode == "fp8h" and D % 128 == 0 and inter % 128 == 0
+    gemm = stream_gemm_fp8h if halves else stream_gemm_fp8
+    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True, halves=halves)
     tiles = None if plan.inline else tile_map(offs, ROW_TILE, M)
     common = dict(offs=offs, tiles=tiles)
     if slices(inter, D, plan) == 1:
-        aq, sa = stream_gemm_fp8(xq, xs, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
-                                 limit=swiglu_limit, epi=1, **common)
+        aq, sa = gemm(xq, xs, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, wt=wt, limit=swiglu_limit,
+                      epi=1, **common)
     else:
-        p1, p3 = stream_gemm_fp8(xq, xs, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, **common)
+        p1, p3 = gemm(xq, xs, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, **common)
         act = torch.empty(M, inter, dtype=torch.bfloat16, device=x.device)
         aq, sa = act_quant_mx(reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False))
+        aq = halves_order(aq) if halves else aq
     fused2 = slices(D, inter, plan) == 1
-    y = stream_gemm_fp8(aq, sa, w2, w2_scale, M, plan, epi=2 if fused2 else 0, **common)
+    y = gemm(aq, sa, w2, w2_scale, M, plan, epi=2 if fused2 else 0, **common)
     return reduce_combine(y[None] if fused2 else y, inv, k, out)

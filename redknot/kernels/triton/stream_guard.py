@@ -99,11 +99,16 @@ def stream_check(plan, device: torch.device, seed: int = 1234) -> Optional[str]:
     offs = torch.tensor([3, 5, 8], dtype=torch.int32, device=device)
     w1, s1, w3, s3, w2, s2 = packed
     tiles = splitk_mx.tile_map(offs, moe_stream.ROW_TILE, 8)
-    if plan.decode == "fp8":
+    if plan.decode in moe_stream.FP8_DECODES:
+        from redknot.kernels.triton import moe_stream_fp8h as halves
         from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
         from redknot.kernels.triton.quant_mx import act_quant_mx
-        got = stream_gemm_fp8(*act_quant_mx(x), w1, s1, 8, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3,
-                              ws3=s3)
+        xq, xs = act_quant_mx(x)
+        if plan.decode == "fp8h":  # D is a multiple of 128: the halves kernel itself
+            got = halves.stream_gemm_fp8h(halves.halves_order(xq), xs, w1, s1, 8, plan, offs=offs, tiles=tiles,
+                                          rowid=rowid, w3=w3, ws3=s3)
+        else:
+            got = stream_gemm_fp8(xq, xs, w1, s1, 8, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3, ws3=s3)
     else:
         got = moe_stream.stream_gemm(qdq_bf16(x), w1, s1, 8, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3,
                                      ws3=s3)

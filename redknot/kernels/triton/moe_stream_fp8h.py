@@ -1,0 +1,251 @@
+"""The fused FP8 MoE decode stream with each 32-wide K group in "halves" order (``StreamPlan(decode="fp8h")``).
+
+``moe_stream_fp8`` decodes a group's 16 packed bytes into e4m3 in natural K order: element 2i is byte i's low
+nibble, 2i+1 its high nibble. The FP8 MMA's register operand gives a thread K elements 4c..4c+3 of a row, which
+come from two bytes: the compiled kernel reads the weight bytes two at a time from shared memory and spends
+about as many byte permutes (PRMT) as decode instructions interleaving low and high nibbles (sm_90a SASS of
+the 64x128 W2 kernel: 72 PRMT, 72 LOP3 and ~140 integer address instructions per 4-group loop step).
+
+A group's dot product does not depend on the order of its 32 products' K positions as long as both operands
+use the same order. Here both use the "halves" order: position p < 16 holds K element 2p (the low nibble of
+byte p), position 16 + p holds K element 2p + 1 (the high nibble). Then the MMA operand's K elements 4c..4c+3
+are the four low nibbles of bytes 4c..4c+3, one 32-bit word decoded by the word arithmetic of
+``moe_stream_fp8`` (no permutes), and 16 + 4c.. its four high nibbles. The activation rows are written in that
+order by their producers (``halves_order``: the routing kernel for the token rows, the W1 | W3 epilogue for the
+W2 input), so the kernel loads them as they are. Each group's MMA still covers exactly its own 32 K elements,
+and the groups' scaled fp32 results are added in K order per row as in ``moe_stream_fp8``.
+
+Also per loop step (4 groups, or 8 in two halves): the weight bytes of the 4 groups in one [BN, 64] load, and
+the E8M0 scales of the 4 groups of a weight row (and of an activation row) in one 32-bit load each instead of
+a byte load per group, decoded to ``2^(s-127)`` by a shift and an add.
+
+Row tiles of 16 and the K slicing depend on the weight shape only (batch invariance). The speed of these
+plans was not measured on the H200 when they were added.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton.dequant_mx import as_bytes
+from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX, use_asm
+from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
+from redknot.kernels.triton.stream_scaled import tile_of
+
+
+def halves_order(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 rows [R, K] (K % 32 == 0) in natural K order -> the same values in halves order: in each 32-wide
+    group, the 16 even K elements, then the 16 odd ones (a copy)."""
+    R, K = q.shape
+    return q.view(R, K // 32, 16, 2).transpose(-1, -2).reshape(R, K)
+
+
+@triton.jit
+def halves(q, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] values (COLS % 32 == 0) in natural K order -> halves order (``halves_order``)."""
+    return tl.reshape(tl.permute(tl.reshape(q, (ROWS, COLS // 32, 16, 2)), (0, 1, 3, 2)), (ROWS, COLS))
+
+
+@triton.jit
+def fp4_e4m3_halves(b, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed MXFP4 bytes [BN, 16] of one 32-wide K group -> e4m3 [BN, 32] in halves order (the 16 low nibbles,
+    then the 16 high nibbles), each value the e2m1 value times 2^-6 (``moe_stream_fp8``)."""
+    if USE_ASM:
+        lo = tl.inline_asm_elementwise(_LO_PTX, "=r,r", [b], dtype=tl.uint8, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_HI_PTX, "=r,r", [b], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        lo = ((b & 0x08) << 4) | ((b & 0x07) << 2)
+        hi = (b & 0x80) | ((b >> 2) & 0x1C)
+    w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
+    return w.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _quarters(b, BLOCK_N: tl.constexpr):
+    """[BN, 64] bytes (4 groups' packed weights of a row) -> the 4 groups' [BN, 16] tiles."""
+    x = tl.permute(tl.reshape(b, (BLOCK_N, 2, 2, 16)), (0, 3, 1, 2))  # [BN, 16, i, j]: group 2i + j
+    x0, x1 = tl.split(x)
+    g0, g2 = tl.split(x0)
+    g1, g3 = tl.split(x1)
+    return g0, g1, g2, g3
+
+
+@triton.jit
+def _byte_pow2(words, g: tl.constexpr):
+    """fp32 2^(byte g of ``words`` - 127) (the E8M0 scale bytes of 4 groups packed in int32 words)."""
+    if g == 3:
+        bits = (words >> 1) & 0x7F800000
+    else:
+        bits = (words << (23 - 8 * g)) & 0x7F800000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group(acc, b, at, fsa, sw, g: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc + (group g's e4m3 weight columns · at) · 2^(sw_g-127) · fsa (2^6 short: applied once at the end)."""
+    d = tl.dot(fp4_e4m3_halves(b, BLOCK_N, USE_ASM), at)
+    return acc + d * (_byte_pow2(sw, g)[:, None] * fsa[None, :])
+
+
+@triton.jit
+def _words(ptr, k, mask, EVEN: tl.constexpr):
+    """The int32 scale words at ``ptr + k`` (4 groups' E8M0 bytes each), 127s where masked."""
+    if EVEN:
+        return tl.load(ptr + k)
+    return tl.load(ptr + k, mask=mask, other=0x7F7F7F7F)
+
+
+@triton.jit
+def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, ps_ptr, wt_ptr,
+                    tile_group_ptr, tile_row_ptr, tile_end_ptr, offs_ptr, G, N, K, KSPLIT, limit,
+                    stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
+                    stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr,
+                    USE_ASM: tl.constexpr, TILE_INLINE: tl.constexpr, G_POW2: tl.constexpr,
+                    EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: an expert's row tile x BN weight columns x one K slice, 4 groups per loop step
+    (activations in halves order). EPI 0: fp32 partials; 1: SwiGLU + routing weight + bf16, then e4m3 (halves
+    order) + E8M0 per 32 (the W2 input); 2: bf16. The loads of the loop carry no row masks (a padding row
+    reads a valid row; its results are never stored) and no column masks when BN divides N (EVEN_N); the
+    scale words of the next step are loaded one step ahead."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if TILE_INLINE:
+        grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
+    else:
+        grp = tl.load(tile_group_ptr + pid_m)
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+    if grp >= 0:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        if GATHER:
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        else:
+            arow = tl.minimum(rows, row_end - 1).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        c64 = cols.to(tl.int64)
+        g64 = grp.to(tl.int64)
+        wrow = b_ptr + g64 * stride_bg + c64[:, None] * stride_bn + tl.arange(0, 64)[None, :]
+        w3row = b3_ptr + g64 * stride_bg + c64[:, None] * stride_bn + tl.arange(0, 64)[None, :]
+        # E8M0 bytes of 4 groups as one int32 (scale row strides and K slices are multiples of 4 groups)
+        srow = (sb_ptr + g64 * stride_sbg + c64 * stride_sbn).to(tl.pointer_type(tl.int32))
+        s3row = (sb3_ptr + g64 * stride_sbg + c64 * stride_sbn).to(tl.pointer_type(tl.int32))
+        sarow = (sa_ptr + arow * stride_sam).to(tl.pointer_type(tl.int32))
+        arow_ptr = a_ptr + arow[:, None] * stride_am + tl.arange(0, 32)[None, :]
+        k_lo = pid_s * KSPLIT
+        k_hi = tl.minimum(K, k_lo + KSPLIT)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        sw_next = _words(srow, k_lo // 128, cmask, EVEN_N)
+        sa_next = tl.load(sarow + k_lo // 128)
+        sw3_next = sw_next
+        if DUAL:
+            sw3_next = _words(s3row, k_lo // 128, cmask, EVEN_N)
+        for k_step in range(k_lo, k_hi, 128):
+            kq = tl.multiple_of(k_step, 128)
+            sw = sw_next
+            sa = sa_next
+            sw3 = sw3_next
+            k_ahead = tl.minimum(kq + 128, k_hi - 128) // 128  # the last step reloads its own words
+            sw_next = _words(srow, k_ahead, cmask, EVEN_N)
+            sa_next = tl.load(sarow + k_ahead)
+            if EVEN_N:
+                b = tl.load(wrow + kq // 2)
+            else:
+                b = tl.load(wrow + kq // 2, mask=cmask[:, None], other=0)
+            b0, b1, b2, b3 = _quarters(b, BLOCK_N)
+            if DUAL:
+                sw3_next = _words(s3row, k_ahead, cmask, EVEN_N)
+                if EVEN_N:
+                    c = tl.load(w3row + kq // 2)
+                else:
+                    c = tl.load(w3row + kq // 2, mask=cmask[:, None], other=0)
+                c0, c1, c2, c3 = _quarters(c, BLOCK_N)
+            for g in tl.static_range(4):
+                at = tl.trans(tl.load(arow_ptr + (kq + 32 * g)))  # the rows' group, shared by W1 and W3
+                fsa = _byte_pow2(sa, g)
+                bg = b0 if g == 0 else (b1 if g == 1 else (b2 if g == 2 else b3))
+                acc = _group(acc, bg, at, fsa, sw, g, BLOCK_N, USE_ASM)
+                if DUAL:
+                    cg = c0 if g == 0 else (c1 if g == 1 else (c2 if g == 2 else c3))
+                    acc3 = _group(acc3, cg, at, fsa, sw3, g, BLOCK_N, USE_ASM)
+        acc = acc * 64.0  # the weights' e4m3 values are the e2m1 values times 2^-6 (exact: a power of two)
+        acc3 = acc3 * 64.0
+        r64 = rows.to(tl.int64)
+        omask = rmask[:, None] & cmask[None, :]
+        if EPI == 0:
+            out = pid_s.to(tl.int64) * stride_ps + r64[:, None] * stride_pm + cols[None, :]
+            tl.store(p_ptr + out, tl.trans(acc), mask=omask)
+            if DUAL:
+                tl.store(p3_ptr + out, tl.trans(acc3), mask=omask)
+        elif EPI == 1:
+            g = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
+            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
+            act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+            ag = tl.reshape(act, (BLOCK_M, BLOCK_N // 32, 32))
+            e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
+            q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
+            q = halves(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
+            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
+            gs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8),
+                     mask=rmask[:, None] & (gs[None, :] * 32 < N))
+        else:
+            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
+
+
+def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, w3=None, ws3=None, wt=None,
+                     limit: float = 0.0, epi: int = 0):
+    """``moe_stream_fp8.stream_gemm_fp8`` with ``aq`` (e4m3 [R, K], E8M0 ``sa`` [R, K/32]) in halves order
+    (``halves_order``); epi 1 writes the W2 input in halves order. 4 groups per loop step (``plan.block_k`` is
+    not used). K, the scale rows' strides and the K slices must be multiples of 128 / 4 / 128."""
+    from redknot.kernels.triton.moe_stream import ROW_TILE, slices
+    w, ws = as_bytes(w), as_bytes(ws)
+    G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
+    if K % 128 or ws.stride(1) % 4 or ws.stride(0) % 4 or sa.stride(0) % 4:
+        raise ValueError(f"stream_gemm_fp8h: K={K} and the scale rows' strides must be multiples of 128 / 4 "
+                         f"(weight scales {tuple(ws.stride())}, row scales {tuple(sa.stride())})")
+    bn, bm = plan.block_n, ROW_TILE
+    if epi == 1 and bn % 32:
+        raise ValueError(f"StreamPlan.block_n={bn}: the fused SwiGLU quantises per 32 columns (a multiple of 32)")
+    S = slices(N, K, plan) if epi == 0 else 1
+    ksplit = cdiv(cdiv(K, S), 128) * 128
+    S = cdiv(K, ksplit)
+    dual = w3 is not None
+    dev = aq.device
+    ps = None
+    if epi == 0:
+        p = torch.empty(S, rows, N, dtype=torch.float32, device=dev)
+        p3 = torch.empty_like(p) if dual else p
+    elif epi == 1:
+        p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
+        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.uint8, device=dev)
+        p3 = p
+    else:
+        p = torch.empty(rows, N, dtype=torch.bfloat16, device=dev)
+        p3 = p
+    result = (p, p3) if dual and epi == 0 else ((p, ps) if epi == 1 else p)
+    if rows == 0:
+        return result
+    if plan.inline:
+        n_tiles = cdiv(rows, bm) + min(G, rows)
+        tg = tr = te = offs
+    else:
+        tg, tr, te, n_tiles = tiles
+    w3g = as_bytes(w3) if dual else w
+    s3g = as_bytes(ws3) if dual else ws
+    _stream_fp8h_mm[(n_tiles, cdiv(N, bn), S)](
+        aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, p3, ps if ps is not None else p,
+        wt if wt is not None else p, tg, tr, te, offs, G, N, K, ksplit, float(limit),
+        aq.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
+        p.stride(0) if epi == 0 else 0, p.stride(-2), ps.stride(0) if ps is not None else 0,
+        GATHER=rowid is not None, DUAL=dual, EPI=epi, USE_ASM=use_asm(dev), TILE_INLINE=plan.inline,
+        G_POW2=max(16, next_pow2(G)), EVEN_N=N % bn == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return result
