@@ -410,7 +410,7 @@ def prefill_compare_cases(dims: V41Dims, device, smoke: bool, weights=None,
     if weights is None:
         weights, want_moe = moe_memo(dims, device)
     plans = [("before", fast_moe.MoePlan("grouped")), ("after", None)]
-    plans += [(f"plan {p.path} {p.block_m}x{p.block_n} w{p.num_warps} s{p.num_stages}", p)
+    plans += [(f"plan {p.decode} {p.block_m}x{p.block_n} bk{p.block_k} w{p.num_warps} s{p.num_stages}", p)
               for p in fast_moe.PREFILL_TUNER.candidates if p.path == "fp8"]
     for variant, plan in plans:
         def build(variant=variant, plan=plan):
