@@ -69,8 +69,8 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     # FP8 tensor cores (``moe_prefill_fp8``; not measured on the H200 yet): block_m rows x block_n weight
     # columns, W1 | W3 in one program; block_k 32: one group per loop step (``fp8_prefetch``: the next
     # group's scale bytes loaded one step ahead), 128: four groups per step with 32-bit scale words. Each
-    # compiles for sm90 without register spills (ptxas, W1 | W3 / W2 registers: 200 / 132, 217 / 146,
-    # 196 / 118, 255 / 170, 254 / 169, 248 / 167); 128 x 128, and 128 / 64-row tiles at block_k 128, spill.
+    # compiles for sm90 without register spills (ptxas, W1 | W3 / W2 registers: 186 / 121, 201 / 133,
+    # 177 / 119, 255 / 172, 255 / 169, 251 / 167); 128 x 128, and 128 / 64-row tiles at block_k 128, spill.
     MoePlan("fp8", 128, 64, 32, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 3),
     MoePlan("fp8", 32, 256, 32, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 32, 8, True, "fp8_prefetch", 3),
     MoePlan("fp8", 64, 128, 32, 8, True, "fp8_prefetch", 3), MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3),
@@ -92,6 +92,11 @@ DECODE_TUNER = ConfigTuner("moe_mx_decode", [
     # its compiles (and its first-use check) on the first decode call of a process.
     StreamPlan("regs", 64, 128, 4, 3), StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8", 32, 128, 4, 3),
     StreamPlan("fp8", 64, 256, 4, 3),
+    # ``fp8h`` (``moe_stream_fp8h``: K in halves order, no byte permutes, 4 groups' bytes / scale words per load;
+    # not measured on the H200 yet). ptxas for sm_90a, no spills: 64 columns W1 | W3 160 registers, W2 80; two
+    # 64-column blocks per program (128) W1 | W3 254, W2 124. 32-column and 8-warp shapes leave the wgmma path.
+    StreamPlan("fp8h", 64, 128, 4, 3), StreamPlan("fp8h", 64, 128, 4, 3, w2_block_n=128),
+    StreamPlan("fp8h", 128, 128, 4, 3), StreamPlan("fp8h", 64, 128, 4, 4),
 ])
 
 

@@ -3,7 +3,7 @@
 The prefill form of the FP8 decode stream (``moe_stream_fp8``): the (token, slot) pairs sorted by expert
 (``moe_mx._sorted_pairs``: the routing kernel or the stable sort), the token rows quantised once to e4m3 +
 E8M0 per 32 (``quant_mx.act_quant_mx``, the reference's activation format), then two grouped GEMMs whose
-programs own one expert's ``block_m``-row tile (found from the per-expert ends, ``tile_of``) and
+programs own one expert's ``block_m``-row tile (``splitk_mx.tile_map``, one map for both GEMMs) and
 ``block_n`` weight columns over all of K:
 
 * K steps over 32-wide groups: the weight's packed FP4 bytes of the group are turned into e4m3 bytes in
@@ -21,8 +21,8 @@ programs own one expert's ``block_m``-row tile (found from the per-expert ends, 
 Programs are numbered column block fastest, so the programs of one row tile (one expert's weights, one
 set of token rows) run side by side and share the rows through L2; each touched expert's weights are read
 once per row tile. Untouched experts are never read and nothing is decoded to memory (the ``grouped`` plan
-writes every expert as bf16). No host sync; four launches after the routing (quantise, W1 | W3, W2,
-combine).
+writes every expert as bf16). No host sync; after the routing (and the activation quantisation): tile map, W1 | W3, W2,
+combine.
 
 Speed: not measured on the H200 yet (``benchmarks/kernels_v41.py --only gemm`` times it beside
 ``grouped``); the tuner keeps it only where it measures faster. The per-group scaling costs two fp32
@@ -38,11 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes
 from redknot.kernels.triton.moe_stream_fp8 import fp4_e4m3, use_asm
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
-from redknot.kernels.triton.stream_scaled import tile_of
+from redknot.kernels.triton.splitk_mx import tile_map
 
 
 @triton.jit
@@ -66,11 +66,12 @@ def _group_mma_s(acc, bg, sb, at, sa, c_off, k0, BLOCK_N: tl.constexpr, USE_ASM:
 
 
 @triton.jit
-def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr, offs_ptr,
-                    G, N, K, limit, stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm,
-                    stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr, USE_ASM: tl.constexpr,
-                    G_POW2: tl.constexpr, WIDE: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr,
+                    tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K, limit, stride_am, stride_sam, stride_bg,
+                    stride_bn, stride_sbg, stride_sbn, stride_pm, stride_psm, GATHER: tl.constexpr,
+                    DUAL: tl.constexpr, EPI: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr,
+                    WORDS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GROUPS: tl.constexpr):
     """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``,
     all of K in steps of GROUPS 32-wide groups. WORDS (GROUPS 4): the E8M0 bytes of a step's four groups
     read as one 32-bit word per row / column, the next step's words loaded while this step runs; PREFETCH
@@ -80,8 +81,10 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_blocks
     pid_n = pid % n_blocks
-    grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
+    grp = tl.load(tile_group_ptr + pid_m)
     if grp >= 0:
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
         # rows past the tile's end read the tile's first row and columns past N the last column (results
@@ -193,15 +196,16 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
 
 
 def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=None, ws3=None, wt=None,
-                     limit: float = 0.0):
+                     limit: float = 0.0, tiles=None):
     """One grouped GEMM over MXFP4 experts ``w`` [G, N, K/2] (E8M0 ``ws`` [G, N, K/32]) for ``rows`` rows
     grouped by ``offs`` (per-expert ends); ``aq`` e4m3 [R, K] with E8M0 ``sa`` [R, K/32] (sorted row r reads
-    ``rowid[r]``). ``plan.decode``: ``fp8``, or ``fp8_prefetch`` (with block_k 32: each group's scale bytes
+    ``rowid[r]``; ``tiles``: ``splitk_mx.tile_map(offs, plan.block_m, rows)`` when shared between launches).
+    ``plan.decode``: ``fp8``, or ``fp8_prefetch`` (with block_k 32: each group's scale bytes
     loaded one group ahead). With ``w3``: W1 | W3 and the SwiGLU epilogue, returns (e4m3 [rows, N], E8M0 [rows, N/32]);
     without: bf16 [rows, N]. ``plan``: ``moe_mx.MoePlan`` (block_m, block_n, block_k = 32 · groups per
     loop step, num_warps, num_stages)."""
     w, ws = as_bytes(w), as_bytes(ws)
-    G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
+    N, K = w.shape[1], w.shape[2] * 2
     if K % 32:
         raise ValueError(f"prefill_gemm_fp8: K={K} must be a multiple of 32")
     dual = w3 is not None
@@ -224,15 +228,15 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     result = (p, ps) if dual else p
     if rows == 0:
         return result
-    n_tiles = cdiv(rows, bm) + min(G, rows)  # a bound on the live row tiles; programs past them exit
+    tg, tr, te, n_tiles = tiles if tiles is not None else tile_map(offs, bm, rows)  # programs past the tiles exit
     w3g = as_bytes(w3) if dual else w
     s3g = as_bytes(ws3) if dual else ws
     _prefill_fp8_mm[(n_tiles * cdiv(N, bn),)](
         aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, ps if ps is not None else p,
-        wt if wt is not None else p, offs, G, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
+        wt if wt is not None else p, tg, tr, te, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
         w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2, USE_ASM=use_asm(dev),
-        G_POW2=max(16, next_pow2(G)), WIDE=aq.numel() >= 2**31, WORDS=words,
+        WIDE=aq.numel() >= 2**31, WORDS=words,
         PREFETCH=groups == 1 and plan.decode == "fp8_prefetch", BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result
@@ -253,9 +257,10 @@ def moe_prefill_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     M = T * k
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True)
+    tiles = tile_map(offs, plan.block_m, M)  # one map for both GEMMs
     aq, sa = prefill_gemm_fp8(xq, xs, w1, w1_scale, M, plan, offs=offs, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
-                              limit=swiglu_limit)
-    y = prefill_gemm_fp8(aq, sa, w2, w2_scale, M, plan, offs=offs)
+                              limit=swiglu_limit, tiles=tiles)
+    y = prefill_gemm_fp8(aq, sa, w2, w2_scale, M, plan, offs=offs, tiles=tiles)
     return reduce_combine(y[None], inv, k, out)
 
 
