@@ -420,6 +420,9 @@ def prefill_compare_cases(dims: V41Dims, device, smoke: bool, weights=None,
             chosen = plan or fast_moe.PREFILL_TUNER.choices.get(
                 (min(1 << (prefill - 1).bit_length(), 65536), dims.topk_experts, tuple(weights()[0].shape),
                  tuple(weights()[4].shape)), "measured choice")
+            from redknot.kernels.triton import stream_guard
+            if plan in stream_guard.DECODE_ERRORS:  # refused by its first-use check: the grouped plan ran
+                note += f"; refused, grouped ran instead: {stream_guard.DECODE_ERRORS[plan]}"
             paired = variant in ("before", "after")
             return _case("moe_mx prefill", f"T={prefill}" + ("" if paired else f" {variant}"), fn,
                          prefill * flops_per_token, _moe_bytes(dims, idx), note=f"plan {chosen}; {note}",
