@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("all", "gemm", "stream", "prefill"), default="all",
                     help="gemm: only the before/after table of the weight-stream GEMMs (no phase-1 checks); "
                          "prefill: only the MoE prefill plans at 8192 tokens (grouped, the measured choice, "
-                         "each FP8 tensor-core plan); "
+                         "each FP8 tensor-core plan, then those plans by part); "
                          "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes)")
     ap.add_argument("--stream-variants", choices=("core", "all"), default="core",
                     help="the fused MoE stream plans timed by --only stream / gemm: core, or all (launch-shape "
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     import torch
     from redknot.kernels.triton.checks_mx import REAL_V41, TOY_V41
     from kernels_v41_cases import (decode_compare_cases, engram_transfer, prefill_compare_cases,
-                                   stream_variant_cases, timed_cases)
+                                   prefill_part_cases, stream_variant_cases, timed_cases)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
             f"dims {'toy' if args.smoke else 'V4.1'}")
     if args.only == "prefill":
-        for desc, build in prefill_compare_cases(dims, device, args.smoke):
+        for desc, build in list(prefill_compare_cases(dims, device, args.smoke)) + list(
+                prefill_part_cases(dims, device, args.smoke)):
             timed(run, build, desc)
         return write_results(run)
     if args.only in ("gemm", "stream"):

@@ -430,6 +430,69 @@ def prefill_compare_cases(dims: V41Dims, device, smoke: bool, weights=None,
         yield f"compare moe prefill {variant}", build
 
 
+def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iterator[Tuple[str, Callable]]:
+    """The FP8 prefill plans by part at the prefill token count (where the time goes): the routing + e4m3 rows,
+    each plan's W1 | W3 launch (SwiGLU epilogue) and W2 launch alone (FLOPs of that GEMM; the weights of the
+    touched experts as bytes), the slot combine. Unchecked (the whole plan is checked in its own row)."""
+    from redknot.kernels.triton import moe_mx as fast_moe
+    from redknot.kernels.triton.moe_prefill_fp8 import prefill_gemm_fp8
+    from redknot.kernels.triton.splitk_mx import reduce_combine, tile_map
+    prefill, _ = _sizes(dims, smoke)
+    if weights is None:
+        weights, _ = moe_memo(dims, device)
+    made = {}
+
+    def inputs():
+        if not made:
+            x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
+            made["x"], made["idx"] = x, idx
+            made["pairs"] = fast_moe._sorted_pairs(idx, wt, dims.experts, x, fp8=True)
+        return made
+
+    d, i, m = dims.hidden, dims.moe_inter, prefill * dims.topk_experts
+    touched = lambda: _moe_bytes(dims, inputs()["idx"])  # noqa: E731  (all three matrices, stored bytes)
+
+    def build_route():
+        x, idx = inputs()["x"], inputs()["idx"]
+        wt = torch.rand(idx.shape, device=device) + 0.1
+        return _case("moe_mx prefill part", f"T={prefill} routing + e4m3 rows", lambda: fast_moe._sorted_pairs(
+            idx, wt, dims.experts, x, fp8=True), 0, x.numel() * 2 + x.numel() * (1 + 1 / 32) + m * 16, "hbm")
+    yield "prefill part routing", build_route
+    for plan in [p for p in fast_moe.PREFILL_TUNER.candidates if p.path == "fp8"]:
+        name = f"{plan.decode} {plan.block_m}x{plan.block_n} bk{plan.block_k} w{plan.num_warps} s{plan.num_stages}"
+
+        def build_w13(plan=plan, name=name):
+            rows, _, offs, wt, xq, xs = inputs()["pairs"]
+            w = weights()
+            tiles = tile_map(offs, plan.block_m, m)
+            fn = lambda: prefill_gemm_fp8(xq, xs, w[0], w[1], m, plan, offs=offs, rowid=rows, w3=w[2],  # noqa: E731
+                                          ws3=w[3], wt=wt, limit=10.0, tiles=tiles)
+            made["act", plan] = fn()
+            return _case("moe_mx prefill part", f"T={prefill} W1+W3 {name}", fn, 2 * m * d * 2 * i,
+                         touched() * 2 / 3)
+
+        def build_w2(plan=plan, name=name):
+            offs = inputs()["pairs"][2]
+            w = weights()
+            aq, sa = made.get(("act", plan)) or build_w13(plan, name).run()
+            tiles = tile_map(offs, plan.block_m, m)
+            fn = lambda: prefill_gemm_fp8(aq, sa, w[4], w[5], m, plan, offs=offs, tiles=tiles)  # noqa: E731
+            made["y"] = fn()
+            return _case("moe_mx prefill part", f"T={prefill} W2 {name}", fn, 2 * m * i * d, touched() / 3)
+        yield f"prefill part W1+W3 {name}", build_w13
+        yield f"prefill part W2 {name}", build_w2
+
+    def build_combine():
+        inv = inputs()["pairs"][1]
+        y = made.get("y")
+        if y is None:
+            y = torch.randn(m, d, device=device).to(torch.bfloat16)
+        out = torch.empty(prefill, d, dtype=torch.bfloat16, device=device)
+        return _case("moe_mx prefill part", f"T={prefill} slot combine", lambda: reduce_combine(
+            y[None], inv, dims.topk_experts, out), 0, m * d * 2 + prefill * d * 2, "hbm")
+    yield "prefill part combine", build_combine
+
+
 class _Knobs:
     """Module constants of ``splitk_mx`` set while a case builds and runs (launch-shape variants)."""
 
