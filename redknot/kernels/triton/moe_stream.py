@@ -30,7 +30,7 @@ and sums without the MMA: the rungs that say which part of a program costs the t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -51,7 +51,8 @@ FP8_DECODES = ("fp8", "fp8h")
 class StreamPlan:
     """Launch shape of the fused MoE decode stream. ``min_steps`` 0: one K slice per program and the
     epilogues fused; > 0: K slices of at least that many steps (fp32 partials, the split-K reductions).
-    ``inline``: each program finds its row tile from the per-expert ends (no tile-map launch)."""
+    ``inline``: each program finds its row tile from the per-expert ends (no tile-map launch).
+    ``w2_block_n``: another column block for the W2 GEMM than for W1 | W3."""
     decode: str = "regs"
     block_n: int = 64
     block_k: int = 128
@@ -59,6 +60,7 @@ class StreamPlan:
     num_stages: int = 3
     min_steps: int = 0
     inline: bool = False
+    w2_block_n: int = 0  # the W2 GEMM's block_n (0: block_n)
 
 
 @triton.jit
@@ -168,6 +170,11 @@ def _stream_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, 
             tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
 
 
+def w2_plan(plan: StreamPlan) -> StreamPlan:
+    """The launch shape of the W2 GEMM under ``plan``."""
+    return replace(plan, block_n=plan.w2_block_n, w2_block_n=0) if plan.w2_block_n else plan
+
+
 def _block_k(K: int, block_k: int) -> int:
     bk = block_k
     while K % bk:
@@ -260,8 +267,9 @@ def moe_stream(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
         p1, p3 = stream_gemm(xq, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, **common)
         act = torch.empty(M, inter, dtype=torch.bfloat16, device=x.device)
         reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
-    fused2 = slices(D, inter, plan) == 1
-    y = stream_gemm(act, w2, w2_scale, M, plan, epi=2 if fused2 else 0, **common)
+    plan2 = w2_plan(plan)
+    fused2 = slices(D, inter, plan2) == 1
+    y = stream_gemm(act, w2, w2_scale, M, plan2, epi=2 if fused2 else 0, **common)
     return reduce_combine(y[None] if fused2 else y, inv, k, out)
 
 
@@ -293,6 +301,7 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
         act = torch.empty(M, inter, dtype=torch.bfloat16, device=x.device)
         aq, sa = act_quant_mx(reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False))
         aq = halves_order(aq) if halves else aq
-    fused2 = slices(D, inter, plan) == 1
-    y = gemm(aq, sa, w2, w2_scale, M, plan, epi=2 if fused2 else 0, **common)
+    plan2 = w2_plan(plan)
+    fused2 = slices(D, inter, plan2) == 1
+    y = gemm(aq, sa, w2, w2_scale, M, plan2, epi=2 if fused2 else 0, **common)
     return reduce_combine(y[None] if fused2 else y, inv, k, out)

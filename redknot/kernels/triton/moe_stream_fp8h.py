@@ -98,17 +98,71 @@ def _words(ptr, k, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _bytes(ptr, k, mask, EVEN: tl.constexpr):
+    """The [SUB_N, 64] weight bytes (4 groups) at ``ptr + k``, zeros where masked."""
+    if EVEN:
+        return tl.load(ptr + k)
+    return tl.load(ptr + k, mask=mask[:, None], other=0)
+
+
+@triton.jit
+def _sub_cols(b_ptr, sb_ptr, grp, col0, N, stride_bg, stride_bn, stride_sbg, stride_sbn, SUB_N: tl.constexpr):
+    """Columns, their mask, the weight-row pointers ([SUB_N, 64] bytes at K offset 0) and the int32 pointers of
+    their scale rows for the weight columns col0 .. col0 + SUB_N of expert ``grp``."""
+    cols = col0 + tl.arange(0, SUB_N)
+    cmask = cols < N
+    c64 = cols.to(tl.int64)
+    g64 = grp.to(tl.int64)
+    wrow = b_ptr + g64 * stride_bg + c64[:, None] * stride_bn + tl.arange(0, 64)[None, :]
+    # E8M0 bytes of 4 groups as one int32 (scale row strides and K slices are multiples of 4 groups)
+    srow = (sb_ptr + g64 * stride_sbg + c64 * stride_sbn).to(tl.pointer_type(tl.int32))
+    return cols, cmask, wrow, srow
+
+
+@triton.jit
+def _epilogue(acc, acc3, rows, rmask, cols, cmask, pid_s, N, limit, p_ptr, p3_ptr, ps_ptr, wt_ptr, stride_ps,
+              stride_pm, stride_psm, DUAL: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr,
+              SUB_N: tl.constexpr):
+    """EPI 0: fp32 partials at slice ``pid_s``; 1: SwiGLU + routing weight + bf16, then e4m3 (halves order) +
+    E8M0 per 32; 2: bf16. ``acc`` / ``acc3``: [SUB_N, BLOCK_M] sums lacking the weights' 2^6."""
+    acc = acc * 64.0  # the weights' e4m3 values are the e2m1 values times 2^-6 (exact: a power of two)
+    r64 = rows.to(tl.int64)
+    omask = rmask[:, None] & cmask[None, :]
+    if EPI == 0:
+        out = pid_s.to(tl.int64) * stride_ps + r64[:, None] * stride_pm + cols[None, :]
+        tl.store(p_ptr + out, tl.trans(acc), mask=omask)
+        if DUAL:
+            tl.store(p3_ptr + out, tl.trans(acc3 * 64.0), mask=omask)
+    elif EPI == 1:
+        g = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
+        u = tl.trans(acc3 * 64.0).to(tl.bfloat16).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
+        act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+        ag = tl.reshape(act, (BLOCK_M, SUB_N // 32, 32))
+        e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
+        q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, SUB_N))
+        q = halves(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), BLOCK_M, SUB_N)
+        tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
+        gs = tl.min(cols, 0) // 32 + tl.arange(0, SUB_N // 32)
+        tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8),
+                 mask=rmask[:, None] & (gs[None, :] * 32 < N))
+    else:
+        tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
+
+
+@triton.jit
 def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, ps_ptr, wt_ptr,
                     tile_group_ptr, tile_row_ptr, tile_end_ptr, offs_ptr, G, N, K, KSPLIT, limit,
                     stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
                     stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr,
                     USE_ASM: tl.constexpr, TILE_INLINE: tl.constexpr, G_POW2: tl.constexpr,
-                    EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: an expert's row tile x BN weight columns x one K slice, 4 groups per loop step
-    (activations in halves order). EPI 0: fp32 partials; 1: SwiGLU + routing weight + bf16, then e4m3 (halves
-    order) + E8M0 per 32 (the W2 input); 2: bf16. The loads of the loop carry no row masks (a padding row
-    reads a valid row; its results are never stored) and no column masks when BN divides N (EVEN_N); the
-    scale words of the next step are loaded one step ahead."""
+                    EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, SUB_N: tl.constexpr, SUBS: tl.constexpr):
+    """One program: an expert's row tile x SUBS x SUB_N weight columns (SUBS 1 or 2 column blocks, each with its
+    own loads, scales and accumulators) x one K slice, 4 groups per loop step (activations in halves order,
+    loaded once for the column blocks). The loads of the loop carry no row masks (a padding row reads a valid
+    row; its results are never stored) and no column masks when the column blocks divide N (EVEN_N); the scale
+    words of the next step are loaded one step ahead."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -125,79 +179,70 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
             arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
             arow = tl.minimum(rows, row_end - 1).to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N
-        c64 = cols.to(tl.int64)
-        g64 = grp.to(tl.int64)
-        wrow = b_ptr + g64 * stride_bg + c64[:, None] * stride_bn + tl.arange(0, 64)[None, :]
-        w3row = b3_ptr + g64 * stride_bg + c64[:, None] * stride_bn + tl.arange(0, 64)[None, :]
-        # E8M0 bytes of 4 groups as one int32 (scale row strides and K slices are multiples of 4 groups)
-        srow = (sb_ptr + g64 * stride_sbg + c64 * stride_sbn).to(tl.pointer_type(tl.int32))
-        s3row = (sb3_ptr + g64 * stride_sbg + c64 * stride_sbn).to(tl.pointer_type(tl.int32))
         sarow = (sa_ptr + arow * stride_sam).to(tl.pointer_type(tl.int32))
         arow_ptr = a_ptr + arow[:, None] * stride_am + tl.arange(0, 32)[None, :]
+        col0 = pid_n * (SUB_N * SUBS)
+        cols, cmask, wrow, srow = _sub_cols(b_ptr, sb_ptr, grp, col0, N, stride_bg, stride_bn, stride_sbg,
+                                            stride_sbn, SUB_N)
+        _, _, w3row, s3row = _sub_cols(b3_ptr, sb3_ptr, grp, col0, N, stride_bg, stride_bn, stride_sbg, stride_sbn,
+                                       SUB_N)
+        if SUBS == 2:
+            cols_b, cmask_b, wrow_b, srow_b = _sub_cols(b_ptr, sb_ptr, grp, col0 + SUB_N, N, stride_bg, stride_bn,
+                                                        stride_sbg, stride_sbn, SUB_N)
+            _, _, w3row_b, s3row_b = _sub_cols(b3_ptr, sb3_ptr, grp, col0 + SUB_N, N, stride_bg, stride_bn,
+                                               stride_sbg, stride_sbn, SUB_N)
         k_lo = pid_s * KSPLIT
         k_hi = tl.minimum(K, k_lo + KSPLIT)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        sw_next = _words(srow, k_lo // 128, cmask, EVEN_N)
+        acc = tl.zeros([SUB_N, BLOCK_M], tl.float32)
+        acc3 = tl.zeros([SUB_N, BLOCK_M], tl.float32)
+        acc_b = tl.zeros([SUB_N, BLOCK_M], tl.float32)
+        acc3_b = tl.zeros([SUB_N, BLOCK_M], tl.float32)
         sa_next = tl.load(sarow + k_lo // 128)
+        sw_next = _words(srow, k_lo // 128, cmask, EVEN_N)
         sw3_next = sw_next
+        sw_b_next = sw_next
+        sw3_b_next = sw_next
         if DUAL:
             sw3_next = _words(s3row, k_lo // 128, cmask, EVEN_N)
+        if SUBS == 2:
+            sw_b_next = _words(srow_b, k_lo // 128, cmask_b, EVEN_N)
+            if DUAL:
+                sw3_b_next = _words(s3row_b, k_lo // 128, cmask_b, EVEN_N)
         for k_step in range(k_lo, k_hi, 128):
             kq = tl.multiple_of(k_step, 128)
-            sw = sw_next
-            sa = sa_next
-            sw3 = sw3_next
             k_ahead = tl.minimum(kq + 128, k_hi - 128) // 128  # the last step reloads its own words
-            sw_next = _words(srow, k_ahead, cmask, EVEN_N)
+            sa = sa_next
             sa_next = tl.load(sarow + k_ahead)
-            if EVEN_N:
-                b = tl.load(wrow + kq // 2)
-            else:
-                b = tl.load(wrow + kq // 2, mask=cmask[:, None], other=0)
-            b0, b1, b2, b3 = _quarters(b, BLOCK_N)
+            sw = sw_next
+            sw_next = _words(srow, k_ahead, cmask, EVEN_N)
+            q = _quarters(_bytes(wrow, kq // 2, cmask, EVEN_N), SUB_N)
             if DUAL:
+                sw3 = sw3_next
                 sw3_next = _words(s3row, k_ahead, cmask, EVEN_N)
-                if EVEN_N:
-                    c = tl.load(w3row + kq // 2)
-                else:
-                    c = tl.load(w3row + kq // 2, mask=cmask[:, None], other=0)
-                c0, c1, c2, c3 = _quarters(c, BLOCK_N)
-            for g in tl.static_range(4):
-                at = tl.trans(tl.load(arow_ptr + (kq + 32 * g)))  # the rows' group, shared by W1 and W3
-                fsa = _byte_pow2(sa, g)
-                bg = b0 if g == 0 else (b1 if g == 1 else (b2 if g == 2 else b3))
-                acc = _group(acc, bg, at, fsa, sw, g, BLOCK_N, USE_ASM)
+                q3 = _quarters(_bytes(w3row, kq // 2, cmask, EVEN_N), SUB_N)
+            if SUBS == 2:
+                sw_b = sw_b_next
+                sw_b_next = _words(srow_b, k_ahead, cmask_b, EVEN_N)
+                q_b = _quarters(_bytes(wrow_b, kq // 2, cmask_b, EVEN_N), SUB_N)
                 if DUAL:
-                    cg = c0 if g == 0 else (c1 if g == 1 else (c2 if g == 2 else c3))
-                    acc3 = _group(acc3, cg, at, fsa, sw3, g, BLOCK_N, USE_ASM)
-        acc = acc * 64.0  # the weights' e4m3 values are the e2m1 values times 2^-6 (exact: a power of two)
-        acc3 = acc3 * 64.0
-        r64 = rows.to(tl.int64)
-        omask = rmask[:, None] & cmask[None, :]
-        if EPI == 0:
-            out = pid_s.to(tl.int64) * stride_ps + r64[:, None] * stride_pm + cols[None, :]
-            tl.store(p_ptr + out, tl.trans(acc), mask=omask)
-            if DUAL:
-                tl.store(p3_ptr + out, tl.trans(acc3), mask=omask)
-        elif EPI == 1:
-            g = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
-            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
-            act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
-            ag = tl.reshape(act, (BLOCK_M, BLOCK_N // 32, 32))
-            e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
-            q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
-            q = halves(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), BLOCK_M, BLOCK_N)
-            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
-            gs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-            tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8),
-                     mask=rmask[:, None] & (gs[None, :] * 32 < N))
-        else:
-            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
+                    sw3_b = sw3_b_next
+                    sw3_b_next = _words(s3row_b, k_ahead, cmask_b, EVEN_N)
+                    q3_b = _quarters(_bytes(w3row_b, kq // 2, cmask_b, EVEN_N), SUB_N)
+            for g in tl.static_range(4):
+                at = tl.trans(tl.load(arow_ptr + (kq + 32 * g)))  # the rows' group, shared by every block
+                fsa = _byte_pow2(sa, g)
+                acc = _group(acc, q[g], at, fsa, sw, g, SUB_N, USE_ASM)
+                if DUAL:
+                    acc3 = _group(acc3, q3[g], at, fsa, sw3, g, SUB_N, USE_ASM)
+                if SUBS == 2:
+                    acc_b = _group(acc_b, q_b[g], at, fsa, sw_b, g, SUB_N, USE_ASM)
+                    if DUAL:
+                        acc3_b = _group(acc3_b, q3_b[g], at, fsa, sw3_b, g, SUB_N, USE_ASM)
+        _epilogue(acc, acc3, rows, rmask, cols, cmask, pid_s, N, limit, p_ptr, p3_ptr, ps_ptr, wt_ptr, stride_ps,
+                  stride_pm, stride_psm, DUAL, EPI, BLOCK_M, SUB_N)
+        if SUBS == 2:
+            _epilogue(acc_b, acc3_b, rows, rmask, cols_b, cmask_b, pid_s, N, limit, p_ptr, p3_ptr, ps_ptr, wt_ptr,
+                      stride_ps, stride_pm, stride_psm, DUAL, EPI, BLOCK_M, SUB_N)
 
 
 def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, w3=None, ws3=None, wt=None,
@@ -212,6 +257,7 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
         raise ValueError(f"stream_gemm_fp8h: K={K} and the scale rows' strides must be multiples of 128 / 4 "
                          f"(weight scales {tuple(ws.stride())}, row scales {tuple(sa.stride())})")
     bn, bm = plan.block_n, ROW_TILE
+    sub = bn if bn <= 64 else bn // 2  # column blocks of at most 64 (two above 64 columns)
     if epi == 1 and bn % 32:
         raise ValueError(f"StreamPlan.block_n={bn}: the fused SwiGLU quantises per 32 columns (a multiple of 32)")
     S = slices(N, K, plan) if epi == 0 else 1
@@ -246,6 +292,6 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
         aq.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
         p.stride(0) if epi == 0 else 0, p.stride(-2), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=epi, USE_ASM=use_asm(dev), TILE_INLINE=plan.inline,
-        G_POW2=max(16, next_pow2(G)), EVEN_N=N % bn == 0, BLOCK_M=bm, BLOCK_N=bn, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        G_POW2=max(16, next_pow2(G)), EVEN_N=N % bn == 0, BLOCK_M=bm, SUB_N=sub, SUBS=bn // sub,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result

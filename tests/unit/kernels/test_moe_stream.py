@@ -208,3 +208,87 @@ def test_decode_tuners_time_a_fixed_batch(kernel_device, monkeypatch):
     wl, wls = mx.quant_fp8_blocks(torch.randn(64, 96, device=kernel_device), 32)
     gemm_mx.linear_mx(torch.randn(1, 96, device=kernel_device).to(torch.bfloat16), wl, wls, 32, path="splitk")
     assert seen["linear"].shape == (gemm_mx.LINEAR_TUNE_ROWS, 64)
+
+
+# ``fp8h`` (``moe_stream_fp8h``): hidden and intermediate sizes multiples of 128 (4 groups per loop step);
+# 384 hidden with 256 columns leaves column blocks partly past N (the masked loads)
+HALVES_DIMS = V41Dims(hidden=256, experts=5, topk_experts=2, moe_inter=128, tokens=9)
+HALVES_WIDE = V41Dims(hidden=384, experts=4, topk_experts=2, moe_inter=128, tokens=7)
+HALVES_PLANS = [StreamPlan("fp8h", 64, 128), StreamPlan("fp8h", 128, 128), StreamPlan("fp8h", 64, 128, w2_block_n=128),
+                StreamPlan("fp8h", 64, 128, min_steps=1), StreamPlan("fp8h", 64, 128, inline=True)]
+
+
+def _plan_id(p):
+    return f"{p.decode}-{p.block_n}-w2{p.w2_block_n}-s{p.min_steps}-i{p.inline}"
+
+
+@pytest.mark.parametrize("plan", HALVES_PLANS, ids=_plan_id)
+def test_halves_stream_matches_reference(plan, kernel_device):
+    x, idx, wt, w = moe_inputs(HALVES_DIMS, kernel_device, seed=21, tokens=9)
+    out = moe_stream.moe_stream(x, idx, wt, *w, 10.0, plan)
+    assert out.shape == (9, HALVES_DIMS.hidden) and out.dtype == torch.bfloat16
+    assert _rel(out, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
+
+
+def test_halves_stream_with_partial_column_blocks(kernel_device):
+    """256 columns over W1 | W3's 128 and W2's 384: the second column block of a program lies partly or wholly
+    past N."""
+    x, idx, wt, w = moe_inputs(HALVES_WIDE, kernel_device, seed=22, tokens=7)
+    out = moe_stream.moe_stream(x, idx, wt, *w, 10.0, StreamPlan("fp8h", 256, 128))
+    assert _rel(out, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
+
+
+@pytest.mark.parametrize("plan", [HALVES_PLANS[1], HALVES_PLANS[3]], ids=["fused", "slices"])
+def test_halves_stream_token_is_batch_invariant(plan, kernel_device):
+    x, idx, wt, w = moe_inputs(HALVES_DIMS, kernel_device, seed=23, tokens=9)
+    full = moe_stream.moe_stream(x, idx, wt, *w, 10.0, plan)
+    alone = moe_stream.moe_stream(x[4:5], idx[4:5], wt[4:5], *w, 10.0, plan)
+    assert torch.equal(alone, full[4:5])
+
+
+def test_halves_stream_detects_a_wrong_weight(kernel_device):
+    """Nibbles swapped in W1 or in W2 (each group's low and high halves exchanged) fail the tolerance."""
+    x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(HALVES_DIMS, kernel_device, seed=24, tokens=5)
+    want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
+    swap = lambda w: ((w >> 4) | (w << 4)).to(torch.uint8)  # noqa: E731
+    plan = HALVES_PLANS[0]
+    assert _rel(moe_stream.moe_stream(x, idx, wt, w1, s1, w3, s3, swap(w2), s2, 10.0, plan), want) > 0.1
+    assert _rel(moe_stream.moe_stream(x, idx, wt, swap(w1), s1, w3, s3, w2, s2, 10.0, plan), want) > 0.1
+
+
+def test_halves_stream_check_passes_and_detects_a_wrong_scale(kernel_device, monkeypatch):
+    from redknot.kernels.triton import moe_stream_fp8h
+    device = torch.device(kernel_device)
+    plan = StreamPlan("fp8h", 64, 128)
+    assert stream_guard.stream_check(plan, device) is None
+    real = moe_stream_fp8h.stream_gemm_fp8h
+
+    def off_by_one_scale(a, sa, w, ws, *rest, **kw):
+        return real(a, sa, w, ws.view(torch.uint8) + 1, *rest, **kw)
+    monkeypatch.setattr(moe_stream_fp8h, "stream_gemm_fp8h", off_by_one_scale)
+    assert "W1 | W3 sums differ from decode='registers'" in stream_guard.stream_check(plan, device)
+
+
+def test_halves_plan_runs_fp8_where_sizes_are_not_multiples_of_128(kernel_device):
+    """TOY_V41 (64 hidden / intermediate): ``fp8h`` runs the ``fp8`` kernels with its launch shape."""
+    x, idx, wt, w = moe_inputs(TOY_V41, kernel_device, seed=25, tokens=3)
+    got = moe_stream.moe_stream(x, idx, wt, *w, 10.0, StreamPlan("fp8h", 64, 128))
+    assert torch.equal(got, moe_stream.moe_stream(x, idx, wt, *w, 10.0, StreamPlan("fp8", 64, 128)))
+
+
+@pytest.mark.parametrize("route_kernel", [True, False], ids=["kernel", "sort"])
+def test_routing_writes_fp8_rows_in_halves_order(route_kernel, kernel_device, monkeypatch):
+    """With ``halves`` the routing step's e4m3 rows are ``halves_order`` of ``act_quant_mx``'s (both routing
+    paths), the E8M0 bytes unchanged; ``halves_order`` puts each group's even K elements first."""
+    from redknot.kernels.triton.moe_stream_fp8h import halves_order
+    from redknot.kernels.triton.quant_mx import act_quant_mx
+    if not route_kernel:
+        monkeypatch.setattr(moe_mx, "ROUTE_KERNEL_MAX_PAIRS", 0)
+    g = torch.Generator(device=kernel_device).manual_seed(7)
+    x = (torch.randn(3, 1024, generator=g, device=kernel_device) * 3).to(torch.bfloat16)
+    idx = torch.randint(0, 4, (3, 2), generator=g, device=kernel_device)
+    got = moe_mx._sorted_pairs(idx, torch.rand(3, 2, generator=g, device=kernel_device), 4, x, fp8=True, halves=True)
+    q, s = act_quant_mx(x)
+    assert torch.equal(got[4].view(torch.uint8), halves_order(q).view(torch.uint8)) and torch.equal(got[5], s)
+    h = halves_order(torch.arange(64, dtype=torch.uint8, device=kernel_device)[None])[0].tolist()
+    assert h == list(range(0, 32, 2)) + list(range(1, 32, 2)) + list(range(32, 64, 2)) + list(range(33, 64, 2))
