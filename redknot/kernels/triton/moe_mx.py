@@ -70,10 +70,12 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     # columns, W1 | W3 in one program; block_k 32: one group per loop step (``fp8_prefetch``: the next
     # group's scale bytes loaded one step ahead), 128: four groups per step with 32-bit scale words. Each
     # compiles for sm90 without register spills (ptxas, W1 | W3 / W2 registers: 186 / 121, 201 / 133,
-    # 177 / 119, 255 / 172, 255 / 169, 251 / 167); 128 x 128, and 128 / 64-row tiles at block_k 128, spill.
+    # 177 / 119, 255 / 172, 255 / 169, 251 / 167, 113 / 67: four 4-warp programs per SM); 128 x 128, and
+    # 128 / 64-row tiles at block_k 128, spill.
     MoePlan("fp8", 128, 64, 32, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 3),
     MoePlan("fp8", 32, 256, 32, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 32, 8, True, "fp8_prefetch", 3),
     MoePlan("fp8", 64, 128, 32, 8, True, "fp8_prefetch", 3), MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3),
+    MoePlan("fp8", 32, 64, 32, 4, True, "fp8", 4),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)
