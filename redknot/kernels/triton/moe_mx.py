@@ -17,7 +17,10 @@ exact in bf16) and multiplied by ``torch._grouped_mm`` (a library grouped GEMM, 
 accumulation) against token rows that hold their exact per-32 FP8 QDQ values in bf16. Only the
 summation order differs from the reference. Each chunk's rows are gathered into a chunk buffer by a
 kernel that reads the chunk's row range from the device offsets, so the host never learns the routing
-counts. Scratch: the bf16 weights of one chunk plus row buffers of ``T·k`` rows.
+counts. Scratch: the bf16 weights of one chunk plus row buffers of ``T·k`` rows. ``fp8``
+(``moe_prefill_fp8``): grouped GEMMs on FP8 tensor cores, FP4 turned into e4m3 in registers, one MMA per
+32-wide K group scaled in fp32 (the reference's block order), the SwiGLU epilogue writing the W2 input as
+e4m3 + E8M0; each such plan passes a first-use check against ``grouped`` on the device before it runs.
 """
 from __future__ import annotations
 
