@@ -110,3 +110,15 @@ def test_kernel_bench_prefill_rows_smoke(tmp_path):
     assert len(rows) == len(fp8) == len(set(r.split("|")[2] for r in rows))  # one row per plan, named apart
     assert all("err vs ref" in r for r in rows)
     assert "| moe prefill T=16 |" in text  # the grouped / measured-choice pair
+
+
+def test_fp8_prefill_with_the_sorted_routing(kernel_device, monkeypatch):
+    """Above ``ROUTE_KERNEL_MAX_PAIRS`` pairs (every real prefill) the routing is a stable sort and the rows are
+    quantised by ``act_quant_mx``: the same result as the routing kernel's."""
+    x, _, wt, w = moe_inputs(SMALL, kernel_device, seed=31, tokens=23)
+    idx = _skewed_routing(23, SMALL.experts, SMALL.topk_experts, kernel_device, seed=5)
+    by_kernel = moe_prefill_fp8.moe_prefill_fp8(x, idx, wt, *w, 10.0, PLANS[2])
+    monkeypatch.setattr(moe_mx, "ROUTE_KERNEL_MAX_PAIRS", 0)
+    by_sort = moe_prefill_fp8.moe_prefill_fp8(x, idx, wt, *w, 10.0, PLANS[2])
+    assert torch.equal(by_sort, by_kernel)
+    assert _rel(by_sort, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
