@@ -24,8 +24,10 @@ once per row tile. Untouched experts are never read and nothing is decoded to me
 writes every expert as bf16). No host sync; after the routing (and the activation quantisation): tile map, W1 | W3, W2,
 combine.
 
-Speed: not measured on the H200 yet (``benchmarks/kernels_v41.py --only gemm`` times it beside
-``grouped``); the tuner keeps it only where it measures faster. The per-group scaling costs two fp32
+Speed: not measured on the H200 yet (``benchmarks/kernels_v41.py --only prefill`` times every plan beside
+``grouped`` and by part); the tuner keeps one only where it measures faster. Registers (ptxas, sm_90a): the
+tuner's shapes compile without spills; each thread holds its accumulators, the rows' activation scales of
+the group (BM / 8 per thread with 8 warps) and the MMA result being scaled. The per-group scaling costs two fp32
 operations per accumulator element per 32-deep MMA (the price of the reference's block order on tensor
 cores that accumulate without scales).
 """
