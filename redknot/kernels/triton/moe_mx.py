@@ -121,7 +121,7 @@ def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq
     with id <= e for their slice of experts (the per-expert ends). QDQ: program t also writes token row
     t's per-32 FP8 QDQ values (bf16, ``fp8_qdq_groups``: the bits of ``qdq_bf16``), one launch fewer; FP8:
     its e4m3 values and E8M0 bytes instead (the bits of ``quant_mx.act_quant_mx``; HALVES: the e4m3 values of
-    each 32-wide group in ``moe_stream_fp8h`` halves order)."""
+    each 32-wide group in ``moe_stream_fp8h`` halves order and the scales as fp32 powers of two)."""
     pid = tl.program_id(0)
     if QDQ:
         if pid < T:
@@ -137,7 +137,10 @@ def _route_kernel(ids_ptr, w_ptr, inv_ptr, rows_ptr, wt_ptr, offs_ptr, x_ptr, xq
                                         (BLOCK_D // 32, 32))
                     tl.store(xq_ptr + pid.to(tl.int64) * stride_q + cols, tl.reshape(q8, (BLOCK_D,)), mask=cols < D)
                     gs = d0 // 32 + tl.arange(0, BLOCK_D // 32)
-                    tl.store(xs_ptr + pid.to(tl.int64) * stride_s + gs, (e + 127).to(tl.uint8), mask=gs * 32 < D)
+                    if HALVES:
+                        tl.store(xs_ptr + pid.to(tl.int64) * stride_s + gs, pow2(e), mask=gs * 32 < D)
+                    else:
+                        tl.store(xs_ptr + pid.to(tl.int64) * stride_s + gs, (e + 127).to(tl.uint8), mask=gs * 32 < D)
                 else:
                     q = tl.reshape(fp8_qdq_groups(tl.reshape(v, (1, BLOCK_D)), 1, BLOCK_D), (BLOCK_D,))
                     tl.store(xq_ptr + pid.to(tl.int64) * stride_q + cols, q.to(tl.bfloat16), mask=cols < D)
@@ -173,7 +176,7 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
     ``ROUTE_KERNEL_MAX_PAIRS`` pairs one kernel, above it a sort. With ``x`` [T, D] a fifth result,
     ``qdq_bf16(x)`` (written by the routing kernel when it runs); with ``fp8`` instead a fifth and sixth,
     ``act_quant_mx(x)`` (e4m3 [T, D], E8M0 [T, D/32]); ``halves``: the e4m3 values in
-    ``moe_stream_fp8h.halves_order``."""
+    ``moe_stream_fp8h.halves_order`` and the scales as fp32 (``moe_stream_fp8h.scales_f32``)."""
     flat = topk_idx.reshape(-1)
     M = flat.numel()
     dev = flat.device
@@ -191,7 +194,8 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
         if fp8 and D % 32:
             raise ValueError(f"_sorted_pairs: the hidden size {D} must be a multiple of 32 for FP8 rows")
         xq = torch.empty(T, D, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev) if qdq else None
-        xs = torch.empty(T, D // 32, dtype=torch.uint8, device=dev) if qdq and fp8 else None
+        xs = torch.empty(T, D // 32, dtype=torch.float32 if halves else torch.uint8, device=dev) if qdq and fp8 \
+            else None
         grid = max(cdiv(M, bi), cdiv(experts, be), T)
         _route_kernel[(grid,)](flat, w, inv, rows, wt, offs, x if qdq else w, xq if qdq else w,
                                xs if xs is not None else w, M, experts, T, D, x.stride(0) if qdq else 0,
@@ -210,8 +214,8 @@ def _sorted_pairs(topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: in
         from redknot.kernels.triton.quant_mx import act_quant_mx
         xq, xs = act_quant_mx(x)
         if halves:
-            from redknot.kernels.triton.moe_stream_fp8h import halves_order
-            xq = halves_order(xq)
+            from redknot.kernels.triton.moe_stream_fp8h import halves_order, scales_f32
+            xq, xs = halves_order(xq), scales_f32(xs)
         return rows, inv, offs, wt, xq, xs
     return (rows, inv, offs, wt) + ((qdq_bf16(x),) if x is not None else ())
 

@@ -15,9 +15,12 @@ order by their producers (``halves_order``: the routing kernel for the token row
 W2 input), so the kernel loads them as they are. Each group's MMA still covers exactly its own 32 K elements,
 and the groups' scaled fp32 results are added in K order per row as in ``moe_stream_fp8``.
 
-Also per loop step (4 groups, or 8 in two halves): the weight bytes of the 4 groups in one [BN, 64] load, and
-the E8M0 scales of the 4 groups of a weight row (and of an activation row) in one 32-bit load each instead of
-a byte load per group, decoded to ``2^(s-127)`` by a shift and an add.
+Also per loop step (4 groups): the weight bytes of the 4 groups in one [BN, 64] load, and the E8M0 scales of
+the 4 groups of a weight row in one 32-bit load instead of a byte load per group (loaded a step ahead; each
+decoded to ``2^(s-127)`` by a shift and a mask). The activation rows' scales arrive as fp32 powers of two
+(``scales_f32``; written so by the same producers), 16 bytes per row and step, used without decoding. Above
+64 weight columns a program runs two 64-column blocks (own loads, scales and accumulators) against the same
+activation groups.
 
 Row tiles of 16 and the K slicing depend on the weight shape only (batch invariance). The speed of these
 plans was not measured on the H200 when they were added.
@@ -33,6 +36,11 @@ from redknot.kernels.triton.dequant_mx import as_bytes
 from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX, use_asm
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.stream_scaled import tile_of
+
+
+def scales_f32(s: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes -> fp32 2^(s-127) (byte 0 -> 0.0, as ``quant_mx.pow2`` builds it): the row scales' form here."""
+    return (s.to(torch.int32) << 23).view(torch.float32)
 
 
 def halves_order(q: torch.Tensor) -> torch.Tensor:
@@ -70,6 +78,15 @@ def _quarters(b, BLOCK_N: tl.constexpr):
     g0, g2 = tl.split(x0)
     g1, g3 = tl.split(x1)
     return g0, g1, g2, g3
+
+
+@triton.jit
+def _columns4(x, R: tl.constexpr):
+    """[R, 4] -> its 4 columns [R] (the rows' scales of 4 groups)."""
+    x0, x1 = tl.split(tl.reshape(x, (R, 2, 2)))  # x0: columns 0, 2; x1: columns 1, 3
+    c0, c2 = tl.split(x0)
+    c1, c3 = tl.split(x1)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -124,7 +141,7 @@ def _epilogue(acc, acc3, rows, rmask, cols, cmask, pid_s, N, limit, p_ptr, p3_pt
               stride_pm, stride_psm, DUAL: tl.constexpr, EPI: tl.constexpr, BLOCK_M: tl.constexpr,
               SUB_N: tl.constexpr):
     """EPI 0: fp32 partials at slice ``pid_s``; 1: SwiGLU + routing weight + bf16, then e4m3 (halves order) +
-    E8M0 per 32; 2: bf16. ``acc`` / ``acc3``: [SUB_N, BLOCK_M] sums lacking the weights' 2^6."""
+    its fp32 scale 2^e per 32; 2: bf16. ``acc`` / ``acc3``: [SUB_N, BLOCK_M] sums lacking the weights' 2^6."""
     acc = acc * 64.0  # the weights' e4m3 values are the e2m1 values times 2^-6 (exact: a power of two)
     r64 = rows.to(tl.int64)
     omask = rmask[:, None] & cmask[None, :]
@@ -145,7 +162,7 @@ def _epilogue(acc, acc3, rows, rmask, cols, cmask, pid_s, N, limit, p_ptr, p3_pt
         q = halves(tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv), BLOCK_M, SUB_N)
         tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
         gs = tl.min(cols, 0) // 32 + tl.arange(0, SUB_N // 32)
-        tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8),
+        tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], pow2(e),
                  mask=rmask[:, None] & (gs[None, :] * 32 < N))
     else:
         tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
@@ -179,7 +196,7 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
             arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
         else:
             arow = tl.minimum(rows, row_end - 1).to(tl.int64)
-        sarow = (sa_ptr + arow * stride_sam).to(tl.pointer_type(tl.int32))
+        sarow = sa_ptr + arow[:, None] * stride_sam + tl.arange(0, 4)[None, :]  # fp32 scales of 4 groups
         arow_ptr = a_ptr + arow[:, None] * stride_am + tl.arange(0, 32)[None, :]
         col0 = pid_n * (SUB_N * SUBS)
         cols, cmask, wrow, srow = _sub_cols(b_ptr, sb_ptr, grp, col0, N, stride_bg, stride_bn, stride_sbg,
@@ -197,7 +214,7 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
         acc3 = tl.zeros([SUB_N, BLOCK_M], tl.float32)
         acc_b = tl.zeros([SUB_N, BLOCK_M], tl.float32)
         acc3_b = tl.zeros([SUB_N, BLOCK_M], tl.float32)
-        sa_next = tl.load(sarow + k_lo // 128)
+        sa_next = tl.load(sarow + k_lo // 32)
         sw_next = _words(srow, k_lo // 128, cmask, EVEN_N)
         sw3_next = sw_next
         sw_b_next = sw_next
@@ -212,7 +229,8 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
             kq = tl.multiple_of(k_step, 128)
             k_ahead = tl.minimum(kq + 128, k_hi - 128) // 128  # the last step reloads its own words
             sa = sa_next
-            sa_next = tl.load(sarow + k_ahead)
+            sa_next = tl.load(sarow + k_ahead * 4)
+            fsa4 = _columns4(sa, BLOCK_M)
             sw = sw_next
             sw_next = _words(srow, k_ahead, cmask, EVEN_N)
             q = _quarters(_bytes(wrow, kq // 2, cmask, EVEN_N), SUB_N)
@@ -230,14 +248,13 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                     q3_b = _quarters(_bytes(w3row_b, kq // 2, cmask_b, EVEN_N), SUB_N)
             for g in tl.static_range(4):
                 at = tl.trans(tl.load(arow_ptr + (kq + 32 * g)))  # the rows' group, shared by every block
-                fsa = _byte_pow2(sa, g)
-                acc = _group(acc, q[g], at, fsa, sw, g, SUB_N, USE_ASM)
+                acc = _group(acc, q[g], at, fsa4[g], sw, g, SUB_N, USE_ASM)
                 if DUAL:
-                    acc3 = _group(acc3, q3[g], at, fsa, sw3, g, SUB_N, USE_ASM)
+                    acc3 = _group(acc3, q3[g], at, fsa4[g], sw3, g, SUB_N, USE_ASM)
                 if SUBS == 2:
-                    acc_b = _group(acc_b, q_b[g], at, fsa, sw_b, g, SUB_N, USE_ASM)
+                    acc_b = _group(acc_b, q_b[g], at, fsa4[g], sw_b, g, SUB_N, USE_ASM)
                     if DUAL:
-                        acc3_b = _group(acc3_b, q3_b[g], at, fsa, sw3_b, g, SUB_N, USE_ASM)
+                        acc3_b = _group(acc3_b, q3_b[g], at, fsa4[g], sw3_b, g, SUB_N, USE_ASM)
         _epilogue(acc, acc3, rows, rmask, cols, cmask, pid_s, N, limit, p_ptr, p3_ptr, ps_ptr, wt_ptr, stride_ps,
                   stride_pm, stride_psm, DUAL, EPI, BLOCK_M, SUB_N)
         if SUBS == 2:
@@ -247,15 +264,16 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
 
 def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, w3=None, ws3=None, wt=None,
                      limit: float = 0.0, epi: int = 0):
-    """``moe_stream_fp8.stream_gemm_fp8`` with ``aq`` (e4m3 [R, K], E8M0 ``sa`` [R, K/32]) in halves order
-    (``halves_order``); epi 1 writes the W2 input in halves order. 4 groups per loop step (``plan.block_k`` is
+    """``moe_stream_fp8.stream_gemm_fp8`` with ``aq`` (e4m3 [R, K]) in halves order (``halves_order``) and its
+    scales as fp32 powers of two ``sa`` [R, K/32] (``scales_f32``); epi 1 writes the W2 input in that form
+    (e4m3 [rows, N] in halves order, fp32 [rows, N/32]). 4 groups per loop step (``plan.block_k`` is
     not used). K, the scale rows' strides and the K slices must be multiples of 128 / 4 / 128."""
     from redknot.kernels.triton.moe_stream import ROW_TILE, slices
     w, ws = as_bytes(w), as_bytes(ws)
     G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
-    if K % 128 or ws.stride(1) % 4 or ws.stride(0) % 4 or sa.stride(0) % 4:
-        raise ValueError(f"stream_gemm_fp8h: K={K} and the scale rows' strides must be multiples of 128 / 4 "
-                         f"(weight scales {tuple(ws.stride())}, row scales {tuple(sa.stride())})")
+    if K % 128 or ws.stride(1) % 4 or ws.stride(0) % 4 or sa.dtype != torch.float32:
+        raise ValueError(f"stream_gemm_fp8h: K={K} and the weight scale rows' strides must be multiples of "
+                         f"128 / 4 (strides {tuple(ws.stride())}), the row scales fp32 (got {sa.dtype})")
     bn, bm = plan.block_n, ROW_TILE
     sub = bn if bn <= 64 else bn // 2  # column blocks of at most 64 (two above 64 columns)
     if epi == 1 and bn % 32:
@@ -271,7 +289,7 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
         p3 = torch.empty_like(p) if dual else p
     elif epi == 1:
         p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
-        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.uint8, device=dev)
+        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.float32, device=dev)
         p3 = p
     else:
         p = torch.empty(rows, N, dtype=torch.bfloat16, device=dev)

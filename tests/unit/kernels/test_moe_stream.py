@@ -279,8 +279,9 @@ def test_halves_plan_runs_fp8_where_sizes_are_not_multiples_of_128(kernel_device
 @pytest.mark.parametrize("route_kernel", [True, False], ids=["kernel", "sort"])
 def test_routing_writes_fp8_rows_in_halves_order(route_kernel, kernel_device, monkeypatch):
     """With ``halves`` the routing step's e4m3 rows are ``halves_order`` of ``act_quant_mx``'s (both routing
-    paths), the E8M0 bytes unchanged; ``halves_order`` puts each group's even K elements first."""
-    from redknot.kernels.triton.moe_stream_fp8h import halves_order
+    paths), its scales the fp32 powers of two of the E8M0 bytes; ``halves_order`` puts each group's even K
+    elements first."""
+    from redknot.kernels.triton.moe_stream_fp8h import halves_order, scales_f32
     from redknot.kernels.triton.quant_mx import act_quant_mx
     if not route_kernel:
         monkeypatch.setattr(moe_mx, "ROUTE_KERNEL_MAX_PAIRS", 0)
@@ -289,6 +290,8 @@ def test_routing_writes_fp8_rows_in_halves_order(route_kernel, kernel_device, mo
     idx = torch.randint(0, 4, (3, 2), generator=g, device=kernel_device)
     got = moe_mx._sorted_pairs(idx, torch.rand(3, 2, generator=g, device=kernel_device), 4, x, fp8=True, halves=True)
     q, s = act_quant_mx(x)
-    assert torch.equal(got[4].view(torch.uint8), halves_order(q).view(torch.uint8)) and torch.equal(got[5], s)
+    assert torch.equal(got[4].view(torch.uint8), halves_order(q).view(torch.uint8))
+    assert got[5].dtype == torch.float32 and torch.equal(got[5], scales_f32(s))
+    assert torch.equal(scales_f32(torch.tensor([127, 120, 130], dtype=torch.uint8)), torch.tensor([1.0, 2**-7, 8.0]))
     h = halves_order(torch.arange(64, dtype=torch.uint8, device=kernel_device)[None])[0].tolist()
     assert h == list(range(0, 32, 2)) + list(range(1, 32, 2)) + list(range(32, 64, 2)) + list(range(33, 64, 2))
