@@ -280,16 +280,16 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     quantisation pass (the QDQ values re-quantise to themselves). The routing kernel writes the quantised token
     rows. ``fp8h`` keeps the rows in halves order with fp32 scales (``moe_stream_fp8h``) where the hidden and
     intermediate sizes are multiples of 128, else runs the ``fp8`` kernels with the plan's launch shape."""
+    from redknot.kernels.triton import moe_stream_fp8h as fp8h
     from redknot.kernels.triton.moe_mx import _sorted_pairs
     from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
-    from redknot.kernels.triton.moe_stream_fp8h import halves_order, scales_f32, stream_gemm_fp8h
     from redknot.kernels.triton.quant_mx import act_quant_mx
     from redknot.kernels.triton.splitk_mx import reduce_combine, reduce_swiglu, tile_map
     T, k = topk_idx.shape
     E, inter, D = w1.shape[0], w1.shape[1], w2.shape[1]
     M = T * k
     halves = plan.decode == "fp8h" and D % 128 == 0 and inter % 128 == 0
-    gemm = stream_gemm_fp8h if halves else stream_gemm_fp8
+    gemm = fp8h.stream_gemm_fp8h if halves else stream_gemm_fp8
     rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True, halves=halves)
     tiles = None if plan.inline else tile_map(offs, ROW_TILE, M)
     common = dict(offs=offs, tiles=tiles)
@@ -300,7 +300,7 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
         p1, p3 = gemm(xq, xs, w1, w1_scale, M, plan, rowid=rows, w3=w3, ws3=w3_scale, **common)
         act = torch.empty(M, inter, dtype=torch.bfloat16, device=x.device)
         aq, sa = act_quant_mx(reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False))
-        aq, sa = (halves_order(aq), scales_f32(sa)) if halves else (aq, sa)
+        aq, sa = (fp8h.halves_order(aq), fp8h.scales_f32(sa)) if halves else (aq, sa)
     plan2 = w2_plan(plan)
     fused2 = slices(D, inter, plan2) == 1
     y = gemm(aq, sa, w2, w2_scale, M, plan2, epi=2 if fused2 else 0, **common)
