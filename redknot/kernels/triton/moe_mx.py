@@ -98,8 +98,10 @@ DECODE_TUNER = ConfigTuner("moe_mx_decode", [
     StreamPlan("regs", 64, 128, 4, 3), StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8", 32, 128, 4, 3),
     StreamPlan("fp8", 64, 256, 4, 3),
     # ``fp8h`` (``moe_stream_fp8h``: K in halves order, no byte permutes, 4 groups' bytes / scale words per load;
-    # not measured on the H200 yet). ptxas for sm_90a, no spills: 64 columns W1 | W3 160 registers, W2 80; two
-    # 64-column blocks per program (128) W1 | W3 254, W2 124. 32-column and 8-warp shapes leave the wgmma path.
+    # not measured on the H200 yet). ptxas for sm_90a, no spills: 64 columns W1 | W3 128 registers (s4: 158),
+    # W2 96; two 64-column blocks per program (128) W1 | W3 254, W2 128. SASS per 4-group step and warp: W1 | W3
+    # 434 instructions at 64 columns (fp8: 803), W2 269 (fp8: 512). 32-column shapes fall back to mma.sync with
+    # fp16 conversions and 8-warp ones stage the activations through registers: both left out.
     StreamPlan("fp8h", 64, 128, 4, 3), StreamPlan("fp8h", 64, 128, 4, 3, w2_block_n=128),
     StreamPlan("fp8h", 128, 128, 4, 3), StreamPlan("fp8h", 64, 128, 4, 4),
 ])
