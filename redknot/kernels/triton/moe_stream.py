@@ -279,7 +279,8 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     W1 | W3 epilogue writing the W2 input in that form (one K slice), else partials, ``reduce_swiglu`` and a
     quantisation pass (the QDQ values re-quantise to themselves). The routing kernel writes the quantised token
     rows. ``fp8h`` keeps the rows in halves order with fp32 scales (``moe_stream_fp8h``) where the hidden and
-    intermediate sizes are multiples of 128, else runs the ``fp8`` kernels with the plan's launch shape."""
+    intermediate sizes are multiples of 128 and the weight scales allow 32-bit loads, else runs the ``fp8``
+    kernels with the plan's launch shape."""
     from redknot.kernels.triton import moe_stream_fp8h as fp8h
     from redknot.kernels.triton.moe_mx import _sorted_pairs
     from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
@@ -288,7 +289,8 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     T, k = topk_idx.shape
     E, inter, D = w1.shape[0], w1.shape[1], w2.shape[1]
     M = T * k
-    halves = plan.decode == "fp8h" and D % 128 == 0 and inter % 128 == 0
+    halves = plan.decode == "fp8h" and D % 128 == 0 and inter % 128 == 0 and all(
+        fp8h.words_ok(s) for s in (w1_scale, w3_scale, w2_scale))
     gemm = fp8h.stream_gemm_fp8h if halves else stream_gemm_fp8
     rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True, halves=halves)
     tiles = None if plan.inline else tile_map(offs, ROW_TILE, M)

@@ -38,6 +38,11 @@ from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.stream_scaled import tile_of
 
 
+def words_ok(ws: torch.Tensor) -> bool:
+    """Whether the E8M0 weight scales ``ws`` [G, N, K/32] can be read as 32-bit words of 4 groups (aligned rows)."""
+    return ws.data_ptr() % 4 == 0 and ws.stride(0) % 4 == 0 and ws.stride(1) % 4 == 0 and ws.stride(2) == 1
+
+
 def scales_f32(s: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes -> fp32 2^(s-127) (byte 0 -> 0.0, as ``quant_mx.pow2`` builds it): the row scales' form here."""
     return (s.to(torch.int32) << 23).view(torch.float32)
@@ -271,7 +276,7 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
     from redknot.kernels.triton.moe_stream import ROW_TILE, slices
     w, ws = as_bytes(w), as_bytes(ws)
     G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
-    if K % 128 or ws.stride(1) % 4 or ws.stride(0) % 4 or sa.dtype != torch.float32:
+    if K % 128 or not words_ok(ws) or (w3 is not None and not words_ok(as_bytes(ws3))) or sa.dtype != torch.float32:
         raise ValueError(f"stream_gemm_fp8h: K={K} and the weight scale rows' strides must be multiples of "
                          f"128 / 4 (strides {tuple(ws.stride())}), the row scales fp32 (got {sa.dtype})")
     bn, bm = plan.block_n, ROW_TILE

@@ -295,3 +295,15 @@ def test_routing_writes_fp8_rows_in_halves_order(route_kernel, kernel_device, mo
     assert torch.equal(scales_f32(torch.tensor([127, 120, 130], dtype=torch.uint8)), torch.tensor([1.0, 2**-7, 8.0]))
     h = halves_order(torch.arange(64, dtype=torch.uint8, device=kernel_device)[None])[0].tolist()
     assert h == list(range(0, 32, 2)) + list(range(1, 32, 2)) + list(range(32, 64, 2)) + list(range(33, 64, 2))
+
+
+def test_halves_plan_runs_fp8_where_scale_words_are_misaligned(kernel_device):
+    """Weight scales whose rows cannot be read as 32-bit words (a view one byte in): ``fp8`` kernels, same bits."""
+    from redknot.kernels.triton import moe_stream_fp8h
+    x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(HALVES_DIMS, kernel_device, seed=26, tokens=3)
+    shifted = torch.empty(s1.numel() + 1, dtype=torch.uint8, device=kernel_device)[1:].view(s1.shape)
+    shifted.copy_(s1.view(torch.uint8))
+    assert not moe_stream_fp8h.words_ok(shifted) and moe_stream_fp8h.words_ok(s1)
+    w = (w1, shifted, w3, s3, w2, s2)
+    got = moe_stream.moe_stream(x, idx, wt, *w, 10.0, StreamPlan("fp8h", 64, 128))
+    assert torch.equal(got, moe_stream.moe_stream(x, idx, wt, *w, 10.0, StreamPlan("fp8", 64, 128)))
