@@ -20,7 +20,8 @@ the 4 groups of a weight row in one 32-bit load instead of a byte load per group
 decoded to ``2^(s-127)`` by a shift and a mask). The activation rows' scales arrive as fp32 powers of two
 (``scales_f32``; written so by the same producers), 16 bytes per row and step, used without decoding. Above
 64 weight columns a program runs two 64-column blocks (own loads, scales and accumulators) against the same
-activation groups.
+activation groups. sm_90a SASS per 4-group loop step and warp (64 weight columns): W1 | W3 434 instructions
+against 803 for ``fp8``, W2 269 against 512; ptxas: 128 / 96 registers, no spills.
 
 Row tiles of 16 and the K slicing depend on the weight shape only (batch invariance). The speed of these
 plans was not measured on the H200 when they were added.
@@ -96,7 +97,8 @@ def _columns4(x, R: tl.constexpr):
 
 @triton.jit
 def _byte_pow2(words, g: tl.constexpr):
-    """fp32 2^(byte g of ``words`` - 127) (the E8M0 scale bytes of 4 groups packed in int32 words)."""
+    """fp32 2^(byte g of ``words`` - 127) (the E8M0 scale bytes of 4 groups packed in int32 words; byte 0 gives
+    0.0 for 2^-127)."""
     if g == 3:
         bits = (words >> 1) & 0x7F800000
     else:
