@@ -27,6 +27,7 @@ Token chunks bound every score scratch to ``max_scratch_bytes``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Dict, Hashable, Optional
 
@@ -208,21 +209,161 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
     tl.store(cand_ptr + rows[:, None] * K + offs_k[None, :], best, mask=rows_ok[:, None])
 
 
+@triton.jit
+def _expand_keys(key_ptr, out_ptr, N, stride_k, DI: tl.constexpr, BLOCK: tl.constexpr):
+    """Index-key rows -> their exact bf16 values [N, DI] (the register decode's ``_decode_keys``, once per
+    entry): the ``expanded`` stream reads these instead of decoding the FP4 bytes again for every tile of
+    tokens."""
+    ents = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = ents < N
+    kq, ks = _key_bytes(key_ptr, tl.where(ok, ents, 0), ok, stride_k, DI)
+    v = _decode_keys(kq, ks, DI, BLOCK)
+    tl.store(out_ptr + ents.to(tl.int64)[:, None] * DI + tl.arange(0, DI)[None, :], v, mask=ok[:, None])
+
+
+@triton.jit
+def _cut_rows(buf_ptr, rows, count, theta, rows_ok, limit, BLOCK_T: tl.constexpr, CAP: tl.constexpr,
+              K: tl.constexpr):
+    """``_compact`` for the rows of a tile holding more than ``limit`` keys, one row at a time: a [1, CAP]
+    top-k in registers instead of [BLOCK_T, CAP]; returns (new counts, new thetas)."""
+    tl.debug_barrier()   # appends by other threads of this program are visible after the barrier
+    offs = tl.arange(0, CAP)
+    offs_k = tl.arange(0, K)
+    which = tl.arange(0, BLOCK_T)
+    for t in range(BLOCK_T):
+        sel = which == t
+        c = tl.max(tl.where(sel, count, 0), 0)
+        live = tl.max(tl.where(sel & rows_ok, 1, 0), 0)
+        if (live > 0) & (c > limit):
+            base = buf_ptr + tl.max(tl.where(sel, rows, 0), 0) * CAP
+            vals = tl.load(base + offs[None, :], mask=offs[None, :] < c, other=_EMPTY)
+            best = tl.topk(vals, K)   # [1, K], descending
+            tl.debug_barrier()
+            tl.store(base + offs_k[None, :], best)
+            count = tl.where(sel, tl.minimum(c, K), count)
+            theta = tl.where(sel, tl.min(tl.min(best, 1), 0), theta)
+    tl.debug_barrier()
+    return count, theta
+
+
+@triton.jit
+def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_ptr, T, nsplit, NB, NKEYS,
+                    stride_qt, stride_qh, stride_wt, stride_bm, stride_cb,
+                    HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
+                    BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr, BF16_MUL: tl.constexpr):
+    """``_index_stream`` over keys already expanded to bf16 (``_expand_keys``, ``kx_ptr`` [N, DI]): the same
+    products, MMA and score arithmetic, selection and block maxima, but each step's key load is a plain
+    tile (``ents · DI + d``) that the compiler software-pipelines over ``STAGES`` steps, nothing is decoded
+    in the loop, and the entries sit on the MMA's M axis with the tile's (token, head) rows on N
+    (``[BLOCK_N, DI] x [DI, BLOCK_T·HP]``), so the weighted head sum of an entry stays inside its
+    accumulator rows instead of crossing warps. With fp32 scores the head sum runs in another order than
+    the register stream's (its terms are not exact: last-bit differences, within the op's tolerance; bf16
+    terms add exactly). The buffer cut sits outside the pipelined loop: the blocks
+    go in segments of ``(CAP - K) / (2·BLOCK_N)`` and a segment starts by cutting the rows whose keys
+    could overflow the buffer within it, one row at a time (a cut inside the loop keeps the compiler from
+    pipelining the loads, and the tile-wide bitonic top-k raised every step's registers). Raising the bar
+    less often keeps more keys in the buffer, never other ones: the final cut selects the same K.
+    ``BF16_MUL`` (compiled kernels): with bf16 scores each weighted term is one bf16 multiply (packed, two
+    terms an instruction) of relu(bf16(d)) and the bf16 weight, rounded to nearest: the exact product
+    rounded once, as the fp32 product (exact for two bf16 values) rounded to bf16 is; the interpreter's
+    bf16 arithmetic is not IEEE, so it runs that fp32 form."""
+    pid_s = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows_ok = toks < T
+    t64 = toks.to(tl.int64)
+    vis = tl.load(vis_ptr + toks, mask=rows_ok, other=0)
+    if CAND:
+        n_max = NB * BS
+    else:
+        n_max = tl.max(vis, 0)
+    chunk = tl.cdiv(tl.cdiv(n_max, nsplit), BLOCK_N) * BLOCK_N
+    e_lo = pid_s * chunk
+    e_hi = tl.minimum(e_lo + chunk, n_max)
+    n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0), BLOCK_N)
+    hs = tl.arange(0, HP)
+    offs_d = tl.arange(0, DI)
+    hmask = rows_ok[:, None] & (hs < HI)[None, :]
+    q = tl.load(q_ptr + t64[:, None, None] * stride_qt + hs[None, :, None] * stride_qh +
+                offs_d[None, None, :], mask=hmask[:, :, None], other=0.0).to(tl.bfloat16)
+    q_t = tl.trans(tl.reshape(q, (BLOCK_T * HP, DI)))   # [DI, BT*HP]
+    w = tl.load(w_ptr + t64[:, None] * stride_wt + hs[None, :], mask=hmask, other=0.0).to(tl.float32)
+    if BF16:
+        w = w.to(tl.bfloat16)
+        if not BF16_MUL:
+            w = w.to(tl.float32)
+    w = tl.reshape(w, (BLOCK_T * HP,))
+    rows = t64 * nsplit + pid_s
+    buf = buf_ptr + rows[:, None] * CAP
+    count = tl.zeros([BLOCK_T], tl.int32)
+    theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
+    SEG = (CAP - K) // (2 * BLOCK_N)   # blocks per segment: half of what a buffer cut back to K takes
+    LIMIT = CAP - SEG * BLOCK_N        # a row holding more keys than this is cut before a segment
+    for g in range(tl.cdiv(n_blocks, SEG)):
+        if tl.max(count, 0) > LIMIT:
+            count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, LIMIT, BLOCK_T, CAP, K)
+        seg = tl.minimum(SEG, n_blocks - g * SEG)
+        for i in tl.range(0, seg, num_stages=STAGES):
+            j = g * SEG + i
+            ents = e_lo + (n_blocks - 1 - j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = ents < e_hi
+            if CAND:
+                tok = tl.program_id(0).to(tl.int64)
+                blk = tl.load(cb_ptr + tok * stride_cb + ents // BS, mask=ok, other=-1)   # one token: tok < T
+                ents = blk * BS + ents % BS
+                ok = ok & (blk >= 0) & (ents < NKEYS)
+                keys = tl.load(kx_ptr + tl.where(ok, ents, 0).to(tl.int64)[:, None] * DI + offs_d[None, :],
+                               mask=ok[:, None], other=0.0)
+            else:
+                keys = tl.load(kx_ptr + ents.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=ok[:, None], other=0.0)
+            d = tl.dot(keys, q_t)                                                             # [BN, BT*HP] fp32
+            if BF16 and BF16_MUL:   # relu before the rounding: the same value (rounding keeps signs and zero)
+                d = (tl.maximum(d, 0.0).to(tl.bfloat16) * w[None, :]).to(tl.float32)
+            elif BF16:
+                d = tl.maximum(d, 0.0).to(tl.bfloat16).to(tl.float32)
+                d = (d * w[None, :]).to(tl.bfloat16).to(tl.float32)
+            else:
+                d = tl.maximum(d, 0.0) * w[None, :]
+            s = tl.trans(tl.sum(tl.reshape(d, (BLOCK_N, BLOCK_T, HP)), 2))                    # [BT, BN]
+            if BF16:
+                s = s.to(tl.bfloat16).to(tl.float32)
+            s = tl.where(s == 0.0, 0.0, s)   # -0.0 (relu 0 times a negative weight) ties with 0.0, as in torch
+            seen = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None]
+            if BLOCKMAX:
+                bm = tl.max(tl.reshape(tl.where(seen, s, float("-inf")), (BLOCK_T, BLOCK_N // BS, BS)), 2)
+                bcols = (e_lo + (n_blocks - 1 - j) * BLOCK_N) // BS + tl.arange(0, BLOCK_N // BS)
+                tl.store(bm_ptr + t64[:, None] * stride_bm + bcols[None, :], bm,
+                         mask=rows_ok[:, None] & (bcols[None, :] < NB))
+            key = _pack(s, ents[None, :])
+            keep = seen & (key > theta[:, None])
+            slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
+            tl.store(buf + slot, key, mask=keep)
+            count += tl.sum(keep.to(tl.int32), 1)
+    count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, K, BLOCK_T, CAP, K)
+    offs_k = tl.arange(0, K)
+    best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
+                   other=_EMPTY)
+    tl.store(cand_ptr + rows[:, None] * K + offs_k[None, :], best, mask=rows_ok[:, None])
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     block_t: int = 2     # tokens sharing each decoded key block (1 when a token's entries are split)
     block_n: int = 64    # entries per step of the stream
     num_warps: int = 4
     num_splits: int = 0  # 0: chosen from the problem size (enough programs for the device)
-    decode: str = "registers"   # or "scaled": the key bytes through tl.dot_scaled (see _index_stream)
+    decode: str = "registers"   # "scaled": the key bytes through tl.dot_scaled (see _index_stream);
+    #                             "expanded": keys decoded once per call to bf16, then _index_stream_x
     prefetch: bool = False      # the next block's key bytes loaded before this block's work (not with CAND)
+    num_stages: int = 0         # "expanded": key tiles in flight in the software-pipelined loop (0: 3)
 
     def __repr__(self) -> str:
-        """The stored tuning choices name configurations by this text: without ``prefetch`` it stays the
-        text of the shapes that predate it."""
+        """The stored tuning choices name configurations by this text: without ``prefetch`` / ``num_stages``
+        it stays the text of the shapes that predate them."""
         text = (f"StreamConfig(block_t={self.block_t}, block_n={self.block_n}, num_warps={self.num_warps}, "
                 f"num_splits={self.num_splits}, decode={self.decode!r}")
-        return text + (", prefetch=True)" if self.prefetch else ")")
+        text += ", prefetch=True" if self.prefetch else ""
+        return text + (f", num_stages={self.num_stages})" if self.num_stages else ")")
 
 
 # More tokens per program decode each key block for more query rows, and the ``scaled`` decode makes
@@ -233,10 +374,17 @@ class StreamConfig:
 # points at a step's latency rather than its work: ptxas gives every shape 230-255 registers a thread (one
 # or two programs an SM) and the loop's loads are not software-pipelined. The 128-entry shape halves the
 # steps per token; the ``prefetch`` shapes load the next block's key bytes before a step's own work.
-STREAM_TUNER = ConfigTuner("indexer_stream_mx", [
+# The ``expanded`` shapes decode every key once per call (bf16, 256 B an entry, one pass over the cache)
+# and stream plain bf16 tiles through a software-pipelined loop with the entries on the MMA's M axis:
+# no decode in the loop, fewer live registers, the load latency hidden by the stages in flight (not
+# measured on the H200 yet; the tuner keeps them only where they measure faster). The tuner's stored
+# name carries a version so that a tuning store filled before these shapes existed times them again.
+STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(2, 64, 4), StreamConfig(4, 64, 8, decode="scaled"), StreamConfig(8, 64, 8, decode="scaled"),
     StreamConfig(8, 64, 8), StreamConfig(2, 128, 8), StreamConfig(2, 64, 4, prefetch=True),
     StreamConfig(4, 64, 8, decode="scaled", prefetch=True),
+    StreamConfig(4, 64, 4, decode="expanded", num_stages=3), StreamConfig(2, 64, 4, decode="expanded", num_stages=3),
+    StreamConfig(8, 64, 8, decode="expanded", num_stages=3), StreamConfig(4, 128, 8, decode="expanded", num_stages=3),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -270,6 +418,24 @@ def _check_scaled(key, config: StreamConfig, q, weights, index_keys, visible, to
     return config
 
 
+EXPAND_BLOCK = 64   # entries per program of the key expansion
+
+
+def _native_bf16() -> bool:
+    """Kernels compiled for a device (not run by Triton's CPU interpreter, whose bf16 arithmetic is not IEEE)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def expand_keys(index_keys: torch.Tensor, dim: int) -> torch.Tensor:
+    """Index-key rows uint8 [N, dim/2 + dim/32] -> their exact values, bf16 [N, dim] (one pass)."""
+    n = index_keys.shape[0]
+    out = torch.empty(n, dim, dtype=torch.bfloat16, device=index_keys.device)
+    if n:
+        _expand_keys[(cdiv(n, EXPAND_BLOCK),)](index_keys, out, n, index_keys.stride(0), DI=dim,
+                                              BLOCK=EXPAND_BLOCK, num_warps=4)
+    return out
+
+
 def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor, topk: int,
                 bf16_scores: bool = False, config: Optional[StreamConfig] = None,
                 block_scores: Optional[torch.Tensor] = None, block_size: int = 8,
@@ -299,8 +465,8 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
         if config.decode == "scaled" and key not in SCALED_CHECKED:
             config = _check_scaled(key, config, q, weights, index_keys, visible, topk, bf16_scores, block_scores,
                                    block_size, cand_blocks)
-    if config.decode not in ("registers", "scaled"):
-        raise ValueError(f"stream_topk: decode={config.decode!r} must be 'registers' or 'scaled'")
+    if config.decode not in ("registers", "scaled", "expanded"):
+        raise ValueError(f"stream_topk: decode={config.decode!r} must be 'registers', 'scaled' or 'expanded'")
     if block_scores is not None and cand_blocks is not None:
         raise ValueError("stream_topk: block_scores and cand_blocks are exclusive")
     if block_scores is not None and config.block_n % block_size:
@@ -310,18 +476,29 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
                                                                      cdiv(width, 8 * config.block_n), 32)))
     bt = 1 if nsplit > 1 or cand_blocks is not None else config.block_t
     cap = max(2 * topk, next_pow2(topk + config.block_n))
+    if config.decode == "expanded":   # room for segments of several blocks between buffer cuts
+        cap = max(4 * topk, next_pow2(topk + 4 * config.block_n))
     buf = torch.empty(T * nsplit, cap, dtype=torch.int64, device=q.device)
     cand = torch.empty(T * nsplit, topk, dtype=torch.int64, device=q.device)
     bm = block_scores if block_scores is not None else visible
     cb = cand_blocks if cand_blocks is not None else visible
     nb = bm.shape[-1] if block_scores is not None else (cb.shape[-1] if cand_blocks is not None else 0)
-    _index_stream[(cdiv(T, bt), nsplit)](
-        q, weights, index_keys, visible, buf, cand, bm, cb, T, nsplit, nb, n,
-        q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), bm.stride(0), cb.stride(0),
-        HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
-        BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
-        CAND=cand_blocks is not None, SCALED=config.decode == "scaled",
-        PREFETCH=config.prefetch and cand_blocks is None, num_warps=config.num_warps)
+    if config.decode == "expanded":
+        _index_stream_x[(cdiv(T, bt), nsplit)](
+            q, weights, expand_keys(index_keys, DI), visible, buf, cand, bm, cb, T, nsplit, nb, n,
+            q.stride(0), q.stride(1), weights.stride(0), bm.stride(0), cb.stride(0),
+            HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
+            BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
+            CAND=cand_blocks is not None, STAGES=config.num_stages or 3, BF16_MUL=_native_bf16(),
+            num_warps=config.num_warps)
+    else:
+        _index_stream[(cdiv(T, bt), nsplit)](
+            q, weights, index_keys, visible, buf, cand, bm, cb, T, nsplit, nb, n,
+            q.stride(0), q.stride(1), weights.stride(0), index_keys.stride(0), bm.stride(0), cb.stride(0),
+            HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
+            BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
+            CAND=cand_blocks is not None, SCALED=config.decode == "scaled",
+            PREFETCH=config.prefetch and cand_blocks is None, num_warps=config.num_warps)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     big = torch.iinfo(torch.int32).max
     ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last

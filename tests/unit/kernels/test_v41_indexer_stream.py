@@ -46,16 +46,43 @@ def _select_written(s, k):
     return torch.cat([ids, ids.new_full((ids.shape[0], k - kk), -1)], 1)
 
 
-DECODES = [(False, "registers"), (True, "registers"), (True, "scaled")]   # (bf16 scores, key decode)
+def _assert_selects(got, q, w, keys, vis, k, bf16, decode):
+    """Exactly the lower-first selection of the PyTorch scores; the expanded stream with fp32 scores sums
+    a token's heads in another order than PyTorch (fp32 terms, last-bit differences), so there its choice
+    is compared tie-aware on the reference scores within the op's tolerance (``checks_mx``)."""
+    want = _lower_first(q, w, keys, vis, k, bf16)
+    if decode != "expanded" or bf16:
+        assert torch.equal(got.long(), want)
+        return
+    from redknot.kernels.triton.checks_mx import _compare_selection
+
+    n = keys.shape[0]
+    s = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
+    s = s.masked_fill(torch.arange(n)[None] >= vis.long()[:, None], float("-inf"))
+    assert _compare_selection("top-k", s, got.long(), want, tol=1e-6).ok
+
+
+def _assert_block_maxima(bm, want, bf16, decode):
+    if decode != "expanded" or bf16:
+        assert torch.equal(bm, want)
+    else:
+        assert torch.equal(torch.isinf(bm), torch.isinf(want))
+        fin = torch.isfinite(want)
+        assert torch.allclose(bm[fin], want[fin], rtol=1e-6, atol=1e-6)   # O(1) scores: a few fp32 ulps
+
+
+DECODES = [(False, "registers"), (True, "registers"), (True, "scaled"), (False, "expanded"),
+           (True, "expanded")]   # (bf16 scores, key decode)
 
 
 @pytest.mark.parametrize("bf16,decode", DECODES)
 @pytest.mark.parametrize("t,n,k", [(5, 300, 16), (1, 700, 16), (3, 10, 16)])
 def test_streamed_topk_equals_the_lower_first_selection(t, n, k, bf16, decode):
-    """Both key decodes (registers; MXFP4 through tl.dot_scaled) select exactly what the scores select."""
+    """Every key decode (registers; MXFP4 through tl.dot_scaled; keys expanded to bf16 once, then a
+    pipelined stream) selects exactly what the scores select."""
     q, w, keys, vis = _inputs(t, n, seed=t + n)
     got = indexer_mx.stream_topk(q, w, keys, vis, k, bf16, config=indexer_mx.StreamConfig(decode=decode))
-    assert torch.equal(got.long(), _lower_first(q, w, keys, vis, k, bf16))
+    _assert_selects(got, q, w, keys, vis, k, bf16, decode)
 
 
 def test_the_registry_paths_stream_without_a_score_matrix(monkeypatch):
@@ -127,8 +154,8 @@ def test_the_stream_writes_the_block_maxima_of_its_pass(t, n, bs, bf16, decode):
     bm = torch.full((t, nb), float("-inf"))
     got = indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, config=indexer_mx.StreamConfig(4, 64, 4, decode=decode),
                                  block_scores=bm, block_size=bs)
-    assert torch.equal(got.long(), _lower_first(q, w, keys, vis, 16, bf16))
-    assert torch.equal(bm, _block_maxima(q, w, keys, vis, bs, bf16))
+    _assert_selects(got, q, w, keys, vis, 16, bf16, decode)
+    _assert_block_maxima(bm, _block_maxima(q, w, keys, vis, bs, bf16), bf16, decode)
 
 
 def test_the_source_selection_in_token_chunks_and_below_the_block_budget():
@@ -201,9 +228,9 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
         assert _compare_selection(path, masked, got, want, tol=0).ok, path
 
 
-@pytest.mark.parametrize("decode", ["registers", "scaled"])
+@pytest.mark.parametrize("decode", ["registers", "scaled", "expanded"])
 def test_the_candidate_stream_with_either_decode(decode):
-    """The candidate-list stream (one token per program) with both key decodes: the reference's selection."""
+    """The candidate-list stream (one token per program) with every key decode: the reference's selection."""
     q, w, keys, vis = _inputs(5, 500, seed=21)
     g = torch.Generator().manual_seed(2)
     cand = torch.stack([torch.randperm(63, generator=g)[:24] for _ in range(5)]).int()
@@ -243,3 +270,30 @@ def test_a_scaled_decode_that_disagrees_falls_back_to_the_register_decode(monkey
     got = indexer_mx._check_scaled("broken", scaled, q, w, keys, vis, 16, True, bm, 8, None)
     assert got.decode == "registers" and indexer_mx.STREAM_TUNER.choices["broken"] == got
     assert indexer_mx.SCALED_CHECKED["broken"] is False
+
+
+def test_the_key_expansion_is_exact():
+    """``expand_keys``: every index-key row's bf16 values equal the format's decode (fresh random keys, a row
+    count that is not a multiple of the expansion block, keys far from 1 so that the E8M0 scales vary)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    x = torch.randn(150, 64, generator=g) * torch.exp2(torch.randint(-20, 20, (150, 1), generator=g).float())
+    keys = mx.pack_index_keys(x)
+    got = indexer_mx.expand_keys(keys, 64)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), mx.unpack_index_keys(keys).float())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_expanded_stream_cuts_each_row_between_segments(bf16):
+    """The expanded stream cuts a row's buffer only between pipelined segments, one row at a time: many
+    entries (several cuts of every row), rows that see few entries or none, a partial tile, ties of the
+    bf16 arithmetic at the cut; with and without the block maxima of the same pass."""
+    q, w, keys, vis = _inputs(7, 2100, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
+    cfg = indexer_mx.StreamConfig(4, 64, 4, decode="expanded", num_stages=3)
+    _assert_selects(indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, config=cfg), q, w, keys, vis, 16, bf16,
+                    "expanded")
+    bs = 8
+    bm = torch.full((7, -(-2100 // bs)), float("-inf"))
+    got = indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, config=cfg, block_scores=bm, block_size=bs)
+    _assert_selects(got, q, w, keys, vis, 16, bf16, "expanded")
+    _assert_block_maxima(bm, _block_maxima(q, w, keys, vis, bs, bf16), bf16, "expanded")
