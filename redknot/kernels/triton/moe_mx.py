@@ -71,14 +71,16 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("tiled", 64, 64, 128, 4, True),
     # FP8 tensor cores (``moe_prefill_fp8``; not measured on the H200 yet): block_m rows x block_n weight
     # columns, W1 | W3 in one program; block_k 32: one group per loop step (``fp8_prefetch``: the next
-    # group's scale bytes loaded one step ahead), 128: four groups per step with 32-bit scale words. Each
-    # compiles for sm90 without register spills (ptxas, W1 | W3 / W2 registers: 186 / 121, 201 / 133,
-    # 177 / 119, 255 / 172, 255 / 169, 251 / 167, 113 / 67: four 4-warp programs per SM); 128 x 128, and
-    # 128 / 64-row tiles at block_k 128, spill.
+    # group's scale bytes loaded one step ahead), 128: four groups per step with 32-bit scale words; ``fp8h``:
+    # K groups in halves order (no byte permutes; sm_90a loop step of the 128 x 64 W1 | W3 kernel: 305 SASS
+    # instructions against 369). Each compiles for sm90 without register spills (ptxas, W1 | W3 / W2
+    # registers: 187 / 121, 201 / 133, 177 / 119, 255 / 172, 251 / 167, 113 / 67 (four 4-warp programs per
+    # SM), 206 / 120, 206 / 119, 113 / 69); 128 x 128, and 128 / 64-row tiles at block_k 128, spill.
     MoePlan("fp8", 128, 64, 32, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 3),
     MoePlan("fp8", 32, 256, 32, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 32, 8, True, "fp8_prefetch", 3),
-    MoePlan("fp8", 64, 128, 32, 8, True, "fp8_prefetch", 3), MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3),
-    MoePlan("fp8", 32, 64, 32, 4, True, "fp8", 4),
+    MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3), MoePlan("fp8", 32, 64, 32, 4, True, "fp8", 4),
+    MoePlan("fp8", 128, 64, 32, 8, True, "fp8h", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8h", 3),
+    MoePlan("fp8", 32, 64, 32, 4, True, "fp8h", 4),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)

@@ -43,27 +43,46 @@ import triton.language as tl
 from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes
 from redknot.kernels.triton.moe_stream_fp8 import fp4_e4m3, use_asm
+from redknot.kernels.triton.moe_stream_fp8h import fp4_e4m3_halves, halves
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.splitk_mx import tile_map
 
 
 @triton.jit
-def _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+def _decode(b, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, HALVES: tl.constexpr):
+    """A group's packed bytes [BN, 16] -> e4m3 [BN, 32], in natural K order or in halves order."""
+    if HALVES:
+        return fp4_e4m3_halves(b, BLOCK_N, USE_ASM)
+    return fp4_e4m3(b, BLOCK_N, USE_ASM)
+
+
+@triton.jit
+def _row_scale(v, HALVES: tl.constexpr):
+    """The rows' activation scales as fp32: stored as fp32 powers of two (halves order) or E8M0 bytes."""
+    if HALVES:
+        return v
+    return pow2(v.to(tl.int32) - 127)
+
+
+@triton.jit
+def _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+               HALVES: tl.constexpr):
     """acc + (the group's e4m3 weight columns [BN, 32] · at [32, BM]) · 2^(sb-127+6) · sa (columns clamped
     into the weight: no masks)."""
     kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
     b = tl.load(bg + (c_off[:, None] + kh[None, :]))
     sb = tl.load(sbg + (cs_off + k0 // 32)).to(tl.int32)
-    d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), at)
+    d = tl.dot(_decode(b, BLOCK_N, USE_ASM, HALVES), at)
     return acc + d * (pow2(sb - 121)[:, None] * sa[None, :])
 
 
 @triton.jit
-def _group_mma_s(acc, bg, sb, at, sa, c_off, k0, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+def _group_mma_s(acc, bg, sb, at, sa, c_off, k0, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                 HALVES: tl.constexpr):
     """``_group_mma`` with the weight columns' E8M0 bytes of the group given (int32)."""
     kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
     b = tl.load(bg + (c_off[:, None] + kh[None, :]))
-    d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), at)
+    d = tl.dot(_decode(b, BLOCK_N, USE_ASM, HALVES), at)
     return acc + d * (pow2(sb - 121)[:, None] * sa[None, :])
 
 
@@ -72,8 +91,8 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                     tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K, limit, stride_am, stride_sam, stride_bg,
                     stride_bn, stride_sbg, stride_sbn, stride_pm, stride_psm, GATHER: tl.constexpr,
                     DUAL: tl.constexpr, EPI: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr,
-                    WORDS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    GROUPS: tl.constexpr):
+                    WORDS: tl.constexpr, PREFETCH: tl.constexpr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
     """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``,
     all of K in steps of GROUPS 32-wide groups. WORDS (GROUPS 4): the E8M0 bytes of a step's four groups
     read as one 32-bit word per row / column, the next step's words loaded while this step runs; PREFETCH
@@ -137,15 +156,16 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                     a = tl.load(a_ptr + (a_off[:, None] + kk[None, :]))
                     sa = pow2(((saw >> (8 * g)) & 0xFF) - 127)
                     at = tl.trans(a)
-                    acc = _group_mma_s(acc, bg, (sbw >> (8 * g)) & 0xFF, at, sa, c_off, k0, BLOCK_N, USE_ASM)
+                    acc = _group_mma_s(acc, bg, (sbw >> (8 * g)) & 0xFF, at, sa, c_off, k0, BLOCK_N, USE_ASM,
+                                       False)
                     if DUAL:
                         acc3 = _group_mma_s(acc3, b3g, (sb3w >> (8 * g)) & 0xFF, at, sa, c_off, k0, BLOCK_N,
-                                            USE_ASM)
+                                            USE_ASM, False)
                 saw = saw_n
                 sbw = sbw_n
                 sb3w = sb3w_n
         elif PREFETCH:  # one group per step, the next group's scale bytes loaded while this group runs
-            sa_n = tl.load(sa_ptr + sa_off).to(tl.int32)
+            sa_n = tl.load(sa_ptr + sa_off)
             sb_n = tl.load(sbg + cs_off).to(tl.int32)
             sb3_n = sb_n
             if DUAL:
@@ -156,27 +176,27 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                 sb_c = sb_n
                 sb3_c = sb3_n
                 nxt = tl.minimum(k_step + 32, K - 32) // 32
-                sa_n = tl.load(sa_ptr + (sa_off + nxt)).to(tl.int32)
+                sa_n = tl.load(sa_ptr + (sa_off + nxt))
                 sb_n = tl.load(sbg + (cs_off + nxt)).to(tl.int32)
                 if DUAL:
                     sb3_n = tl.load(sb3g + (cs_off + nxt)).to(tl.int32)
                 kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
                 at = tl.trans(tl.load(a_ptr + (a_off[:, None] + kk[None, :])))
-                sa = pow2(sa_c - 127)
-                acc = _group_mma_s(acc, bg, sb_c, at, sa, c_off, k0, BLOCK_N, USE_ASM)
+                sa = _row_scale(sa_c, HALVES)
+                acc = _group_mma_s(acc, bg, sb_c, at, sa, c_off, k0, BLOCK_N, USE_ASM, HALVES)
                 if DUAL:
-                    acc3 = _group_mma_s(acc3, b3g, sb3_c, at, sa, c_off, k0, BLOCK_N, USE_ASM)
+                    acc3 = _group_mma_s(acc3, b3g, sb3_c, at, sa, c_off, k0, BLOCK_N, USE_ASM, HALVES)
         else:
             for k_step in range(0, K, 32 * GROUPS):
                 for g in tl.static_range(GROUPS):
                     k0 = tl.multiple_of(k_step + 32 * g, 32)
                     kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
                     a = tl.load(a_ptr + (a_off[:, None] + kk[None, :]))
-                    sa = pow2(tl.load(sa_ptr + (sa_off + k0 // 32)).to(tl.int32) - 127)
+                    sa = _row_scale(tl.load(sa_ptr + (sa_off + k0 // 32)), HALVES)
                     at = tl.trans(a)  # the rows' group, shared by W1 and W3
-                    acc = _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
+                    acc = _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM, HALVES)
                     if DUAL:
-                        acc3 = _group_mma(acc3, b3g, sb3g, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM)
+                        acc3 = _group_mma(acc3, b3g, sb3g, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM, HALVES)
         r64 = rows.to(tl.int64)
         omask = rmask[:, None] & cmask[None, :]
         if EPI == 1:  # moe_stream_fp8 EPI 1: e4m3 + E8M0 per 32 of bf16(w · silu(min(g, L)) · clamp(u, ±L))
@@ -189,10 +209,14 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
             e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
             q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
             q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
-            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
             gs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-            tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8),
-                     mask=rmask[:, None] & (gs[None, :] * 32 < N))
+            smask = rmask[:, None] & (gs[None, :] * 32 < N)
+            if HALVES:  # the W2 input in halves order with fp32 scales (its K groups are these column groups)
+                tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], halves(q, BLOCK_M, BLOCK_N), mask=omask)
+                tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], pow2(e), mask=smask)
+            else:
+                tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
+                tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8), mask=smask)
         else:
             tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
 
@@ -202,9 +226,11 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     """One grouped GEMM over MXFP4 experts ``w`` [G, N, K/2] (E8M0 ``ws`` [G, N, K/32]) for ``rows`` rows
     grouped by ``offs`` (per-expert ends); ``aq`` e4m3 [R, K] with E8M0 ``sa`` [R, K/32] (sorted row r reads
     ``rowid[r]``; ``tiles``: ``splitk_mx.tile_map(offs, plan.block_m, rows)`` when shared between launches).
-    ``plan.decode``: ``fp8``, or ``fp8_prefetch`` (with block_k 32: each group's scale bytes
-    loaded one group ahead). With ``w3``: W1 | W3 and the SwiGLU epilogue, returns (e4m3 [rows, N], E8M0 [rows, N/32]);
-    without: bf16 [rows, N]. ``plan``: ``moe_mx.MoePlan`` (block_m, block_n, block_k = 32 · groups per
+    ``plan.decode``: ``fp8``, ``fp8_prefetch`` (with block_k 32: each group's scale bytes loaded one group
+    ahead), ``fp8h`` / ``fp8h_prefetch`` (each K group in ``moe_stream_fp8h`` halves order: ``aq`` and the
+    W2 input written so, row scales as fp32 powers of two; the weight decode needs no byte permutes). With
+    ``w3``: W1 | W3 and the SwiGLU epilogue, returns (e4m3 [rows, N], its scales [rows, N/32]); without: bf16
+    [rows, N]. ``plan``: ``moe_mx.MoePlan`` (block_m, block_n, block_k = 32 · groups per
     loop step, num_warps, num_stages)."""
     w, ws = as_bytes(w), as_bytes(ws)
     N, K = w.shape[1], w.shape[2] * 2
@@ -218,13 +244,17 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     while K % (32 * groups):
         groups //= 2
     s3 = as_bytes(ws3) if dual else ws
+    halves_k = plan.decode.startswith("fp8h")
+    if halves_k != (sa.dtype == torch.float32):
+        raise ValueError(f"prefill_gemm_fp8: decode {plan.decode!r} takes {'fp32' if halves_k else 'E8M0'} "
+                         "row scales")
     # 32-bit scale words (block_k 128): each row's / column's scale bytes start on a 4-byte boundary
-    words = groups == 4 and all(t.stride(-2) % 4 == 0 and t.stride(0) % 4 == 0 and t.data_ptr() % 4 == 0
-                                for t in (sa, ws, s3))
+    words = not halves_k and groups == 4 and all(
+        t.stride(-2) % 4 == 0 and t.stride(0) % 4 == 0 and t.data_ptr() % 4 == 0 for t in (sa, ws, s3))
     dev = aq.device
     if dual:
         p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
-        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.uint8, device=dev)
+        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.float32 if halves_k else torch.uint8, device=dev)
     else:
         p, ps = torch.empty(rows, N, dtype=torch.bfloat16, device=dev), None
     result = (p, ps) if dual else p
@@ -238,8 +268,8 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
         wt if wt is not None else p, tg, tr, te, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
         w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2, USE_ASM=use_asm(dev),
-        WIDE=aq.numel() >= 2**31, WORDS=words,
-        PREFETCH=groups == 1 and plan.decode == "fp8_prefetch", BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
+        WIDE=aq.numel() >= 2**31, WORDS=words, PREFETCH=groups == 1 and plan.decode.endswith("_prefetch"),
+        HALVES=halves_k, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result
 
@@ -258,7 +288,8 @@ def moe_prefill_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
         return out
     M = T * k
     x = x if x.stride(-1) == 1 else x.contiguous()
-    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True)
+    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True,
+                                                halves=plan.decode.startswith("fp8h"))
     tiles = tile_map(offs, plan.block_m, M)  # one map for both GEMMs
     aq, sa = prefill_gemm_fp8(xq, xs, w1, w1_scale, M, plan, offs=offs, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
                               limit=swiglu_limit, tiles=tiles)
