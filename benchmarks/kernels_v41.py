@@ -173,9 +173,10 @@ def main(argv=None) -> int:
                          "prefill: only the MoE prefill plans at 8192 tokens (grouped, the measured choice, "
                          "each FP8 tensor-core plan, then those plans by part); "
                          "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes)")
-    ap.add_argument("--stream-variants", choices=("core", "all"), default="core",
+    ap.add_argument("--stream-variants", choices=("core", "all", "moe"), default="core",
                     help="the fused MoE stream plans timed by --only stream / gemm: core, or all (launch-shape "
-                         "neighbours too)")
+                         "neighbours too), or moe (only the MoE rows of split-K scaled, the FP8 fused plans of "
+                         "at least 64 columns in one K slice and the tuned choice, at T=1 / 32 / 128)")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -200,7 +201,8 @@ def main(argv=None) -> int:
         return write_results(run)
     if args.only in ("gemm", "stream"):
         from kernels_v41_stream_cases import stream_cases
-        cases = list(stream_cases(dims, device, args.smoke, args.stream_variants == "all"))
+        cases = list(stream_cases(dims, device, args.smoke, args.stream_variants == "all",
+                                  args.stream_variants == "moe"))
         if args.only == "gemm":
             cases = list(decode_compare_cases(dims, device, args.smoke)) + cases + list(
                 stream_variant_cases(dims, device, args.smoke))

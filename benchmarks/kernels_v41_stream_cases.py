@@ -53,10 +53,12 @@ def _plans(smoke: bool, extra: bool = False):
              + (f" W2 n{p.w2_block_n}" if p.w2_block_n else ""), p) for p in plans]
 
 
-def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False) -> Iterator[Tuple[str, Callable]]:
+def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
+                 moe_only: bool = False) -> Iterator[Tuple[str, Callable]]:
     """MoE decode batches (T=1, 32): the split-K ``scaled`` / ``registers`` streams and every fused plan; the
     ladder; the dense linears by decode; MoE at T=128 (ordered so that a budget cut loses the least).
-    Graph replays where there is a GPU."""
+    ``moe_only``: the MoE rows of split-K ``scaled``, the FP8 fused plans and the tuned choice at T=1 / 32 / 128,
+    nothing else. Graph replays where there is a GPU."""
     from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
     _, decode = _sizes(dims, smoke)
     graph = device.type == "cuda"
@@ -65,6 +67,11 @@ def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False) -> Ite
 
     variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke, extra) + [
         ("tuned (DECODE_TUNER)", None)]
+    if moe_only:
+        variants = [(n, p) for n, p in variants if p in ("scaled", None) or isinstance(p, StreamPlan)
+                    and p.decode in ("fp8", "fp8h") and not p.min_steps and p.block_n >= 64]
+        yield from _moe_rows(decode, variants, dims, device, graph, weights, want)
+        return
     yield from _moe_rows(decode[:2], variants, dims, device, graph, weights, want)
     # the ladder: the bf16 decode without its MMA, then bytes only at several tile shapes (bytes per weight row
     # per K step: 64 / 128 / 256; does a longer contiguous read per row raise the stream's rate?)
