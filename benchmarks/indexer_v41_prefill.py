@@ -9,7 +9,9 @@ N - T + i + 1 of them; V4.1 indexer widths: 32 heads of 128, top-512, 2048 candi
 the reference numerics' bf16 score arithmetic) runs:
 
 * the streamed top-k (layers 2/8/14/20 without candidates) with every launch shape of its tuner
-  (``indexer_mx.STREAM_TUNER``: tokens per program, register or ``tl.dot_scaled`` key decode);
+  (``indexer_mx.STREAM_TUNER``: tokens per program, register or ``tl.dot_scaled`` key decode, or the keys
+  expanded once to bf16 and streamed through a pipelined loop); a summary puts the fastest shape of the
+  earlier decodes (old) against the fastest ``expanded`` shape (new), with % of the FP8 floor;
 * the candidate source (layer 20): the fused pass (top-k and block maxima in one stream) against the two
   passes it replaced (the streamed top-k, then ``indexer_candidates_mx``'s block-max pass);
 * a re-indexing layer (24/28/32/36) inside 2048 candidate blocks: the stream over each token's candidate
@@ -96,6 +98,21 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows: List[dict] = []
 
+    summary: list = []
+
+    def old_new(group: str):
+        """The fastest earlier decode (registers / scaled) against the fastest expanded shape of a group."""
+        timed = [r for r in rows if r["group"] == group and "ms" in r]
+        old = [r for r in timed if "decode expanded" not in r["variant"]]
+        new = [r for r in timed if "decode expanded" in r["variant"]]
+        if not old or not new:
+            return
+        o, nw = min(old, key=lambda r: r["ms"]), min(new, key=lambda r: r["ms"])
+        summary.append({"group": group, "old": o, "new": nw, "speedup": o["ms"] / nw["ms"]})
+        print(f"{group} | old {o['ms']:.2f} ms ({100 * o['fraction_fp8_floor']:.1f} % of FP8 floor) -> new "
+              f"{nw['ms']:.2f} ms ({100 * nw['fraction_fp8_floor']:.1f} %): {o['ms'] / nw['ms']:.2f}x; "
+              f"selections {'same' if o['same_as_first'] and nw['same_as_first'] else 'DIFFERENT'}")
+
     def case(group: str, label: str, fn, scored: float, ref=None):
         if time.perf_counter() - t0 > a.budget_s:
             rows.append({"group": group, "variant": label, "skipped": "budget"})
@@ -127,10 +144,12 @@ def main(argv=None) -> int:
         group = f"stream top-k, {t} queries, {n} entries"
         first = None
         for cfg in indexer_mx.STREAM_TUNER.candidates:
+            stages = f", stages {cfg.num_stages}" if getattr(cfg, "num_stages", 0) else ""
             got = case(group, f"block_t {cfg.block_t}, block_n {cfg.block_n}, warps {cfg.num_warps}, "
-                              f"decode {cfg.decode}{', prefetch' if getattr(cfg, 'prefetch', False) else ''}",
+                              f"decode {cfg.decode}{', prefetch' if getattr(cfg, 'prefetch', False) else ''}{stages}",
                        lambda cfg=cfg: indexer_mx.stream_topk(q, w, keys, vis, topk, True, config=cfg), scored, first)
             first = got if first is None else first
+        old_new(group)
         group = f"candidate source (top-k + {nb} blocks), {t} queries, {n} entries"
         two = case(group, "two passes: streamed top-k, then the block-max pass",
                    lambda: (indexer_mx.indexer_topk_mx(q, w, keys, vis, topk, bf16_scores=True),
@@ -151,7 +170,10 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)", "tokens": t,
               "entries": entries, "rows": rows, "tuned": {str(k): str(v) for k, v in
                                                           indexer_mx.STREAM_TUNER.choices.items()},
-              "seconds": time.perf_counter() - t0}
+              "seconds": time.perf_counter() - t0,
+              "old_new": [{"group": x["group"], "old": x["old"]["variant"], "old_ms": x["old"]["ms"],
+                           "new": x["new"]["variant"], "new_ms": x["new"]["ms"], "speedup": x["speedup"]}
+                          for x in summary]}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "indexer_v41_prefill.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
@@ -164,6 +186,15 @@ def main(argv=None) -> int:
         lines.append(f"| {r['group']} | {r['variant']} | {r['ms']:.2f} | {r['tflops']:.1f} | "
                      f"{100 * r['fraction_fp8_floor']:.1f} | {100 * r['fraction_bf16_peak']:.1f} | "
                      f"{'same' if r['same_as_first'] else 'FAIL: different'} |")
+    if summary:
+        lines += ["", "## Streamed top-k: fastest earlier decode (old) vs fastest expanded shape (new)", "",
+                  ("| case | old | old ms | old % of FP8 floor | new | new ms | new % of FP8 floor | speed-up | "
+                   "selections |"), "|---|---|---|---|---|---|---|---|---|"]
+        for x in summary:
+            o, nw = x["old"], x["new"]
+            lines.append(f"| {x['group']} | {o['variant']} | {o['ms']:.2f} | {100 * o['fraction_fp8_floor']:.1f} | "
+                         f"{nw['variant']} | {nw['ms']:.2f} | {100 * nw['fraction_fp8_floor']:.1f} | "
+                         f"{x['speedup']:.2f}x | {'same' if o['same_as_first'] and nw['same_as_first'] else 'FAIL'} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "indexer_v41_prefill.md"), "w", encoding="utf-8") as f:
         f.write(text)
