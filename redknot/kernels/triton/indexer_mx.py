@@ -336,9 +336,10 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                          mask=rows_ok[:, None] & (bcols[None, :] < NB))
             key = _pack(s, ents[None, :])
             keep = seen & (key > theta[:, None])
-            slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
-            tl.store(buf + slot, key, mask=keep)
-            count += tl.sum(keep.to(tl.int32), 1)
+            if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:   # most blocks of a long stream keep nothing
+                slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
+                tl.store(buf + slot, key, mask=keep)
+                count += tl.sum(keep.to(tl.int32), 1)
     count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, K, BLOCK_T, CAP, K)
     offs_k = tl.arange(0, K)
     best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
