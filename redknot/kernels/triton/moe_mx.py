@@ -70,17 +70,17 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("grouped"), MoePlan("tiled", 64, 128, 128, 8, True), MoePlan("tiled", 128, 64, 128, 8, True),
     MoePlan("tiled", 64, 64, 128, 4, True),
     # FP8 tensor cores (``moe_prefill_fp8``; not measured on the H200 yet): block_m rows x block_n weight
-    # columns, W1 | W3 in one program; block_k 32: one group per loop step (``fp8_prefetch``: the next
-    # group's scale bytes loaded one step ahead), 128: four groups per step with 32-bit scale words; ``fp8h``:
-    # K groups in halves order (no byte permutes; sm_90a loop step of the 128 x 64 W1 | W3 kernel: 305 SASS
-    # instructions against 369). Each compiles for sm90 without register spills (ptxas, W1 | W3 / W2
-    # registers: 187 / 121, 201 / 133, 177 / 119, 255 / 172, 251 / 167, 113 / 67 (four 4-warp programs per
-    # SM), 206 / 120, 206 / 119, 113 / 69); 128 x 128, and 128 / 64-row tiles at block_k 128, spill.
-    MoePlan("fp8", 128, 64, 32, 8, True, "fp8", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8", 3),
-    MoePlan("fp8", 32, 256, 32, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 32, 8, True, "fp8_prefetch", 3),
-    MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3), MoePlan("fp8", 32, 64, 32, 4, True, "fp8", 4),
-    MoePlan("fp8", 128, 64, 32, 8, True, "fp8h", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8h", 3),
-    MoePlan("fp8", 32, 64, 32, 4, True, "fp8h", 4),
+    # columns, W1 | W3 in one program; block_k 32: one group per loop step (``_prefetch``: the next group's
+    # scales loaded one step ahead), 128: four groups per step with 32-bit scale words; ``fp8h``: K groups in
+    # halves order (no byte permutes); ``fp8ht``: that, with the rows' scales transposed per sorted row (one
+    # base address per tile). sm_90a loop step of the 128 x 64 W1 | W3 kernel: 369 (fp8) / 293 (fp8h) / 261
+    # (fp8ht) SASS instructions, 128 of them the fp32 scaling. Each compiles without register spills (ptxas,
+    # W1 | W3 / W2 registers: fp8 191 / 148, 113 / 68 at 32 x 64 (four 4-warp programs per SM), 253 / 167
+    # at block_k 128; fp8h 222 / 148; fp8ht 199 / 110, 202 / 108, 96 / 70, 244 / 139 prefetching).
+    MoePlan("fp8", 128, 64, 32, 8, True, "fp8", 3), MoePlan("fp8", 32, 64, 32, 4, True, "fp8", 4),
+    MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 32, 8, True, "fp8h", 3),
+    MoePlan("fp8", 128, 64, 32, 8, True, "fp8ht", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8ht", 3),
+    MoePlan("fp8", 32, 64, 32, 4, True, "fp8ht", 4), MoePlan("fp8", 128, 64, 32, 8, True, "fp8ht_prefetch", 3),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)
@@ -106,6 +106,9 @@ DECODE_TUNER = ConfigTuner("moe_mx_decode", [
     # fp16 conversions and 8-warp ones stage the activations through registers: both left out.
     StreamPlan("fp8h", 64, 128, 4, 3), StreamPlan("fp8h", 64, 128, 4, 3, w2_block_n=128),
     StreamPlan("fp8h", 128, 128, 4, 3), StreamPlan("fp8h", 64, 128, 4, 4),
+    # ``fp8hd``: 8-row tiles, one MMA per 4 groups against block-diagonal activations (W1 | W3 332 SASS per step,
+    # 161 registers; W2 209, 96; no spills)
+    StreamPlan("fp8hd", 64, 128, 4, 3), StreamPlan("fp8hd", 64, 128, 4, 4),
 ])
 
 

@@ -48,6 +48,10 @@ from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.splitk_mx import tile_map
 
 
+# Columns past the last sorted row in the transposed row scales (``fp8ht``): a last row tile reads them unclamped.
+SAT_PAD = 256
+
+
 @triton.jit
 def _decode(b, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, HALVES: tl.constexpr):
     """A group's packed bytes [BN, 16] -> e4m3 [BN, 32], in natural K order or in halves order."""
@@ -89,15 +93,18 @@ def _group_mma_s(acc, bg, sb, at, sa, c_off, k0, BLOCK_N: tl.constexpr, USE_ASM:
 @triton.jit
 def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr,
                     tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K, limit, stride_am, stride_sam, stride_bg,
-                    stride_bn, stride_sbg, stride_sbn, stride_pm, stride_psm, GATHER: tl.constexpr,
+                    stride_bn, stride_sbg, stride_sbn, stride_pm, stride_psm, stride_psg, GATHER: tl.constexpr,
                     DUAL: tl.constexpr, EPI: tl.constexpr, USE_ASM: tl.constexpr, WIDE: tl.constexpr,
-                    WORDS: tl.constexpr, PREFETCH: tl.constexpr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                    WORDS: tl.constexpr, PREFETCH: tl.constexpr, HALVES: tl.constexpr, SAT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
     """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``,
     all of K in steps of GROUPS 32-wide groups. WORDS (GROUPS 4): the E8M0 bytes of a step's four groups
     read as one 32-bit word per row / column, the next step's words loaded while this step runs; PREFETCH
-    (GROUPS 1): the next group's scale bytes loaded while this group runs. EPI 1 (needs DUAL): the W2 input,
-    e4m3 [rows, N] + E8M0 [rows, N/32]; EPI 2: bf16 [rows, N]."""
+    (GROUPS 1): the next group's scale bytes loaded while this group runs. SAT: the rows' scales transposed,
+    [K/32, rows + SAT_PAD] in sorted row order (``stride_sam``: the group stride), so a tile's scales of a
+    group are contiguous and unclamped (one base and immediate offsets instead of an address per row). EPI 1
+    (needs DUAL): the W2 input, e4m3 [rows, N] + scales per 32 (element (row, group) at row · stride_psm +
+    group · stride_psg); EPI 2: bf16 [rows, N]."""
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m = pid // n_blocks
@@ -126,10 +133,16 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
         sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
         if WIDE:  # row offsets past 2^31 bytes
             a_off = arow.to(tl.int64) * stride_am
-            sa_off = arow.to(tl.int64) * stride_sam
         else:
             a_off = arow * stride_am
-            sa_off = arow * stride_sam
+        if SAT:  # scale of (sorted row r, group j) at j · stride_sam + r; rows past the tile's end read padding
+            sa_base = sa_ptr + row0  # a scalar base: the rows' offsets are constants per thread
+            sa_off = tl.arange(0, BLOCK_M)
+            sa_g = stride_sam
+        else:
+            sa_base = sa_ptr
+            sa_off = arow.to(tl.int64) * stride_sam if WIDE else arow * stride_sam
+            sa_g = 1
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if WORDS:  # scale words: 4 groups per load, prefetched one step ahead (byte g of a word: group g)
@@ -165,7 +178,7 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                 sbw = sbw_n
                 sb3w = sb3w_n
         elif PREFETCH:  # one group per step, the next group's scale bytes loaded while this group runs
-            sa_n = tl.load(sa_ptr + sa_off)
+            sa_n = tl.load(sa_base + sa_off)
             sb_n = tl.load(sbg + cs_off).to(tl.int32)
             sb3_n = sb_n
             if DUAL:
@@ -176,7 +189,7 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                 sb_c = sb_n
                 sb3_c = sb3_n
                 nxt = tl.minimum(k_step + 32, K - 32) // 32
-                sa_n = tl.load(sa_ptr + (sa_off + nxt))
+                sa_n = tl.load(sa_base + nxt * sa_g + sa_off)
                 sb_n = tl.load(sbg + (cs_off + nxt)).to(tl.int32)
                 if DUAL:
                     sb3_n = tl.load(sb3g + (cs_off + nxt)).to(tl.int32)
@@ -192,7 +205,7 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                     k0 = tl.multiple_of(k_step + 32 * g, 32)
                     kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
                     a = tl.load(a_ptr + (a_off[:, None] + kk[None, :]))
-                    sa = _row_scale(tl.load(sa_ptr + (sa_off + k0 // 32)), HALVES)
+                    sa = _row_scale(tl.load(sa_base + (k0 // 32) * sa_g + sa_off), HALVES)
                     at = tl.trans(a)  # the rows' group, shared by W1 and W3
                     acc = _group_mma(acc, bg, sbg, at, sa, c_off, cs_off, k0, BLOCK_N, USE_ASM, HALVES)
                     if DUAL:
@@ -213,10 +226,11 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
             smask = rmask[:, None] & (gs[None, :] * 32 < N)
             if HALVES:  # the W2 input in halves order with fp32 scales (its K groups are these column groups)
                 tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], halves(q, BLOCK_M, BLOCK_N), mask=omask)
-                tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], pow2(e), mask=smask)
+                tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :] * stride_psg, pow2(e), mask=smask)
             else:
                 tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
-                tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8), mask=smask)
+                tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :] * stride_psg, (e + 127).to(tl.uint8),
+                         mask=smask)
         else:
             tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
 
@@ -228,7 +242,9 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     ``rowid[r]``; ``tiles``: ``splitk_mx.tile_map(offs, plan.block_m, rows)`` when shared between launches).
     ``plan.decode``: ``fp8``, ``fp8_prefetch`` (with block_k 32: each group's scale bytes loaded one group
     ahead), ``fp8h`` / ``fp8h_prefetch`` (each K group in ``moe_stream_fp8h`` halves order: ``aq`` and the
-    W2 input written so, row scales as fp32 powers of two; the weight decode needs no byte permutes). With
+    W2 input written so, row scales as fp32 powers of two; the weight decode needs no byte permutes),
+    ``fp8ht`` / ``fp8ht_prefetch`` (``fp8h`` with the row scales ``sa`` [K/32, rows + ``SAT_PAD``] per sorted
+    row, as the W2 input's scales are written; the padding is read for rows past a tile's end, never used). With
     ``w3``: W1 | W3 and the SwiGLU epilogue, returns (e4m3 [rows, N], its scales [rows, N/32]); without: bf16
     [rows, N]. ``plan``: ``moe_mx.MoePlan`` (block_m, block_n, block_k = 32 · groups per
     loop step, num_warps, num_stages)."""
@@ -245,16 +261,23 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
         groups //= 2
     s3 = as_bytes(ws3) if dual else ws
     halves_k = plan.decode.startswith("fp8h")
+    sat = plan.decode.startswith("fp8ht")
     if halves_k != (sa.dtype == torch.float32):
         raise ValueError(f"prefill_gemm_fp8: decode {plan.decode!r} takes {'fp32' if halves_k else 'E8M0'} "
                          "row scales")
+    if sat and (sa.shape[0] != K // 32 or sa.shape[1] < rows + SAT_PAD or sa.stride(1) != 1):
+        raise ValueError(f"prefill_gemm_fp8: decode {plan.decode!r} takes row scales [K/32, rows + {SAT_PAD}] "
+                         f"(sorted rows, padded), got {tuple(sa.shape)}")
     # 32-bit scale words (block_k 128): each row's / column's scale bytes start on a 4-byte boundary
     words = not halves_k and groups == 4 and all(
         t.stride(-2) % 4 == 0 and t.stride(0) % 4 == 0 and t.data_ptr() % 4 == 0 for t in (sa, ws, s3))
     dev = aq.device
     if dual:
         p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
-        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.float32 if halves_k else torch.uint8, device=dev)
+        ps = torch.empty((cdiv(N, 32), rows + SAT_PAD) if sat else (rows, cdiv(N, 32)),
+                         dtype=torch.float32 if halves_k else torch.uint8, device=dev)
+        if sat:
+            ps[:, rows:].zero_()  # the padding a last row tile reads: finite scales for its unused rows
     else:
         p, ps = torch.empty(rows, N, dtype=torch.bfloat16, device=dev), None
     result = (p, ps) if dual else p
@@ -266,10 +289,11 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     _prefill_fp8_mm[(n_tiles * cdiv(N, bn),)](
         aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, ps if ps is not None else p,
         wt if wt is not None else p, tg, tr, te, N, K, float(limit), aq.stride(0), sa.stride(0), w.stride(0),
-        w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), ps.stride(0) if ps is not None else 0,
+        w.stride(1), ws.stride(0), ws.stride(1), p.stride(0), (ps.stride(1 if sat else 0)) if ps is not None else 0,
+        (ps.stride(0 if sat else 1)) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2, USE_ASM=use_asm(dev),
         WIDE=aq.numel() >= 2**31, WORDS=words, PREFETCH=groups == 1 and plan.decode.endswith("_prefetch"),
-        HALVES=halves_k, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
+        HALVES=halves_k, SAT=sat, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result
 
@@ -290,6 +314,11 @@ def moe_prefill_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True,
                                                 halves=plan.decode.startswith("fp8h"))
+    if plan.decode.startswith("fp8ht"):  # the row scales per sorted pair, transposed: [D/32, T·k + pad]
+        xs_t = torch.empty(xs.shape[1], M + SAT_PAD, dtype=xs.dtype, device=xs.device)
+        xs_t[:, :M] = xs.index_select(0, rows).t()
+        xs_t[:, M:].zero_()
+        xs = xs_t
     tiles = tile_map(offs, plan.block_m, M)  # one map for both GEMMs
     aq, sa = prefill_gemm_fp8(xq, xs, w1, w1_scale, M, plan, offs=offs, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
                               limit=swiglu_limit, tiles=tiles)
