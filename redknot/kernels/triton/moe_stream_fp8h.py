@@ -23,6 +23,16 @@ decoded to ``2^(s-127)`` by a shift and a mask). The activation rows' scales arr
 activation groups. sm_90a SASS per 4-group loop step and warp (64 weight columns): W1 | W3 434 instructions
 against 803 for ``fp8``, W2 269 against 512; ptxas: 128 / 96 registers, no spills.
 
+``decode="fp8hd"`` (``_stream_fp8hd_mm``): at decode sizes an expert's 16-row tile holds one or two real rows,
+yet every group's MMA result is scaled and added for all 16 columns (8 multiply-adds per thread and group, more
+than the decode). Here a tile is 8 rows and one MMA per loop step covers the 4 groups: its B operand [128, 32]
+is block-diagonal (column 8j + r holds row r's group j, zeros elsewhere; loaded by 16-byte copies that fill
+the zeros), so result column 8j + r is group j's dot product for row r, and a thread holds all 4 groups of its
+rows: each row's sum stays the K-order sum of the groups' scaled results, with 2 multiply-adds per thread and
+group and one MMA wait per step. SASS per step: W1 | W3 332, W2 209; 161 / 96 registers. A column's MMA
+result depends only on that column's operand (the other groups' zero columns add exact zeros), so a row's
+result does not depend on the other rows (batch invariance).
+
 Row tiles of 16 and the K slicing depend on the weight shape only (batch invariance). The speed of these
 plans was not measured on the H200 when they were added.
 """
@@ -37,6 +47,8 @@ from redknot.kernels.triton.dequant_mx import as_bytes
 from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX, use_asm
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.stream_scaled import tile_of
+
+DIAG_ROWS = 8  # rows per tile of ``fp8hd`` (its MMA's 32 columns: 4 groups x 8 rows)
 
 
 def words_ok(ws: torch.Tensor) -> bool:
@@ -269,6 +281,102 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
                       stride_ps, stride_pm, stride_psm, DUAL, EPI, BLOCK_M, SUB_N)
 
 
+@triton.jit
+def fp4_e4m3_halves4(b, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
+    """Packed MXFP4 bytes [BN, 64] of 4 consecutive 32-wide K groups -> e4m3 [BN, 128], each group in halves
+    order (``fp4_e4m3_halves`` of each group, concatenated in K)."""
+    x = tl.reshape(b, (BLOCK_N, 4, 16))
+    if USE_ASM:
+        lo = tl.inline_asm_elementwise(_LO_PTX, "=r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_HI_PTX, "=r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        lo = ((x & 0x08) << 4) | ((x & 0x07) << 2)
+        hi = (x & 0x80) | ((x >> 2) & 0x1C)
+    w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (BLOCK_N, 128))
+    return w.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _diag_step(acc, b, at, sw, fsa4, BLOCK_N: tl.constexpr, R: tl.constexpr, USE_ASM: tl.constexpr):
+    """acc [BN, R] + the 4 groups of one loop step, in K order: one MMA of the 4 groups' e4m3 weight columns
+    [BN, 128] with the block-diagonal activations ``at`` [128, 4R] (column 4R-block j holds the R rows' group j,
+    zeros elsewhere), so result column R·j + r is group j's dot product for row r; each group's scaled by
+    2^(sw_j-127) · fsa_j (the weights' 2^6 applied at the end)."""
+    d = tl.dot(fp4_e4m3_halves4(b, BLOCK_N, USE_ASM), at)  # [BN, 4R]
+    d0, d1, d2, d3 = _columns4(tl.reshape(tl.permute(tl.reshape(d, (BLOCK_N, 4, R)), (0, 2, 1)),
+                                          (BLOCK_N * R, 4)), BLOCK_N * R)
+    acc = acc + tl.reshape(d0, (BLOCK_N, R)) * (_byte_pow2(sw, 0)[:, None] * fsa4[0][None, :])
+    acc = acc + tl.reshape(d1, (BLOCK_N, R)) * (_byte_pow2(sw, 1)[:, None] * fsa4[1][None, :])
+    acc = acc + tl.reshape(d2, (BLOCK_N, R)) * (_byte_pow2(sw, 2)[:, None] * fsa4[2][None, :])
+    return acc + tl.reshape(d3, (BLOCK_N, R)) * (_byte_pow2(sw, 3)[:, None] * fsa4[3][None, :])
+
+
+@triton.jit
+def _stream_fp8hd_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, ps_ptr, wt_ptr,
+                     tile_group_ptr, tile_row_ptr, tile_end_ptr, offs_ptr, G, N, K, KSPLIT, limit,
+                     stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
+                     stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr,
+                     USE_ASM: tl.constexpr, TILE_INLINE: tl.constexpr, G_POW2: tl.constexpr,
+                     EVEN_N: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_stream_fp8h_mm`` with R-row tiles and one MMA per loop step (4 groups) against block-diagonal
+    activations (``_diag_step``): the MMA's 4R columns carry 4 groups x R rows instead of 16 rows of one
+    group, so a step costs one MMA wait and R/2 scale multiply-adds per thread and group instead of 8."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if TILE_INLINE:
+        grp, row0, row_end = tile_of(offs_ptr, G, pid_m, R, G_POW2)
+    else:
+        grp = tl.load(tile_group_ptr + pid_m)
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+    if grp >= 0:
+        rows = row0 + tl.arange(0, R)
+        rmask = rows < row_end
+        # the block-diagonal activation tile [4R, 128]: row R·j + r holds row r's group j, zeros elsewhere
+        nb = tl.arange(0, 4 * R)
+        rows_b = row0 + nb % R
+        if GATHER:
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            arow_b = tl.load(rowid_ptr + rows_b, mask=rows_b < row_end, other=0).to(tl.int64)
+        else:
+            arow = tl.minimum(rows, row_end - 1).to(tl.int64)
+            arow_b = tl.minimum(rows_b, row_end - 1).to(tl.int64)
+        kk = tl.arange(0, 128)
+        bptr = a_ptr + arow_b[:, None] * stride_am + kk[None, :]
+        bmask = (kk[None, :] // 32) == (nb // R)[:, None]
+        sarow = sa_ptr + arow[:, None] * stride_sam + tl.arange(0, 4)[None, :]  # fp32 scales of 4 groups
+        cols, cmask, wrow, srow = _sub_cols(b_ptr, sb_ptr, grp, pid_n * BLOCK_N, N, stride_bg, stride_bn,
+                                            stride_sbg, stride_sbn, BLOCK_N)
+        _, _, w3row, s3row = _sub_cols(b3_ptr, sb3_ptr, grp, pid_n * BLOCK_N, N, stride_bg, stride_bn, stride_sbg,
+                                       stride_sbn, BLOCK_N)
+        k_lo = pid_s * KSPLIT
+        k_hi = tl.minimum(K, k_lo + KSPLIT)
+        acc = tl.zeros([BLOCK_N, R], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, R], tl.float32)
+        sa_next = tl.load(sarow + k_lo // 32)
+        sw_next = _words(srow, k_lo // 128, cmask, EVEN_N)
+        sw3_next = sw_next
+        if DUAL:
+            sw3_next = _words(s3row, k_lo // 128, cmask, EVEN_N)
+        for k_step in range(k_lo, k_hi, 128):
+            kq = tl.multiple_of(k_step, 128)
+            k_ahead = tl.minimum(kq + 128, k_hi - 128) // 128  # the last step reloads its own words
+            sa = sa_next
+            sa_next = tl.load(sarow + k_ahead * 4)
+            fsa4 = _columns4(sa, R)
+            sw = sw_next
+            sw_next = _words(srow, k_ahead, cmask, EVEN_N)
+            at = tl.trans(tl.load(bptr + kq, mask=bmask, other=0.0))  # [128, 4R], shared by W1 and W3
+            acc = _diag_step(acc, _bytes(wrow, kq // 2, cmask, EVEN_N), at, sw, fsa4, BLOCK_N, R, USE_ASM)
+            if DUAL:
+                sw3 = sw3_next
+                sw3_next = _words(s3row, k_ahead, cmask, EVEN_N)
+                acc3 = _diag_step(acc3, _bytes(w3row, kq // 2, cmask, EVEN_N), at, sw3, fsa4, BLOCK_N, R, USE_ASM)
+        _epilogue(acc, acc3, rows, rmask, cols, cmask, pid_s, N, limit, p_ptr, p3_ptr, ps_ptr, wt_ptr, stride_ps,
+                  stride_pm, stride_psm, DUAL, EPI, R, BLOCK_N)
+
+
 def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, w3=None, ws3=None, wt=None,
                      limit: float = 0.0, epi: int = 0):
     """``moe_stream_fp8.stream_gemm_fp8`` with ``aq`` (e4m3 [R, K]) in halves order (``halves_order``) and its
@@ -281,7 +389,10 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
     if K % 128 or not words_ok(ws) or (w3 is not None and not words_ok(as_bytes(ws3))) or sa.dtype != torch.float32:
         raise ValueError(f"stream_gemm_fp8h: K={K} and the weight scale rows' strides must be multiples of "
                          f"128 / 4 (strides {tuple(ws.stride())}), the row scales fp32 (got {sa.dtype})")
-    bn, bm = plan.block_n, ROW_TILE
+    diag = plan.decode == "fp8hd"
+    bn, bm = plan.block_n, (DIAG_ROWS if diag else ROW_TILE)
+    if diag and bn > 64:
+        raise ValueError(f"StreamPlan.block_n={bn}: the block-diagonal fp8hd stream runs up to 64 columns")
     sub = bn if bn <= 64 else bn // 2  # column blocks of at most 64 (two above 64 columns)
     if epi == 1 and bn % 32:
         raise ValueError(f"StreamPlan.block_n={bn}: the fused SwiGLU quantises per 32 columns (a multiple of 32)")
@@ -311,12 +422,14 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
         tg, tr, te, n_tiles = tiles
     w3g = as_bytes(w3) if dual else w
     s3g = as_bytes(ws3) if dual else ws
-    _stream_fp8h_mm[(n_tiles, cdiv(N, bn), S)](
+    kernel = _stream_fp8hd_mm if diag else _stream_fp8h_mm
+    shape = {"R": bm, "BLOCK_N": bn} if diag else {"BLOCK_M": bm, "SUB_N": sub, "SUBS": bn // sub}
+    kernel[(n_tiles, cdiv(N, bn), S)](
         aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, p3, ps if ps is not None else p,
         wt if wt is not None else p, tg, tr, te, offs, G, N, K, ksplit, float(limit),
         aq.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
         p.stride(0) if epi == 0 else 0, p.stride(-2), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=epi, USE_ASM=use_asm(dev), TILE_INLINE=plan.inline,
-        G_POW2=max(16, next_pow2(G)), EVEN_N=N % bn == 0, BLOCK_M=bm, SUB_N=sub, SUBS=bn // sub,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        G_POW2=max(16, next_pow2(G)), EVEN_N=N % bn == 0, **shape, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
     return result
