@@ -2,6 +2,7 @@
 """The V4.1 indexer in prefill chunks, per launch shape and path, checked against each other and timed.
 
     PYTHONUNBUFFERED=1 python benchmarks/indexer_v41_prefill.py --out DIR     # on an H200, about 1-2 minutes
+    PYTHONUNBUFFERED=1 python benchmarks/indexer_v41_prefill.py --stream-only --out DIR   # the top-k shapes only
     python benchmarks/indexer_v41_prefill.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
 
 A prefill chunk of ``--tokens`` queries at the end of a context of N compressed entries (query i sees
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--entries", default="65536,262144", help="compressed entries of the context (comma list)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting cases after this many seconds")
+    ap.add_argument("--stream-only", action="store_true",
+                    help="only the streamed top-k shapes and their old / new summary (no source or re-index groups)")
     a = ap.parse_args(argv)
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -150,6 +153,8 @@ def main(argv=None) -> int:
                        lambda cfg=cfg: indexer_mx.stream_topk(q, w, keys, vis, topk, True, config=cfg), scored, first)
             first = got if first is None else first
         old_new(group)
+        if a.stream_only:
+            continue
         group = f"candidate source (top-k + {nb} blocks), {t} queries, {n} entries"
         two = case(group, "two passes: streamed top-k, then the block-max pass",
                    lambda: (indexer_mx.indexer_topk_mx(q, w, keys, vis, topk, bf16_scores=True),
