@@ -435,18 +435,22 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
     each plan's W1 | W3 launch (SwiGLU epilogue) and W2 launch alone (FLOPs of that GEMM; the weights of the
     touched experts as bytes), the slot combine. Unchecked (the whole plan is checked in its own row)."""
     from redknot.kernels.triton import moe_mx as fast_moe
-    from redknot.kernels.triton.moe_prefill_fp8 import prefill_gemm_fp8
+    from redknot.kernels.triton.moe_prefill_fp8 import prefill_gemm_fp8, prefill_inputs
     from redknot.kernels.triton.splitk_mx import reduce_combine, tile_map
     prefill, _ = _sizes(dims, smoke)
     if weights is None:
         weights, _ = moe_memo(dims, device)
     made = {}
 
-    def inputs():
+    def inputs(plan=None):
         if not made:
             x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
-            made["x"], made["idx"] = x, idx
-            made["pairs"] = fast_moe._sorted_pairs(idx, wt, dims.experts, x, fp8=True)
+            made["x"], made["idx"], made["wt"] = x, idx, wt
+        if plan is not None:
+            form = plan.decode.split("_")[0]  # fp8 / fp8h / fp8ht: the rows' form (prefill_inputs)
+            if ("pairs", form) not in made:
+                made["pairs", form] = prefill_inputs(made["x"], made["idx"], made["wt"], dims.experts, plan)
+            made["pairs"] = made["pairs", form]
         return made
 
     d, i, m = dims.hidden, dims.moe_inter, prefill * dims.topk_experts
@@ -462,7 +466,7 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
         name = f"{plan.decode} {plan.block_m}x{plan.block_n} bk{plan.block_k} w{plan.num_warps} s{plan.num_stages}"
 
         def build_w13(plan=plan, name=name):
-            rows, _, offs, wt, xq, xs = inputs()["pairs"]
+            rows, _, offs, wt, xq, xs = inputs(plan)["pairs"]
             w = weights()
             tiles = tile_map(offs, plan.block_m, m)
             fn = lambda: prefill_gemm_fp8(xq, xs, w[0], w[1], m, plan, offs=offs, rowid=rows, w3=w[2],  # noqa: E731
@@ -472,7 +476,7 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
                          touched() * 2 / 3)
 
         def build_w2(plan=plan, name=name):
-            offs = inputs()["pairs"][2]
+            offs = inputs(plan)["pairs"][2]
             w = weights()
             aq, sa = made.get(("act", plan)) or build_w13(plan, name).run()
             tiles = tile_map(offs, plan.block_m, m)
@@ -483,7 +487,7 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
         yield f"prefill part W2 {name}", build_w2
 
     def build_combine():
-        inv = inputs()["pairs"][1]
+        inv = inputs(fast_moe.MoePlan("fp8", decode="fp8"))["pairs"][1]
         y = made.get("y")
         if y is None:
             y = torch.randn(m, d, device=device).to(torch.bfloat16)

@@ -298,12 +298,27 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     return result
 
 
+def prefill_inputs(x, topk_idx, topk_weight, experts: int, plan):
+    """(token row per sorted pair, sorted position per pair, per-expert ends, routing weight per sorted pair,
+    e4m3 token rows, their scales) in the form ``plan.decode`` reads: natural K order with E8M0 bytes, halves
+    order with fp32 scales (``fp8h``), or those scales per sorted pair transposed and padded (``fp8ht``)."""
+    from redknot.kernels.triton.moe_mx import _sorted_pairs
+    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, experts, x, fp8=True,
+                                                halves=plan.decode.startswith("fp8h"))
+    if plan.decode.startswith("fp8ht"):  # the row scales per sorted pair, transposed: [D/32, T·k + pad]
+        M = rows.numel()
+        xs_t = torch.empty(xs.shape[1], M + SAT_PAD, dtype=xs.dtype, device=xs.device)
+        xs_t[:, :M] = xs.index_select(0, rows).t()
+        xs_t[:, M:].zero_()
+        xs = xs_t
+    return rows, inv, offs, wt, xq, xs
+
+
 def moe_prefill_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
                     plan) -> torch.Tensor:
     """``moe_mx`` through the FP8 grouped GEMMs (module docstring): sorted pairs and the token rows' e4m3 +
     E8M0 (one routing kernel up to ``moe_mx.ROUTE_KERNEL_MAX_PAIRS`` pairs, else the sort and
     ``act_quant_mx``), W1 | W3 + SwiGLU, W2, slot combine. No host sync."""
-    from redknot.kernels.triton.moe_mx import _sorted_pairs
     from redknot.kernels.triton.splitk_mx import reduce_combine
     T, k = topk_idx.shape
     E, D = w1.shape[0], w2.shape[1]
@@ -312,13 +327,7 @@ def moe_prefill_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
         return out
     M = T * k
     x = x if x.stride(-1) == 1 else x.contiguous()
-    rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True,
-                                                halves=plan.decode.startswith("fp8h"))
-    if plan.decode.startswith("fp8ht"):  # the row scales per sorted pair, transposed: [D/32, T·k + pad]
-        xs_t = torch.empty(xs.shape[1], M + SAT_PAD, dtype=xs.dtype, device=xs.device)
-        xs_t[:, :M] = xs.index_select(0, rows).t()
-        xs_t[:, M:].zero_()
-        xs = xs_t
+    rows, inv, offs, wt, xq, xs = prefill_inputs(x, topk_idx, topk_weight, E, plan)
     tiles = tile_map(offs, plan.block_m, M)  # one map for both GEMMs
     aq, sa = prefill_gemm_fp8(xq, xs, w1, w1_scale, M, plan, offs=offs, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
                               limit=swiglu_limit, tiles=tiles)
