@@ -27,7 +27,11 @@ combine.
 Speed: not measured on the H200 yet (``benchmarks/kernels_v41.py --only prefill`` times every plan beside
 ``grouped`` and by part); the tuner keeps one only where it measures faster. Registers (ptxas, sm_90a): the
 tuner's shapes compile without spills; each thread holds its accumulators, the rows' activation scales of
-the group (BM / 8 per thread with 8 warps) and the MMA result being scaled. The per-group scaling costs two fp32
+the group (BM / 8 per thread with 8 warps) and the MMA result being scaled. Instructions (sm_90a SASS, one
+loop step = one group of the 128 x 64 W1 | W3 kernel with 8 warps, per thread): 369 in natural order with
+E8M0 row scales (36 byte permutes, ~100 address instructions for the 16 per-row scale loads), 261 with
+``fp8ht`` (halves order, transposed fp32 row scales), of which 128 are the fp32 scaling (64 FMUL, 64 FFMA)
+that the two 64 x 128 x 32 MMAs need; the step's issue time then exceeds its MMA time about fourfold. The per-group scaling costs two fp32
 operations per accumulator element per 32-deep MMA (the price of the reference's block order on tensor
 cores that accumulate without scales).
 """
