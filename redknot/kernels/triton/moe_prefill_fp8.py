@@ -31,9 +31,9 @@ the group (BM / 8 per thread with 8 warps) and the MMA result being scaled. Inst
 loop step = one group of the 128 x 64 W1 | W3 kernel with 8 warps, per thread): 369 in natural order with
 E8M0 row scales (36 byte permutes, ~100 address instructions for the 16 per-row scale loads), 261 with
 ``fp8ht`` (halves order, transposed fp32 row scales), of which 128 are the fp32 scaling (64 FMUL, 64 FFMA)
-that the two 64 x 128 x 32 MMAs need; the step's issue time then exceeds its MMA time about fourfold. The per-group scaling costs two fp32
-operations per accumulator element per 32-deep MMA (the price of the reference's block order on tensor
-cores that accumulate without scales).
+that the two 64 x 128 x 32 MMAs need (two fp32 operations per accumulator element per 32-deep MMA: the
+price of the reference's block order on tensor cores that accumulate without scales); the step's issue time
+then exceeds its MMA time about fourfold.
 """
 from __future__ import annotations
 
