@@ -43,9 +43,10 @@ from redknot.kernels.triton.stream_scaled import tile_of
 ROW_TILE = 16  # rows per program (fixed: batch invariance)
 # fp8: ``moe_stream_fp8`` (FP4 -> e4m3 bytes, FP8 MMA per group); fp8h: ``moe_stream_fp8h`` (the same with each
 # group's K elements in halves order: no byte permutes; hidden and intermediate sizes multiples of 128, else fp8);
-# fp8hd: fp8h with 8-row tiles and one MMA per 4 groups against block-diagonal activations (up to 64 columns)
-STREAM_DECODES = ("regs", "scaled", "fp8", "fp8h", "fp8hd")
-FP8_DECODES = ("fp8", "fp8h", "fp8hd")
+# fp8hd / fp8hd4: fp8h with 8- / 4-row tiles and one MMA per 4 groups against block-diagonal activations (up to
+# 64 columns)
+STREAM_DECODES = ("regs", "scaled", "fp8", "fp8h", "fp8hd", "fp8hd4")
+FP8_DECODES = ("fp8", "fp8h", "fp8hd", "fp8hd4")
 
 
 @dataclass(frozen=True)
@@ -276,12 +277,13 @@ def moe_stream(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
 
 def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
                     plan: StreamPlan, out: torch.Tensor) -> torch.Tensor:
-    """``moe_stream`` with ``decode="fp8"`` / ``"fp8h"`` / ``"fp8hd"``: the token rows quantised to e4m3 + E8M0
-    once, the W1 | W3 epilogue writing the W2 input in that form (one K slice), else partials,
-    ``reduce_swiglu`` and a quantisation pass (the QDQ values re-quantise to themselves). The routing kernel
-    writes the quantised token rows. ``fp8h`` / ``fp8hd`` keep the rows in halves order with fp32 scales
-    (``moe_stream_fp8h``; ``fp8hd`` in 8-row tiles) where the hidden and intermediate sizes are multiples of
-    128 and the weight scales allow 32-bit loads, else run the ``fp8`` kernels with the plan's launch shape."""
+    """``moe_stream`` with an FP8 decode (``FP8_DECODES``): the token rows quantised to e4m3 + E8M0 once, the
+    W1 | W3 epilogue writing the W2 input in that form (one K slice), else partials, ``reduce_swiglu`` and a
+    quantisation pass (the QDQ values re-quantise to themselves). The routing kernel writes the quantised token
+    rows. ``fp8h`` / ``fp8hd`` / ``fp8hd4`` keep the rows in halves order with fp32 scales
+    (``moe_stream_fp8h``; ``fp8hd`` / ``fp8hd4`` in 8- / 4-row tiles) where the hidden and intermediate sizes
+    are multiples of 128 and the weight scales allow 32-bit loads, else run the ``fp8`` kernels with the
+    plan's launch shape."""
     from redknot.kernels.triton import moe_stream_fp8h as fp8h
     from redknot.kernels.triton.moe_mx import _sorted_pairs
     from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
@@ -290,11 +292,11 @@ def _moe_stream_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     T, k = topk_idx.shape
     E, inter, D = w1.shape[0], w1.shape[1], w2.shape[1]
     M = T * k
-    halves = plan.decode in ("fp8h", "fp8hd") and D % 128 == 0 and inter % 128 == 0 and all(
+    halves = plan.decode in ("fp8h", "fp8hd", "fp8hd4") and D % 128 == 0 and inter % 128 == 0 and all(
         fp8h.words_ok(s) for s in (w1_scale, w3_scale, w2_scale))
     gemm = fp8h.stream_gemm_fp8h if halves else stream_gemm_fp8
     rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, E, x, fp8=True, halves=halves)
-    rows_per_tile = fp8h.DIAG_ROWS if halves and plan.decode == "fp8hd" else ROW_TILE
+    rows_per_tile = fp8h.DIAG_ROWS.get(plan.decode, ROW_TILE) if halves else ROW_TILE
     tiles = None if plan.inline else tile_map(offs, rows_per_tile, M)
     common = dict(offs=offs, tiles=tiles)
     if slices(inter, D, plan) == 1:

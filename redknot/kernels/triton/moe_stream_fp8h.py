@@ -29,9 +29,11 @@ than the decode). Here a tile is 8 rows and one MMA per loop step covers the 4 g
 is block-diagonal (column 8j + r holds row r's group j, zeros elsewhere; loaded by 16-byte copies that fill
 the zeros), so result column 8j + r is group j's dot product for row r, and a thread holds all 4 groups of its
 rows: each row's sum stays the K-order sum of the groups' scaled results, with 2 multiply-adds per thread and
-group and one MMA wait per step. SASS per step: W1 | W3 332, W2 209; 161 / 96 registers. A column's MMA
-result depends only on that column's operand (the other groups' zero columns add exact zeros), so a row's
-result does not depend on the other rows (batch invariance).
+group and one MMA wait per step. SASS per step: W1 | W3 332, W2 209; 161 / 96 registers. ``fp8hd4``: 4-row
+tiles, 16 MMA columns (4 groups x 4 rows), 1 multiply-add per thread and group: W1 | W3 293, W2 189; 96 / 72
+registers (an expert with more than 4 rows takes more tiles, which read its weights again, from L2 when the
+adjacent programs run together). A column's MMA result depends only on that column's operand (the other
+groups' zero columns add exact zeros), so a row's result does not depend on the other rows (batch invariance).
 
 Row tiles of 16 and the K slicing depend on the weight shape only (batch invariance). The speed of these
 plans was not measured on the H200 when they were added.
@@ -48,7 +50,7 @@ from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX, use_asm
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.stream_scaled import tile_of
 
-DIAG_ROWS = 8  # rows per tile of ``fp8hd`` (its MMA's 32 columns: 4 groups x 8 rows)
+DIAG_ROWS = {"fp8hd": 8, "fp8hd4": 4}  # rows per tile of the block-diagonal streams (MMA columns: 4 x rows)
 
 
 def words_ok(ws: torch.Tensor) -> bool:
@@ -297,14 +299,27 @@ def fp4_e4m3_halves4(b, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _diag_rows(n, R: tl.constexpr):
+    """(group j, row r) of column n of the block-diagonal operand: 8j + r for 8 rows; for 4 rows
+    8(j // 2) + 2r + j % 2. Either way the wgmma accumulator gives a thread (columns 2c, 2c + 1 of each 8)
+    all 4 groups of its rows, so each row's groups are added in K order inside the thread."""
+    if R == 8:
+        return n // 8, n % 8
+    return 2 * (n // 8) + n % 2, (n % 8) // 2
+
+
+@triton.jit
 def _diag_step(acc, b, at, sw, fsa4, BLOCK_N: tl.constexpr, R: tl.constexpr, USE_ASM: tl.constexpr):
     """acc [BN, R] + the 4 groups of one loop step, in K order: one MMA of the 4 groups' e4m3 weight columns
-    [BN, 128] with the block-diagonal activations ``at`` [128, 4R] (column 4R-block j holds the R rows' group j,
-    zeros elsewhere), so result column R·j + r is group j's dot product for row r; each group's scaled by
+    [BN, 128] with the block-diagonal activations ``at`` [128, 4R] (column ``_diag_col(j, r)`` holds row r's
+    group j, zeros elsewhere), so that result column is group j's dot product for row r; each group's scaled by
     2^(sw_j-127) · fsa_j (the weights' 2^6 applied at the end)."""
-    d = tl.dot(fp4_e4m3_halves4(b, BLOCK_N, USE_ASM), at)  # [BN, 4R]
-    d0, d1, d2, d3 = _columns4(tl.reshape(tl.permute(tl.reshape(d, (BLOCK_N, 4, R)), (0, 2, 1)),
-                                          (BLOCK_N * R, 4)), BLOCK_N * R)
+    d = tl.dot(fp4_e4m3_halves4(b, BLOCK_N, USE_ASM), at)  # [BN, 4R], column ``_diag_col(j, r)``
+    if R == 8:
+        d = tl.permute(tl.reshape(d, (BLOCK_N, 4, R)), (0, 2, 1))  # [BN, r, j]
+    else:
+        d = tl.permute(tl.reshape(d, (BLOCK_N, 2, R, 2)), (0, 2, 1, 3))  # [BN, r, j // 2, j % 2]
+    d0, d1, d2, d3 = _columns4(tl.reshape(d, (BLOCK_N * R, 4)), BLOCK_N * R)
     acc = acc + tl.reshape(d0, (BLOCK_N, R)) * (_byte_pow2(sw, 0)[:, None] * fsa4[0][None, :])
     acc = acc + tl.reshape(d1, (BLOCK_N, R)) * (_byte_pow2(sw, 1)[:, None] * fsa4[1][None, :])
     acc = acc + tl.reshape(d2, (BLOCK_N, R)) * (_byte_pow2(sw, 2)[:, None] * fsa4[2][None, :])
@@ -333,9 +348,10 @@ def _stream_fp8hd_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
     if grp >= 0:
         rows = row0 + tl.arange(0, R)
         rmask = rows < row_end
-        # the block-diagonal activation tile [4R, 128]: row R·j + r holds row r's group j, zeros elsewhere
+        # the block-diagonal activation tile [4R, 128]: its row n holds row r's group j (``_diag_rows``)
         nb = tl.arange(0, 4 * R)
-        rows_b = row0 + nb % R
+        jb, rb = _diag_rows(nb, R)
+        rows_b = row0 + rb
         if GATHER:
             arow = tl.load(rowid_ptr + rows, mask=rmask, other=0).to(tl.int64)
             arow_b = tl.load(rowid_ptr + rows_b, mask=rows_b < row_end, other=0).to(tl.int64)
@@ -344,7 +360,7 @@ def _stream_fp8hd_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
             arow_b = tl.minimum(rows_b, row_end - 1).to(tl.int64)
         kk = tl.arange(0, 128)
         bptr = a_ptr + arow_b[:, None] * stride_am + kk[None, :]
-        bmask = (kk[None, :] // 32) == (nb // R)[:, None]
+        bmask = (kk[None, :] // 32) == jb[:, None]
         sarow = sa_ptr + arow[:, None] * stride_sam + tl.arange(0, 4)[None, :]  # fp32 scales of 4 groups
         cols, cmask, wrow, srow = _sub_cols(b_ptr, sb_ptr, grp, pid_n * BLOCK_N, N, stride_bg, stride_bn,
                                             stride_sbg, stride_sbn, BLOCK_N)
@@ -389,8 +405,8 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
     if K % 128 or not words_ok(ws) or (w3 is not None and not words_ok(as_bytes(ws3))) or sa.dtype != torch.float32:
         raise ValueError(f"stream_gemm_fp8h: K={K} and the weight scale rows' strides must be multiples of "
                          f"128 / 4 (strides {tuple(ws.stride())}), the row scales fp32 (got {sa.dtype})")
-    diag = plan.decode == "fp8hd"
-    bn, bm = plan.block_n, (DIAG_ROWS if diag else ROW_TILE)
+    diag = plan.decode in DIAG_ROWS
+    bn, bm = plan.block_n, DIAG_ROWS.get(plan.decode, ROW_TILE)
     if diag and bn > 64:
         raise ValueError(f"StreamPlan.block_n={bn}: the block-diagonal fp8hd stream runs up to 64 columns")
     sub = bn if bn <= 64 else bn // 2  # column blocks of at most 64 (two above 64 columns)

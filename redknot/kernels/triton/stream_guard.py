@@ -104,9 +104,9 @@ def stream_check(plan, device: torch.device, seed: int = 1234) -> Optional[str]:
         from redknot.kernels.triton.moe_stream_fp8 import stream_gemm_fp8
         from redknot.kernels.triton.quant_mx import act_quant_mx
         xq, xs = act_quant_mx(x)
-        if plan.decode in ("fp8h", "fp8hd"):  # D is a multiple of 128: the halves kernels themselves
-            if plan.decode == "fp8hd":
-                tiles = splitk_mx.tile_map(offs, halves.DIAG_ROWS, 8)
+        if plan.decode != "fp8":  # D is a multiple of 128: the halves kernels themselves
+            if plan.decode in halves.DIAG_ROWS:
+                tiles = splitk_mx.tile_map(offs, halves.DIAG_ROWS[plan.decode], 8)
             got = halves.stream_gemm_fp8h(halves.halves_order(xq), halves.scales_f32(xs), w1, s1, 8, plan,
                                           offs=offs, tiles=tiles, rowid=rowid, w3=w3, ws3=s3)
         else:

@@ -217,7 +217,8 @@ HALVES_WIDE = V41Dims(hidden=384, experts=4, topk_experts=2, moe_inter=128, toke
 HALVES_PLANS = [StreamPlan("fp8h", 64, 128), StreamPlan("fp8h", 128, 128), StreamPlan("fp8h", 64, 128, w2_block_n=128),
                 StreamPlan("fp8h", 64, 128, min_steps=1), StreamPlan("fp8h", 64, 128, inline=True),
                 StreamPlan("fp8hd", 64, 128), StreamPlan("fp8hd", 32, 128, min_steps=1),
-                StreamPlan("fp8hd", 64, 128, inline=True)]
+                StreamPlan("fp8hd", 64, 128, inline=True), StreamPlan("fp8hd4", 64, 128),
+                StreamPlan("fp8hd4", 64, 128, min_steps=1)]
 
 
 def _plan_id(p):
@@ -240,8 +241,8 @@ def test_halves_stream_with_partial_column_blocks(kernel_device):
     assert _rel(out, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
 
 
-@pytest.mark.parametrize("plan", [HALVES_PLANS[1], HALVES_PLANS[3], HALVES_PLANS[5], HALVES_PLANS[6]],
-                         ids=["fused", "slices", "diag", "diag-slices"])
+@pytest.mark.parametrize("plan", [HALVES_PLANS[1], HALVES_PLANS[3], HALVES_PLANS[5], HALVES_PLANS[6], HALVES_PLANS[8]],
+                         ids=["fused", "slices", "diag", "diag-slices", "diag4"])
 def test_halves_stream_token_is_batch_invariant(plan, kernel_device):
     """Token 4 alone and among 13 (26 pairs over 5 experts: some experts past one 8-row tile)."""
     x, idx, wt, w = moe_inputs(HALVES_DIMS, kernel_device, seed=23, tokens=13)
@@ -250,7 +251,7 @@ def test_halves_stream_token_is_batch_invariant(plan, kernel_device):
     assert torch.equal(alone, full[4:5])
 
 
-@pytest.mark.parametrize("plan", [HALVES_PLANS[0], HALVES_PLANS[5]], ids=["halves", "diag"])
+@pytest.mark.parametrize("plan", [HALVES_PLANS[0], HALVES_PLANS[5], HALVES_PLANS[8]], ids=["halves", "diag", "diag4"])
 def test_halves_stream_detects_a_wrong_weight(plan, kernel_device):
     """Nibbles swapped in W1 or in W2 (each group's low and high halves exchanged) fail the tolerance."""
     x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(HALVES_DIMS, kernel_device, seed=24, tokens=5)
@@ -260,7 +261,7 @@ def test_halves_stream_detects_a_wrong_weight(plan, kernel_device):
     assert _rel(moe_stream.moe_stream(x, idx, wt, swap(w1), s1, w3, s3, w2, s2, 10.0, plan), want) > 0.1
 
 
-@pytest.mark.parametrize("decode", ["fp8h", "fp8hd"])
+@pytest.mark.parametrize("decode", ["fp8h", "fp8hd", "fp8hd4"])
 def test_halves_stream_check_passes_and_detects_a_wrong_scale(decode, kernel_device, monkeypatch):
     from redknot.kernels.triton import moe_stream_fp8h
     device = torch.device(kernel_device)
