@@ -435,7 +435,7 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
     each plan's W1 | W3 launch (SwiGLU epilogue) and W2 launch alone (FLOPs of that GEMM; the weights of the
     touched experts as bytes), the slot combine. Unchecked (the whole plan is checked in its own row)."""
     from redknot.kernels.triton import moe_mx as fast_moe
-    from redknot.kernels.triton.moe_prefill_fp8 import prefill_gemm_fp8, prefill_inputs
+    from redknot.kernels.triton.moe_prefill_fp8 import prefill_gemm, prefill_inputs
     from redknot.kernels.triton.splitk_mx import reduce_combine, tile_map
     prefill, _ = _sizes(dims, smoke)
     if weights is None:
@@ -447,7 +447,7 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
             x, idx, wt = _moe_case_inputs(dims, device, prefill, prefill)
             made["x"], made["idx"], made["wt"] = x, idx, wt
         if plan is not None:
-            form = plan.decode.split("_")[0]  # fp8 / fp8h / fp8ht: the rows' form (prefill_inputs)
+            form = plan.decode.split("_")[0]  # fp8 / fp8h / fp8ht / bf16: the rows' form (prefill_inputs)
             if ("pairs", form) not in made:
                 made["pairs", form] = prefill_inputs(made["x"], made["idx"], made["wt"], dims.experts, plan)
             made["pairs"] = made["pairs", form]
@@ -469,8 +469,8 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
             rows, _, offs, wt, xq, xs = inputs(plan)["pairs"]
             w = weights()
             tiles = tile_map(offs, plan.block_m, m)
-            fn = lambda: prefill_gemm_fp8(xq, xs, w[0], w[1], m, plan, offs=offs, rowid=rows, w3=w[2],  # noqa: E731
-                                          ws3=w[3], wt=wt, limit=10.0, tiles=tiles)
+            fn = lambda: prefill_gemm(xq, xs, w[0], w[1], m, plan, offs=offs, rowid=rows, w3=w[2],  # noqa: E731
+                                      ws3=w[3], wt=wt, limit=10.0, tiles=tiles)
             made["act", plan] = fn()
             return _case("moe_mx prefill part", f"T={prefill} W1+W3 {name}", fn, 2 * m * d * 2 * i,
                          touched() * 2 / 3)
@@ -480,7 +480,7 @@ def prefill_part_cases(dims: V41Dims, device, smoke: bool, weights=None) -> Iter
             w = weights()
             aq, sa = made.get(("act", plan)) or build_w13(plan, name).run()
             tiles = tile_map(offs, plan.block_m, m)
-            fn = lambda: prefill_gemm_fp8(aq, sa, w[4], w[5], m, plan, offs=offs, tiles=tiles)  # noqa: E731
+            fn = lambda: prefill_gemm(aq, sa, w[4], w[5], m, plan, offs=offs, tiles=tiles)  # noqa: E731
             made["y"] = fn()
             return _case("moe_mx prefill part", f"T={prefill} W2 {name}", fn, 2 * m * i * d, touched() / 3)
         yield f"prefill part W1+W3 {name}", build_w13

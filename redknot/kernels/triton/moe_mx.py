@@ -81,6 +81,10 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("fp8", 32, 256, 128, 8, True, "fp8", 3), MoePlan("fp8", 128, 64, 32, 8, True, "fp8h", 3),
     MoePlan("fp8", 128, 64, 32, 8, True, "fp8ht", 3), MoePlan("fp8", 64, 128, 32, 8, True, "fp8ht", 3),
     MoePlan("fp8", 32, 64, 32, 4, True, "fp8ht", 4), MoePlan("fp8", 128, 64, 32, 8, True, "fp8ht_prefetch", 3),
+    # the same programs on bf16 tensor cores (``decode="bf16"``: exact bf16 operands, scales folded into the
+    # decoded weight tile, one MMA per 64-deep step accumulating in place): W1 | W3 / W2 registers 255 / 121
+    # (128 x 128), 156 / 88 (64 x 128), no spills
+    MoePlan("fp8", 128, 128, 64, 8, True, "bf16", 3), MoePlan("fp8", 64, 128, 64, 8, True, "bf16", 3),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)

@@ -45,7 +45,8 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv
-from redknot.kernels.triton.dequant_mx import as_bytes
+from redknot.kernels.triton.dequant_mx import as_bytes, fp8_qdq_groups
+from redknot.kernels.triton.moe_stream import fp4_tile_bf16
 from redknot.kernels.triton.moe_stream_fp8 import fp4_e4m3, use_asm
 from redknot.kernels.triton.moe_stream_fp8h import fp4_e4m3_halves, halves
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
@@ -302,11 +303,110 @@ def prefill_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=Non
     return result
 
 
+@triton.jit
+def _prefill_bf16_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, wt_ptr, tile_group_ptr, tile_row_ptr,
+                     tile_end_ptr, N, K, limit, stride_am, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm,
+                     GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr, WIDE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_prefill_fp8_mm`` on bf16 tensor cores (``decode="bf16"``): the token rows as their exact per-32 FP8 QDQ
+    values in bf16, the weight tile decoded to bf16 with its scales folded in (``moe_stream.fp4_tile_bf16``:
+    e2m1 · 2^s is exact in bf16), one MMA per BLOCK_K accumulating in place (no scaling between MMAs; the
+    same exact products, summed in another order). EPI 1: the W2 input as bf16 QDQ values; EPI 2: bf16."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_blocks
+    pid_n = pid % n_blocks
+    grp = tl.load(tile_group_ptr + pid_m)
+    if grp >= 0:
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row_end
+        if GATHER:
+            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0)
+            arow = tl.where(rmask, arow, tl.load(rowid_ptr + row0))
+        else:
+            arow = tl.where(rmask, rows, row0)
+        a_off = arow.to(tl.int64) * stride_am if WIDE else arow * stride_am
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        c64 = tl.minimum(cols, N - 1).to(tl.int64)
+        ones = cmask | True  # the clamped columns need no mask
+        bg = b_ptr + grp.to(tl.int64) * stride_bg
+        sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
+        b3g = b3_ptr + grp.to(tl.int64) * stride_bg
+        sb3g = sb3_ptr + grp.to(tl.int64) * stride_sbg
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+            kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2), BLOCK_K // 2)
+            gs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            at = tl.trans(tl.load(a_ptr + (a_off[:, None] + kk[None, :])))
+            w = fp4_tile_bf16(bg, sbg, c64, ones, kh, gs, stride_bn, stride_sbn, BLOCK_N, BLOCK_K)
+            acc = tl.dot(w, at, acc)
+            if DUAL:
+                w3 = fp4_tile_bf16(b3g, sb3g, c64, ones, kh, gs, stride_bn, stride_sbn, BLOCK_N, BLOCK_K)
+                acc3 = tl.dot(w3, at, acc3)
+        r64 = rows.to(tl.int64)
+        omask = rmask[:, None] & cmask[None, :]
+        if EPI == 1:  # QDQ_fp8(bf16(w · silu(min(g, L)) · clamp(u, ±L))) per 32 columns, as bf16
+            g1 = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
+            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
+            act = (g1 / (1.0 + tl.exp(-g1)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+            v = fp8_qdq_groups(act, BLOCK_M, BLOCK_N).to(tl.bfloat16)
+            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], v, mask=omask)
+        else:
+            tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], tl.trans(acc).to(tl.bfloat16), mask=omask)
+
+
+def prefill_gemm_bf16(a, w, ws, rows: int, plan, *, offs, rowid=None, w3=None, ws3=None, wt=None,
+                      limit: float = 0.0, tiles=None):
+    """``prefill_gemm_fp8`` for ``decode="bf16"``: ``a`` the rows' bf16 QDQ values [R, K]; returns the W2 input
+    as bf16 QDQ values [rows, N] (with ``w3``) or bf16 [rows, N]."""
+    w, ws = as_bytes(w), as_bytes(ws)
+    N, K = w.shape[1], w.shape[2] * 2
+    dual = w3 is not None
+    bm, bn = plan.block_m, plan.block_n
+    if dual and bn % 32:
+        raise ValueError(f"MoePlan.block_n={bn}: the fused SwiGLU quantises per 32 columns (a multiple of 32)")
+    bk = plan.block_k
+    while K % bk:
+        bk //= 2
+    if bk < 32:
+        raise ValueError(f"prefill_gemm_bf16: K={K} must be a multiple of 32")
+    p = torch.empty(rows, N, dtype=torch.bfloat16, device=a.device)
+    if rows == 0:
+        return p
+    tg, tr, te, n_tiles = tiles if tiles is not None else tile_map(offs, bm, rows)
+    _prefill_bf16_mm[(n_tiles * cdiv(N, bn),)](
+        a, rowid if rowid is not None else offs, w, ws, as_bytes(w3) if dual else w, as_bytes(ws3) if dual else ws,
+        p, wt if wt is not None else p, tg, tr, te, N, K, float(limit), a.stride(0), w.stride(0), w.stride(1),
+        ws.stride(0), ws.stride(1), p.stride(0), GATHER=rowid is not None, DUAL=dual, EPI=1 if dual else 2,
+        WIDE=a.numel() >= 2**31, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return p
+
+
+def prefill_gemm(aq, sa, w, ws, rows: int, plan, **kw):
+    """``prefill_gemm_fp8``, or for ``decode="bf16"`` ``prefill_gemm_bf16`` (``sa`` None; with ``w3`` it returns
+    (the W2 input, None))."""
+    if plan.decode != "bf16":
+        return prefill_gemm_fp8(aq, sa, w, ws, rows, plan, **kw)
+    out = prefill_gemm_bf16(aq, w, ws, rows, plan, **kw)
+    return (out, None) if kw.get("w3") is not None else out
+
+
 def prefill_inputs(x, topk_idx, topk_weight, experts: int, plan):
     """(token row per sorted pair, sorted position per pair, per-expert ends, routing weight per sorted pair,
     e4m3 token rows, their scales) in the form ``plan.decode`` reads: natural K order with E8M0 bytes, halves
-    order with fp32 scales (``fp8h``), or those scales per sorted pair transposed and padded (``fp8ht``)."""
+    order with fp32 scales (``fp8h``), or those scales per sorted pair transposed and padded (``fp8ht``);
+    ``bf16``: the rows' bf16 QDQ values and None."""
     from redknot.kernels.triton.moe_mx import _sorted_pairs
+    if plan.decode == "bf16":  # the rows' bf16 QDQ values, no scales
+        return _sorted_pairs(topk_idx, topk_weight, experts, x) + (None,)
     rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, experts, x, fp8=True,
                                                 halves=plan.decode.startswith("fp8h"))
     if plan.decode.startswith("fp8ht"):  # the row scales per sorted pair, transposed: [D/32, T·k + pad]
@@ -333,9 +433,9 @@ def moe_prefill_fp8(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, inv, offs, wt, xq, xs = prefill_inputs(x, topk_idx, topk_weight, E, plan)
     tiles = tile_map(offs, plan.block_m, M)  # one map for both GEMMs
-    aq, sa = prefill_gemm_fp8(xq, xs, w1, w1_scale, M, plan, offs=offs, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
-                              limit=swiglu_limit, tiles=tiles)
-    y = prefill_gemm_fp8(aq, sa, w2, w2_scale, M, plan, offs=offs, tiles=tiles)
+    aq, sa = prefill_gemm(xq, xs, w1, w1_scale, M, plan, offs=offs, rowid=rows, w3=w3, ws3=w3_scale, wt=wt,
+                          limit=swiglu_limit, tiles=tiles)
+    y = prefill_gemm(aq, sa, w2, w2_scale, M, plan, offs=offs, tiles=tiles)
     return reduce_combine(y[None], inv, k, out)
 
 

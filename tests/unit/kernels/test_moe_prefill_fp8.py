@@ -21,10 +21,11 @@ PLANS = [moe_mx.MoePlan("fp8", 16, 32, 32, 4, True, "fp8", 2), moe_mx.MoePlan("f
          moe_mx.MoePlan("fp8", 16, 64, 32, 4, True, "fp8h", 2),
          moe_mx.MoePlan("fp8", 32, 32, 64, 4, True, "fp8h_prefetch", 3),
          moe_mx.MoePlan("fp8", 16, 64, 32, 4, True, "fp8ht", 2),
-         moe_mx.MoePlan("fp8", 32, 32, 32, 4, True, "fp8ht_prefetch", 3)]
+         moe_mx.MoePlan("fp8", 32, 32, 32, 4, True, "fp8ht_prefetch", 3),
+         moe_mx.MoePlan("fp8", 16, 64, 64, 4, True, "bf16", 2)]
 CASES = [(PLANS[0], SMALL), (PLANS[1], SMALL), (PLANS[2], SMALL), (PLANS[3], WIDE), (PLANS[2], WIDE),
          (PLANS[4], SMALL), (PLANS[4], WIDE), (PLANS[5], SMALL), (PLANS[6], SMALL), (PLANS[6], WIDE),
-         (PLANS[7], SMALL)]
+         (PLANS[7], SMALL), (PLANS[8], SMALL), (PLANS[8], WIDE)]
 
 
 def _rel(a, b):
@@ -41,7 +42,7 @@ def _skewed_routing(tokens: int, experts: int, k: int, device, seed: int):
 
 @pytest.mark.parametrize("plan,dims", CASES, ids=["16x32", "32x64-2groups", "prefetch", "words", "prefetch-wide",
                                                   "halves", "halves-wide", "halves-2groups", "transposed",
-                                                  "transposed-wide", "transposed-prefetch"])
+                                                  "transposed-wide", "transposed-prefetch", "bf16", "bf16-wide"])
 @pytest.mark.parametrize("tokens", [1, 23])
 def test_fp8_prefill_matches_reference(plan, dims, tokens, kernel_device):
     x, _, wt, w = moe_inputs(dims, kernel_device, seed=100 + tokens + plan.block_m, tokens=tokens)
@@ -79,7 +80,8 @@ def test_fp8_prefill_first_gemm_is_the_decode_streams(kernel_device):
     assert (sa.int() - bs.int()).abs().max() <= 1
 
 
-@pytest.mark.parametrize("plan", [PLANS[0], PLANS[4], PLANS[6]], ids=["natural", "halves", "transposed"])
+@pytest.mark.parametrize("plan", [PLANS[0], PLANS[4], PLANS[6], PLANS[8]],
+                         ids=["natural", "halves", "transposed", "bf16"])
 def test_fp8_prefill_detects_a_wrong_weight(plan, kernel_device):
     """The tolerance separates right from wrong: W2 with swapped nibbles (element order) fails it."""
     x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(SMALL, kernel_device, seed=2, tokens=9)
