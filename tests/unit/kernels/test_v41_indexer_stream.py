@@ -297,3 +297,42 @@ def test_the_expanded_stream_cuts_each_row_between_segments(bf16):
     got = indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, config=cfg, block_scores=bm, block_size=bs)
     _assert_selects(got, q, w, keys, vis, 16, bf16, "expanded")
     _assert_block_maxima(bm, _block_maxima(q, w, keys, vis, bs, bf16), bf16, "expanded")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_real_size_expanded_shapes_on_the_gpu(bf16):
+    """Every expanded launch shape of the tuner at V4.1 widths (32 heads x 128, top-512; 1024 queries at the end
+    of 20,000 entries, fresh random inputs): the top-k and the block maxima of the compiled kernels equal the
+    register stream's with bf16 scores (bit for bit), and with fp32 scores hold the reference's selection
+    tie-aware within the op's tolerance."""
+    from redknot.kernels.triton.checks_mx import _compare_selection
+
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    t, n, heads, dim, k, bs = 1024, 20000, 32, 128, 512, 8
+    q = mx.act_quant_ref(torch.randn(t, heads, dim, generator=g, device=dev).bfloat16(), "fp4")
+    w = torch.randn(t, heads, generator=g, device=dev) * heads ** -0.5
+    keys = mx.pack_index_keys(torch.randn(n, dim, generator=g, device=dev))
+    vis = (n - t + 1 + torch.arange(t, device=dev)).to(torch.int32)
+    vis[:7] = torch.tensor([0, 1, 5, 63, 64, 65, 600], device=dev, dtype=torch.int32)
+    nb = -(-n // bs)
+    scores = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
+    scores = scores.masked_fill(torch.arange(n, device=dev)[None] >= vis.long()[:, None], float("-inf"))
+    want_bm = torch.nn.functional.pad(scores, (0, nb * bs - n), value=float("-inf")).view(t, nb, bs).amax(-1)
+    base_bm = torch.full((t, nb), float("-inf"), device=dev)
+    base = indexer_mx.stream_topk(q, w, keys, vis, k, bf16, config=indexer_mx.StreamConfig(2, 64, 4),
+                                  block_scores=base_bm, block_size=bs)
+    shapes = [c for c in indexer_mx.STREAM_TUNER.candidates if c.decode == "expanded"]
+    assert shapes
+    for cfg in shapes:
+        bm = torch.full((t, nb), float("-inf"), device=dev)
+        got = indexer_mx.stream_topk(q, w, keys, vis, k, bf16, config=cfg, block_scores=bm, block_size=bs)
+        if bf16:
+            assert torch.equal(got, base) and torch.equal(bm, base_bm), cfg
+        else:
+            assert _compare_selection(str(cfg), scores, got.long(), base.long(), tol=1e-6).ok, cfg
+            fin = torch.isfinite(want_bm)
+            assert torch.equal(torch.isfinite(bm), fin), cfg
+            assert torch.allclose(bm[fin], want_bm[fin], rtol=1e-5, atol=1e-5), cfg
