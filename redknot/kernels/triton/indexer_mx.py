@@ -257,10 +257,11 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
     tile (``ents · DI + d``) that the compiler software-pipelines over ``STAGES`` steps, nothing is decoded
     in the loop, and the entries sit on the MMA's M axis with the tile's (token, head) rows on N
     (``[BLOCK_N, DI] x [DI, BLOCK_T·HP]``), so the weighted head sum of an entry stays inside its
-    accumulator rows instead of crossing warps. With fp32 scores the head sum runs in another order than
-    the register stream's (its terms are not exact: last-bit differences, within the op's tolerance; bf16
-    terms add exactly). The buffer cut sits outside the pipelined loop: the blocks
-    go in segments of ``(CAP - K) / (2·BLOCK_N)`` and a segment starts by cutting the rows whose keys
+    accumulator rows instead of crossing warps. The head sum runs in another order than the register
+    stream's: with fp32 scores its terms are inexact (last-bit differences, within the op's tolerance); bf16
+    terms are the same values and their fp32 sum is exact unless a term lies 2^16 below the sum, which the
+    final bf16 rounding then almost always hides. The buffer cut sits outside the pipelined loop: the
+    blocks go in segments of ``(CAP - K) / (2·BLOCK_N)`` and a segment starts by cutting the rows whose keys
     could overflow the buffer within it, one row at a time (a cut inside the loop keeps the compiler from
     pipelining the loads, and the tile-wide bitonic top-k raised every step's registers). Raising the bar
     less often keeps more keys in the buffer, never other ones: the final cut selects the same K.
