@@ -18,6 +18,11 @@ programs own one expert's ``block_m``-row tile (``splitk_mx.tile_map``, one map 
 * W2 (rows in sorted order, no gather) with the bf16 slot epilogue; ``reduce_combine`` adds a token's k
   slots in slot order.
 
+Launch shapes and forms are ``moe_mx.MoePlan`` fields (``decode``: ``fp8`` natural K order with E8M0 row
+scales, ``fp8h`` halves order with fp32 row scales, ``fp8ht`` those scales transposed per sorted row,
+``_prefetch`` suffixes load a group's scales one step ahead; ``bf16``: the same programs on bf16 tensor
+cores, operands decoded exactly to bf16 with the scales folded in, one in-place MMA per 64-deep step).
+
 Programs are numbered column block fastest, so the programs of one row tile (one expert's weights, one
 set of token rows) run side by side and share the rows through L2; each touched expert's weights are read
 once per row tile. Untouched experts are never read and nothing is decoded to memory (the ``grouped`` plan
