@@ -37,8 +37,10 @@ def _plans(smoke: bool, extra: bool = False):
     # / 769.
     # fp8hd / fp8hd4: 8- / 4-row tiles, one MMA per 4 groups against block-diagonal activations (W1 | W3 332 /
     # 293, W2 209 / 189).
-    plans = [StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8hd4", 64, 128, 4, 3), StreamPlan("fp8hd", 64, 128, 4, 3),
-             StreamPlan("fp8hd4", 64, 128, 4, 4), StreamPlan("fp8hd", 64, 128, 4, 4), StreamPlan("fp8h", 64, 128, 4, 3),
+    plans = [StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8hd4", 64, 128, 4, 3),
+             StreamPlan("fp8hd4", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8hd4", 128, 128, 4, 3),
+             StreamPlan("fp8hd", 64, 128, 4, 3), StreamPlan("fp8hd", 128, 128, 4, 3), StreamPlan("fp8hd4", 64, 128, 4, 4),
+             StreamPlan("fp8hd", 64, 128, 4, 4), StreamPlan("fp8h", 64, 128, 4, 3),
              StreamPlan("fp8h", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8h", 128, 128, 4, 3),
              StreamPlan("fp8h", 64, 128, 4, 4), StreamPlan("fp8", 32, 128, 4, 3), StreamPlan("fp8", 64, 256, 4, 3),
              StreamPlan("fp8", 32, 256, 4, 3), StreamPlan("fp8", 32, 128, 2, 3),

@@ -32,7 +32,8 @@ rows: each row's sum stays the K-order sum of the groups' scaled results, with 2
 group and one MMA wait per step. SASS per step: W1 | W3 332, W2 209; 161 / 96 registers. ``fp8hd4``: 4-row
 tiles, 16 MMA columns (4 groups x 4 rows), 1 multiply-add per thread and group: W1 | W3 293, W2 189; 96 / 72
 registers (an expert with more than 4 rows takes more tiles, which read its weights again, from L2 when the
-adjacent programs run together). A column's MMA result depends only on that column's operand (the other
+adjacent programs run together). At 128 columns (two m64 MMAs per step) per 64 columns' worth: W1 | W3 244 /
+W2 143 (``fp8hd4``), 282 / 163 (``fp8hd``); 164 / 115 and 226 / 146 registers. A column's MMA result depends only on that column's operand (the other
 groups' zero columns add exact zeros), so a row's result does not depend on the other rows (batch invariance).
 
 Row tiles of 16 and the K slicing depend on the weight shape only (batch invariance). The speed of these
@@ -407,8 +408,8 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
                          f"128 / 4 (strides {tuple(ws.stride())}), the row scales fp32 (got {sa.dtype})")
     diag = plan.decode in DIAG_ROWS
     bn, bm = plan.block_n, DIAG_ROWS.get(plan.decode, ROW_TILE)
-    if diag and bn > 64:
-        raise ValueError(f"StreamPlan.block_n={bn}: the block-diagonal fp8hd stream runs up to 64 columns")
+    if diag and bn > 128:
+        raise ValueError(f"StreamPlan.block_n={bn}: the block-diagonal fp8hd streams run up to 128 columns")
     sub = bn if bn <= 64 else bn // 2  # column blocks of at most 64 (two above 64 columns)
     if epi == 1 and bn % 32:
         raise ValueError(f"StreamPlan.block_n={bn}: the fused SwiGLU quantises per 32 columns (a multiple of 32)")

@@ -218,7 +218,8 @@ HALVES_PLANS = [StreamPlan("fp8h", 64, 128), StreamPlan("fp8h", 128, 128), Strea
                 StreamPlan("fp8h", 64, 128, min_steps=1), StreamPlan("fp8h", 64, 128, inline=True),
                 StreamPlan("fp8hd", 64, 128), StreamPlan("fp8hd", 32, 128, min_steps=1),
                 StreamPlan("fp8hd", 64, 128, inline=True), StreamPlan("fp8hd4", 64, 128),
-                StreamPlan("fp8hd4", 64, 128, min_steps=1)]
+                StreamPlan("fp8hd4", 64, 128, min_steps=1), StreamPlan("fp8hd4", 128, 128),
+                StreamPlan("fp8hd", 128, 128, w2_block_n=64), StreamPlan("fp8hd4", 64, 128, w2_block_n=128)]
 
 
 def _plan_id(p):
