@@ -39,8 +39,8 @@ def _plans(smoke: bool, extra: bool = False):
     # 293, W2 209 / 189).
     plans = [StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8hd4", 64, 128, 4, 3),
              StreamPlan("fp8hd4", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8hd4", 128, 128, 4, 3),
-             StreamPlan("fp8hd", 64, 128, 4, 3), StreamPlan("fp8hd", 128, 128, 4, 3), StreamPlan("fp8hd4", 64, 128, 4, 4),
-             StreamPlan("fp8hd", 64, 128, 4, 4), StreamPlan("fp8h", 64, 128, 4, 3),
+             StreamPlan("fp8hd", 64, 128, 4, 3), StreamPlan("fp8hd", 128, 128, 4, 3),
+             StreamPlan("fp8hd4", 64, 128, 4, 4), StreamPlan("fp8hd", 64, 128, 4, 4), StreamPlan("fp8h", 64, 128, 4, 3),
              StreamPlan("fp8h", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8h", 128, 128, 4, 3),
              StreamPlan("fp8h", 64, 128, 4, 4), StreamPlan("fp8", 32, 128, 4, 3), StreamPlan("fp8", 64, 256, 4, 3),
              StreamPlan("fp8", 32, 256, 4, 3), StreamPlan("fp8", 32, 128, 2, 3),

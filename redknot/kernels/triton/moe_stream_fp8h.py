@@ -33,10 +33,11 @@ group and one MMA wait per step. SASS per step: W1 | W3 332, W2 209; 161 / 96 re
 tiles, 16 MMA columns (4 groups x 4 rows), 1 multiply-add per thread and group: W1 | W3 293, W2 189; 96 / 72
 registers (an expert with more than 4 rows takes more tiles, which read its weights again, from L2 when the
 adjacent programs run together). At 128 columns (two m64 MMAs per step) per 64 columns' worth: W1 | W3 244 /
-W2 143 (``fp8hd4``), 282 / 163 (``fp8hd``); 164 / 115 and 226 / 146 registers. A column's MMA result depends only on that column's operand (the other
-groups' zero columns add exact zeros), so a row's result does not depend on the other rows (batch invariance).
+W2 143 (``fp8hd4``), 282 / 163 (``fp8hd``); 164 / 115 and 226 / 146 registers. A column's MMA result depends
+only on that column's operand (the other groups' zero columns add exact zeros), so a row's result does not
+depend on the other rows (batch invariance).
 
-Row tiles of 16 and the K slicing depend on the weight shape only (batch invariance). The speed of these
+Row tiles of 16 (``fp8h``; 8 / 4 for ``fp8hd`` / ``fp8hd4``) and the K slicing depend on the weight shape only (batch invariance). The speed of these
 plans was not measured on the H200 when they were added.
 """
 from __future__ import annotations
