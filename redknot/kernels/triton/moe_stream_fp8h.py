@@ -37,8 +37,8 @@ W2 143 (``fp8hd4``), 282 / 163 (``fp8hd``); 164 / 115 and 226 / 146 registers. A
 only on that column's operand (the other groups' zero columns add exact zeros), so a row's result does not
 depend on the other rows (batch invariance).
 
-Row tiles of 16 (``fp8h``; 8 / 4 for ``fp8hd`` / ``fp8hd4``) and the K slicing depend on the weight shape only (batch invariance). The speed of these
-plans was not measured on the H200 when they were added.
+Row tiles of 16 (``fp8h``; 8 / 4 for ``fp8hd`` / ``fp8hd4``) and the K slicing depend on the weight shape only
+(batch invariance). The speed of these plans was not measured on the H200 when they were added.
 """
 from __future__ import annotations
 
