@@ -62,7 +62,7 @@ def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
                  moe_only: bool = False) -> Iterator[Tuple[str, Callable]]:
     """MoE decode batches (T=1, 32): the split-K ``scaled`` / ``registers`` streams and every fused plan; the
     ladder; the dense linears by decode; MoE at T=128 (ordered so that a budget cut loses the least).
-    ``moe_only``: the MoE rows of split-K ``scaled``, the FP8 fused plans and the tuned choice at T=1 / 32 / 128,
+    ``moe_only``: the MoE rows of split-K ``scaled``, the FP8 fused plans and the tuned choice at T=32 / 128 / 1,
     nothing else. Graph replays where there is a GPU."""
     from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
     _, decode = _sizes(dims, smoke)
@@ -75,7 +75,7 @@ def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
     if moe_only:
         variants = [(n, p) for n, p in variants if p in ("scaled", None) or isinstance(p, StreamPlan)
                     and p.decode.startswith("fp8") and not p.min_steps and p.block_n >= 64]
-        yield from _moe_rows(decode, variants, dims, device, graph, weights, want)
+        yield from _moe_rows(decode[1:] + decode[:1], variants, dims, device, graph, weights, want)  # T=1 last
         return
     yield from _moe_rows(decode[:2], variants, dims, device, graph, weights, want)
     # the ladder: the bf16 decode without its MMA, then bytes only at several tile shapes (bytes per weight row
