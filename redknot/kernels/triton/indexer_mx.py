@@ -221,6 +221,9 @@ def _expand_keys(key_ptr, out_ptr, N, stride_k, DI: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + ents.to(tl.int64)[:, None] * DI + tl.arange(0, DI)[None, :], v, mask=ok[:, None])
 
 
+_HSUM_N = tl.constexpr(16)   # columns of the head-sum MMA (its smallest N); the tile's tokens first
+
+
 @triton.jit
 def _cut_rows(buf_ptr, rows, count, theta, rows_ok, limit, BLOCK_T: tl.constexpr, CAP: tl.constexpr,
               K: tl.constexpr):
@@ -251,7 +254,8 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                     stride_qt, stride_qh, stride_wt, stride_bm, stride_cb,
                     HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
-                    BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr, BF16_MUL: tl.constexpr):
+                    BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr, BF16_MUL: tl.constexpr,
+                    HSUM_MMA: tl.constexpr):
     """``_index_stream`` over keys already expanded to bf16 (``_expand_keys``, ``kx_ptr`` [N, DI]): the same
     products, MMA and score arithmetic, selection and block maxima, but each step's key load is a plain
     tile (``ents · DI + d``) that the compiler software-pipelines over ``STAGES`` steps, nothing is decoded
@@ -268,7 +272,10 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
     ``BF16_MUL`` (compiled kernels): with bf16 scores each weighted term is one bf16 multiply (packed, two
     terms an instruction) of relu(bf16(d)) and the bf16 weight, rounded to nearest: the exact product
     rounded once, as the fp32 product (exact for two bf16 values) rounded to bf16 is; the interpreter's
-    bf16 arithmetic is not IEEE, so it runs that fp32 form."""
+    bf16 arithmetic is not IEEE, so it runs that fp32 form. ``HSUM_MMA`` (bf16 scores): the head sum of the
+    bf16 terms is a second MMA, terms [BLOCK_N, BLOCK_T·HP] from registers times a block-diagonal ones
+    matrix [BLOCK_T·HP, 16] (exact products, fp32 accumulation in the tensor core: the same sum wherever
+    it is exact, as for the reordered adds), instead of an unpack and an add per term."""
     pid_s = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rows_ok = toks < T
@@ -294,6 +301,9 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
         if not BF16_MUL:
             w = w.to(tl.float32)
     w = tl.reshape(w, (BLOCK_T * HP,))
+    if HSUM_MMA:   # ones[k, c] = 1 where head row k belongs to token c (columns past BLOCK_T stay 0)
+        ones = tl.where(tl.arange(0, BLOCK_T * HP)[:, None] // HP == tl.arange(0, _HSUM_N)[None, :], 1.0, 0.0)
+        ones = ones.to(tl.bfloat16)
     rows = t64 * nsplit + pid_s
     buf = buf_ptr + rows[:, None] * CAP
     count = tl.zeros([BLOCK_T], tl.int32)
@@ -319,13 +329,16 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                 keys = tl.load(kx_ptr + ents.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=ok[:, None], other=0.0)
             d = tl.dot(keys, q_t)                                                             # [BN, BT*HP] fp32
             if BF16 and BF16_MUL:   # relu before the rounding: the same value (rounding keeps signs and zero)
-                d = (tl.maximum(d, 0.0).to(tl.bfloat16) * w[None, :]).to(tl.float32)
+                tb = tl.maximum(d, 0.0).to(tl.bfloat16) * w[None, :]
             elif BF16:
-                d = tl.maximum(d, 0.0).to(tl.bfloat16).to(tl.float32)
-                d = (d * w[None, :]).to(tl.bfloat16).to(tl.float32)
+                tb = (tl.maximum(d, 0.0).to(tl.bfloat16).to(tl.float32) * w[None, :]).to(tl.bfloat16)
             else:
-                d = tl.maximum(d, 0.0) * w[None, :]
-            s = tl.trans(tl.sum(tl.reshape(d, (BLOCK_N, BLOCK_T, HP)), 2))                    # [BT, BN]
+                tb = tl.maximum(d, 0.0) * w[None, :]
+            if HSUM_MMA:   # [BN, 16] -> [BN, BT]: the columns past BLOCK_T are 0 and add nothing
+                s = tl.sum(tl.reshape(tl.dot(tb, ones), (BLOCK_N, _HSUM_N // BLOCK_T, BLOCK_T)), 1)
+                s = tl.trans(s)                                                                 # [BT, BN]
+            else:
+                s = tl.trans(tl.sum(tl.reshape(tb.to(tl.float32), (BLOCK_N, BLOCK_T, HP)), 2))  # [BT, BN]
             if BF16:
                 s = s.to(tl.bfloat16).to(tl.float32)
             s = tl.where(s == 0.0, 0.0, s)   # -0.0 (relu 0 times a negative weight) ties with 0.0, as in torch
@@ -358,6 +371,7 @@ class StreamConfig:
     #                             "expanded": keys decoded once per call to bf16, then _index_stream_x
     prefetch: bool = False      # the next block's key bytes loaded before this block's work (not with CAND)
     num_stages: int = 0         # "expanded": key tiles in flight in the software-pipelined loop (0: 3)
+    head_sum: str = ""          # "expanded" with bf16 scores: "mma" sums the heads' terms by a second MMA
 
     def __repr__(self) -> str:
         """The stored tuning choices name configurations by this text: without ``prefetch`` / ``num_stages``
@@ -365,7 +379,8 @@ class StreamConfig:
         text = (f"StreamConfig(block_t={self.block_t}, block_n={self.block_n}, num_warps={self.num_warps}, "
                 f"num_splits={self.num_splits}, decode={self.decode!r}")
         text += ", prefetch=True" if self.prefetch else ""
-        return text + (f", num_stages={self.num_stages})" if self.num_stages else ")")
+        text += f", num_stages={self.num_stages}" if self.num_stages else ""
+        return text + (f", head_sum={self.head_sum!r})" if self.head_sum else ")")
 
 
 # More tokens per program decode each key block for more query rows, and the ``scaled`` decode makes
@@ -386,7 +401,9 @@ STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(8, 64, 8), StreamConfig(2, 128, 8), StreamConfig(2, 64, 4, prefetch=True),
     StreamConfig(4, 64, 8, decode="scaled", prefetch=True),
     StreamConfig(4, 64, 4, decode="expanded", num_stages=3), StreamConfig(2, 64, 4, decode="expanded", num_stages=3),
-    StreamConfig(8, 64, 8, decode="expanded", num_stages=3), StreamConfig(4, 128, 8, decode="expanded", num_stages=3),
+    StreamConfig(8, 64, 8, decode="expanded", num_stages=3),
+    StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum="mma"),
+    StreamConfig(2, 64, 4, decode="expanded", num_stages=3, head_sum="mma"),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -492,7 +509,7 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
             HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
             BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
             CAND=cand_blocks is not None, STAGES=config.num_stages or 3, BF16_MUL=_native_bf16(),
-            num_warps=config.num_warps)
+            HSUM_MMA=config.head_sum == "mma" and bf16_scores and bt <= 16, num_warps=config.num_warps)
     else:
         _index_stream[(cdiv(T, bt), nsplit)](
             q, weights, index_keys, visible, buf, cand, bm, cb, T, nsplit, nb, n,

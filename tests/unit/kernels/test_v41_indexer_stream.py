@@ -283,13 +283,14 @@ def test_the_key_expansion_is_exact():
     assert torch.equal(got.float(), mx.unpack_index_keys(keys).float())
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_the_expanded_stream_cuts_each_row_between_segments(bf16):
+@pytest.mark.parametrize("bf16,head_sum", [(False, ""), (True, ""), (True, "mma")])
+def test_the_expanded_stream_cuts_each_row_between_segments(bf16, head_sum):
     """The expanded stream cuts a row's buffer only between pipelined segments, one row at a time: many
     entries (several cuts of every row), rows that see few entries or none, a partial tile, ties of the
-    bf16 arithmetic at the cut; with and without the block maxima of the same pass."""
+    bf16 arithmetic at the cut; with and without the block maxima of the same pass; the heads' bf16 terms
+    added by a second MMA (``head_sum="mma"``) or by adds."""
     q, w, keys, vis = _inputs(7, 2100, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
-    cfg = indexer_mx.StreamConfig(4, 64, 4, decode="expanded", num_stages=3)
+    cfg = indexer_mx.StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum=head_sum)
     _assert_selects(indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, config=cfg), q, w, keys, vis, 16, bf16,
                     "expanded")
     bs = 8
