@@ -148,6 +148,7 @@ def main(argv=None) -> int:
         first = None
         for cfg in indexer_mx.STREAM_TUNER.candidates:
             stages = f", stages {cfg.num_stages}" if getattr(cfg, "num_stages", 0) else ""
+            stages += f", head sum {cfg.head_sum}" if getattr(cfg, "head_sum", "") else ""
             got = case(group, f"block_t {cfg.block_t}, block_n {cfg.block_n}, warps {cfg.num_warps}, "
                               f"decode {cfg.decode}{', prefetch' if getattr(cfg, 'prefetch', False) else ''}{stages}",
                        lambda cfg=cfg: indexer_mx.stream_topk(q, w, keys, vis, topk, True, config=cfg), scored, first)
