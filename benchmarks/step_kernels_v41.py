@@ -167,11 +167,12 @@ def count_launches(batch: int = 1) -> dict:
                          torch.arange(batch), torch.tensor(b.blocks))
     ts.tensor_forward(model, step, b.state)                       # warm: weight caches, tuners
     state = {"triton": 0, "region": "(outside the regions)"}
-    regions, ops = collections.Counter(), collections.Counter()
+    regions, ops, region_ops = collections.Counter(), collections.Counter(), collections.Counter()
 
     def launch(name: str) -> None:
         regions[state["region"]] += 1
         ops[name] += 1
+        region_ops[(state["region"], name)] += 1
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -212,7 +213,8 @@ def count_launches(batch: int = 1) -> dict:
         else:
             ts.region = ranges
     return {"layers": cfg.n_layers, "batch": batch, "launches": sum(regions.values()),
-            "by_region": dict(regions.most_common()), "by_op": dict(ops.most_common())}
+            "by_region": dict(regions.most_common()), "by_op": dict(ops.most_common()),
+            "by_region_op": {r: {o: n for (rr, o), n in region_ops.most_common() if rr == r} for r in regions}}
 
 
 def main(argv=None) -> dict:
@@ -237,7 +239,7 @@ def main(argv=None) -> dict:
         print(f"launches of one tensor-only decode step ({rep['layers']} layers, batch {rep['batch']}): "
               f"{rep['launches']}")
         for k, v in rep["by_region"].items():
-            print(f"  {k:24s} {v}")
+            print(f"  {k:24s} {v}   " + ", ".join(f"{o} {n}" for o, n in rep["by_region_op"][k].items()))
         return rep
     import torch
 

@@ -129,11 +129,15 @@ class AttentionLayer:
                  slots: Slots) -> torch.Tensor:
         cfg, w, num, p = self.cfg, self.w, self.num, self.p
         t = u.shape[0]
-        qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
-        q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
-                            self.inv, slots.rope)
-        kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight", cfg.norm_eps,
-                                  pos, self.inv, slots.rope)
+        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, self.inv, slots.rope)   # few rows: the step's launches
+        if got is not None:
+            qr, q, kv = got
+        else:
+            qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
+            q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
+                                self.inv, slots.rope)
+            kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight",
+                                      cfg.norm_eps, pos, self.inv, slots.rope)
         if cfg.is_kv_source(self.layer) and spans:
             self._compress(u, spans, state)
         if cfg.is_index_source(self.layer):

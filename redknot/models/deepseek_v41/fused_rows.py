@@ -98,3 +98,39 @@ def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optio
             return y
     y = apply_rope(x, pos, inv, inverse=inverse)
     return index_qdq(y) if qdq else y
+
+
+def q_kv_rows(u: torch.Tensor, w, p: str, cfg, num, pos: torch.Tensor, inv: torch.Tensor,
+              tables: Optional[Dict] = None):
+    """(qr, q, kv) = (norm(wq_a(u)), RoPE(wq_b(qr)) [T, H, Dh], norm_rope(wkv(u))) of attention ``p`` in four
+    launches (:func:`redknot.kernels.triton.step_proj_v41.proj_rows` twice: the ``wq_a`` | ``wkv`` stream and
+    its row epilogues, the ``wq_b`` stream and its RoPE), the bits of ``linear`` with ``linear_mx``'s ``fp8``
+    decode followed by :func:`norm` / :func:`rope` / :func:`norm_rope`. For the tensor step's and the eager
+    layers' few rows (up to ``step_proj_v41.MAX_ROWS``) on the registry's FP8 linears with the row kernels;
+    None elsewhere (the caller runs the linears and row functions)."""
+    if not (u.dim() == 2 and u.dtype == num.dtype == torch.bfloat16 and fused(w, u)):
+        return None
+    from redknot.kernels.triton.step_proj_v41 import MAX_ROWS, Proj, epilogue_warps, proj_rows
+    from redknot.models.deepseek_v41.moe import _fp8_linear_weights
+
+    ops = ops_of(w)
+    got = [_fp8_linear_weights(ops, w, f"{p}.{n}.weight", num) for n in ("wq_a", "wkv", "wq_b")]
+    d = cfg.head_dim
+    if u.shape[0] > MAX_ROWS or any(g is None for g in got) or d % 2 or 2 * inv.shape[0] > d:
+        return None
+    (wa, sa), (wkv, skv), (wb, sb) = got
+    if wa.shape[1] != u.shape[1] or wkv.shape != (d, u.shape[1]) or wb.shape != (cfg.n_heads * d, wa.shape[0]):
+        return None
+    first = [Proj(wa, sa, wa.shape[0], norm_w=w.float(f"{p}.q_norm.weight"), eps=cfg.norm_eps),
+             Proj(wkv, skv, d, norm_w=w.float(f"{p}.kv_norm.weight"), eps=cfg.norm_eps, rope=True)]
+    if epilogue_warps(first) is None:
+        return None
+    cos, sin = _table(tables, pos, inv)
+    pair = _guarded(proj_rows, u, first, cos, sin)
+    if pair is None:
+        return None
+    qr, kv = pair[0].view(u.shape[0], -1), pair[1].view(u.shape[0], d)
+    q = _guarded(proj_rows, qr, [Proj(wb, sb, d, rope=True)], cos, sin)
+    if q is None:
+        return None
+    return qr, q[0], kv

@@ -339,19 +339,11 @@ def _moe(u: torch.Tensor, w, layer: int, cfg, num) -> torch.Tensor:
 # ---------------------------------------------------------------------- attention
 def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tensor:
     cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
-    t = u.shape[0]
     pos = rows.pos
     with region("attn.q_kv"):
         inv = _shared_inv(layer, u)
-        qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
-        q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim)
-        kv = linear(u, w, f"{p}.wkv.weight", num)
-        got = _rope_q_kv(w, q, kv, pos, inv, shared["rope"], f"{p}.kv_norm.weight", cfg.norm_eps)
-        if got is not None:   # both row epilogues in one launch (the bits of the two below)
-            q, kv = got
-        else:
-            q = fused_rows.rope(q, w, pos, inv, shared["rope"])
-            kv = fused_rows.norm_rope(kv, w, f"{p}.kv_norm.weight", cfg.norm_eps, pos, inv, shared["rope"])
+        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, inv, shared["rope"])   # few rows: four launches
+        qr, q, kv = got if got is not None else _q_kv(layer, u, pos, inv, shared["rope"])
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)
@@ -362,6 +354,20 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
         o = _attend(layer, q, kv, rows, state, shared["topk"])
     with region("attn.out"):
         return grouped_output(o, pos, inv, cfg, w, p, num, shared["rope"])
+
+
+def _q_kv(layer, u: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, tables):
+    """(qr, q, kv) through ``linear`` and the row functions (``fused_rows.q_kv_rows`` does not apply)."""
+    cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
+    qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
+    q = linear(qr, w, f"{p}.wq_b.weight", num).view(u.shape[0], cfg.n_heads, cfg.head_dim)
+    kv = linear(u, w, f"{p}.wkv.weight", num)
+    got = _rope_q_kv(w, q, kv, pos, inv, tables, f"{p}.kv_norm.weight", cfg.norm_eps)
+    if got is not None:   # both row epilogues in one launch (the bits of the two below)
+        return (qr, *got)
+    q = fused_rows.rope(q, w, pos, inv, tables)
+    kv = fused_rows.norm_rope(kv, w, f"{p}.kv_norm.weight", cfg.norm_eps, pos, inv, tables)
+    return qr, q, kv
 
 
 def _rope_q_kv(w, q: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, tables, norm: str,

@@ -1,0 +1,62 @@
+"""The q / kv projections with their row epilogues in two launches each (``step_proj_v41.proj_rows``) on the GPU
+at real V4.1 sizes (5120-wide rows; ``wq_a`` 1280 and ``wkv`` 512 columns normalised, the kv latent rotated;
+``wq_b`` 64 heads of 512 rotated; the indexer's ``wq_b`` 32 heads of 128 rotated onto the FP4 grid): bit for bit
+the launches they replace (``linear_mx`` with the ``fp8`` decode, then ``rope_rows``), and a CUDA-graph replay
+equal to the eager call."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from redknot.kernels import mx_formats as mx  # noqa: E402
+from redknot.kernels.triton import gemm_mx  # noqa: E402
+from redknot.kernels.triton.step_proj_v41 import Proj, proj_rows  # noqa: E402
+from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table  # noqa: E402
+from redknot.models.deepseek_v41.ref_math import rope_inv_freq  # noqa: E402
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+DEV = "cuda"
+
+
+def weight(n, k, g):
+    q, s = mx.quant_fp8_blocks(torch.randn(n, k, generator=g) * 0.02, 32)
+    return q.to(DEV), s.to(DEV)
+
+
+def reference(x, spec, cos, sin):
+    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode="fp8", path="splitk")
+    c, s = (cos, sin) if spec.rope else (cos[:, :0], sin[:, :0])
+    return rope_rows(y.view(x.shape[0], spec.heads, spec.dim), c, s, norm_w=spec.norm_w, eps=spec.eps, qdq=spec.qdq)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_proj_rows_equal_linear_mx_and_rope_rows_at_v41_sizes(rows):
+    g = torch.Generator().manual_seed(rows)
+    u = (torch.randn(rows, 5120, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    pos = torch.randint(0, 1 << 20, (rows,), generator=g).to(DEV)
+    cos, sin = rope_table(pos, rope_inv_freq(64, 160000.0, (16.0, 65536, 32.0, 1.0)).to(DEV))
+    (wa, sa), (wkv, skv) = weight(1280, 5120, g), weight(512, 5120, g)
+    (wb, sb), (wi, si) = weight(64 * 512, 1280, g), weight(32 * 128, 1280, g)
+    nq = (1 + 0.1 * torch.randn(1280, generator=g)).to(DEV)
+    nkv = (1 + 0.1 * torch.randn(512, generator=g)).to(DEV)
+    first = [Proj(wa, sa, 1280, norm_w=nq, eps=1e-6), Proj(wkv, skv, 512, norm_w=nkv, eps=1e-6, rope=True)]
+    qr, kv = proj_rows(u, first, cos, sin)
+    assert torch.equal(qr, reference(u, first[0], cos, sin)) and torch.equal(kv, reference(u, first[1], cos, sin))
+    qr = qr.view(rows, 1280)
+    second = [Proj(wb, sb, 512, rope=True), Proj(wi, si, 128, rope=True, qdq=True)]
+    q, qi = proj_rows(qr, second, cos, sin)
+    assert torch.equal(q, reference(qr, second[0], cos, sin))
+    assert torch.equal(qi, reference(qr, second[1], cos, sin))
+    # a CUDA graph of both calls replays the eager results
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a = proj_rows(u, first, cos, sin)
+        b = proj_rows(qr, second, cos, sin)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(a + b, [proj_rows(u, first, cos, sin)[0], kv, q, qi]):
+        assert torch.equal(x.view(y.shape), y)

@@ -1,0 +1,97 @@
+"""Two FP8 linears over the same rows with their row epilogues in two launches (``step_proj_v41.proj_rows``)
+against the launches they replace: ``gemm_mx.linear_mx`` with the ``fp8`` decode, then ``rope_rows`` (norm,
+RoPE, FP4 grid), bit for bit, with fresh random inputs; and against the PyTorch reference linear. Triton's CPU
+interpreter here, V4.1 sizes on the GPU with ``-m gpu`` (``tests/kernels/test_step_proj_v41_gpu.py``)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redknot.kernels import mx_formats as mx  # noqa: E402
+from redknot.kernels import ref_v41  # noqa: E402
+from redknot.kernels.triton import gemm_mx  # noqa: E402
+from redknot.kernels.triton.step_proj_v41 import Proj, proj_rows  # noqa: E402
+from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table  # noqa: E402
+from redknot.models.deepseek_v41.ref_math import rope_inv_freq  # noqa: E402
+
+
+def fp8_weight(n, k, g, device):
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, :32] *= 16                                        # tiles of other scales
+    q, s = mx.quant_fp8_blocks(w, 32)
+    return q.to(device), s.to(device)
+
+
+def reference(x, spec, cos, sin):
+    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode="fp8", path="splitk")
+    y = y.view(x.shape[0], spec.heads, spec.dim)
+    c, s = (cos, sin) if spec.rope else (cos[:, :0], sin[:, :0])
+    return rope_rows(y, c, s, norm_w=spec.norm_w, eps=spec.eps, qdq=spec.qdq)
+
+
+def case_inputs(t, k, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, k, generator=g) * 2).to(torch.bfloat16).to(device)
+    x[0, :32] *= 50                                        # a group of another scale
+    pos = torch.randint(0, 1 << 20, (t,), generator=g).to(device)
+    return x, pos, g
+
+
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_qa_kv_pair_equals_linear_mx_and_rope_rows(t, seed, kernel_device):
+    """wq_a -> norm, wkv -> norm + RoPE (the attention's first pair) at toy widths."""
+    k, dq, dkv, rope = 256, 64, 64, 16
+    x, pos, g = case_inputs(t, k, seed, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(rope, 10000.0, None).to(kernel_device))
+    wa, sa = fp8_weight(dq, k, g, kernel_device)
+    wkv, skv = fp8_weight(dkv, k, g, kernel_device)
+    nq = (1 + 0.1 * torch.randn(dq, generator=g)).to(kernel_device)
+    nkv = (1 + 0.1 * torch.randn(dkv, generator=g)).to(kernel_device)
+    specs = [Proj(wa, sa, dq, norm_w=nq, eps=1e-6), Proj(wkv, skv, dkv, norm_w=nkv, eps=1e-6, rope=True)]
+    got = proj_rows(x, specs, cos, sin)
+    for spec, y in zip(specs, got):
+        want = reference(x, spec, cos, sin)
+        assert y.shape == want.shape and torch.equal(y, want)
+    # and the linear itself against the PyTorch reference linear (QDQ'd rows x dequantised weight)
+    plain = proj_rows(x, [Proj(wa, sa, dq)], cos, sin)[0].view(t, dq).float()
+    ref = ref_v41.linear_mx(x, wa, sa, 32).float()
+    assert ((plain - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_heads_rope_and_index_query_grid(t, kernel_device):
+    """wq_b -> per-head RoPE and the indexer's wq_b -> per-head RoPE + FP4 grid, different head widths and
+    several K slices."""
+    k, h, d, hi, di, rope = 2048, 3, 96, 2, 64, 32      # two K slices
+    x, pos, g = case_inputs(t, k, 7 + t, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(rope, 160000.0, (16.0, 65536, 32.0, 1.0)).to(kernel_device))
+    wq, sq = fp8_weight(h * d, k, g, kernel_device)
+    wi, si = fp8_weight(hi * di, k, g, kernel_device)
+    specs = [Proj(wq, sq, d, rope=True), Proj(wi, si, di, rope=True, qdq=True)]
+    got = proj_rows(x, specs, cos, sin)
+    for spec, y in zip(specs, got):
+        assert torch.equal(y, reference(x, spec, cos, sin))
+
+
+def test_wrong_weight_or_scale_is_detected(kernel_device):
+    k, d = 128, 64
+    x, pos, g = case_inputs(2, k, 3, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(16, 10000.0, None).to(kernel_device))
+    w, s = fp8_weight(d, k, g, kernel_device)
+    spec = Proj(w, s, d, rope=True)
+    want = reference(x, spec, cos, sin)
+    s2 = s.clone()
+    s2.view(torch.uint8)[0, 0] += 1
+    assert not torch.equal(proj_rows(x, [Proj(w, s2, d, rope=True)], cos, sin)[0], want)
+    assert torch.equal(proj_rows(x, [spec], cos, sin)[0], want)
+
+
+def test_refuses_bad_shapes(kernel_device):
+    x, pos, g = case_inputs(1, 128, 4, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(16, 10000.0, None).to(kernel_device))
+    w, s = fp8_weight(64, 128, g, kernel_device)
+    with pytest.raises(ValueError, match="weight"):
+        proj_rows(x[:, :96], [Proj(w, s, 64)], cos, sin)
+    with pytest.raises(ValueError, match="qdq"):
+        proj_rows(x, [Proj(w, s, 64, qdq=True), Proj(w[:48], s, 48, qdq=True)], cos, sin)

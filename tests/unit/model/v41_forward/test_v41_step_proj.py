@@ -1,0 +1,49 @@
+"""The tensor step's q / kv projections in four launches (``fused_rows.q_kv_rows``) against the per-linear path
+(``linear_mx`` + row kernels) on the e2e_v41 toy cut with every V4.1 op on its Triton kernel (interpreter): the
+step's output rows and every cache byte equal bit for bit (off the GPU the linear tuner takes the ``fp8`` decode,
+whose bits the fused launches reproduce), and the fused path ran."""
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from redknot.models.deepseek_v41 import fused_rows  # noqa: E402
+
+
+def test_q_kv_rows_equal_the_per_linear_step(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
+    import e2e_v41
+
+    import redknot.models.deepseek_v41.tensor_step as ts
+    from redknot.kernels import KernelSet
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+
+    dev = torch.device("cpu")
+    cfg = e2e_v41.cut_config(True, 100)
+    model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference", V41Ops(KernelSet(default="triton")), dev)
+    b = e2e_v41.Batch(model, 1, 64, block_size=16)
+    b.step([e2e_v41.tokens(40, cfg.vocab_size, 1)], seqs=[0])
+    step = ts.TensorStep(torch.full((1,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(2),
+                         torch.arange(1), torch.tensor(b.blocks))
+    twin = copy.deepcopy(b.state)
+    calls = []
+    real = fused_rows.q_kv_rows
+
+    def counted(*a, **k):
+        got = real(*a, **k)
+        calls.append(got is not None)
+        return got
+    monkeypatch.setattr(fused_rows, "q_kv_rows", counted)
+    got = ts.tensor_forward(model, step, b.state)
+    assert calls and all(calls), calls
+    monkeypatch.setattr(fused_rows, "q_kv_rows", lambda *a, **k: None)
+    want = ts.tensor_forward(model, step, twin)
+    assert torch.equal(got, want)
+    for x, y in zip(b.state.tensors(), twin.tensors()):
+        assert torch.equal(x, y)
