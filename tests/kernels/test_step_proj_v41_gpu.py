@@ -60,3 +60,14 @@ def test_proj_rows_equal_linear_mx_and_rope_rows_at_v41_sizes(rows):
     torch.cuda.synchronize()
     for x, y in zip(a + b, [proj_rows(u, first, cos, sin)[0], kv, q, qi]):
         assert torch.equal(x.view(y.shape), y)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_plain_linear_rows_equal_linear_mx_at_wo_b_size(rows):
+    """``wo_b`` (5120 x 8192) as ``fused_rows.linear_rows`` runs it: rows of 512 columns, no epilogue."""
+    g = torch.Generator().manual_seed(100 + rows)
+    z = torch.randn(rows, 8192, generator=g).to(torch.bfloat16).to(DEV)
+    w, s = weight(5120, 8192, g)
+    none = torch.empty(rows, 0, device=DEV)
+    got = proj_rows(z, [Proj(w, s, 512)], none, none)[0].view(rows, 5120)
+    assert torch.equal(got, gemm_mx.linear_mx(z, w, s, 32, decode="fp8", path="splitk"))

@@ -111,7 +111,8 @@ def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w
     wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
             else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
     z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
-    return linear(z, w, f"{p}.wo_b.weight", num)
+    y = fused_rows.linear_rows(z, w, f"{p}.wo_b.weight", num)   # few rows: two launches, the same bits
+    return y if y is not None else linear(z, w, f"{p}.wo_b.weight", num)
 
 
 class AttentionLayer:
@@ -129,9 +130,11 @@ class AttentionLayer:
                  slots: Slots) -> torch.Tensor:
         cfg, w, num, p = self.cfg, self.w, self.num, self.p
         t = u.shape[0]
-        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, self.inv, slots.rope)   # few rows: the step's launches
+        index = cfg.is_index_source(self.layer)
+        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, self.inv, slots.rope, index)   # the step's launches
+        q_index = None
         if got is not None:
-            qr, q, kv = got
+            qr, q, kv, q_index = got
         else:
             qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
             q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
@@ -141,7 +144,7 @@ class AttentionLayer:
         if cfg.is_kv_source(self.layer) and spans:
             self._compress(u, spans, state)
         if cfg.is_index_source(self.layer):
-            self._index(u, qr, pos, spans, state, slots)
+            self._index(u, qr, pos, spans, state, slots, q_index)
         ops = ops_of(w)
         routed = ops is not None and ops.attention
         # The routed kernel writes q's dtype: no fp32 round trip of the [T, H, Dh] output (1 GiB at 8K rows).
@@ -278,13 +281,16 @@ class AttentionLayer:
             return bf16_round(r.sum(-1))
         return (F.relu(dots) * wts[:, None, :]).sum(-1)
 
-    def _index(self, u, qr, pos, spans: List[Span], state: V41State, slots: Slots) -> None:
+    def _index(self, u, qr, pos, spans: List[Span], state: V41State, slots: Slots,
+               q: Optional[torch.Tensor] = None) -> None:
+        """``q``: the indexer's query when the q projections computed it (``fused_rows.q_kv_rows``)."""
         cfg, w, num = self.cfg, self.w, self.num
         p = f"{self.p}.indexer"
         t = u.shape[0]
         dev = u.device
-        q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
-        q = fused_rows.rope(q, w, pos, self.inv, slots.rope, qdq=True)
+        if q is None:
+            q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
+            q = fused_rows.rope(q, w, pos, self.inv, slots.rope, qdq=True)
         wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
             * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         r = self.ratio

@@ -101,26 +101,35 @@ def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optio
 
 
 def q_kv_rows(u: torch.Tensor, w, p: str, cfg, num, pos: torch.Tensor, inv: torch.Tensor,
-              tables: Optional[Dict] = None):
-    """(qr, q, kv) = (norm(wq_a(u)), RoPE(wq_b(qr)) [T, H, Dh], norm_rope(wkv(u))) of attention ``p`` in four
-    launches (:func:`redknot.kernels.triton.step_proj_v41.proj_rows` twice: the ``wq_a`` | ``wkv`` stream and
-    its row epilogues, the ``wq_b`` stream and its RoPE), the bits of ``linear`` with ``linear_mx``'s ``fp8``
-    decode followed by :func:`norm` / :func:`rope` / :func:`norm_rope`. For the tensor step's and the eager
-    layers' few rows (up to ``step_proj_v41.MAX_ROWS``) on the registry's FP8 linears with the row kernels;
-    None elsewhere (the caller runs the linears and row functions)."""
+              tables: Optional[Dict] = None, index: bool = False):
+    """(qr, q, kv, qi) = (norm(wq_a(u)), RoPE(wq_b(qr)) [T, H, Dh], norm_rope(wkv(u)), the indexer's query or
+    None) of attention ``p`` in four launches (:func:`redknot.kernels.triton.step_proj_v41.proj_rows` twice: the
+    ``wq_a`` | ``wkv`` stream and its row epilogues, the ``wq_b`` stream and its RoPE), the bits of ``linear``
+    with ``linear_mx``'s ``fp8`` decode followed by :func:`norm` / :func:`rope` / :func:`norm_rope`. ``index``
+    (an index source): the indexer's ``wq_b`` rides in the second stream and epilogue, ``qi`` [T, Hi, Di] =
+    ``rope(linear(qr, indexer.wq_b), qdq=True)`` (else None). For the tensor step's and the eager layers' few
+    rows (up to ``step_proj_v41.MAX_ROWS``) on the registry's FP8 linears with the row kernels; None elsewhere
+    (the caller runs the linears and row functions)."""
     if not (u.dim() == 2 and u.dtype == num.dtype == torch.bfloat16 and fused(w, u)):
         return None
     from redknot.kernels.triton.step_proj_v41 import MAX_ROWS, Proj, epilogue_warps, proj_rows
     from redknot.models.deepseek_v41.moe import _fp8_linear_weights
 
     ops = ops_of(w)
-    got = [_fp8_linear_weights(ops, w, f"{p}.{n}.weight", num) for n in ("wq_a", "wkv", "wq_b")]
+    names = [f"{p}.{n}.weight" for n in ("wq_a", "wkv", "wq_b")] + ([f"{p}.indexer.wq_b.weight"] if index else [])
+    got = [_fp8_linear_weights(ops, w, n, num) for n in names]
     d = cfg.head_dim
     if u.shape[0] > MAX_ROWS or any(g is None for g in got) or d % 2 or 2 * inv.shape[0] > d:
         return None
-    (wa, sa), (wkv, skv), (wb, sb) = got
+    (wa, sa), (wkv, skv), (wb, sb) = got[:3]
     if wa.shape[1] != u.shape[1] or wkv.shape != (d, u.shape[1]) or wb.shape != (cfg.n_heads * d, wa.shape[0]):
         return None
+    second = [Proj(wb, sb, d, rope=True)]
+    if index:
+        (wi, si), di = got[3], cfg.index_head_dim
+        if wi.shape != (cfg.index_n_heads * di, wa.shape[0]) or not _ok(u.new_empty(0, di), inv, qdq=True):
+            return None
+        second.append(Proj(wi, si, di, rope=True, qdq=True))
     first = [Proj(wa, sa, wa.shape[0], norm_w=w.float(f"{p}.q_norm.weight"), eps=cfg.norm_eps),
              Proj(wkv, skv, d, norm_w=w.float(f"{p}.kv_norm.weight"), eps=cfg.norm_eps, rope=True)]
     if epilogue_warps(first) is None:
@@ -130,7 +139,28 @@ def q_kv_rows(u: torch.Tensor, w, p: str, cfg, num, pos: torch.Tensor, inv: torc
     if pair is None:
         return None
     qr, kv = pair[0].view(u.shape[0], -1), pair[1].view(u.shape[0], d)
-    q = _guarded(proj_rows, qr, [Proj(wb, sb, d, rope=True)], cos, sin)
+    q = _guarded(proj_rows, qr, second, cos, sin)
     if q is None:
         return None
-    return qr, q[0], kv
+    return qr, q[0], kv, (q[1] if index else None)
+
+
+def linear_rows(x: torch.Tensor, w, name: str, num) -> Optional[torch.Tensor]:
+    """``linear(x, w, name, num)`` [T, N] for few 16-bit rows on the registry's FP8 linears in two launches (the
+    FP8 stream with the rows quantised inside, and the slice sums: ``step_proj_v41.proj_rows`` without an
+    epilogue), the bits of ``linear_mx``'s ``fp8`` decode (three launches); None where it does not apply."""
+    if not (x.dim() == 2 and x.dtype == num.dtype == torch.bfloat16 and fused(w, x)):
+        return None
+    from redknot.kernels.triton.step_proj_v41 import MAX_ROWS, Proj, proj_rows
+    from redknot.models.deepseek_v41.moe import _fp8_linear_weights
+
+    got = _fp8_linear_weights(ops_of(w), w, name, num)
+    if x.shape[0] > MAX_ROWS or got is None or got[0].shape[1] != x.shape[1]:
+        return None
+    n = got[0].shape[0]
+    dim = 512 if n % 512 == 0 else n           # rows of 512 columns: more programs, the same elementwise sums
+    if dim % 2:
+        return None
+    none = torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device)
+    y = _guarded(proj_rows, x, [Proj(got[0], got[1], dim)], none, none)
+    return None if y is None else y[0].view(x.shape[0], n)

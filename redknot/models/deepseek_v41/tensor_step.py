@@ -342,8 +342,9 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     pos = rows.pos
     with region("attn.q_kv"):
         inv = _shared_inv(layer, u)
-        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, inv, shared["rope"])   # few rows: four launches
-        qr, q, kv = got if got is not None else _q_kv(layer, u, pos, inv, shared["rope"])
+        index = cfg.is_index_source(layer.layer)
+        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, inv, shared["rope"], index)   # few rows: four launches
+        qr, q, kv, shared["index_q"] = got if got is not None else (*_q_kv(layer, u, pos, inv, shared["rope"]), None)
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)

@@ -151,8 +151,10 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     p = f"{layer.p}.indexer"
     t = u.shape[0]
     dev = u.device
-    q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
-    q = fused_rows.rope(q, w, rows.pos, step_inv(layer), shared.get("rope"), qdq=True)
+    q = shared.pop("index_q", None)   # the query from the q projections' launches (fused_rows.q_kv_rows)
+    if q is None:
+        q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        q = fused_rows.rope(q, w, rows.pos, step_inv(layer), shared.get("rope"), qdq=True)
     wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
         * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
     r = layer.ratio

@@ -1,4 +1,5 @@
-"""The tensor step's q / kv projections in four launches (``fused_rows.q_kv_rows``) against the per-linear path
+"""The tensor step's q / kv projections in four launches (``fused_rows.q_kv_rows``, the index sources' indexer
+query in the same launches) and ``wo_b`` in two (``fused_rows.linear_rows``) against the per-linear path
 (``linear_mx`` + row kernels) on the e2e_v41 toy cut with every V4.1 op on its Triton kernel (interpreter): the
 step's output rows and every cache byte equal bit for bit (off the GPU the linear tuner takes the ``fp8`` decode,
 whose bits the fused launches reproduce), and the fused path ran."""
@@ -32,17 +33,18 @@ def test_q_kv_rows_equal_the_per_linear_step(monkeypatch):
     step = ts.TensorStep(torch.full((1,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(2),
                          torch.arange(1), torch.tensor(b.blocks))
     twin = copy.deepcopy(b.state)
-    calls = []
-    real = fused_rows.q_kv_rows
-
-    def counted(*a, **k):
-        got = real(*a, **k)
-        calls.append(got is not None)
-        return got
-    monkeypatch.setattr(fused_rows, "q_kv_rows", counted)
+    calls = {"q_kv_rows": [], "linear_rows": []}
+    for name in calls:
+        def counted(*a, _real=getattr(fused_rows, name), _name=name, **k):
+            got = _real(*a, **k)
+            calls[_name].append(got is not None)
+            return got
+        monkeypatch.setattr(fused_rows, name, counted)
     got = ts.tensor_forward(model, step, b.state)
-    assert calls and all(calls), calls
-    monkeypatch.setattr(fused_rows, "q_kv_rows", lambda *a, **k: None)
+    assert len(calls["q_kv_rows"]) == len(calls["linear_rows"]) == cfg.n_layers and all(calls["q_kv_rows"]), calls
+    assert all(calls["linear_rows"]), calls
+    for name in calls:
+        monkeypatch.setattr(fused_rows, name, lambda *a, **k: None)
     want = ts.tensor_forward(model, step, twin)
     assert torch.equal(got, want)
     for x, y in zip(b.state.tensors(), twin.tensors()):
