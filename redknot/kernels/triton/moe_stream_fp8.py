@@ -144,7 +144,7 @@ def stream_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, 
     fp32 partials [S, rows, N] (and W3's); 1: the W2 input (e4m3 [rows, N], E8M0 [rows, N/32]); 2: bf16."""
     from redknot.kernels.triton.moe_stream import ROW_TILE, slices
     w, ws = as_bytes(w), as_bytes(ws)
-    G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
+    N, K = w.shape[1], w.shape[2] * 2
     if K % 32:
         raise ValueError(f"stream_gemm_fp8: K={K} must be a multiple of 32")
     bn = plan.block_n
@@ -157,15 +157,28 @@ def stream_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, 
     step = 32 * groups
     ksplit = cdiv(cdiv(K, S), step) * step
     S = cdiv(K, ksplit)
+    return launch_stream(_stream_fp8_mm, aq, sa, w, ws, rows, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3,
+                         ws3=ws3, wt=wt, limit=limit, epi=epi, slices=S, ksplit=ksplit, block_m=ROW_TILE,
+                         scale_dtype=torch.uint8, BLOCK_M=ROW_TILE, BLOCK_N=bn, GROUPS=groups)
+
+
+def launch_stream(kernel, aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid, w3, ws3, wt, limit: float, epi: int,
+                  slices: int, ksplit: int, block_m: int, scale_dtype, **meta):
+    """The host side shared by the FP8 stream kernels (``_stream_fp8_mm`` and ``moe_stream_fp8h``'s): the outputs
+    for ``epi`` (0: fp32 partials [slices, rows, N] and W3's; 1: e4m3 [rows, N] with ``scale_dtype`` scales
+    [rows, N/32]; 2: bf16 [rows, N]), the tile arguments (inline: ``block_m`` row tiles plus one per expert)
+    and the launch over (tiles, N / plan.block_n, slices) with the kernel's own constexprs ``meta``. ``w`` and
+    ``ws`` are already bytes (``as_bytes``)."""
+    G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
     dual = w3 is not None
     dev = aq.device
     ps = None
     if epi == 0:
-        p = torch.empty(S, rows, N, dtype=torch.float32, device=dev)
+        p = torch.empty(slices, rows, N, dtype=torch.float32, device=dev)
         p3 = torch.empty_like(p) if dual else p
     elif epi == 1:
         p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
-        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.uint8, device=dev)
+        ps = torch.empty(rows, cdiv(N, 32), dtype=scale_dtype, device=dev)
         p3 = p
     else:
         p = torch.empty(rows, N, dtype=torch.bfloat16, device=dev)
@@ -174,18 +187,17 @@ def stream_gemm_fp8(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, 
     if rows == 0:
         return result
     if plan.inline:
-        n_tiles = cdiv(rows, ROW_TILE) + min(G, rows)
+        n_tiles = cdiv(rows, block_m) + min(G, rows)
         tg = tr = te = offs
     else:
         tg, tr, te, n_tiles = tiles
     w3g = as_bytes(w3) if dual else w
     s3g = as_bytes(ws3) if dual else ws
-    _stream_fp8_mm[(n_tiles, cdiv(N, bn), S)](
+    kernel[(n_tiles, cdiv(N, plan.block_n), slices)](
         aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, p3, ps if ps is not None else p,
         wt if wt is not None else p, tg, tr, te, offs, G, N, K, ksplit, float(limit),
         aq.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
         p.stride(0) if epi == 0 else 0, p.stride(-2), ps.stride(0) if ps is not None else 0,
         GATHER=rowid is not None, DUAL=dual, EPI=epi, USE_ASM=use_asm(dev), TILE_INLINE=plan.inline,
-        G_POW2=max(16, next_pow2(G)), BLOCK_M=ROW_TILE, BLOCK_N=bn, GROUPS=groups, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        G_POW2=max(16, next_pow2(G)), **meta, num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result

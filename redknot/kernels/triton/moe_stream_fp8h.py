@@ -46,9 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes
-from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX, use_asm
+from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX, launch_stream
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 from redknot.kernels.triton.stream_scaled import tile_of
 
@@ -403,7 +403,7 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
     not used). K, the scale rows' strides and the K slices must be multiples of 128 / 4 / 128."""
     from redknot.kernels.triton.moe_stream import ROW_TILE, slices
     w, ws = as_bytes(w), as_bytes(ws)
-    G, N, K = w.shape[0], w.shape[1], w.shape[2] * 2
+    N, K = w.shape[1], w.shape[2] * 2
     if K % 128 or not words_ok(ws) or (w3 is not None and not words_ok(as_bytes(ws3))) or sa.dtype != torch.float32:
         raise ValueError(f"stream_gemm_fp8h: K={K} and the weight scale rows' strides must be multiples of "
                          f"128 / 4 (strides {tuple(ws.stride())}), the row scales fp32 (got {sa.dtype})")
@@ -417,37 +417,8 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
     S = slices(N, K, plan) if epi == 0 else 1
     ksplit = cdiv(cdiv(K, S), 128) * 128
     S = cdiv(K, ksplit)
-    dual = w3 is not None
-    dev = aq.device
-    ps = None
-    if epi == 0:
-        p = torch.empty(S, rows, N, dtype=torch.float32, device=dev)
-        p3 = torch.empty_like(p) if dual else p
-    elif epi == 1:
-        p = torch.empty(rows, N, dtype=torch.float8_e4m3fn, device=dev)
-        ps = torch.empty(rows, cdiv(N, 32), dtype=torch.float32, device=dev)
-        p3 = p
-    else:
-        p = torch.empty(rows, N, dtype=torch.bfloat16, device=dev)
-        p3 = p
-    result = (p, p3) if dual and epi == 0 else ((p, ps) if epi == 1 else p)
-    if rows == 0:
-        return result
-    if plan.inline:
-        n_tiles = cdiv(rows, bm) + min(G, rows)
-        tg = tr = te = offs
-    else:
-        tg, tr, te, n_tiles = tiles
-    w3g = as_bytes(w3) if dual else w
-    s3g = as_bytes(ws3) if dual else ws
     kernel = _stream_fp8hd_mm if diag else _stream_fp8h_mm
     shape = {"R": bm, "BLOCK_N": bn} if diag else {"BLOCK_M": bm, "SUB_N": sub, "SUBS": bn // sub}
-    kernel[(n_tiles, cdiv(N, bn), S)](
-        aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, p3, ps if ps is not None else p,
-        wt if wt is not None else p, tg, tr, te, offs, G, N, K, ksplit, float(limit),
-        aq.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1),
-        p.stride(0) if epi == 0 else 0, p.stride(-2), ps.stride(0) if ps is not None else 0,
-        GATHER=rowid is not None, DUAL=dual, EPI=epi, USE_ASM=use_asm(dev), TILE_INLINE=plan.inline,
-        G_POW2=max(16, next_pow2(G)), EVEN_N=N % bn == 0, **shape, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
-    return result
+    return launch_stream(kernel, aq, sa, w, ws, rows, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3, ws3=ws3,
+                         wt=wt, limit=limit, epi=epi, slices=S, ksplit=ksplit, block_m=bm,
+                         scale_dtype=torch.float32, EVEN_N=N % bn == 0, **shape)
