@@ -66,6 +66,20 @@ class StreamPlan:
 
 
 @triton.jit
+def stream_tile(offs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, G, pid_m, TILE_INLINE: tl.constexpr,
+                BLOCK_M: tl.constexpr, G_POW2: tl.constexpr):
+    """(group, first row, group end) of row tile ``pid_m`` of the stream kernels: from the group ends
+    (``tile_of``) when TILE_INLINE, else from the tile map (group -1: no tile)."""
+    if TILE_INLINE:
+        grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
+    else:
+        grp = tl.load(tile_group_ptr + pid_m)
+        row0 = tl.load(tile_row_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+    return grp, row0, row_end
+
+
+@triton.jit
 def fp4_tile_bf16(b_ptr, sb_ptr, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """A packed MXFP4 tile [BN, BK/2] bytes with its E8M0 scales [BN, BK/32] -> bf16 [BN, BK] in natural K
@@ -95,12 +109,8 @@ def _stream_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, 
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if TILE_INLINE:
-        grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
-    else:
-        grp = tl.load(tile_group_ptr + pid_m)
-        row0 = tl.load(tile_row_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
+    grp, row0, row_end = stream_tile(offs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, G, pid_m, TILE_INLINE,
+                                     BLOCK_M, G_POW2)
     if grp >= 0:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv, next_pow2
 from redknot.kernels.triton.dequant_mx import as_bytes
+from redknot.kernels.triton.moe_stream import stream_tile
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
-from redknot.kernels.triton.stream_scaled import tile_of
 
 # (globals a kernel reads must be constexpr)
 _LO_PTX = tl.constexpr("{ .reg .b32 t, u; shl.b32 t, $1, 4; shl.b32 u, $1, 2; and.b32 t, t, 0x80808080; "
@@ -72,12 +72,8 @@ def _stream_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_p
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if TILE_INLINE:
-        grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
-    else:
-        grp = tl.load(tile_group_ptr + pid_m)
-        row0 = tl.load(tile_row_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
+    grp, row0, row_end = stream_tile(offs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, G, pid_m, TILE_INLINE,
+                                     BLOCK_M, G_POW2)
     if grp >= 0:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end

@@ -48,9 +48,9 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes
+from redknot.kernels.triton.moe_stream import stream_tile
 from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX, launch_stream
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
-from redknot.kernels.triton.stream_scaled import tile_of
 
 DIAG_ROWS = {"fp8hd": 8, "fp8hd4": 4}  # rows per tile of the block-diagonal streams (MMA columns: 4 x rows)
 
@@ -206,12 +206,8 @@ def _stream_fp8h_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if TILE_INLINE:
-        grp, row0, row_end = tile_of(offs_ptr, G, pid_m, BLOCK_M, G_POW2)
-    else:
-        grp = tl.load(tile_group_ptr + pid_m)
-        row0 = tl.load(tile_row_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
+    grp, row0, row_end = stream_tile(offs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, G, pid_m, TILE_INLINE,
+                                     BLOCK_M, G_POW2)
     if grp >= 0:
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row_end
@@ -341,12 +337,8 @@ def _stream_fp8hd_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if TILE_INLINE:
-        grp, row0, row_end = tile_of(offs_ptr, G, pid_m, R, G_POW2)
-    else:
-        grp = tl.load(tile_group_ptr + pid_m)
-        row0 = tl.load(tile_row_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
+    grp, row0, row_end = stream_tile(offs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, G, pid_m, TILE_INLINE,
+                                     R, G_POW2)
     if grp >= 0:
         rows = row0 + tl.arange(0, R)
         rmask = rows < row_end
