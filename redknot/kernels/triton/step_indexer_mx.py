@@ -28,7 +28,7 @@ from redknot.kernels.triton.indexer_mx import _index_keys
 
 @triton.jit
 def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, out_ptr, NMAX, NCOLS, PER, RATIO, BS, HI,
-                       stride_qt, stride_qh, stride_wt, stride_k, stride_tt, stride_ct, stride_ot,
+                       stride_qt, stride_qh, stride_wt, stride_k, stride_tt, stride_ct, stride_ot, wscale,
                        HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
                        CAND: tl.constexpr):
     """Columns are entries 0..NMAX-1, or (CAND) the row's listed entries cand[t, :NCOLS] (-1: none)."""
@@ -55,7 +55,7 @@ def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, out_pt
         q = tl.load(q_ptr + t * stride_qt + hs[:, None] * stride_qh + tl.arange(0, DI)[None, :],
                     mask=hmask[:, None], other=0.0).to(tl.bfloat16)
         d = tl.dot(q, tl.trans(keys))                                                     # [HI_P, BN] fp32
-        w = tl.load(w_ptr + t * stride_wt + hs, mask=hmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t * stride_wt + hs, mask=hmask, other=0.0).to(tl.float32) * wscale
         if BF16:
             d = d.to(tl.bfloat16).to(tl.float32)
             w = w.to(tl.bfloat16).to(tl.float32)
@@ -81,14 +81,16 @@ STEP_INDEX_TUNER = ConfigTuner("step_index_scores", [
 
 def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
                       visible: torch.Tensor, ratio: int, block_size: int, bf16_scores: bool = False,
-                      entries: Optional[torch.Tensor] = None, config: Optional[StepIndexConfig] = None
-                      ) -> torch.Tensor:
+                      entries: Optional[torch.Tensor] = None, config: Optional[StepIndexConfig] = None,
+                      weights_scale: float = 1.0) -> torch.Tensor:
     """Scores [T, n_max] fp32 (-inf where invisible) of rows q [T, Hi, Di] (rotated, FP4-QDQ'd) with
     weights [T, Hi] (scale folded in) over their pages: keys uint8 [pages·per, Di/2 + Di/32] (the source's
     flat key cache, ``per = block_size // ratio`` entries a page), table [T, W] each row's block ids,
     visible [T]. n_max = W·block_size // ratio (see :func:`step_index_scores_reference`).
     ``entries`` [T, C] (-1: none): score only those entry ids of each row -> [T, C] (candidate lists).
-    ``config=None``: the launch shape is measured once per problem class on a GPU (outside capture)."""
+    ``config=None``: the launch shape is measured once per problem class on a GPU (outside capture).
+    ``weights_scale``: the weights are ``fp32(weights) · weights_scale`` (fp32 product, as PyTorch's
+    ``weights.float() * scale``): a 16-bit weights GEMV output without the two launches of that cast and product."""
     T, HI, DI = q.shape
     n_max = table.shape[1] * block_size // ratio
     ncols = n_max if entries is None else entries.shape[1]
@@ -101,12 +103,12 @@ def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
     if config is None:
         key = (min(next_pow2(T), 4096), HI, DI, next_pow2(ncols), bf16_scores, entries is not None)
         config = STEP_INDEX_TUNER.pick(key, lambda c: step_index_scores(
-            q, weights, keys, table, visible, ratio, block_size, bf16_scores, entries, c), q.device)
+            q, weights, keys, table, visible, ratio, block_size, bf16_scores, entries, c, weights_scale), q.device)
     block_n = max(16, min(config.block_n, next_pow2(ncols)))
     _step_index_scores[(T, cdiv(ncols, block_n))](
         q, weights, keys, table, visible, cand, out, n_max, ncols, block_size // ratio, ratio, block_size, HI,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0),
-        cand.stride(0) if entries is not None else 0, out.stride(0),
+        cand.stride(0) if entries is not None else 0, out.stride(0), float(weights_scale),
         HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, CAND=entries is not None,
         num_warps=config.num_warps)
     return out

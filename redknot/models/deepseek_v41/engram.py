@@ -61,7 +61,9 @@ def engram_forward(h: torch.Tensor, ids: torch.Tensor, w: Weights, layer: int, n
     prefix = f"layers.{layer}.engram"
     t, hc, d = h.shape
     rows = table_rows(w, prefix, ids, num.dtype).reshape(t, -1)             # [T, n_cols*hd]
-    kv = linear(rows, w, f"{prefix}.wkv.weight", num)                       # [T, (hc+1)*D]
+    kv = fused_rows.linear_rows(rows, w, f"{prefix}.wkv.weight", num)       # few rows: two launches, same bits
+    if kv is None:
+        kv = linear(rows, w, f"{prefix}.wkv.weight", num)                   # [T, (hc+1)*D]
     if _fused_gate(w, h, kv):   # the gate in one launch (eager and tensor-only steps alike)
         from redknot.kernels.triton.step_engram_v41 import engram_gate_rows
 

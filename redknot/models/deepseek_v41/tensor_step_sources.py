@@ -155,12 +155,16 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     if q is None:
         q = linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.index_n_heads, cfg.index_head_dim)
         q = fused_rows.rope(q, w, rows.pos, step_inv(layer), shared.get("rope"), qdq=True)
-    wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype).to(num.acc) \
-        * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+    wscale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+    wts = plain_linear(u, w, f"{p}.weights_proj.weight", num.dtype)
     r = layer.ratio
     src = state.sources[layer.kv_source]
     n_max = rows.blocks.shape[1] * rows.block_size // r                          # entries a table addresses
     visible = rows.visible(r)
+    if step_kernels(w) and num.acc == torch.float32:   # the cast and scale inside the score kernel (same bits)
+        _index_kernel(layer, q, wts, rows, src, visible, n_max, shared, wscale)
+        return
+    wts = wts.to(num.acc) * wscale
     if step_kernels(w):
         _index_kernel(layer, q, wts, rows, src, visible, n_max, shared)
         return
@@ -177,7 +181,7 @@ def _index(layer, u, qr, rows: _Rows, state, shared) -> None:
     shared["topk"] = topk
 
 
-def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) -> None:
+def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared, wscale: float = 1.0) -> None:
     """The indexer through the paged step kernel: every addressable entry on the index sources (the
     candidate source also publishes its blocks as entry lists); only the candidate entries on the
     layers that re-index inside them, when those are fewer than the table addresses."""
@@ -187,7 +191,7 @@ def _index_kernel(layer, q, wts, rows: _Rows, src, visible, n_max: int, shared) 
     cfg, num = layer.cfg, layer.num
     keys = src.keys.view(-1, src.keys.shape[-1])
     score = functools.partial(step_index_scores, q, wts, keys, rows.blocks, visible, layer.ratio, rows.block_size,
-                              bf16_scores=num.act_quant)
+                              bf16_scores=num.act_quant, weights_scale=wscale)
     if cfg.reads_candidates(layer.layer) and shared["cand_entries"].shape[1] < n_max:
         cand = shared["cand_entries"]                                             # [T, NB·bs] ascending, -1
         shared["topk"] = topk_select(score(entries=cand), cfg.index_topk, ids=cand)   # the listed ids

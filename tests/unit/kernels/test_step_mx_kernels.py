@@ -299,3 +299,17 @@ def test_cache_insert_is_bit_exact_at_rounding_boundaries(fmt, d, kernel_device)
     cache_insert_mx(cache, slots, x, fmt)
     got = cache[1:49]
     assert int((got != want).sum()) == 0, int((got != want).sum())
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_step_index_scores_weights_scale_equals_the_scaled_fp32_weights(bf16, kernel_device):
+    """16-bit weights with ``weights_scale`` (the cast and product inside the kernel) give the bits of the fp32
+    weights ``w.float() * scale`` that the two PyTorch launches computed; a wrong scale shows."""
+    q, w, *rest = _index_case(kernel_device, 5, *INDEX_CASES[0])
+    hi, di = q.shape[1], q.shape[2]
+    scale = di ** -0.5 * hi ** -0.5
+    wb = (w / scale).to(torch.bfloat16)
+    want = step_index_scores(q, wb.to(torch.float32) * scale, *rest, bf16_scores=bf16)
+    got = step_index_scores(q, wb, *rest, bf16_scores=bf16, weights_scale=scale)
+    assert torch.equal(got, want)
+    assert not torch.equal(step_index_scores(q, wb, *rest, bf16_scores=bf16, weights_scale=scale * 1.01), want)

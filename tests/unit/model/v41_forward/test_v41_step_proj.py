@@ -1,5 +1,5 @@
 """The tensor step's q / kv projections in four launches (``fused_rows.q_kv_rows``, the index sources' indexer
-query in the same launches) and ``wo_b`` in two (``fused_rows.linear_rows``) against the per-linear path
+query in the same launches) and ``wo_b`` / Engram ``wkv`` in two (``fused_rows.linear_rows``) against the per-linear path
 (``linear_mx`` + row kernels) on the e2e_v41 toy cut with every V4.1 op on its Triton kernel (interpreter): the
 step's output rows and every cache byte equal bit for bit (off the GPU the linear tuner takes the ``fp8`` decode,
 whose bits the fused launches reproduce), and the fused path ran."""
@@ -41,8 +41,9 @@ def test_q_kv_rows_equal_the_per_linear_step(monkeypatch):
             return got
         monkeypatch.setattr(fused_rows, name, counted)
     got = ts.tensor_forward(model, step, b.state)
-    assert len(calls["q_kv_rows"]) == len(calls["linear_rows"]) == cfg.n_layers and all(calls["q_kv_rows"]), calls
-    assert all(calls["linear_rows"]), calls
+    engram = sum(cfg.is_engram(i) for i in range(cfg.n_layers))          # wo_b per layer, wkv per Engram layer
+    assert len(calls["q_kv_rows"]) == cfg.n_layers and len(calls["linear_rows"]) == cfg.n_layers + engram > 5, calls
+    assert all(calls["q_kv_rows"]) and all(calls["linear_rows"]), calls
     for name in calls:
         monkeypatch.setattr(fused_rows, name, lambda *a, **k: None)
     want = ts.tensor_forward(model, step, twin)
