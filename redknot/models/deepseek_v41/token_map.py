@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -97,10 +98,17 @@ def cached_token_map(tokenizer_file: str, cache_dir: Optional[str], vocab_size: 
         return TokenMap(tuple(d["lookup"]), d["size"], tokenizer_file)
     tmap = token_map_from_file(tokenizer_file, vocab_size)
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"size": tmap.size, "lookup": list(tmap.lookup)}, f)
-    os.replace(tmp, path)
+    # A private temporary name per writer: ranks of one launch may build the same map at the same time,
+    # and each must replace the file whole (same content) without removing another's temporary.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=cache_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"size": tmap.size, "lookup": list(tmap.lookup)}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     return tmap
 
 

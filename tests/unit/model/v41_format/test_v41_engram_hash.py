@@ -163,3 +163,38 @@ def test_token_map_cache_round_trips(tmp_path, v4_map):
     first = cached_token_map(TOKENIZER, str(tmp_path))
     assert first.lookup == v4_map.lookup and len(list(tmp_path.iterdir())) == 1
     assert cached_token_map(TOKENIZER, str(tmp_path)) == first
+
+
+def test_token_map_cache_survives_writers_racing(tmp_path, v4_map, monkeypatch):
+    """Ranks of one launch build the same map at once (a dp2 launch failed when one rank's rename took
+    the temporary file the other was about to rename): every writer succeeds, one file is left."""
+    import threading
+
+    from redknot.models.deepseek_v41 import token_map as tm
+
+    writers = 6
+    barrier = threading.Barrier(writers)
+    build = tm.token_map_from_file
+
+    def in_step(*a, **k):  # every writer leaves the build together, so the writes overlap
+        out = build(*a, **k)
+        barrier.wait(timeout=60)
+        return out
+
+    monkeypatch.setattr(tm, "token_map_from_file", in_step)
+    errors, maps = [], []
+
+    def write():
+        try:
+            maps.append(tm.cached_token_map(TOKENIZER, str(tmp_path)))
+        except Exception as e:  # noqa: BLE001 - the test reports any writer's failure
+            errors.append(e)
+
+    threads = [threading.Thread(target=write) for _ in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(maps) == writers and all(m.lookup == v4_map.lookup for m in maps)
+    assert [p.name for p in tmp_path.iterdir()] == [f"engram_token_map_{tm._digest(TOKENIZER)}_all.json"]
