@@ -110,6 +110,44 @@ def _index_scores(q_ptr, w_ptr, key_ptr, vis_ptr, cand_ptr, out_ptr, T, N, NCOLS
 
 
 @triton.jit
+def _split_of(vis_ptr, T, nsplit, NB, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+              CAND: tl.constexpr):
+    """A stream program's tokens and its split of the entries: (split, rows_ok, token ids as int64, the tokens'
+    visible counts, first entry, end entry, blocks of BLOCK_N), splits aligned to BLOCK_N."""
+    pid_s = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows_ok = toks < T
+    t64 = toks.to(tl.int64)
+    vis = tl.load(vis_ptr + toks, mask=rows_ok, other=0)
+    if CAND:   # positions in the candidate list (its length), not entry ids
+        n_max = NB * BS
+    else:
+        n_max = tl.max(vis, 0)
+    chunk = tl.cdiv(tl.cdiv(n_max, nsplit), BLOCK_N) * BLOCK_N
+    e_lo = pid_s * chunk
+    e_hi = tl.minimum(e_lo + chunk, n_max)
+    n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0), BLOCK_N)
+    return pid_s, rows_ok, t64, vis, e_lo, e_hi, n_blocks
+
+
+@triton.jit
+def _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j, NB,
+               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, BLOCKMAX: tl.constexpr):
+    """Block j's scores s [BT, BN] of entries ``ents``: the packed keys and which of them beat the rows' bars;
+    with BLOCKMAX the block's max score per BS entries (-inf where none is visible) stored at ``bm_ptr``."""
+    s = tl.where(s == 0.0, 0.0, s)   # -0.0 (relu 0 times a negative weight) ties with 0.0, as in torch
+    seen = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None]
+    if BLOCKMAX:
+        bm = tl.max(tl.reshape(tl.where(seen, s, float("-inf")), (BLOCK_T, BLOCK_N // BS, BS)), 2)
+        bcols = (e_lo + (n_blocks - 1 - j) * BLOCK_N) // BS + tl.arange(0, BLOCK_N // BS)
+        tl.store(bm_ptr + t64[:, None] * stride_bm + bcols[None, :], bm,
+                 mask=rows_ok[:, None] & (bcols[None, :] < NB))
+    key = _pack(s, ents[None, :])
+    keep = seen & (key > theta[:, None])
+    return key, keep
+
+
+@triton.jit
 def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_ptr, T, nsplit, NB, NKEYS,
                   stride_qt, stride_qh, stride_wt, stride_k, stride_bm, stride_cb,
                   HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
@@ -129,19 +167,7 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
     with ``CAND``): each step issues the key loads of the next block before it computes its own, so the
     load latency overlaps the step's MMA and selection (the loop is not software-pipelined otherwise);
     the bytes loaded for every block are the same, so are the selections."""
-    pid_s = tl.program_id(1)
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows_ok = toks < T
-    t64 = toks.to(tl.int64)
-    vis = tl.load(vis_ptr + toks, mask=rows_ok, other=0)
-    if CAND:   # positions in the candidate list (its length), not entry ids
-        n_max = NB * BS
-    else:
-        n_max = tl.max(vis, 0)
-    chunk = tl.cdiv(tl.cdiv(n_max, nsplit), BLOCK_N) * BLOCK_N
-    e_lo = pid_s * chunk
-    e_hi = tl.minimum(e_lo + chunk, n_max)
-    n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0), BLOCK_N)
+    pid_s, rows_ok, t64, vis, e_lo, e_hi, n_blocks = _split_of(vis_ptr, T, nsplit, NB, BLOCK_T, BLOCK_N, BS, CAND)
     hs = tl.arange(0, HP)   # heads padded to a tensor-core shape: padded rows have q = 0 and weight 0
     hmask = rows_ok[:, None] & (hs < HI)[None, :]
     q = tl.load(q_ptr + t64[:, None, None] * stride_qt + hs[None, :, None] * stride_qh +
@@ -187,15 +213,8 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
             s = s.to(tl.bfloat16).to(tl.float32)
         else:
             s = tl.sum(tl.maximum(d, 0.0) * w[:, :, None], 1)                          # [BT, BN]
-        s = tl.where(s == 0.0, 0.0, s)   # -0.0 (relu 0 times a negative weight) ties with 0.0, as in torch
-        seen = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None]
-        if BLOCKMAX:
-            bm = tl.max(tl.reshape(tl.where(seen, s, float("-inf")), (BLOCK_T, BLOCK_N // BS, BS)), 2)
-            bcols = (e_lo + (n_blocks - 1 - j) * BLOCK_N) // BS + tl.arange(0, BLOCK_N // BS)
-            tl.store(bm_ptr + t64[:, None] * stride_bm + bcols[None, :], bm,
-                     mask=rows_ok[:, None] & (bcols[None, :] < NB))
-        key = _pack(s, ents[None, :])
-        keep = seen & (key > theta[:, None])
+        key, keep = _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j, NB,
+                               BLOCK_T, BLOCK_N, BS, BLOCKMAX)
         if tl.max(count, 0) + BLOCK_N > CAP:
             count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
             keep = keep & (key > theta[:, None])
@@ -276,19 +295,7 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
     bf16 terms is a second MMA, terms [BLOCK_N, BLOCK_T·HP] from registers times a block-diagonal ones
     matrix [BLOCK_T·HP, 16] (exact products, fp32 accumulation in the tensor core: the same sum wherever
     it is exact, as for the reordered adds), instead of an unpack and an add per term."""
-    pid_s = tl.program_id(1)
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows_ok = toks < T
-    t64 = toks.to(tl.int64)
-    vis = tl.load(vis_ptr + toks, mask=rows_ok, other=0)
-    if CAND:
-        n_max = NB * BS
-    else:
-        n_max = tl.max(vis, 0)
-    chunk = tl.cdiv(tl.cdiv(n_max, nsplit), BLOCK_N) * BLOCK_N
-    e_lo = pid_s * chunk
-    e_hi = tl.minimum(e_lo + chunk, n_max)
-    n_blocks = tl.cdiv(tl.maximum(e_hi - e_lo, 0), BLOCK_N)
+    pid_s, rows_ok, t64, vis, e_lo, e_hi, n_blocks = _split_of(vis_ptr, T, nsplit, NB, BLOCK_T, BLOCK_N, BS, CAND)
     hs = tl.arange(0, HP)
     offs_d = tl.arange(0, DI)
     hmask = rows_ok[:, None] & (hs < HI)[None, :]
@@ -341,15 +348,8 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                 s = tl.trans(tl.sum(tl.reshape(tb.to(tl.float32), (BLOCK_N, BLOCK_T, HP)), 2))  # [BT, BN]
             if BF16:
                 s = s.to(tl.bfloat16).to(tl.float32)
-            s = tl.where(s == 0.0, 0.0, s)   # -0.0 (relu 0 times a negative weight) ties with 0.0, as in torch
-            seen = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None]
-            if BLOCKMAX:
-                bm = tl.max(tl.reshape(tl.where(seen, s, float("-inf")), (BLOCK_T, BLOCK_N // BS, BS)), 2)
-                bcols = (e_lo + (n_blocks - 1 - j) * BLOCK_N) // BS + tl.arange(0, BLOCK_N // BS)
-                tl.store(bm_ptr + t64[:, None] * stride_bm + bcols[None, :], bm,
-                         mask=rows_ok[:, None] & (bcols[None, :] < NB))
-            key = _pack(s, ents[None, :])
-            keep = seen & (key > theta[:, None])
+            key, keep = _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j, NB,
+                                   BLOCK_T, BLOCK_N, BS, BLOCKMAX)
             if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:   # most blocks of a long stream keep nothing
                 slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
                 tl.store(buf + slot, key, mask=keep)
