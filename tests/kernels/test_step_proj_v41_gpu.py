@@ -71,3 +71,12 @@ def test_plain_linear_rows_equal_linear_mx_at_wo_b_size(rows):
     none = torch.empty(rows, 0, device=DEV)
     got = proj_rows(z, [Proj(w, s, 512)], none, none)[0].view(rows, 5120)
     assert torch.equal(got, gemm_mx.linear_mx(z, w, s, 32, decode="fp8", path="splitk"))
+
+
+def test_rope_table_equals_the_six_launch_form_on_the_gpu():
+    g = torch.Generator().manual_seed(9)
+    pos = torch.randint(0, 1 << 24, (4096,), generator=g).to(DEV)
+    for inv in (rope_inv_freq(64, 160000.0, (16.0, 65536, 32.0, 1.0)), rope_inv_freq(64, 10000.0, None)):
+        ang = pos.to(torch.float64)[:, None] * inv.to(DEV)[None, :]
+        cos, sin = rope_table(pos, inv)
+        assert torch.equal(cos, ang.cos().float()) and torch.equal(sin, ang.sin().float())

@@ -96,9 +96,12 @@ def _reduce_row(p_ptr, raw_ptr, row, tok, head, S, stride_ps, stride_pm, D: tl.c
 
 
 @triton.jit
-def _row_epilogue(x_ptr, out_ptr, row, tok, cos_ptr, sin_ptr, w_ptr, stride_c, eps, D: tl.constexpr,
-                  D2P: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, QDQ: tl.constexpr, ASM: tl.constexpr):
-    """``step_rope_v41._rope_rows``'s per-row code (not inverse) on row ``row`` of a contiguous [R, D] input."""
+def _row_epilogue(x_ptr, out_ptr, row, tok, cos_ptr, sin_ptr, w_ptr, pack_ptr, stride_c, eps, D: tl.constexpr,
+                  D2P: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, QDQ: tl.constexpr, PACK: tl.constexpr,
+                  ASM: tl.constexpr):
+    """``step_rope_v41._rope_rows``'s per-row code (not inverse) on row ``row`` of a contiguous [R, D] input;
+    PACK: also the row's window-cache bytes (``quant_mx._insert_rows`` FMT 0: e4m3 + E8M0 per 32) at row
+    ``row`` of ``pack_ptr`` [R, D + D/32], from the same values ``cache_insert_mx`` would load."""
     D2: tl.constexpr = D // 2
     FIRST: tl.constexpr = D2 - HALF
     i = tl.arange(0, D2P)
@@ -126,31 +129,42 @@ def _row_epilogue(x_ptr, out_ptr, row, tok, cos_ptr, sin_ptr, w_ptr, stride_c, e
         code = e2m1_code(g * pow2(-e)[:, None])
         y = tl.reshape(e2m1_value(code) * pow2(e)[:, None], (2 * D2P,))
     cols = tl.arange(0, 2 * D2P)
-    tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * D + cols, y, mask=cols < D)
+    if PACK:
+        NG: tl.constexpr = 2 * D2P // 32
+        xg = tl.reshape(y.to(tl.float32), (NG, 32))
+        e = e8m0_exponent(tl.max(tl.abs(xg), 1), 448.0, 1e-4)
+        qv = tl.reshape(xg * pow2(-e)[:, None], (2 * D2P,))
+        qv = tl.minimum(tl.maximum(qv, -448.0), 448.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        pbase = pack_ptr + row * (D + D // 32)
+        tl.store(pbase + cols, qv, mask=cols < D)
+        gs = tl.arange(0, NG)
+        tl.store(pbase + D + gs, (e + 127).to(tl.uint8), mask=gs < D // 32)
 
 
 @triton.jit
 def _epilogue2(cos_ptr, sin_ptr, stride_c, n0,
                p0_ptr, raw0_ptr, out0_ptr, w0_ptr, S0, stride_p0s, stride_p0m, eps0, H0,
-               p1_ptr, raw1_ptr, out1_ptr, w1_ptr, S1, stride_p1s, stride_p1m, eps1, H1,
+               p1_ptr, raw1_ptr, out1_ptr, w1_ptr, S1, stride_p1s, stride_p1m, eps1, H1, pack_ptr,
                D0: tl.constexpr, D2P0: tl.constexpr, HALF0: tl.constexpr, NORM0: tl.constexpr, QDQ0: tl.constexpr,
                D1: tl.constexpr, D2P1: tl.constexpr, HALF1: tl.constexpr, NORM1: tl.constexpr, QDQ1: tl.constexpr,
-               ASM: tl.constexpr):
+               PACK1: tl.constexpr, ASM: tl.constexpr):
     """Programs [0, n0): rows (token, head) of output 0, the rest those of output 1."""
     pid = tl.program_id(0).to(tl.int64)
     if pid < n0:
         tok = pid // H0
         _reduce_row(p0_ptr, raw0_ptr, pid, tok, pid - tok * H0, S0, stride_p0s, stride_p0m, D0, 2 * D2P0)
         tl.debug_barrier()   # the row's raw values, stored by every thread of the program, then read back
-        _row_epilogue(raw0_ptr, out0_ptr, pid, tok, cos_ptr, sin_ptr, w0_ptr, stride_c, eps0, D0, D2P0, HALF0,
-                      NORM0, QDQ0, ASM)
+        _row_epilogue(raw0_ptr, out0_ptr, pid, tok, cos_ptr, sin_ptr, w0_ptr, pack_ptr, stride_c, eps0, D0, D2P0,
+                      HALF0, NORM0, QDQ0, False, ASM)
     else:
         row = pid - n0
         tok = row // H1
         _reduce_row(p1_ptr, raw1_ptr, row, tok, row - tok * H1, S1, stride_p1s, stride_p1m, D1, 2 * D2P1)
         tl.debug_barrier()
-        _row_epilogue(raw1_ptr, out1_ptr, row, tok, cos_ptr, sin_ptr, w1_ptr, stride_c, eps1, D1, D2P1, HALF1,
-                      NORM1, QDQ1, ASM)
+        _row_epilogue(raw1_ptr, out1_ptr, row, tok, cos_ptr, sin_ptr, w1_ptr, pack_ptr, stride_c, eps1, D1, D2P1,
+                      HALF1, NORM1, QDQ1, PACK1, ASM)
 
 
 def slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
@@ -206,12 +220,20 @@ def check(x: torch.Tensor, specs: Sequence[Proj], half: int, block: int) -> None
 
 
 def proj_rows(x: torch.Tensor, specs: Sequence[Proj], cos: torch.Tensor, sin: torch.Tensor,
-              block: int = 32) -> List[torch.Tensor]:
+              block: int = 32, pack: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """[rope_rows(linear_mx(x, s.weight, s.scale).view(T, H, dim), cos, sin, norm_w, eps, qdq) for s in specs]
     with ``linear_mx``'s ``fp8`` decode, bit for bit, in two launches (module docstring): x [T, K] 16-bit,
-    cos/sin [T, half] (``rope_table``; rows without ``rope`` ignore them)."""
+    cos/sin [T, half] (``rope_table``; rows without ``rope`` ignore them). ``pack`` uint8 [T·H, dim + dim/32]: the
+    second linear's output rows also as window-cache bytes there (``cache_insert_mx(pack, arange, rows,
+    "window")``'s bytes; needs two linears, the second's width a multiple of 32)."""
     half = cos.shape[-1]
     check(x, specs, half, block)
+    if pack is not None:
+        s = specs[-1]
+        if (len(specs) != 2 or s.dim % 32 or s.qdq or pack.dtype != torch.uint8
+                or pack.shape != (x.shape[0] * s.heads, s.dim + s.dim // 32) or pack.stride(0) != pack.shape[1]):
+            raise ValueError(f"proj_rows: pack {tuple(pack.shape)} {pack.dtype} must be contiguous uint8 "
+                             f"[T·H, dim + dim/32] of a second linear (width a multiple of 32, no qdq)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, K = x.shape
     dev = x.device
@@ -251,9 +273,9 @@ def proj_rows(x: torch.Tensor, specs: Sequence[Proj], cos: torch.Tensor, sin: to
     _epilogue2[(n_all,)](
         cos, sin, half, n0,
         p0, r0, o0, w0, c0[0], p0.stride(0), p0.stride(1), e0, s0.heads,
-        p1, r1, o1, w1, c1[0], p1.stride(0), p1.stride(1), e1, s1.heads,
+        p1, r1, o1, w1, c1[0], p1.stride(0), p1.stride(1), e1, s1.heads, pack if pack is not None else r1,
         D0=s0.dim, D2P0=next_pow2(s0.dim // 2), HALF0=half if s0.rope else 0, NORM0=s0.norm_w is not None,
         QDQ0=s0.qdq, D1=s1.dim, D2P1=next_pow2(s1.dim // 2), HALF1=half if s1.rope else 0,
-        NORM1=s1.norm_w is not None, QDQ1=s1.qdq, ASM=not interpreting() and x.is_cuda,
+        NORM1=s1.norm_w is not None, QDQ1=s1.qdq, PACK1=pack is not None, ASM=not interpreting() and x.is_cuda,
         num_warps=epilogue_warps(specs))
     return outs

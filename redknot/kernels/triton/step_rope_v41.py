@@ -72,8 +72,16 @@ def _rope_rows(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, heads, stride_xr, stride
 
 
 def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """(cos, sin) [T, half] in ``dtype`` of angles pos·θ computed in fp64, as ``apply_rope`` computes them."""
-    ang = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]
+    """(cos, sin) [T, half] in ``dtype`` of angles pos·θ computed in fp64, as ``apply_rope`` computes them.
+    Integer positions and fp64 θ: three launches instead of six, the same bits (the product promotes the
+    positions to fp64 as it loads them; cos / sin compute in fp64 and round to ``dtype`` as they store)."""
+    inv = inv_freq.to(pos.device)
+    if inv.dtype == torch.float64 and not pos.is_floating_point() and not pos.is_complex():
+        ang = torch.mul(pos[:, None], inv[None, :])
+        cos = torch.empty(ang.shape, dtype=dtype, device=ang.device)
+        sin = torch.empty(ang.shape, dtype=dtype, device=ang.device)
+        return torch.cos(ang, out=cos), torch.sin(ang, out=sin)
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 

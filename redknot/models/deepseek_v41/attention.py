@@ -134,7 +134,7 @@ class AttentionLayer:
         got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, self.inv, slots.rope, index)   # the step's launches
         q_index = None
         if got is not None:
-            qr, q, kv, q_index = got
+            qr, q, kv, q_index, _ = got
         else:
             qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
             q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,

@@ -101,13 +101,14 @@ def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optio
 
 
 def q_kv_rows(u: torch.Tensor, w, p: str, cfg, num, pos: torch.Tensor, inv: torch.Tensor,
-              tables: Optional[Dict] = None, index: bool = False):
-    """(qr, q, kv, qi) = (norm(wq_a(u)), RoPE(wq_b(qr)) [T, H, Dh], norm_rope(wkv(u)), the indexer's query or
-    None) of attention ``p`` in four launches (:func:`redknot.kernels.triton.step_proj_v41.proj_rows` twice: the
+              tables: Optional[Dict] = None, index: bool = False, pack: bool = False):
+    """(qr, q, kv, qi, packed) = (norm(wq_a(u)), RoPE(wq_b(qr)) [T, H, Dh], norm_rope(wkv(u)), the indexer's
+    query or None, kv's window-cache rows or None) of attention ``p`` in four launches (:func:`redknot.kernels.triton.step_proj_v41.proj_rows` twice: the
     ``wq_a`` | ``wkv`` stream and its row epilogues, the ``wq_b`` stream and its RoPE), the bits of ``linear``
     with ``linear_mx``'s ``fp8`` decode followed by :func:`norm` / :func:`rope` / :func:`norm_rope`. ``index``
     (an index source): the indexer's ``wq_b`` rides in the second stream and epilogue, ``qi`` [T, Hi, Di] =
-    ``rope(linear(qr, indexer.wq_b), qdq=True)`` (else None). For the tensor step's and the eager layers' few
+    ``rope(linear(qr, indexer.wq_b), qdq=True)`` (else None). ``pack``: ``packed`` uint8 [T, Dh + Dh/32] holds the
+    bytes ``cache_insert_mx(packed, arange(T), kv, "window")`` writes (the kv epilogue writes them). For the tensor step's and the eager layers' few
     rows (up to ``step_proj_v41.MAX_ROWS``) on the registry's FP8 linears with the row kernels; None elsewhere
     (the caller runs the linears and row functions)."""
     if not (u.dim() == 2 and u.dtype == num.dtype == torch.bfloat16 and fused(w, u)):
@@ -135,14 +136,16 @@ def q_kv_rows(u: torch.Tensor, w, p: str, cfg, num, pos: torch.Tensor, inv: torc
     if epilogue_warps(first) is None:
         return None
     cos, sin = _table(tables, pos, inv)
-    pair = _guarded(proj_rows, u, first, cos, sin)
+    packed = torch.empty(u.shape[0], d + d // 32, dtype=torch.uint8, device=u.device) if pack and d % 32 == 0 \
+        else None
+    pair = _guarded(proj_rows, u, first, cos, sin, pack=packed)
     if pair is None:
         return None
     qr, kv = pair[0].view(u.shape[0], -1), pair[1].view(u.shape[0], d)
     q = _guarded(proj_rows, qr, second, cos, sin)
     if q is None:
         return None
-    return qr, q[0], kv, (q[1] if index else None)
+    return qr, q[0], kv, (q[1] if index else None), packed
 
 
 def linear_rows(x: torch.Tensor, w, name: str, num) -> Optional[torch.Tensor]:

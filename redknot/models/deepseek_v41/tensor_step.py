@@ -343,8 +343,13 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     with region("attn.q_kv"):
         inv = _shared_inv(layer, u)
         index = cfg.is_index_source(layer.layer)
-        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, inv, shared["rope"], index)   # few rows: four launches
-        qr, q, kv, shared["index_q"] = got if got is not None else (*_q_kv(layer, u, pos, inv, shared["rope"]), None)
+        pack = step_kernels(w) and state.windows[layer.layer].shape[-1] == mx.window_row_bytes(cfg.head_dim)
+        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, inv, shared["rope"], index, pack)   # few rows: 4 launches
+        if got is None:
+            got = (*_q_kv(layer, u, pos, inv, shared["rope"]), None, None)
+        qr, q, kv, shared["index_q"], packed = got
+        if packed is not None:   # kv's window rows, quantised by the kv epilogue (_attend_kernel's insert)
+            rows._memo[("packed", id(kv))] = packed
     if cfg.is_kv_source(layer.layer):
         with region("compressor"):
             _compress(layer, u, rows, state)
@@ -424,8 +429,10 @@ def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor
     ops = ops_of(layer.w)
     ring_t = state.windows[layer.layer]                                         # [S, ring, bytes]
     nbytes = ring_t.shape[-1]
-    packed = torch.empty(rows.t, nbytes, dtype=torch.uint8, device=q.device)
-    ops.cache_insert_mx(packed, rows.row, kv, "window")
+    packed = rows._memo.pop(("packed", id(kv)), None)   # quantised already by the q / kv launches
+    if packed is None:
+        packed = torch.empty(rows.t, nbytes, dtype=torch.uint8, device=q.device)
+        ops.cache_insert_mx(packed, rows.row, kv, "window")
     comp_cache = comp_idx = None
     if layer.ratio:
         src = state.sources[layer.kv_source]

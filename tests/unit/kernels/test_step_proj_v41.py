@@ -95,3 +95,25 @@ def test_refuses_bad_shapes(kernel_device):
         proj_rows(x[:, :96], [Proj(w, s, 64)], cos, sin)
     with pytest.raises(ValueError, match="qdq"):
         proj_rows(x, [Proj(w, s, 64, qdq=True), Proj(w[:48], s, 48, qdq=True)], cos, sin)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_kv_window_bytes_equal_cache_insert(t, kernel_device):
+    """``pack``: the kv rows' window-cache bytes from the epilogue equal ``cache_insert_mx``'s of the kv output."""
+    from redknot.kernels.triton.quant_mx import cache_insert_mx
+
+    k, dq, dkv, rope = 256, 64, 64, 16
+    x, pos, g = case_inputs(t, k, 11 + t, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(rope, 10000.0, None).to(kernel_device))
+    wa, sa = fp8_weight(dq, k, g, kernel_device)
+    wkv, skv = fp8_weight(dkv, k, g, kernel_device)
+    nkv = (1 + 0.1 * torch.randn(dkv, generator=g)).to(kernel_device)
+    specs = [Proj(wa, sa, dq), Proj(wkv, skv, dkv, norm_w=nkv, eps=1e-6, rope=True)]
+    pack = torch.zeros(t, dkv + dkv // 32, dtype=torch.uint8, device=kernel_device)
+    _, kv = proj_rows(x, specs, cos, sin, pack=pack)
+    want = torch.zeros_like(pack)
+    cache_insert_mx(want, torch.arange(t, device=kernel_device), kv.view(t, dkv), "window")
+    assert torch.equal(pack, want) and want.any()
+    assert torch.equal(kv, reference(x, specs[1], cos, sin))
+    with pytest.raises(ValueError, match="pack"):
+        proj_rows(x, specs[:1], cos, sin, pack=pack)

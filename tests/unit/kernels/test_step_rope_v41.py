@@ -83,3 +83,19 @@ def test_gpu_rope_rows_real_widths(qdq):
     cos, sin = rope_table(pos, inv)
     want = apply_rope(x, pos, inv)
     assert torch.equal(rope_rows(x, cos, sin, qdq=qdq), index_qdq(want) if qdq else want)
+
+
+def test_rope_table_equals_the_fp64_angles_cast_after():
+    """The three-launch table (integer positions promoted inside the product, cos / sin rounded as they store)
+    against the six-launch PyTorch form, bit for bit, over positions up to 2^24."""
+    from redknot.kernels.triton.step_rope_v41 import rope_table
+    from redknot.models.deepseek_v41.ref_math import rope_inv_freq
+
+    pos = torch.cat([torch.arange(64), torch.randint(0, 1 << 24, (2000,), generator=torch.Generator().manual_seed(3))])
+    for inv in (rope_inv_freq(64, 160000.0, (16.0, 65536, 32.0, 1.0)), rope_inv_freq(16, 10000.0, None)):
+        ang = pos.to(torch.float64)[:, None] * inv[None, :]
+        cos, sin = rope_table(pos, inv)
+        assert cos.dtype == sin.dtype == torch.float32
+        assert torch.equal(cos, ang.cos().float()) and torch.equal(sin, ang.sin().float())
+        c32, s32 = rope_table(pos.float(), inv)          # the general form
+        assert torch.equal(c32, cos) and torch.equal(s32, sin)
