@@ -101,6 +101,34 @@ def _group_mma_s(acc, bg, sb, at, sa, c_off, k0, BLOCK_N: tl.constexpr, USE_ASM:
 
 
 @triton.jit
+def _tile_of_pid(tile_group_ptr, N, BLOCK_N: tl.constexpr):
+    """(row tile, column block, expert) of this program: row tile ``pid // column blocks`` of the tile map,
+    column block ``pid % column blocks``; expert -1 past the last tile."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_blocks
+    pid_n = pid % n_blocks
+    grp = tl.load(tile_group_ptr + pid_m)
+    return pid_m, pid_n, grp
+
+
+@triton.jit
+def _tile_rows(tile_row_ptr, tile_end_ptr, rowid_ptr, pid_m, GATHER: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(first row, sorted rows, their mask, the token row each reads) of row tile ``pid_m``: rows past the
+    tile's end read the tile's first row."""
+    row0 = tl.load(tile_row_ptr + pid_m)
+    row_end = tl.load(tile_end_ptr + pid_m)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    if GATHER:
+        arow = tl.load(rowid_ptr + rows, mask=rmask, other=0)
+        arow = tl.where(rmask, arow, tl.load(rowid_ptr + row0))
+    else:
+        arow = tl.where(rmask, rows, row0)
+    return row0, rows, rmask, arow
+
+
+@triton.jit
 def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr,
                     tile_group_ptr, tile_row_ptr, tile_end_ptr, N, K, limit, stride_am, stride_sam, stride_bg,
                     stride_bn, stride_sbg, stride_sbn, stride_pm, stride_psm, stride_psg, GATHER: tl.constexpr,
@@ -115,23 +143,11 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
     group are contiguous and unclamped (one base and immediate offsets instead of an address per row). EPI 1
     (needs DUAL): the W2 input, e4m3 [rows, N] + scales per 32 (element (row, group) at row · stride_psm +
     group · stride_psg); EPI 2: bf16 [rows, N]."""
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
-    grp = tl.load(tile_group_ptr + pid_m)
+    pid_m, pid_n, grp = _tile_of_pid(tile_group_ptr, N, BLOCK_N)
     if grp >= 0:
-        row0 = tl.load(tile_row_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
         # rows past the tile's end read the tile's first row and columns past N the last column (results
         # never stored): the K loop's loads need no masks; 32-bit offsets from 64-bit bases
-        if GATHER:
-            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0)
-            arow = tl.where(rmask, arow, tl.load(rowid_ptr + row0))
-        else:
-            arow = tl.where(rmask, rows, row0)
+        row0, rows, rmask, arow = _tile_rows(tile_row_ptr, tile_end_ptr, rowid_ptr, pid_m, GATHER, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         ccol = tl.minimum(cols, N - 1)
@@ -317,21 +333,9 @@ def _prefill_bf16_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, wt
     values in bf16, the weight tile decoded to bf16 with its scales folded in (``moe_stream.fp4_tile_bf16``:
     e2m1 · 2^s is exact in bf16), one MMA per BLOCK_K accumulating in place (no scaling between MMAs; the
     same exact products, summed in another order). EPI 1: the W2 input as bf16 QDQ values; EPI 2: bf16."""
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
-    grp = tl.load(tile_group_ptr + pid_m)
+    pid_m, pid_n, grp = _tile_of_pid(tile_group_ptr, N, BLOCK_N)
     if grp >= 0:
-        row0 = tl.load(tile_row_ptr + pid_m)
-        row_end = tl.load(tile_end_ptr + pid_m)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row_end
-        if GATHER:
-            arow = tl.load(rowid_ptr + rows, mask=rmask, other=0)
-            arow = tl.where(rmask, arow, tl.load(rowid_ptr + row0))
-        else:
-            arow = tl.where(rmask, rows, row0)
+        _, rows, rmask, arow = _tile_rows(tile_row_ptr, tile_end_ptr, rowid_ptr, pid_m, GATHER, BLOCK_M)
         a_off = arow.to(tl.int64) * stride_am if WIDE else arow * stride_am
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
