@@ -1,8 +1,9 @@
 """The q / kv projections with their row epilogues in two launches each (``step_proj_v41.proj_rows``) on the GPU
 at real V4.1 sizes (5120-wide rows; ``wq_a`` 1280 and ``wkv`` 512 columns normalised, the kv latent rotated;
 ``wq_b`` 64 heads of 512 rotated; the indexer's ``wq_b`` 32 heads of 128 rotated onto the FP4 grid): bit for bit
-the launches they replace (``linear_mx`` with the ``fp8`` decode, then ``rope_rows``), and a CUDA-graph replay
-equal to the eager call."""
+the launches they replace (``linear_mx`` with the ``fp8`` decode, then ``rope_rows``; the kv rows' window bytes
+against ``cache_insert_mx``), a CUDA-graph replay equal to the eager call, ``wo_b`` without an epilogue, and the
+three-launch RoPE table against the six-launch form."""
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ pytest.importorskip("triton")
 
 from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels.triton import gemm_mx  # noqa: E402
+from redknot.kernels.triton.quant_mx import cache_insert_mx  # noqa: E402
 from redknot.kernels.triton.step_proj_v41 import Proj, proj_rows  # noqa: E402
 from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table  # noqa: E402
 from redknot.models.deepseek_v41.ref_math import rope_inv_freq  # noqa: E402
@@ -43,8 +45,12 @@ def test_proj_rows_equal_linear_mx_and_rope_rows_at_v41_sizes(rows):
     nq = (1 + 0.1 * torch.randn(1280, generator=g)).to(DEV)
     nkv = (1 + 0.1 * torch.randn(512, generator=g)).to(DEV)
     first = [Proj(wa, sa, 1280, norm_w=nq, eps=1e-6), Proj(wkv, skv, 512, norm_w=nkv, eps=1e-6, rope=True)]
-    qr, kv = proj_rows(u, first, cos, sin)
+    pack = torch.zeros(rows, 512 + 16, dtype=torch.uint8, device=DEV)
+    qr, kv = proj_rows(u, first, cos, sin, pack=pack)
     assert torch.equal(qr, reference(u, first[0], cos, sin)) and torch.equal(kv, reference(u, first[1], cos, sin))
+    want = torch.zeros_like(pack)
+    cache_insert_mx(want, torch.arange(rows, device=DEV), kv.view(rows, 512), "window")
+    assert torch.equal(pack, want)                # the kv rows' window-cache bytes
     qr = qr.view(rows, 1280)
     second = [Proj(wb, sb, 512, rope=True), Proj(wi, si, 128, rope=True, qdq=True)]
     q, qi = proj_rows(qr, second, cos, sin)
