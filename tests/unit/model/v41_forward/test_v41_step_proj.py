@@ -1,8 +1,8 @@
-"""The tensor step's q / kv projections in four launches (``fused_rows.q_kv_rows``, the index sources' indexer
-query in the same launches) and ``wo_b`` / Engram ``wkv`` in two (``fused_rows.linear_rows``) against the
-per-linear path (``linear_mx`` + row kernels) on the e2e_v41 toy cut with every V4.1 op on its Triton kernel (interpreter): the
-step's output rows and every cache byte equal bit for bit (off the GPU the linear tuner takes the ``fp8`` decode,
-whose bits the fused launches reproduce), and the fused path ran."""
+"""The tensor step's q / kv projections in four launches (``fused_rows.q_kv_rows``, the index sources'
+indexer query in the same launches) and ``wo_b`` / Engram ``wkv`` in two (``fused_rows.linear_rows``)
+against the per-linear path (``linear_mx`` + row kernels) on the e2e_v41 toy cut with every V4.1 op on its
+Triton kernel (interpreter): the step's output rows and every cache byte equal bit for bit (off the GPU the
+linear tuner takes the ``fp8`` decode, whose bits the fused launches reproduce), and the fused path ran."""
 import copy
 import os
 import sys
