@@ -51,10 +51,10 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes, fp8_qdq_groups
-from redknot.kernels.triton.moe_stream import fp4_tile_bf16
-from redknot.kernels.triton.moe_stream_fp8 import fp4_e4m3, use_asm
+from redknot.kernels.triton.moe_stream import fp4_tile_bf16, swiglu_rows
+from redknot.kernels.triton.moe_stream_fp8 import fp4_e4m3, swiglu_e4m3, use_asm
 from redknot.kernels.triton.moe_stream_fp8h import fp4_e4m3_halves, halves
-from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
+from redknot.kernels.triton.quant_mx import pow2
 from redknot.kernels.triton.splitk_mx import tile_map
 
 
@@ -239,15 +239,7 @@ def _prefill_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_
         r64 = rows.to(tl.int64)
         omask = rmask[:, None] & cmask[None, :]
         if EPI == 1:  # moe_stream_fp8 EPI 1: e4m3 + E8M0 per 32 of bf16(w · silu(min(g, L)) · clamp(u, ±L))
-            g1 = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
-            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
-            act = (g1 / (1.0 + tl.exp(-g1)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
-            ag = tl.reshape(act, (BLOCK_M, BLOCK_N // 32, 32))
-            e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
-            q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            q, e = swiglu_e4m3(acc, acc3, wt_ptr, rows, rmask, limit, BLOCK_M, BLOCK_N)
             gs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
             smask = rmask[:, None] & (gs[None, :] * 32 < N)
             if HALVES:  # the W2 input in halves order with fp32 scales (its K groups are these column groups)
@@ -360,11 +352,7 @@ def _prefill_bf16_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, wt
         r64 = rows.to(tl.int64)
         omask = rmask[:, None] & cmask[None, :]
         if EPI == 1:  # QDQ_fp8(bf16(w · silu(min(g, L)) · clamp(u, ±L))) per 32 columns, as bf16
-            g1 = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
-            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
-            act = (g1 / (1.0 + tl.exp(-g1)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+            act = swiglu_rows(acc, acc3, wt_ptr, rows, rmask, limit)
             v = fp8_qdq_groups(act, BLOCK_M, BLOCK_N).to(tl.bfloat16)
             tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], v, mask=omask)
         else:

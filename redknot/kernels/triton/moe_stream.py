@@ -80,6 +80,17 @@ def stream_tile(offs_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, G, pid_m, 
 
 
 @triton.jit
+def swiglu_rows(acc, acc3, wt_ptr, rows, rmask, limit):
+    """The fused SwiGLU of a tile's W1 | W3 sums (acc / acc3 [BN, BM], rows on the second axis):
+    bf16(w · silu(min(g, L)) · clamp(u, ±L)) per row, [BM, BN] as fp32 (g, u rounded to bf16 first)."""
+    g = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
+    u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
+    return (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def fp4_tile_bf16(b_ptr, sb_ptr, c64, cmask, kh, gs, stride_bn, stride_sbn, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """A packed MXFP4 tile [BN, BK/2] bytes with its E8M0 scales [BN, BK/32] -> bf16 [BN, BK] in natural K
@@ -171,11 +182,7 @@ def _stream_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, 
             if DUAL:
                 tl.store(p3_ptr + out, tl.trans(acc3), mask=omask)
         elif EPI == 1:  # the W2 input: QDQ_fp8(bf16(w · silu(min(g, L)) · clamp(u, ±L)))
-            g = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
-            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
-            act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
+            act = swiglu_rows(acc, acc3, wt_ptr, rows, rmask, limit)
             v = fp8_qdq_groups(act, BLOCK_M, BLOCK_N).to(tl.bfloat16)
             tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], v, mask=omask)
         else:

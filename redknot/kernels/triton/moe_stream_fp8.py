@@ -25,7 +25,7 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv, next_pow2
 from redknot.kernels.triton.dequant_mx import as_bytes
-from redknot.kernels.triton.moe_stream import stream_tile
+from redknot.kernels.triton.moe_stream import stream_tile, swiglu_rows
 from redknot.kernels.triton.quant_mx import e8m0_exponent, pow2
 
 # (globals a kernel reads must be constexpr)
@@ -57,6 +57,18 @@ def _group_dot(acc, bg, sbg, at, sa, c64, cmask, k0, stride_bn, stride_sbn, BLOC
     sb = tl.load(sbg + c64 * stride_sbn + k0 // 32, mask=cmask, other=127).to(tl.int32)
     d = tl.dot(fp4_e4m3(b, BLOCK_N, USE_ASM), at)
     return acc + d * (pow2(sb - 121)[:, None] * sa[None, :])
+
+
+@triton.jit
+def swiglu_e4m3(acc, acc3, wt_ptr, rows, rmask, limit, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``moe_stream.swiglu_rows`` quantised per 32 columns: (e4m3 [BM, BN], E8M0 exponents [BM, BN/32]
+    unbiased), the W2 input of the FP8 streams."""
+    act = swiglu_rows(acc, acc3, wt_ptr, rows, rmask, limit)
+    ag = tl.reshape(act, (BLOCK_M, BLOCK_N // 32, 32))
+    e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
+    q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+    return q, e
 
 
 @triton.jit
@@ -111,15 +123,7 @@ def _stream_fp8_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_p
             if DUAL:
                 tl.store(p3_ptr + out, tl.trans(acc3), mask=omask)
         elif EPI == 1:
-            g = tl.minimum(tl.trans(acc).to(tl.bfloat16).to(tl.float32), limit)
-            u = tl.trans(acc3).to(tl.bfloat16).to(tl.float32)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-            wt = tl.load(wt_ptr + rows, mask=rmask, other=0.0)
-            act = (g / (1.0 + tl.exp(-g)) * u * wt[:, None]).to(tl.bfloat16).to(tl.float32)
-            ag = tl.reshape(act, (BLOCK_M, BLOCK_N // 32, 32))
-            e = e8m0_exponent(tl.max(tl.abs(ag), 2), 448.0, 1e-4)
-            q = tl.reshape(ag * pow2(-e)[:, :, None], (BLOCK_M, BLOCK_N))
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0).to(tl.float8e4nv)
+            q, e = swiglu_e4m3(acc, acc3, wt_ptr, rows, rmask, limit, BLOCK_M, BLOCK_N)
             tl.store(p_ptr + r64[:, None] * stride_pm + cols[None, :], q, mask=omask)
             gs = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
             tl.store(ps_ptr + r64[:, None] * stride_psm + gs[None, :], (e + 127).to(tl.uint8),
