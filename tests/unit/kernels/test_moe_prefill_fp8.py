@@ -98,23 +98,10 @@ def test_fp8_prefill_self_check_and_tuner_entry(kernel_device):
 
 
 @pytest.mark.slow
-def test_kernel_bench_prefill_rows_smoke(tmp_path):
+def test_kernel_bench_prefill_rows_smoke(tmp_path, kernels_v41_main):
     """``kernels_v41.py --only prefill`` (CPU interpreter, toy sizes): the grouped pair and one row per FP8
     plan run, each checked against the reference."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    bench = Path(__file__).resolve().parents[3] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("kernels_v41_prefill_smoke", bench / "kernels_v41.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # its dataclasses look their module up
-        spec.loader.exec_module(mod)
-        assert mod.main(["--smoke", "--only", "prefill", "--out", str(tmp_path)]) == 0
-    finally:
-        sys.path.remove(str(bench))
-        sys.modules.pop("kernels_v41_prefill_smoke", None)
+    assert kernels_v41_main(["--smoke", "--only", "prefill", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "kernels_v41.md").read_text()
     fp8 = [p for p in moe_mx.PREFILL_TUNER.candidates if p.path == "fp8"]
     rows = [line for line in text.splitlines() if line.startswith("| moe_mx prefill | T=16 plan fp8")]

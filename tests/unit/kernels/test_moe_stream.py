@@ -130,23 +130,10 @@ def test_registers_wide_equals_registers_bits(rows, kernel_device):
 
 
 @pytest.mark.slow
-def test_kernel_bench_stream_table_smoke(tmp_path):
+def test_kernel_bench_stream_table_smoke(tmp_path, kernels_v41_main):
     """``kernels_v41.py --only stream`` (CPU interpreter, toy sizes): every variant row runs, is checked
     against the reference, and lands in the variant table."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    bench = Path(__file__).resolve().parents[3] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("kernels_v41_smoke", bench / "kernels_v41.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # its dataclasses look their module up
-        spec.loader.exec_module(mod)
-        assert mod.main(["--smoke", "--only", "stream", "--out", str(tmp_path)]) == 0
-    finally:
-        sys.path.remove(str(bench))
-        sys.modules.pop("kernels_v41_smoke", None)
+    assert kernels_v41_main(["--smoke", "--only", "stream", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "kernels_v41.md").read_text()
     assert "## Decode streams by variant" in text
     for variant in ("split-K scaled", "fused regs 32x64", "fused scaled 32x64", "ladder: bytes only 32x64 w4",
