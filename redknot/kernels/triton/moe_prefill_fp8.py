@@ -447,13 +447,10 @@ def self_check(plan, device: torch.device, seed: int = 4321) -> Optional[str]:
     """None when ``plan`` computes what ``moe_mx.moe_grouped`` computes (within ``CHECK_TOL``) on fresh
     random MXFP4 experts with uneven rows per expert and an empty expert, else what differs."""
     from redknot.kernels.triton.moe_mx import moe_grouped
+    from redknot.kernels.triton.stream_guard import random_moe
     g = torch.Generator(device=device).manual_seed(seed)
     E, D, inter, T, k = 5, 256, 192, 40, 2
-    packed = []
-    for n, kk in ((inter, D), (inter, D), (D, inter)):  # W1, W3, W2
-        packed.append(torch.randint(0, 256, (E, n, kk // 2), generator=g, device=device, dtype=torch.uint8))
-        packed.append(torch.randint(118, 124, (E, n, kk // 32), generator=g, device=device, dtype=torch.uint8))
-    x = torch.randn(T, D, generator=g, device=device).to(torch.bfloat16)
+    packed, x = random_moe(g, device, E, D, inter, T)
     # skewed counts; the last expert empty
     pick = torch.rand(T, E - 1, generator=g, device=device) * torch.arange(1, E, device=device)
     idx = pick.topk(k, -1).indices

@@ -81,6 +81,17 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
 STREAM_OUT_TOL = 2e-2
 
 
+def random_moe(g: torch.Generator, device: torch.device, E: int, D: int, inter: int, T: int):
+    """Random MXFP4 experts for the first-use checks, drawn from ``g``: ([W1, its scales, W3, its scales, W2,
+    its scales] with bytes uniform and E8M0 scales in 118..123) and bf16 tokens x [T, D]."""
+    packed = []
+    for n, kk in ((inter, D), (inter, D), (D, inter)):  # W1, W3, W2
+        packed.append(torch.randint(0, 256, (E, n, kk // 2), generator=g, device=device, dtype=torch.uint8))
+        packed.append(torch.randint(118, 124, (E, n, kk // 32), generator=g, device=device, dtype=torch.uint8))
+    x = torch.randn(T, D, generator=g, device=device).to(torch.bfloat16)
+    return packed, x
+
+
 def stream_check(plan, device: torch.device, seed: int = 1234) -> Optional[str]:
     """None when the fused MoE stream ``plan`` computes what the split-K ``registers`` stream computes:
     the W1 | W3 fp32 sums (one K slice of partials) within ``CHECK_TOL`` and the whole MoE output within
@@ -88,11 +99,7 @@ def stream_check(plan, device: torch.device, seed: int = 1234) -> Optional[str]:
     from redknot.kernels.triton import moe_mx, moe_stream
     g = torch.Generator(device=device).manual_seed(seed)
     E, D, inter, T, k = 3, 256, 128, 5, 2
-    packed = []
-    for n, kk in ((inter, D), (inter, D), (D, inter)):  # W1, W3, W2
-        packed.append(torch.randint(0, 256, (E, n, kk // 2), generator=g, device=device, dtype=torch.uint8))
-        packed.append(torch.randint(118, 124, (E, n, kk // 32), generator=g, device=device, dtype=torch.uint8))
-    x = torch.randn(T, D, generator=g, device=device).to(torch.bfloat16)
+    packed, x = random_moe(g, device, E, D, inter, T)
     idx = torch.stack([torch.randperm(E, generator=g, device=device)[:k] for _ in range(T)])
     wt = torch.rand(T, k, generator=g, device=device) + 0.1
     rowid = (torch.arange(8, device=device) % T).to(torch.int32)
