@@ -86,3 +86,20 @@ def test_rope_table_equals_the_six_launch_form_on_the_gpu():
         ang = pos.to(torch.float64)[:, None] * inv.to(DEV)[None, :]
         cos, sin = rope_table(pos, inv)
         assert torch.equal(cos, ang.cos().float()) and torch.equal(sin, ang.sin().float())
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_linear_post_equals_linear_mx_then_mhc_post_at_v41_size(rows):
+    """``wo_b`` (5120 x 8192) and the mHC post mix over 4 streams in two launches: bit for bit
+    ``mhc_post(linear_mx(z, W))`` (the mix's own code per 512-column block)."""
+    from redknot.kernels.triton.mhc import mhc_post
+    from redknot.kernels.triton.step_proj_v41 import linear_post
+
+    g = torch.Generator().manual_seed(200 + rows)
+    z = torch.randn(rows, 8192, generator=g).to(torch.bfloat16).to(DEV)
+    w, s = weight(5120, 8192, g)
+    h = torch.randn(rows, 4, 5120, generator=g).to(torch.bfloat16).to(DEV)
+    post = (torch.rand(rows, 4, generator=g) * 2).to(DEV)
+    comb = torch.rand(rows, 4, 4, generator=g).to(DEV)
+    want = mhc_post(gemm_mx.linear_mx(z, w, s, 32, decode="fp8", path="splitk"), h, post, comb)
+    assert torch.equal(linear_post(z, w, s, h, post, comb), want)

@@ -167,6 +167,74 @@ def _epilogue2(cos_ptr, sin_ptr, stride_c, n0,
                       HALF1, NORM1, QDQ1, PACK1, ASM)
 
 
+@triton.jit
+def _post_block(y_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, tok, dblk, D, stride_y, stride_st, stride_sn, stride_ot,
+                stride_on, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``mhc._mhc_post``'s code for one (token, column block): out[k] = post[k]·y + Σ_j C[j, k]·h[j]."""
+    dd = dblk * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    offs_n = tl.arange(0, N)
+    y = tl.load(y_ptr + tok * stride_y + dd, mask=dmask, other=0.0).to(tl.float32)
+    x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dmask[None, :],
+                other=0.0).to(tl.float32)  # [N(j), BLOCK_D]
+    cm = tl.load(comb_ptr + tok * N * N + offs_n[:, None] * N + offs_n[None, :])  # [N(j), N(k)]
+    p = tl.load(post_ptr + tok * N + offs_n)
+    mixed = tl.sum(cm[:, :, None] * x[:, None, :], 0)  # [N(k), BLOCK_D]
+    o = p[:, None] * y[None, :] + mixed
+    tl.store(out_ptr + tok * stride_ot + offs_n[:, None] * stride_on + dd[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=dmask[None, :])
+
+
+@triton.jit
+def _epilogue_post(p_ptr, y_ptr, S, stride_ps, stride_pm, H, s_ptr, post_ptr, comb_ptr, out_ptr, stride_st, stride_sn,
+                   stride_ot, stride_on, D: tl.constexpr, N: tl.constexpr):
+    """Row (token, block) of a linear without a row epilogue: the slice sum (``reduce_rows``) into ``y``, then the
+    mHC post mix of that column block (``mhc_post`` with ``BLOCK_D`` = D)."""
+    pid = tl.program_id(0).to(tl.int64)
+    tok = pid // H
+    blk = pid - tok * H
+    _reduce_row(p_ptr, y_ptr, pid, tok, blk, S, stride_ps, stride_pm, D, D)
+    tl.debug_barrier()   # the block's y, stored by every thread of the program, then read back
+    _post_block(y_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, tok, blk, H * D, H * D, stride_st, stride_sn, stride_ot,
+                stride_on, N, D)
+
+
+def linear_post(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``mhc_post(linear_mx(x, weight, scale), h, post, comb)`` with the ``fp8`` decode in two launches, the same
+    bits: the FP8 stream, then one program per (token, column block of ``mhc_post``'s width) that sums the slices
+    and mixes the block into the n streams. x [T, K] 16-bit, weight e4m3 [D, K], h [T, n, D] (n a power of two),
+    post [T, n] / comb [T, n, n] fp32 -> h' [T, n, D] in h's dtype."""
+    T, K = x.shape
+    D = weight.shape[0]
+    n = h.shape[1]
+    bd = min(512, next_pow2(D))
+    if (h.shape != (T, n, D) or D % bd or bd % 2 or n & (n - 1) or weight.dtype != torch.float8_e4m3fn
+            or weight.shape[1] != K or K % 32 or block % 32 or x.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"linear_post: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, h "
+                         f"{tuple(h.shape)}: need h [T, n, D] (n a power of two), D a multiple of min(512, D's "
+                         "power of two), K and block multiples of 32")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    s = h.contiguous()
+    out = torch.empty_like(s)
+    if T == 0:
+        return out
+    scale = scale.view(torch.uint8)
+    S, ks, bm, bn = slices(D, K, T)
+    part = torch.empty(S, T, D, dtype=torch.float32, device=x.device)
+    g = 4 if ks % 128 == 0 and K % 128 == 0 else 1
+    _stream2[(cdiv(T, bm), cdiv(D, bn), S)](
+        x, T, K, x.stride(0), weight, scale, part, D, ks, S, cdiv(D, bn), weight.stride(0), scale.stride(0),
+        part.stride(0), part.stride(1), weight, scale, part, D, ks, S, weight.stride(0), scale.stride(0),
+        part.stride(0), part.stride(1), WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS0=g, GROUPS1=g, num_warps=4,
+        num_stages=4)
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    _epilogue_post[(T * (D // bd),)](part, y, S, part.stride(0), part.stride(1), D // bd, s, post.float().contiguous(),
+                                     comb.float().contiguous(), out, s.stride(0), s.stride(1), out.stride(0),
+                                     out.stride(1), D=bd, N=n, num_warps=4)
+    return out
+
+
 def slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
     """(S, ksplit, block_m, block_n) of ``splitk_mx.splitk_mm`` with ``decode="fp8"`` for an [N, K] weight."""
     from redknot.kernels.triton import splitk_mx as sk

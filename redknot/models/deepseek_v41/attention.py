@@ -101,9 +101,11 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
 
 
 def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w, p: str, num,
-                   tables=None) -> torch.Tensor:
+                   tables=None, mix=None):
     """The attention output [T, H, D] -> [T, hidden]: inverse RoPE on its rotary part, the per-group
-    ``wo_a`` projection (bf16 in the reference), then ``wo_b``. ``tables``: the forward's RoPE tables."""
+    ``wo_a`` projection (bf16 in the reference), then ``wo_b``. ``tables``: the forward's RoPE tables.
+    ``mix`` = (h, post, comb) of the fused mHC site: returns (out, mixed), ``mixed`` telling that ``out`` is
+    already ``site_post(y, h, post, comb)`` (``wo_b`` and the post mix in two launches, the same bits)."""
     t = o.shape[0]
     o = fused_rows.rope(o.to(num.dtype), w, pos, inv, tables, inverse=True)
     g = cfg.o_groups
@@ -111,8 +113,13 @@ def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w
     wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
             else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
     z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
+    if mix is not None:
+        hp = fused_rows.linear_post_rows(z, w, f"{p}.wo_b.weight", num, *mix)
+        if hp is not None:
+            return hp, True
     y = fused_rows.linear_rows(z, w, f"{p}.wo_b.weight", num)   # few rows: two launches, the same bits
-    return y if y is not None else linear(z, w, f"{p}.wo_b.weight", num)
+    y = y if y is not None else linear(z, w, f"{p}.wo_b.weight", num)
+    return (y, False) if mix is not None else y
 
 
 class AttentionLayer:

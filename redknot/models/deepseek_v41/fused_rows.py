@@ -103,14 +103,15 @@ def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optio
 def q_kv_rows(u: torch.Tensor, w, p: str, cfg, num, pos: torch.Tensor, inv: torch.Tensor,
               tables: Optional[Dict] = None, index: bool = False, pack: bool = False):
     """(qr, q, kv, qi, packed) = (norm(wq_a(u)), RoPE(wq_b(qr)) [T, H, Dh], norm_rope(wkv(u)), the indexer's
-    query or None, kv's window-cache rows or None) of attention ``p`` in four launches (:func:`redknot.kernels.triton.step_proj_v41.proj_rows` twice: the
-    ``wq_a`` | ``wkv`` stream and its row epilogues, the ``wq_b`` stream and its RoPE), the bits of ``linear``
-    with ``linear_mx``'s ``fp8`` decode followed by :func:`norm` / :func:`rope` / :func:`norm_rope`. ``index``
-    (an index source): the indexer's ``wq_b`` rides in the second stream and epilogue, ``qi`` [T, Hi, Di] =
-    ``rope(linear(qr, indexer.wq_b), qdq=True)`` (else None). ``pack``: ``packed`` uint8 [T, Dh + Dh/32] holds the
-    bytes ``cache_insert_mx(packed, arange(T), kv, "window")`` writes (the kv epilogue writes them). For the tensor step's and the eager layers' few
-    rows (up to ``step_proj_v41.MAX_ROWS``) on the registry's FP8 linears with the row kernels; None elsewhere
-    (the caller runs the linears and row functions)."""
+    query or None, kv's window-cache rows or None) of attention ``p`` in four launches
+    (:func:`redknot.kernels.triton.step_proj_v41.proj_rows` twice: the ``wq_a`` | ``wkv`` stream and its row
+    epilogues, the ``wq_b`` stream and its RoPE), the bits of ``linear`` with ``linear_mx``'s ``fp8`` decode
+    followed by :func:`norm` / :func:`rope` / :func:`norm_rope`. ``index`` (an index source): the indexer's
+    ``wq_b`` rides in the second stream and epilogue, ``qi`` [T, Hi, Di] = ``rope(linear(qr, indexer.wq_b),
+    qdq=True)`` (else None). ``pack``: ``packed`` uint8 [T, Dh + Dh/32] holds the bytes
+    ``cache_insert_mx(packed, arange(T), kv, "window")`` writes (the kv epilogue writes them). For the tensor
+    step's and the eager layers' few rows (up to ``step_proj_v41.MAX_ROWS``) on the registry's FP8 linears with
+    the row kernels; None elsewhere (the caller runs the linears and row functions)."""
     if not (u.dim() == 2 and u.dtype == num.dtype == torch.bfloat16 and fused(w, u)):
         return None
     from redknot.kernels.triton.step_proj_v41 import MAX_ROWS, Proj, epilogue_warps, proj_rows
@@ -167,3 +168,23 @@ def linear_rows(x: torch.Tensor, w, name: str, num) -> Optional[torch.Tensor]:
     none = torch.empty(x.shape[0], 0, dtype=torch.float32, device=x.device)
     y = _guarded(proj_rows, x, [Proj(got[0], got[1], dim)], none, none)
     return None if y is None else y[0].view(x.shape[0], n)
+
+
+def linear_post_rows(x: torch.Tensor, w, name: str, num, h: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor) -> Optional[torch.Tensor]:
+    """``mhc_post(linear(x, w, name, num), h, post, comb)`` (the fused mHC site's post after the attention's output
+    linear) in two launches (``step_proj_v41.linear_post``), the bits of :func:`linear_rows` followed by
+    ``step_mhc_v41.site_post``; None where it does not apply."""
+    if not (x.dim() == 2 and x.dtype == num.dtype == h.dtype == torch.bfloat16 and fused(w, x)):
+        return None
+    from redknot.kernels.triton.step_proj_v41 import MAX_ROWS, linear_post
+    from redknot.models.deepseek_v41.moe import _fp8_linear_weights
+
+    got = _fp8_linear_weights(ops_of(w), w, name, num)
+    if x.shape[0] > MAX_ROWS or got is None or got[0].shape[1] != x.shape[1]:
+        return None
+    d, n = got[0].shape[0], h.shape[1]
+    bd = min(512, 1 << max(d - 1, 0).bit_length())
+    if h.shape != (x.shape[0], n, d) or d % bd or d % 2 or n & (n - 1) or d % 512 and d != bd:
+        return None
+    return _guarded(linear_post, x, got[0], got[1], h, post, comb)

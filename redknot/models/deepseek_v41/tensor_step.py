@@ -205,9 +205,11 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
             model.tap_hook(i, h, None)
         with region("mhc_pre"):
             u, pre_a, post_a, c_a = site.pre(h, pre, f"{p}.hc_attn", f"{p}.attn_norm.weight")
-        y = _attention(model.attn[i], u, rows, state, shared)
+        mix = (h, post_a, c_a) if isinstance(site, _SiteFused) else None   # wo_b may run the post mix too
+        got = _attention(model.attn[i], u, rows, state, shared, mix)
+        y, mixed = got if mix is not None else (got, False)
         with region("mhc_post"):
-            h = site.post(y, h, post_a, c_a)
+            h = y if mixed else site.post(y, h, post_a, c_a)
         with region("mhc_pre"):
             u, pre, post_f, c_f = site.pre(h, pre_a, f"{p}.hc_ffn", f"{p}.ffn_norm.weight")
         with region("moe"):
@@ -337,7 +339,8 @@ def _moe(u: torch.Tensor, w, layer: int, cfg, num) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- attention
-def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tensor:
+def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared, mix=None):
+    """The attention sublayer's output [T, D]; with ``mix`` (grouped_output's) the pair (out, mixed)."""
     cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
     pos = rows.pos
     with region("attn.q_kv"):
@@ -359,7 +362,7 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared) -> torch.Tens
     with region("attend"):
         o = _attend(layer, q, kv, rows, state, shared["topk"])
     with region("attn.out"):
-        return grouped_output(o, pos, inv, cfg, w, p, num, shared["rope"])
+        return grouped_output(o, pos, inv, cfg, w, p, num, shared["rope"], mix)
 
 
 def _q_kv(layer, u: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, tables):

@@ -117,3 +117,26 @@ def test_kv_window_bytes_equal_cache_insert(t, kernel_device):
     assert torch.equal(kv, reference(x, specs[1], cos, sin))
     with pytest.raises(ValueError, match="pack"):
         proj_rows(x, specs[:1], cos, sin, pack=pack)
+
+
+@pytest.mark.parametrize("t,d,n", [(1, 256, 4), (3, 1024, 4), (2, 96, 2)])
+def test_linear_post_equals_linear_mx_then_mhc_post(t, d, n, kernel_device):
+    """``linear_post``: the attention's output linear and the mHC post mix in two launches, bit for bit
+    ``mhc_post(linear_mx(x, W))`` (``fp8`` decode); a shape ``mhc_post``'s blocks do not tile is refused."""
+    from redknot.kernels.triton.mhc import mhc_post
+    from redknot.kernels.triton.step_proj_v41 import linear_post
+
+    k = 512
+    x, _, g = case_inputs(t, k, 21 + t, kernel_device)
+    w, s = fp8_weight(d, k, g, kernel_device)
+    h = torch.randn(t, n, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    post = torch.rand(t, n, generator=g).to(kernel_device) * 2
+    comb = torch.rand(t, n, n, generator=g).to(kernel_device)
+    if d == 96:
+        with pytest.raises(ValueError, match="linear_post"):
+            linear_post(x, w, s, h, post, comb)
+        return
+    y = gemm_mx.linear_mx(x, w, s, 32, decode="fp8", path="splitk")
+    got = linear_post(x, w, s, h, post, comb)
+    assert torch.equal(got, mhc_post(y, h, post, comb))
+    assert not torch.equal(linear_post(x, w, s, h, post * 1.5, comb), got)

@@ -1,8 +1,9 @@
 """The tensor step's q / kv projections in four launches (``fused_rows.q_kv_rows``, the index sources'
-indexer query in the same launches) and ``wo_b`` / Engram ``wkv`` in two (``fused_rows.linear_rows``)
-against the per-linear path (``linear_mx`` + row kernels) on the e2e_v41 toy cut with every V4.1 op on its
-Triton kernel (interpreter): the step's output rows and every cache byte equal bit for bit (off the GPU the
-linear tuner takes the ``fp8`` decode, whose bits the fused launches reproduce), and the fused path ran."""
+indexer query in the same launches), ``wo_b`` with the mHC post mix in two (``fused_rows.linear_post_rows``)
+and the Engram ``wkv`` in two (``fused_rows.linear_rows``) against the per-linear path (``linear_mx`` + row
+kernels + ``site_post``) on the e2e_v41 toy cut with every V4.1 op on its Triton kernel (interpreter): the
+step's output rows and every cache byte equal bit for bit (off the GPU the linear tuner takes the ``fp8``
+decode, whose bits the fused launches reproduce), and the fused paths ran."""
 import copy
 import os
 import sys
@@ -33,7 +34,7 @@ def test_q_kv_rows_equal_the_per_linear_step(monkeypatch):
     step = ts.TensorStep(torch.full((1,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(2),
                          torch.arange(1), torch.tensor(b.blocks))
     twin = copy.deepcopy(b.state)
-    calls = {"q_kv_rows": [], "linear_rows": []}
+    calls = {"q_kv_rows": [], "linear_rows": [], "linear_post_rows": []}
     for name in calls:
         def counted(*a, _real=getattr(fused_rows, name), _name=name, **k):
             got = _real(*a, **k)
@@ -41,9 +42,10 @@ def test_q_kv_rows_equal_the_per_linear_step(monkeypatch):
             return got
         monkeypatch.setattr(fused_rows, name, counted)
     got = ts.tensor_forward(model, step, b.state)
-    engram = sum(cfg.is_engram(i) for i in range(cfg.n_layers))          # wo_b per layer, wkv per Engram layer
-    assert len(calls["q_kv_rows"]) == cfg.n_layers and len(calls["linear_rows"]) == cfg.n_layers + engram > 5, calls
-    assert all(calls["q_kv_rows"]) and all(calls["linear_rows"]), calls
+    engram = sum(cfg.is_engram(i) for i in range(cfg.n_layers))          # wkv per Engram layer
+    assert len(calls["q_kv_rows"]) == len(calls["linear_post_rows"]) == cfg.n_layers, calls   # wo_b + post mix
+    assert len(calls["linear_rows"]) == engram > 0, calls
+    assert all(all(c) for c in calls.values()), calls
     for name in calls:
         monkeypatch.setattr(fused_rows, name, lambda *a, **k: None)
     want = ts.tensor_forward(model, step, twin)
