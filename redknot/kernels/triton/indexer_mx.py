@@ -131,6 +131,21 @@ def _split_of(vis_ptr, T, nsplit, NB, BLOCK_T: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _block_ents(cb_ptr, stride_cb, e_lo, e_hi, n_blocks, j, NKEYS, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+                CAND: tl.constexpr):
+    """(entry ids, valid) of block j of a split, newest block first; with CAND the block's positions in the
+    token's candidate list, turned into entry ids (-1 pads and ids past NKEYS invalid)."""
+    ents = e_lo + (n_blocks - 1 - j) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = ents < e_hi
+    if CAND:
+        tok = tl.program_id(0).to(tl.int64)
+        blk = tl.load(cb_ptr + tok * stride_cb + ents // BS, mask=ok, other=-1)   # one token: tok < T
+        ents = blk * BS + ents % BS
+        ok = ok & (blk >= 0) & (ents < NKEYS)
+    return ents, ok
+
+
+@triton.jit
 def _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j, NB,
                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr, BLOCKMAX: tl.constexpr):
     """Block j's scores s [BT, BN] of entries ``ents``: the packed keys and which of them beat the rows' bars;
@@ -187,13 +202,7 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
         ok0 = (ents0 < e_hi) & (ents0 >= e_lo)
         nq, ns = _key_bytes(key_ptr, tl.where(ok0, ents0, 0), ok0, stride_k, DI)
     for j in range(n_blocks):
-        ents = e_lo + (n_blocks - 1 - j) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = ents < e_hi
-        if CAND:
-            tok = tl.program_id(0).to(tl.int64)
-            blk = tl.load(cb_ptr + tok * stride_cb + ents // BS, mask=ok, other=-1)   # one token: tok < T
-            ents = blk * BS + ents % BS
-            ok = ok & (blk >= 0) & (ents < NKEYS)
+        ents, ok = _block_ents(cb_ptr, stride_cb, e_lo, e_hi, n_blocks, j, NKEYS, BLOCK_N, BS, CAND)
         if PREFETCH:
             kq, ks = nq, ns
             nents = ents - BLOCK_N
@@ -323,13 +332,8 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
         seg = tl.minimum(SEG, n_blocks - g * SEG)
         for i in tl.range(0, seg, num_stages=STAGES):
             j = g * SEG + i
-            ents = e_lo + (n_blocks - 1 - j) * BLOCK_N + tl.arange(0, BLOCK_N)
-            ok = ents < e_hi
+            ents, ok = _block_ents(cb_ptr, stride_cb, e_lo, e_hi, n_blocks, j, NKEYS, BLOCK_N, BS, CAND)
             if CAND:
-                tok = tl.program_id(0).to(tl.int64)
-                blk = tl.load(cb_ptr + tok * stride_cb + ents // BS, mask=ok, other=-1)   # one token: tok < T
-                ents = blk * BS + ents % BS
-                ok = ok & (blk >= 0) & (ents < NKEYS)
                 keys = tl.load(kx_ptr + tl.where(ok, ents, 0).to(tl.int64)[:, None] * DI + offs_d[None, :],
                                mask=ok[:, None], other=0.0)
             else:
