@@ -6,11 +6,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from redknot.kernels import ref_v41  # noqa: E402
-from redknot.kernels.triton import moe_mx, moe_prefill_fp8  # noqa: E402
-from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs  # noqa: E402
-from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream  # noqa: E402
-from redknot.kernels.triton.quant_mx import act_quant_mx  # noqa: E402
+from redknot.kernels import ref_v41
+from redknot.kernels.triton import moe_mx, moe_prefill_fp8
+from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
+from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
+from redknot.kernels.triton.quant_mx import act_quant_mx
 
 SMALL = V41Dims(hidden=128, experts=6, topk_experts=2, moe_inter=96, tokens=23)
 WIDE = V41Dims(hidden=256, experts=6, topk_experts=3, moe_inter=128, tokens=23)  # K % 128 == 0: scale words
@@ -104,8 +104,10 @@ def test_kernel_bench_prefill_rows_smoke(tmp_path, kernels_v41_main):
     assert kernels_v41_main(["--smoke", "--only", "prefill", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "kernels_v41.md").read_text()
     fp8 = [p for p in moe_mx.PREFILL_TUNER.candidates if p.path == "fp8"]
-    rows = [line for line in text.splitlines() if line.startswith("| moe_mx prefill | T=16 plan fp8")]
-    assert len(rows) == len(fp8) == len(set(r.split("|")[2] for r in rows))  # one row per plan, named apart
+    # every ``path == "fp8"`` plan, named by its decode (``fp8`` / ``fp8h`` / ``fp8ht*`` / ``bf16``)
+    rows = [line for line in text.splitlines() if line.startswith("| moe_mx prefill | T=16 plan ")]
+    assert len(rows) == len(fp8) == len({r.split("|")[2] for r in rows})  # one row per plan, named apart
+    assert sorted(r.split("|")[2].split()[2] for r in rows) == sorted(p.decode for p in fp8)
     assert all("err vs ref" in r for r in rows)
     assert "| moe prefill T=16 |" in text  # the grouped / measured-choice pair
 
