@@ -103,3 +103,24 @@ def test_linear_post_equals_linear_mx_then_mhc_post_at_v41_size(rows):
     comb = torch.rand(rows, 4, 4, generator=g).to(DEV)
     want = mhc_post(gemm_mx.linear_mx(z, w, s, 32, decode="fp8", path="splitk"), h, post, comb)
     assert torch.equal(linear_post(z, w, s, h, post, comb), want)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_moe_finish_with_the_post_mix_at_v41_size(rows):
+    """The shared expert's last launch with the mHC post mix (D 5120, I 2304, 4 streams): bit for bit
+    ``mhc_post`` of the unmixed output, both W2 forms."""
+    from redknot.kernels.triton.mhc import mhc_post
+    from redknot.kernels.triton.step_moe_v41 import _gate_up_launch, shared_expert_finish
+
+    g = torch.Generator().manual_seed(300 + rows)
+    u = (torch.randn(rows, 5120, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    (w1, s1), (w3, s3), (w2, s2) = weight(2304, 5120, g), weight(2304, 5120, g), weight(5120, 2304, g)
+    routed = torch.randn(rows, 5120, generator=g).to(torch.bfloat16).to(DEV)
+    h = torch.randn(rows, 4, 5120, generator=g).to(torch.bfloat16).to(DEV)
+    post = (torch.rand(rows, 4, generator=g) * 2).to(DEV)
+    comb = torch.rand(rows, 4, 4, generator=g).to(DEV)
+    for prologue in (True, False):
+        p1 = _gate_up_launch(u, w1, s1, w3, s3, 32)
+        out = shared_expert_finish(p1, w2, s2, 10.0, routed, prologue=prologue)
+        got = shared_expert_finish(p1, w2, s2, 10.0, routed, prologue=prologue, mix=(h, post, comb))
+        assert torch.equal(got, mhc_post(out, h, post, comb))

@@ -39,6 +39,7 @@ from triton.language.extra import libdevice
 
 from redknot.kernels.triton._common import cdiv, next_pow2
 from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
+from redknot.kernels.triton.step_proj_v41 import _post_block
 
 # Triton's CPU interpreter runs no extern (libdevice) calls: there ``tl.exp`` / ``tl.log`` (numpy's fp32) stand in.
 _LIBDEVICE = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -290,6 +291,28 @@ def _reduce_add(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r, str
     tl.store(out_ptr + t * stride_o + cols, (routed + y).to(out_ptr.dtype.element_ty), mask=cm)
 
 
+@triton.jit
+def _reduce_add_post(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r, stride_o, s_ptr, post_ptr, comb_ptr,
+                     h_out_ptr, stride_st, stride_sn, stride_ht, stride_hn, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``_reduce_add`` of one (token, column block) into ``out``, then the mHC post mix of that block
+    (``mhc._mhc_post``'s code, ``BLOCK_D`` its block width) into ``h_out``."""
+    pid = tl.program_id(0).to(tl.int64)
+    nb = tl.cdiv(D, BLOCK_D)
+    t = pid // nb
+    blk = pid - t * nb
+    cols = blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(S):
+        acc += tl.load(p_ptr + s * stride_ps + t * stride_pm + cols, mask=cm, other=0.0)
+    y = acc.to(tl.bfloat16).to(tl.float32)
+    routed = tl.load(r_ptr + t * stride_r + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, (routed + y).to(out_ptr.dtype.element_ty), mask=cm)
+    tl.debug_barrier()   # the block, stored by every thread of the program, then read back
+    _post_block(out_ptr, s_ptr, post_ptr, comb_ptr, h_out_ptr, t, blk, D, stride_o, stride_st, stride_sn, stride_ht,
+                stride_hn, N, BLOCK_D)
+
+
 def _slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
     """(S, ksplit, block_m, block_n) of ``splitk_mx.splitk_mm`` with ``decode="fp8"`` for an [N, K] weight."""
     from redknot.kernels.triton import splitk_mx as sk
@@ -338,11 +361,21 @@ def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None) -> torch.Tensor:
     return p1
 
 
+def post_mix_fits(D: int, h: torch.Tensor) -> bool:
+    """Whether :func:`shared_expert_finish` can end with the mHC post mix over ``h`` [T, n, D] (``mhc_post``'s
+    column blocks tile D, n a power of two)."""
+    n = h.shape[1]
+    bd = min(512, next_pow2(D))
+    return h.dim() == 3 and h.shape[2] == D and D % bd == 0 and n & (n - 1) == 0
+
+
 def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
-                         block: int = 32, prologue: Optional[bool] = None) -> torch.Tensor:
+                         block: int = 32, prologue: Optional[bool] = None, mix=None) -> torch.Tensor:
     """bf16(routed + W2(SwiGLU)) [T, D] from the W1 | W3 partials ``p1`` [S, T, 2I] of :func:`route_and_gate_up`:
     the SwiGLU + quantisation, the W2 stream, the reduction with the combine (``prologue``: the W2 stream
-    forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits either way."""
+    forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits either way. ``mix`` = (h, post, comb): the
+    last launch also runs ``mhc_post(out, h, post, comb)`` per block and returns h' [T, n, D] (the same bits;
+    ``post_mix_fits`` must hold)."""
     from redknot.kernels.triton.stream_fp8 import fp8_stream
 
     S1, T, two_i = p1.shape
@@ -353,7 +386,7 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
                          f"[D, {inter}] and [{T}, D]")
     out = torch.empty(T, D, dtype=routed.dtype, device=p1.device)
     if T == 0:
-        return out
+        return out if mix is None else torch.empty_like(mix[0])
     s2 = s2.view(torch.uint8)
     S2, ks2, bm2, bn2 = _slices(D, inter, T)
     p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
@@ -374,6 +407,18 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
                                                   num_warps=4)
         fp8_stream(aq, sa, w2, s2, p2, ks2, block, bm2, bn2, num_warps=4)
     routed = routed if routed.stride(-1) == 1 else routed.contiguous()
+    if mix is not None:
+        h, post, comb = mix
+        if not post_mix_fits(D, h) or h.shape[0] != T:
+            raise ValueError(f"shared_expert_finish: h {tuple(h.shape)} does not fit the post mix of [{T}, {D}]")
+        sh = h.contiguous()
+        h_out = torch.empty_like(sh)
+        bd = min(512, next_pow2(D))
+        _reduce_add_post[(T * (D // bd),)](p2, routed, out, D, S2, p2.stride(0), p2.stride(1), routed.stride(0),
+                                           out.stride(0), sh, post.float().contiguous(), comb.float().contiguous(),
+                                           h_out, sh.stride(0), sh.stride(1), h_out.stride(0), h_out.stride(1),
+                                           N=h.shape[1], BLOCK_D=bd, num_warps=4)
+        return h_out
     bd = min(1024, next_pow2(D))
     _reduce_add[(T, cdiv(D, bd))](p2, routed, out, D, S2, p2.stride(0), p2.stride(1), routed.stride(0),
                                   out.stride(0), BLOCK_D=bd, num_warps=4)

@@ -88,18 +88,19 @@ def _fp8_linear_weights(ops, w: Weights, name: str, num: Numerics):
     return weight, scale
 
 
-def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numerics) -> Optional[torch.Tensor]:
+def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numerics, mix=None):
     """:func:`moe_forward`'s routed + shared sum for the tensor step's few rows with the fused decode kernels
     (``redknot.kernels.triton.step_moe_v41``): after the router's GEMV one launch for its tail and top-k and the
     shared expert's W1 | W3, the registry's grouped routed experts, then the shared expert's W2 with the
     combine in two or three launches. None where they do not apply (no Triton step kernels, more than
     ``MAX_ROWS`` rows, weights not kept FP8 / MXFP4, a kernel that does not build): the caller runs the
-    PyTorch / per-linear path."""
+    PyTorch / per-linear path. ``mix`` = (h, post, comb) of the fused mHC site: returns (out, mixed), ``mixed``
+    telling that ``out`` is already ``site_post(moe, h, post, comb)`` (the last launch runs the post mix too)."""
     from redknot.models.deepseek_v41 import fused_rows
 
     if u.dim() != 2 or num.acc != torch.float32 or not fused_rows.fused(w, u):
         return None
-    from redknot.kernels.triton.step_moe_v41 import MAX_ROWS, route_and_gate_up, shared_expert_finish
+    from redknot.kernels.triton.step_moe_v41 import MAX_ROWS, post_mix_fits, route_and_gate_up, shared_expert_finish
 
     ops = ops_of(w)
     sp = f"{prefix}.shared_experts"
@@ -117,7 +118,11 @@ def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numeric
     routed = ops.moe(u, ids, weights, w, prefix, cfg, num)
     if routed is None:
         return None
+    if mix is not None and post_mix_fits(w2.shape[0], mix[0]) and mix[0].dtype == routed.dtype:
+        got = fused_rows._guarded(shared_expert_finish, gate_up, w2, s2, cfg.swiglu_limit, routed, mix=mix)
+        if got is not None:
+            return got, True
     out = fused_rows._guarded(shared_expert_finish, gate_up, w2, s2, cfg.swiglu_limit, routed)
     if out is None:
         out = (routed.to(num.acc) + swiglu_expert(u, w, sp, num, cfg.swiglu_limit, None)).to(num.dtype)
-    return out
+    return out if mix is None else (out, False)

@@ -212,10 +212,11 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
             h = y if mixed else site.post(y, h, post_a, c_a)
         with region("mhc_pre"):
             u, pre, post_f, c_f = site.pre(h, pre_a, f"{p}.hc_ffn", f"{p}.ffn_norm.weight")
+        mix = (h, post_f, c_f) if isinstance(site, _SiteFused) else None   # the MoE's last launch may mix too
         with region("moe"):
-            y = _moe(u, w, i, cfg, num)
+            y, mixed = _moe(u, w, i, cfg, num, mix)
         with region("mhc_post"):
-            h = site.post(y, h, post_f, c_f)
+            h = y if mixed else site.post(y, h, post_f, c_f)
     return hc_collapse(h, pre)
 
 
@@ -316,11 +317,17 @@ def _hashes(model, step: TensorStep, rows: _Rows, state) -> Optional[torch.Tenso
 
 
 # ---------------------------------------------------------------------- MoE
-def _moe(u: torch.Tensor, w, layer: int, cfg, num) -> torch.Tensor:
+def _moe(u: torch.Tensor, w, layer: int, cfg, num, mix=None):
+    """(the MoE's output [T, D], mixed): ``mixed`` tells that the output is already the fused mHC site's post
+    mix with ``mix`` = (h, post, comb)."""
     prefix = f"layers.{layer}.ffn"
-    fused = moe_step_kernels(u, w, prefix, cfg, num)   # few rows on the step kernels: ~12 launches, not ~38
+    fused = moe_step_kernels(u, w, prefix, cfg, num, mix)   # few rows on the step kernels: ~12 launches, not ~38
     if fused is not None:
-        return fused
+        return fused if mix is not None else (fused, False)
+    return _moe_unfused(u, w, prefix, cfg, num), False
+
+
+def _moe_unfused(u: torch.Tensor, w, prefix: str, cfg, num) -> torch.Tensor:
     ids, weights = route(u, w, prefix, cfg, num.acc)
     ops = ops_of(w)
     routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)

@@ -117,3 +117,27 @@ def test_shared_expert_combine_rejects_bad_shapes(kernel_device):
         shared_expert_combine(u, w1, s1, w3, s3, w1, s1, LIMIT, routed)
     with pytest.raises(ValueError, match="routed"):
         shared_expert_combine(u, w1, s1, w3, s3, w2, s2, LIMIT, routed[:, :32])
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_shared_expert_finish_with_the_post_mix_equals_mhc_post(t, kernel_device):
+    """``mix``: the last launch also runs the mHC post mix per block: bit for bit ``mhc_post`` of the output."""
+    from redknot.kernels.triton.mhc import mhc_post
+    from redknot.kernels.triton.step_moe_v41 import _gate_up_launch
+
+    d, inter, n = 256, 128, 4
+    g = torch.Generator().manual_seed(40 + t)
+    u = (torch.randn(t, d, generator=g) * 2).to(torch.bfloat16).to(kernel_device)
+    ws = [mx.quant_fp8_blocks(torch.randn(*shape, generator=g) * 0.05, 32) for shape in ((inter, d), (inter, d),
+                                                                                          (d, inter))]
+    (w1, s1), (w3, s3), (w2, s2) = [(a.to(kernel_device), b.to(kernel_device)) for a, b in ws]
+    routed = torch.randn(t, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    h = torch.randn(t, n, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    post = (torch.rand(t, n, generator=g) * 2).to(kernel_device)
+    comb = torch.rand(t, n, n, generator=g).to(kernel_device)
+    for prologue in (True, False):
+        p1 = _gate_up_launch(u, w1, s1.view(torch.uint8), w3, s3.view(torch.uint8), 32)
+        out = shared_expert_finish(p1, w2, s2, LIMIT, routed, prologue=prologue)
+        got = shared_expert_finish(p1, w2, s2, LIMIT, routed, prologue=prologue, mix=(h, post, comb))
+        assert torch.equal(got, mhc_post(out, h, post, comb))
+        assert not torch.equal(got, mhc_post(out, h, post * 1.5, comb))
