@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.autograd import DeviceType
 
@@ -91,6 +92,8 @@ def test_cpu_trace_reports_host_ops_by_region():
     assert "### eager view, device time by region" in text and "| replay | failed: RuntimeError: x" in text
 
 
+# the whole e2e_v41 smoke decode under the profiler (~30 s interpreted); the report functions are tested above
+@pytest.mark.slow
 def test_e2e_decode_graphs_reports_both_views(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

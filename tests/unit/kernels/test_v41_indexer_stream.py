@@ -283,7 +283,9 @@ def test_the_key_expansion_is_exact():
     assert torch.equal(got.float(), mx.unpack_index_keys(keys).float())
 
 
-@pytest.mark.parametrize("bf16,head_sum", [(False, ""), (True, ""), (True, "mma")])
+# fp32 scores run by default; the bf16 forms (~15 s each interpreted) with -m slow and on the GPU test
+@pytest.mark.parametrize("bf16,head_sum", [(False, ""), pytest.param(True, "", marks=pytest.mark.slow),
+                                           pytest.param(True, "mma", marks=pytest.mark.slow)])
 def test_the_expanded_stream_cuts_each_row_between_segments(bf16, head_sum):
     """The expanded stream cuts a row's buffer only between pipelined segments, one row at a time: many
     entries (several cuts of every row), rows that see few entries or none, a partial tile, ties of the

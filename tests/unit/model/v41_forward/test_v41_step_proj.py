@@ -18,6 +18,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from redknot.models.deepseek_v41 import fused_rows  # noqa: E402
 
 
+@pytest.mark.slow  # two toy steps through every kernel interpreted (~70 s); each fused kernel is held bit for bit
+# against what it replaces in tests/unit/kernels/test_step_proj_v41.py (default run) and on the GPU
 def test_q_kv_rows_equal_the_per_linear_step(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
     import e2e_v41
