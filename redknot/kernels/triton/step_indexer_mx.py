@@ -23,7 +23,7 @@ import triton.language as tl
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
-from redknot.kernels.triton.indexer_mx import _index_keys
+from redknot.kernels.triton.indexer_kernels_mx import _index_keys
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels.triton.attention_mx import _compressed_keys, _window_keys
-from redknot.kernels.triton.indexer_mx import _index_keys
+from redknot.kernels.triton.indexer_kernels_mx import _index_keys
 
 
 @triton.jit
