@@ -1,0 +1,184 @@
+"""V4.1 prefill rows: the PyTorch work between the registry ops of a prefill chunk, in one pass each.
+
+At 8192 rows and V4.1 widths (D 5120, 4 streams, 64 heads x 512) the eager layer's elementwise steps move
+gigabytes per layer through HBM; these kernels do the same arithmetic with one read and one write:
+
+* :func:`rope_cols_` rotates, in place, only the last ``2·half`` dims of each row (the q rows after
+  ``wq_b`` and the attention output before ``wo_a``): ``step_rope_v41.rope_rows`` (no norm, no grid) reads
+  and writes every column, 1.07 GB per [8192, 64, 512] tensor; the rotated 64 columns are 134 MB. The same
+  products (``mul.rn``) and casts as ``rope_rows``, so the same bits as ``ref_math.apply_rope``.
+* :func:`swiglu_rows` is ``moe.swiglu_expert``'s activation (fp32 clamp, SiLU by libdevice ``exp`` and a
+  correctly rounded division, the product, the optional routing weight, the cast): PyTorch runs seven
+  fp32 passes over [T, inter] (0.95 GB per layer for the shared expert at 8192 rows), this reads the two
+  bf16 inputs and writes the bf16 activation (113 MB).
+* :func:`add_post` is ``mhc_post(bf16(routed + shared), h, post, comb)``: the MoE's combine (fp32 sum of two
+  bf16 rows, one cast) and the mHC post mix of the ffn site (``mhc._mhc_post``'s code) in one pass; the
+  PyTorch combine alone moves 1.26 GB per layer at 8192 rows.
+* :func:`collapse_rows` is ``mhc.hc_collapse``: bf16(Σ_c pre[c]·h_c) in fp32, one read of the streams
+  (PyTorch: an fp32 copy of the streams, the products, the sum, the cast: 3.4 GB at 8192 rows).
+
+Bits: ``rope_cols_`` and ``add_post`` equal the PyTorch path exactly (``add_post``: the sum of two bf16 values
+is exact in fp32 before its one rounding; the post mix is ``_mhc_post``'s code). ``swiglu_rows`` uses the
+transcendental and division PyTorch's CUDA kernels call (on a GPU; Triton's interpreter substitutes numpy's
+``exp``). ``collapse_rows`` sums the streams in another order than PyTorch (one bf16 ulp at most after the
+cast). None of this is measured on the H200 yet.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import cdiv, interpreting, next_pow2
+from redknot.kernels.triton.step_moe_v41 import _LIBDEVICE, _exp
+from redknot.kernels.triton.step_rope_v41 import _mul_rn
+
+
+# ---------------------------------------------------------------------- RoPE of the rotated columns, in place
+@triton.jit
+def _rope_cols(x_ptr, cos_ptr, sin_ptr, R, heads, stride_t, stride_h, stride_c, col0,
+               HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, INVERSE: tl.constexpr,
+               ASM: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = r < R
+    tok = (r // heads).to(tl.int64)
+    hh = (r % heads).to(tl.int64)
+    j = tl.arange(0, HALF_P)
+    jm = j < HALF
+    m = rm[:, None] & jm[None, :]
+    base = x_ptr + tok[:, None] * stride_t + hh[:, None] * stride_h + col0 + 2 * j[None, :]
+    re = tl.load(base, mask=m, other=0.0).to(tl.float32)
+    im = tl.load(base + 1, mask=m, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + tok[:, None] * stride_c + j[None, :], mask=m, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * stride_c + j[None, :], mask=m, other=0.0)
+    if INVERSE:
+        s = -s
+    new_re = _mul_rn(re, c, ASM) - _mul_rn(im, s, ASM)
+    new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
+    tl.store(base, new_re.to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(base + 1, new_im.to(x_ptr.dtype.element_ty), mask=m)
+
+
+def rope_cols_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate, in place, the interleaved pairs of the last ``2·half`` dims of x [T, D] or [T, H, D] (last dim
+    contiguous) by cos/sin [T, half] (``inverse``: the conjugate rotation); the other columns are not touched.
+    Returns x: ``step_rope_v41.rope_rows(x, cos, sin, inverse=inverse)``'s values."""
+    t, d = x.shape[0], x.shape[-1]
+    half = cos.shape[-1]
+    if x.dim() not in (2, 3) or x.stride(-1) != 1 or d % 2 or 2 * half > d or cos.shape != (t, half):
+        raise ValueError(f"rope_cols_: x {tuple(x.shape)} (strides {x.stride()}) and cos {tuple(cos.shape)}: "
+                         f"need [T, (H,) D] with a unit last stride, D even >= 2*half")
+    heads = x.shape[1] if x.dim() == 3 else 1
+    rows = t * heads
+    if rows == 0 or half == 0:
+        return x
+    stride_h = x.stride(1) if x.dim() == 3 else 0
+    c, s = cos.contiguous(), sin.contiguous()
+    half_p = next_pow2(half)
+    block_r = max(1, min(64, 2048 // half_p))
+    _rope_cols[(cdiv(rows, block_r),)](x, c, s, rows, heads, x.stride(0), stride_h, c.stride(0), d - 2 * half,
+                                       HALF=half, HALF_P=half_p, BLOCK_R=block_r, INVERSE=inverse,
+                                       ASM=not interpreting() and x.is_cuda, num_warps=4)
+    return x
+
+
+# ---------------------------------------------------------------------- SwiGLU activation
+@triton.jit
+def _swiglu_rows(g_ptr, u_ptr, w_ptr, out_ptr, N, stride_g, stride_u, stride_o, limit,
+                 WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, LIBDEVICE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cm = cols < N
+    g = tl.load(g_ptr + row * stride_g + cols, mask=cm, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=cm, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    act = tl.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)) * u
+    if WEIGHT:
+        act = act * tl.load(w_ptr + row).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, act.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def swiglu_rows(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(silu(clamp(gate, max=limit)) · clamp(up, ±limit) [· weight[:, None]])`` in fp32, cast to ``dtype``
+    (default gate's): gate, up [T, N] (rows with a unit last stride), weight [T] or None."""
+    if gate.dim() != 2 or up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(f"swiglu_rows: gate {tuple(gate.shape)} / up {tuple(up.shape)} must be equal [T, N] rows")
+    t, n = gate.shape
+    out = torch.empty(t, n, dtype=dtype or gate.dtype, device=gate.device)
+    if weight is not None and weight.shape != (t,):
+        raise ValueError(f"swiglu_rows: weight {tuple(weight.shape)} must be [{t}]")
+    if t and n:
+        bn = min(1024, next_pow2(n))
+        w = weight.contiguous() if weight is not None else gate
+        _swiglu_rows[(t, cdiv(n, bn))](gate, up, w, out, n, gate.stride(0), up.stride(0), out.stride(0),
+                                       float(limit), WEIGHT=weight is not None, BLOCK_N=bn, LIBDEVICE=_LIBDEVICE,
+                                       num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------- combine + mHC post mix
+@triton.jit
+def _add_post(a_ptr, b_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, D, stride_a, stride_b, stride_st, stride_sn,
+              stride_ot, stride_on, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    offs_n = tl.arange(0, N)
+    a = tl.load(a_ptr + tok * stride_a + dd, mask=dmask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + tok * stride_b + dd, mask=dmask, other=0.0).to(tl.float32)
+    y = (a + b).to(a_ptr.dtype.element_ty).to(tl.float32)        # the combine, rounded once
+    # mhc._mhc_post's code from here: out[k] = post[k]·y + Σ_j C[j, k]·h[j]
+    x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dmask[None, :],
+                other=0.0).to(tl.float32)  # [N(j), BLOCK_D]
+    cm = tl.load(comb_ptr + tok * N * N + offs_n[:, None] * N + offs_n[None, :])  # [N(j), N(k)]
+    p = tl.load(post_ptr + tok * N + offs_n)
+    mixed = tl.sum(cm[:, :, None] * x[:, None, :], 0)  # [N(k), BLOCK_D]
+    o = p[:, None] * y[None, :] + mixed
+    tl.store(out_ptr + tok * stride_ot + offs_n[:, None] * stride_on + dd[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=dmask[None, :])
+
+
+def add_post(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``mhc_post((a.float() + b.float()).to(a.dtype), h, post, comb)``: a, b [T, D] rows, h [T, n, D] (n a power of
+    two), post [T, n], comb [T, n, n] -> h' [T, n, D] in h.dtype."""
+    T, n, D = h.shape
+    if a.shape != (T, D) or b.shape != (T, D) or n & (n - 1) or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError(f"add_post: a {tuple(a.shape)}, b {tuple(b.shape)}, h {tuple(h.shape)}")
+    s = h.contiguous()
+    out = torch.empty_like(s)
+    if T:
+        bd = min(512, next_pow2(D))
+        _add_post[(T, cdiv(D, bd))](a, b, s, post.float().contiguous(), comb.float().contiguous(), out, D,
+                                    a.stride(0), b.stride(0), s.stride(0), s.stride(1), out.stride(0), out.stride(1),
+                                    N=n, BLOCK_D=bd, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------- the streams' collapse
+@triton.jit
+def _collapse(s_ptr, pre_ptr, out_ptr, D, stride_st, stride_sn, stride_ot, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    offs_n = tl.arange(0, N)
+    x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dmask[None, :],
+                other=0.0).to(tl.float32)
+    p = tl.load(pre_ptr + tok * N + offs_n).to(tl.float32)
+    u = tl.sum(p[:, None] * x, 0)
+    tl.store(out_ptr + tok * stride_ot + dd, u.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def collapse_rows(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``mhc.hc_collapse``: h [T, n, D] (n a power of two), pre [T, n] -> bf16/h.dtype(Σ_c pre[c]·h_c) [T, D]."""
+    T, n, D = h.shape
+    if n & (n - 1) or pre.shape != (T, n):
+        raise ValueError(f"collapse_rows: h {tuple(h.shape)}, pre {tuple(pre.shape)}")
+    s = h if h.stride(-1) == 1 else h.contiguous()
+    out = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    if T:
+        bd = min(1024, next_pow2(D))
+        _collapse[(T, cdiv(D, bd))](s, pre.float().contiguous(), out, D, s.stride(0), s.stride(1), out.stride(0),
+                                    N=n, BLOCK_D=bd, num_warps=4)
+    return out
