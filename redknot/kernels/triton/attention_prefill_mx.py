@@ -1,0 +1,246 @@
+"""Prefill form of ``sparse_attention_mx``: scores and outputs transposed, keys on the MMA's M side.
+
+Same contract, decoding and rounding as :mod:`attention_mx` (cache rows decoded exactly to bf16, fp32
+scores, probabilities rounded to bf16 for the PV product, fp32 denominator, the running maximum started at
+the sink, a query with no valid row returns 0). What differs is the shape of the tensor-core work of one
+program (one query, ``BLOCK_H`` heads, normally all 64):
+
+* ``attention_mx`` computes s = Q·KVᵀ [heads, keys]. Triton lays a dot whose result feeds another dot
+  out with every warp along M, and M is the 64 heads: one warpgroup's worth. With 8 / 16 warps the 2 / 4
+  warpgroups each compute the same 64 x BLOCK_N scores (sm_90a TTGIR: ``warpsPerCTA = [8, 1]`` /
+  ``[16, 1]`` on a 64-row result), so QKᵀ costs 2x / 4x its work.
+* here sᵀ = KV·Qᵀ [keys, heads] and Oᵀ += KVᵀ·Pᵀ [D, heads]: with ``BLOCK_N = 64 · warpgroups`` each
+  warpgroup owns its own 64 keys of sᵀ (wgmma m64n64k16), the decoded rows in shared memory are the A
+  operand of both products (the second through a transposed view), Pᵀ goes to shared memory as the B
+  operand, and the softmax statistics live along N in the layout both products share (no conversion);
+* the latent is decoded and multiplied in ``D_SPLIT`` column chunks (1, 2 or 4), so only one chunk of
+  decoded rows is live in registers at a time;
+* the window's E8M0 bytes become 2^(e-127) by an exponent shift (one fp32 multiply per value); the FP4
+  entries take ``quant_mx.e2m1_half``'s fp16 bit trick, the e4m3 scale times 2^14 in fp32.
+
+Not measured on the H200. The prefill tuner (``attention_mx.ATTN_MX_PREFILL_TUNER``) times these launch
+shapes next to the earlier ones per problem class and keeps the fastest; a shape enters only after its
+first-use check against the reference on the device (:func:`first_use_ok`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from redknot.kernels.triton._common import LOG2E, cdiv, next_pow2
+from redknot.kernels.triton.quant_mx import e2m1_half
+
+
+@triton.jit
+def _win_raw(cache_ptr, idx_ptr, js, end, stride_c, C0: tl.constexpr, DC: tl.constexpr, D: tl.constexpr):
+    """Bytes of window columns [C0, C0 + DC) of rows idx[js] (rows past ``end`` or with idx -1: zeros)."""
+    idx = tl.load(idx_ptr + js, mask=js < end, other=-1)
+    ok = idx >= 0
+    base = cache_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_c
+    q = tl.load(base + C0 + tl.arange(0, DC)[None, :], mask=ok[:, None], other=0)
+    sb = tl.load(base + D + C0 // 32 + tl.arange(0, DC // 32)[None, :], mask=ok[:, None], other=127)
+    return q, sb
+
+
+@triton.jit
+def _win_dec(q, sb, BN: tl.constexpr, DC: tl.constexpr):
+    """e4m3 bytes [BN, DC] with E8M0 bytes [BN, DC/32] -> exact bf16 values."""
+    v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)          # 2^(e-127) for e = 1..254
+    s = tl.where(sb == 0, 5.877471754111438e-39, s)                   # e = 0: 2^-127 (subnormal)
+    v = tl.reshape(tl.reshape(v, (BN, DC // 32, 32)) * s[:, :, None], (BN, DC))
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _comp_raw(cache_ptr, idx_ptr, js, end, stride_c, C0: tl.constexpr, DC: tl.constexpr, D: tl.constexpr):
+    idx = tl.load(idx_ptr + js, mask=js < end, other=-1)
+    ok = idx >= 0
+    base = cache_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_c
+    p = tl.load(base + C0 // 2 + tl.arange(0, DC // 2)[None, :], mask=ok[:, None], other=0)
+    s8 = tl.load(base + D // 2 + C0 // 16 + tl.arange(0, DC // 16)[None, :], mask=ok[:, None], other=0)
+    return p, s8
+
+
+@triton.jit
+def _comp_dec(p, s8, BN: tl.constexpr, DC: tl.constexpr):
+    """packed e2m1 [BN, DC/2] with e4m3 scale bytes [BN, DC/16] -> exact bf16 values."""
+    b = p.to(tl.int32)
+    codes = tl.reshape(tl.join(b, b >> 4), (BN, DC))                  # e2m1_half reads only the nibble's bits
+    v = e2m1_half(codes).to(tl.float32)                               # value * 2^-14
+    s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    v = tl.reshape(tl.reshape(v, (BN, DC // 16, 16)) * s[:, :, None], (BN, DC))
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _ok(idx_ptr, js, end):
+    return tl.load(idx_ptr + js, mask=js < end, other=-1) >= 0
+
+
+@triton.jit
+def _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, C0: tl.constexpr, DC: tl.constexpr,
+          D: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr):
+    """Columns [C0, C0 + DC) of block ``js`` of the window (COMP false) or compressed list as exact bf16."""
+    if COMP:
+        p, s8 = _comp_raw(comp_ptr, cidx, js, NC, stride_c, C0, DC, D)
+        kv = _comp_dec(p, s8, BN, DC)
+    else:
+        a, b = _win_raw(win_ptr, widx, js, NW, stride_w, C0, DC, D)
+        kv = _win_dec(a, b, BN, DC)
+    return kv
+
+
+@triton.jit
+def _online_t(zt, ok, m, l, qk_scale):
+    """Online softmax over the rows (keys) of transposed scores zt [BN, BH]: (max, sum, rescale, P^T bf16)."""
+    zt = tl.where(ok[:, None], zt * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(zt, 0))
+    alpha = tl.exp2(m - m_new)
+    pt = tl.exp2(zt - m_new[None, :])
+    return m_new, l * alpha + tl.sum(pt, 0), alpha, pt.to(tl.bfloat16)
+
+
+@triton.jit
+def _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w,
+           stride_c, qk_scale, D: tl.constexpr, D_SPLIT: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr):
+    """One block of BN keys: sᵀ = Σ_c KV_c·Q_cᵀ, online softmax, O_cᵀ = α·O_cᵀ + KV_cᵀ·Pᵀ per chunk c."""
+    DC: tl.constexpr = D // D_SPLIT
+    ok = _ok(cidx if COMP else widx, js, NC if COMP else NW)
+    kv0 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 0, DC, D, BN, COMP)
+    zt = tl.dot(kv0, tl.trans(q0))
+    if D_SPLIT >= 2:
+        kv1 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, DC, DC, D, BN, COMP)
+        zt = tl.dot(kv1, tl.trans(q1), zt)
+    if D_SPLIT == 4:
+        kv2 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 2 * DC, DC, D, BN, COMP)
+        zt = tl.dot(kv2, tl.trans(q2), zt)
+        kv3 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 3 * DC, DC, D, BN, COMP)
+        zt = tl.dot(kv3, tl.trans(q3), zt)
+    m, l, alpha, pt = _online_t(zt, ok, m, l, qk_scale)
+    acc0 = tl.dot(tl.trans(kv0), pt, acc0 * alpha[None, :])
+    if D_SPLIT >= 2:
+        acc1 = tl.dot(tl.trans(kv1), pt, acc1 * alpha[None, :])
+    if D_SPLIT == 4:
+        acc2 = tl.dot(tl.trans(kv2), pt, acc2 * alpha[None, :])
+        acc3 = tl.dot(tl.trans(kv3), pt, acc3 * alpha[None, :])
+    return acc0, acc1, acc2, acc3, m, l
+
+
+@triton.jit
+def _store_t(out_ptr, acc, denom, t, heads, hmask, stride_ot, stride_oh, C0: tl.constexpr, DC: tl.constexpr):
+    o = out_ptr + t * stride_ot + heads[None, :] * stride_oh + C0 + tl.arange(0, DC)[:, None]
+    tl.store(o, (acc / denom[None, :]).to(out_ptr.dtype.element_ty), mask=hmask[None, :])
+
+
+@triton.jit
+def _attn_prefill_t(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_ptr, H, NW, NC,
+                    stride_qt, stride_qh, stride_w, stride_wi, stride_c, stride_ci, stride_ot, stride_oh,
+                    qk_scale, HAS_COMP: tl.constexpr, D: tl.constexpr, D_SPLIT: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per (query, head block). Scores transposed, sᵀ = KV·Qᵀ [BLOCK_N, BLOCK_H]: the keys
+    sit on the MMA's M side, so with BLOCK_N = 64 per warpgroup each warpgroup owns its own keys
+    (Triton gives a dot that feeds another dot all warps along M; with the heads on M, as in
+    ``attention_mx``, every warpgroup past the first recomputed the same 64-head scores). Outputs
+    transposed too, Oᵀ [D, BLOCK_H] in D_SPLIT (1, 2, 4) column chunks of D / D_SPLIT."""
+    DC: tl.constexpr = D // D_SPLIT
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    qrow = q_ptr + t * stride_qt + heads[:, None] * stride_qh + tl.arange(0, DC)[None, :]
+    q0 = tl.load(qrow, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if D_SPLIT >= 2:
+        q1 = tl.load(qrow + DC, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    if D_SPLIT == 4:
+        q2 = tl.load(qrow + 2 * DC, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+        q3 = tl.load(qrow + 3 * DC, mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    m = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634  # sink, log2 units
+    sink = m
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([DC, BLOCK_H], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    jn = tl.arange(0, BLOCK_N)
+    widx = widx_ptr + t * stride_wi
+    cidx = cidx_ptr + t * stride_ci
+    for j0 in range(0, NW, BLOCK_N):
+        acc0, acc1, acc2, acc3, m, l = _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx, comp_ptr,
+                                              cidx, j0 + jn, NW, NC, stride_w, stride_c, qk_scale, D, D_SPLIT,
+                                              BLOCK_N, False)
+    if HAS_COMP:
+        for j0 in range(0, NC, BLOCK_N):
+            acc0, acc1, acc2, acc3, m, l = _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx,
+                                                  comp_ptr, cidx, j0 + jn, NW, NC, stride_w, stride_c, qk_scale, D,
+                                                  D_SPLIT, BLOCK_N, True)
+    denom = l + tl.exp2(sink - m)
+    _store_t(out_ptr, acc0, denom, t, heads, hmask, stride_ot, stride_oh, 0, DC)
+    if D_SPLIT >= 2:
+        _store_t(out_ptr, acc1, denom, t, heads, hmask, stride_ot, stride_oh, DC, DC)
+    if D_SPLIT == 4:
+        _store_t(out_ptr, acc2, denom, t, heads, hmask, stride_ot, stride_oh, 2 * DC, DC)
+        _store_t(out_ptr, acc3, denom, t, heads, hmask, stride_ot, stride_oh, 3 * DC, DC)
+
+
+@dataclass(frozen=True)
+class PrefillAttnConfig:
+    """A launch shape of the prefill kernel (a candidate of ``attention_mx.ATTN_MX_PREFILL_TUNER``)."""
+    block_n: int = 32   # rows per online-softmax step
+    num_warps: int = 8
+    d_split: int = 2    # column chunks of the latent (1 or 2)
+    block_h: int = 64   # heads per program (all of V4.1's 64: every gathered row decoded once per query)
+    num_stages: int = 1  # Triton's own pipelining of the gathers (cp.async into shared memory) when > 1
+
+
+def prefill_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,
+                         sinks: torch.Tensor, scale: float, comp_cache=None, comp_idx=None,
+                         config: PrefillAttnConfig = PrefillAttnConfig()) -> torch.Tensor:
+    """``ref_v41.sparse_attention_mx``'s contract with the prefill kernel's launch shape ``config``."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
+    widx = window_idx.contiguous()
+    cidx = comp_idx.contiguous() if has_comp else widx
+    ccache = comp_cache if has_comp else window_cache
+    d_split = config.d_split
+    while d_split > 1 and D // d_split < 32:  # a chunk holds whole E8M0 groups
+        d_split //= 2
+    block_h = min(config.block_h, max(16, next_pow2(H)))
+    _attn_prefill_t[(T, cdiv(H, block_h))](
+        q, window_cache, widx, ccache, cidx, sinks.float().contiguous(), out, H, widx.shape[1],
+        cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
+        ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
+        HAS_COMP=has_comp, D=D, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+_FIRST_USE: dict[tuple[PrefillAttnConfig, str], bool] = {}
+
+
+def first_use_ok(config: PrefillAttnConfig, device: torch.device) -> bool:
+    """Whether ``config`` matches the reference on fresh random inputs (64 queries, the V4.1 head count
+    and latent, a short window, an empty row, both cache kinds); checked once per device, a build error
+    counts as a mismatch. The prefill tuner offers the launch shape only where this holds."""
+    key = (config, str(device))
+    if key not in _FIRST_USE:
+        from redknot.kernels import ref_v41
+        from redknot.kernels.triton.checks_mx import REAL_V41, attention_inputs
+        try:
+            q, win, widx, comp, cidx, sinks = attention_inputs(REAL_V41, device, seed=int(torch.randint(
+                0, 2 ** 31 - 1, ()).item()), tokens=8, n_window=256, n_comp=1024)
+            scale = REAL_V41.latent ** -0.5
+            got = prefill_attention_mx(q, win, widx, sinks, scale, comp, cidx, config).float()
+            want = ref_v41.sparse_attention_mx(q, win, widx, sinks, scale, comp, cidx).float()
+            _FIRST_USE[key] = bool(float((got - want).norm() / want.norm()) < 1e-2)
+        except Exception:  # noqa: BLE001 - a launch shape the compiler refuses on this device
+            _FIRST_USE[key] = False
+    return _FIRST_USE[key]
