@@ -11,13 +11,17 @@ end and a row with no valid index returns 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import LOG2E, ConfigTuner, cdiv, next_pow2
+from redknot.kernels.triton.attention_prefill_mx import (
+    PrefillAttnConfig,
+    first_use_ok,
+    prefill_attention_mx,
+)
 from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
 
 
@@ -118,18 +122,22 @@ ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
 # time only the unsplit shapes: each candidate is a compile in the first chunk.
 PREFILL_QUERIES = 1024
 # All 64 heads in one program with 16 warps: each gathered row decoded once per query, the [64, 512]
-# fp32 accumulator over 512 threads.
+# fp32 accumulator over 512 threads. Then the transposed prefill kernel (``attention_prefill_mx``: keys on
+# the MMA's M side, 128 keys per step over two warpgroups, the latent in four decoded chunks), all heads or
+# 32 heads per program; each runs only after its first-use check against the reference on the device.
 ATTN_MX_PREFILL_TUNER = ConfigTuner("sparse_attention_mx_prefill",
                                     [c for c in ATTN_MX_TUNER.candidates if c.splits == 1]
-                                    + [AttnMxConfig(64, 32, 16)])
+                                    + [AttnMxConfig(64, 32, 16), PrefillAttnConfig(128, 8, 4, 64, 2),
+                                       PrefillAttnConfig(128, 8, 4, 32, 2)])
 
 
 def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,
-                        sinks: torch.Tensor, scale: float, comp_cache: Optional[torch.Tensor] = None,
-                        comp_idx: Optional[torch.Tensor] = None, config: Optional[AttnMxConfig] = None
+                        sinks: torch.Tensor, scale: float, comp_cache: torch.Tensor | None = None,
+                        comp_idx: torch.Tensor | None = None, config=None
                         ) -> torch.Tensor:
     """See ``ref_v41.sparse_attention_mx``; q [T, H, D] (D a power of two), int32/int64 indices.
-    ``config=None``: the launch shape is measured per problem class on a GPU."""
+    ``config=None``: the launch shape is measured per problem class on a GPU; an ``AttnMxConfig`` runs this
+    module's kernel, a ``PrefillAttnConfig`` the transposed prefill kernel (after its first-use check)."""
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -139,6 +147,10 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
         tuner = ATTN_MX_PREFILL_TUNER if T >= PREFILL_QUERIES else ATTN_MX_TUNER
         config = tuner.pick(key, lambda cfg: sparse_attention_mx(
             q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, cfg), q.device)
+    if isinstance(config, PrefillAttnConfig):
+        if q.is_cuda and not first_use_ok(config, q.device):
+            raise RuntimeError(f"sparse_attention_mx: {config} failed its first-use check against the reference")
+        return prefill_attention_mx(q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, config)
     block_h, block_n, num_warps, splits = config.block_h, config.block_n, config.num_warps, config.splits
     has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
     widx = window_idx.contiguous()

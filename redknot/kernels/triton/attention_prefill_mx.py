@@ -231,6 +231,8 @@ def first_use_ok(config: PrefillAttnConfig, device: torch.device) -> bool:
     and latent, a short window, an empty row, both cache kinds); checked once per device, a build error
     counts as a mismatch. The prefill tuner offers the launch shape only where this holds."""
     key = (config, str(device))
+    if key not in _FIRST_USE and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False  # no check inside a CUDA-graph capture: run the shape once before capturing it
     if key not in _FIRST_USE:
         from redknot.kernels import ref_v41
         from redknot.kernels.triton.checks_mx import REAL_V41, attention_inputs
