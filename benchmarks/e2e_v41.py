@@ -815,6 +815,11 @@ def main(argv=None) -> dict:
             regions = region_shares(chunk, device, ops)
             report.setdefault("regions", {})[name] = regions
             report.setdefault("region_groups", {})[name] = group_regions(regions)
+            from v41_prefill_profile import rows_ab
+
+            ab = report.setdefault("prefill_rows_ab", {})[name] = rows_ab(chunk, device)
+            print(f"{name}: {ab['unfused_ms']:.1f} ms without the prefill row fusions, {ab['fused_ms']:.1f} ms "
+                  f"with them ({', '.join(ab['fusions'])})")
             if profiles[0] and not over_budget(dt * a.chunk / ctx + 10):
                 profiles[0] -= 1
                 report["profile"][name] = op_shares(chunk, device)

@@ -30,10 +30,11 @@ import torch
 # (module, function name) pairs wrapped as regions; a wrapped name is looked up in that module's
 # namespace at call time, so the model's own calls go through the wrapper.
 MODEL_FUNCTIONS = (
-    ("redknot.models.deepseek_v41.model", ("engram_forward", "hc_collapse", "rms_norm", "moe_forward")),
+    ("redknot.models.deepseek_v41.model", ("engram_forward", "hc_collapse", "collapse", "rms_norm", "moe_forward",
+                                           "moe_post")),
     ("redknot.models.deepseek_v41.attention", ("linear", "plain_linear", "rms_norm", "apply_rope", "index_qdq",
                                                "attend_spans", "index_spans", "grouped_output")),
-    ("redknot.models.deepseek_v41.moe", ("route", "swiglu_expert", "linear")),
+    ("redknot.models.deepseek_v41.moe", ("route", "swiglu_expert", "swiglu_act", "linear")),
     ("redknot.models.deepseek_v41.engram", ("table_rows", "linear", "engram_gate")),
     # the attention row epilogues (norms, RoPE, the indexer query's FP4 grid), fused or PyTorch
     ("redknot.models.deepseek_v41.fused_rows", ("norm", "norm_rope", "rope")),
@@ -163,6 +164,32 @@ def region_shares(fn, device, ops=None) -> List[dict]:
     return rows
 
 
+def rows_ab(fn, device, repeats: int = 3) -> dict:
+    """Mean ms of ``fn`` (a warmed prefill chunk) with the prefill row fusions (``fused_rows.PREFILL_ROWS``)
+    all off, then all on, each run once untimed first: what the fusions save in the same process."""
+    from redknot.models.deepseek_v41 import fused_rows
+
+    saved = dict(fused_rows.PREFILL_ROWS)
+    out = {}
+    try:
+        for name, on in (("unfused_ms", False), ("fused_ms", True)):
+            for k in fused_rows.PREFILL_ROWS:
+                fused_rows.PREFILL_ROWS[k] = on and saved[k]
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            out[name] = (time.perf_counter() - t) / repeats * 1e3
+    finally:
+        fused_rows.PREFILL_ROWS.update(saved)
+    out["fusions"] = sorted(k for k, v in saved.items() if v)
+    return out
+
+
 def group_regions(rows: Sequence[dict]) -> List[dict]:
     """Region rows -> coarse groups (registry ops, mHC, norms, RoPE, linears outside the ops, compressor,
     indexer / window index building, router, Engram, the rest)."""
@@ -174,19 +201,19 @@ def group_regions(rows: Sequence[dict]) -> List[dict]:
             continue
         if name.startswith("op "):
             g = "registry ops"
-        elif ".hc_" in name or "._Site" in name:
+        elif ".hc_" in name or "._Site" in name or name == "model.collapse":
             g = "mHC sites (mixes, lagged collapse + norm, post mix)"
         elif name.endswith("rms_norm") or name == "rows.norm":
             g = "RMS norms"
         elif name.endswith(("apply_rope", "index_qdq")) or name.startswith("rows."):
             g = "RoPE (+ norms) of q, kv, output, and the indexer query's FP4 grid"
-        elif "linear" in name or "swiglu_expert" in name or "grouped_output" in name:
+        elif "linear" in name or "swiglu" in name or "grouped_output" in name:
             g = "linears outside the registry (wo_a einsum, bf16/fp32 projections, SwiGLU glue)"
         elif "_compress" in name:
             g = "compressor (pooling, ring, index keys)"
         elif "attend_spans" in name or "index_spans" in name or "_index" in name:
             g = "attention / indexer index building and key gathers"
-        elif "route" in name or "moe_forward" in name:
+        elif "route" in name or "moe_forward" in name or "moe_post" in name:
             g = "router and MoE glue"
         elif "engram" in name or "table_rows" in name or "_hashes" in name:
             g = "Engram (hashes, rows, gate)"

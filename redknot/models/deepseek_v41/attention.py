@@ -101,13 +101,14 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
 
 
 def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w, p: str, num,
-                   tables=None, mix=None):
+                   tables=None, mix=None, inplace: bool = False):
     """The attention output [T, H, D] -> [T, hidden]: inverse RoPE on its rotary part, the per-group
     ``wo_a`` projection (bf16 in the reference), then ``wo_b``. ``tables``: the forward's RoPE tables.
     ``mix`` = (h, post, comb) of the fused mHC site: returns (out, mixed), ``mixed`` telling that ``out`` is
-    already ``site_post(y, h, post, comb)`` (``wo_b`` and the post mix in two launches, the same bits)."""
+    already ``site_post(y, h, post, comb)`` (``wo_b`` and the post mix in two launches, the same bits).
+    ``inplace``: the caller gives up ``o`` (the inverse RoPE may rotate its last columns in place)."""
     t = o.shape[0]
-    o = fused_rows.rope(o.to(num.dtype), w, pos, inv, tables, inverse=True)
+    o = fused_rows.rope(o.to(num.dtype), w, pos, inv, tables, inverse=True, inplace=inplace)
     g = cfg.o_groups
     ops = ops_of(w)
     wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
@@ -145,7 +146,7 @@ class AttentionLayer:
         else:
             qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
             q = fused_rows.rope(linear(qr, w, f"{p}.wq_b.weight", num).view(t, cfg.n_heads, cfg.head_dim), w, pos,
-                                self.inv, slots.rope)
+                                self.inv, slots.rope, inplace=True)
             kv = fused_rows.norm_rope(linear(u, w, f"{p}.wkv.weight", num), w, f"{p}.kv_norm.weight",
                                       cfg.norm_eps, pos, self.inv, slots.rope)
         if cfg.is_kv_source(self.layer) and spans:
@@ -157,11 +158,11 @@ class AttentionLayer:
         # The routed kernel writes q's dtype: no fp32 round trip of the [T, H, Dh] output (1 GiB at 8K rows).
         o = torch.empty(t, cfg.n_heads, cfg.head_dim, dtype=q.dtype if routed else num.acc, device=u.device)
         if routed:
-            attend_spans(self, q, kv, spans, state, slots, o)
+            o = attend_spans(self, q, kv, spans, state, slots, o)
         else:
             for sp in spans:
                 self._attend(q, kv, sp, state, slots, o)
-        return grouped_output(o, pos, self.inv, cfg, w, p, num, slots.rope)
+        return grouped_output(o, pos, self.inv, cfg, w, p, num, slots.rope, inplace=True)
 
     # ------------------------------------------------------------------ window + sparse attention
     def _window_rows(self, kv: torch.Tensor, sp: Span, state: V41State):

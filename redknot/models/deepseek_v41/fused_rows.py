@@ -14,6 +14,7 @@ from typing import Dict, Optional
 import torch
 
 from redknot.models.deepseek_v41.kernel_ops import ops_of
+from redknot.models.deepseek_v41.mhc import hc_collapse
 from redknot.models.deepseek_v41.ref_math import apply_rope, index_qdq, rms_norm
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,9 @@ FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 _FAILED = []   # a row kernel that failed to build: the PyTorch math from then on (logged once)
+# The prefill row fusions (``prefill_rows_v41``) by name, each on where the row kernels run; a test or a benchmark
+# switches one off to compare against the path without it.
+PREFILL_ROWS = {"rope_cols": True, "swiglu": True, "add_post": True, "collapse": True}
 
 
 def fused(w, x: torch.Tensor) -> bool:
@@ -87,12 +91,21 @@ def norm_rope(x: torch.Tensor, w, norm: str, eps: float, pos: torch.Tensor, inv:
 
 
 def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optional[Dict] = None,
-         inverse: bool = False, qdq: bool = False) -> torch.Tensor:
-    """RoPE(x) (``inverse``: the conjugate rotation), then the FP4 index grid when ``qdq``."""
+         inverse: bool = False, qdq: bool = False, inplace: bool = False) -> torch.Tensor:
+    """RoPE(x) (``inverse``: the conjugate rotation), then the FP4 index grid when ``qdq``. ``inplace`` (the
+    caller gives up x): on the fused path without the grid only the rotated columns are read and rewritten,
+    in x (``prefill_rows_v41.rope_cols_``: the same bits; at 8192 rows of 64 heads x 512, 134 MB moved instead
+    of 1.07 GB)."""
     if fused(w, x) and _ok(x, inv, qdq):
         from redknot.kernels.triton.step_rope_v41 import rope_rows
 
         cos, sin = _table(tables, pos, inv)
+        if inplace and PREFILL_ROWS["rope_cols"] and not qdq and x.dim() in (2, 3) and x.stride(-1) == 1:
+            from redknot.kernels.triton.prefill_rows_v41 import rope_cols_
+
+            y = _guarded(rope_cols_, x, cos, sin, inverse=inverse)
+            if y is not None:
+                return y
         y = _guarded(rope_rows, x, cos, sin, inverse=inverse, qdq=qdq)
         if y is not None:
             return y
@@ -188,3 +201,17 @@ def linear_post_rows(x: torch.Tensor, w, name: str, num, h: torch.Tensor, post: 
     if h.shape != (x.shape[0], n, d) or d % bd or d % 2 or n & (n - 1) or d % 512 and d != bd:
         return None
     return _guarded(linear_post, x, got[0], got[1], h, post, comb)
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor, w) -> torch.Tensor:
+    """``mhc.hc_collapse(h, pre)`` [T, D]; one read of the streams on the fused path
+    (``prefill_rows_v41.collapse_rows``: fp32 sums in another order, one bf16 ulp at most). The eager forward
+    and the tensor-only step both end with it, so a graph replay and an eager step compute the same bits."""
+    n = h.shape[1] if h.dim() == 3 else 0
+    if PREFILL_ROWS["collapse"] and fused(w, h) and n and not n & (n - 1):
+        from redknot.kernels.triton.prefill_rows_v41 import collapse_rows
+
+        y = _guarded(collapse_rows, h, pre)
+        if y is not None:
+            return y
+    return hc_collapse(h, pre)

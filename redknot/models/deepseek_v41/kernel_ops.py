@@ -191,8 +191,10 @@ def insert_rows(ops: V41Ops, cache: torch.Tensor, rows: torch.Tensor, x: torch.T
     ops.cache_insert_mx(cache.view(-1, cache.shape[-1]), rows, x, fmt)
 
 
-def attend_spans(layer, q: torch.Tensor, kv: torch.Tensor, spans, state, slots, out: torch.Tensor) -> None:
-    """Window + selected compressed entries for every span in one ``sparse_attention_mx`` call.
+def attend_spans(layer, q: torch.Tensor, kv: torch.Tensor, spans, state, slots, out: torch.Tensor) -> torch.Tensor:
+    """Window + selected compressed entries for every span in one ``sparse_attention_mx`` call -> the output:
+    the op's own tensor when the spans cover every row of ``out`` in order (no copy: 1.07 GB at 8192 rows of
+    64 heads x 512), else ``out`` with the spans' rows written.
 
     The window rows each span reads (the ring's previous rows, then its own new rows, quantised on
     insert) are laid out span after span in one byte scratch; the ring keeps the last ``window_ring``
@@ -241,7 +243,11 @@ def attend_spans(layer, q: torch.Tensor, kv: torch.Tensor, spans, state, slots, 
         comp_cache = src.entries.view(-1, src.entries.shape[-1])
     sink = layer.w.float(f"{layer.p}.attn_sink")
     o = ops.sparse_attention_mx(q[rows], scratch, widx, sink, cfg.head_dim ** -0.5, comp_cache, comp_idx)
+    if isinstance(rows, slice) and rows.start == 0 and rows.stop == out.shape[0] and o.shape == out.shape \
+            and o.dtype == out.dtype:
+        return o
     out[rows] = o
+    return out
 
 
 def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, spans, state, slots,

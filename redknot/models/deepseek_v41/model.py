@@ -24,8 +24,9 @@ from redknot.models.deepseek_v41.attention import AttentionLayer, Slots, Span
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.engram_hash import EngramHasher, EngramLayout
 from redknot.models.deepseek_v41.kernel_ops import V41Ops, host_ints, segments, span_rows
-from redknot.models.deepseek_v41.mhc import hc_collapse, one_hot_pre
-from redknot.models.deepseek_v41.moe import moe_forward
+from redknot.models.deepseek_v41.fused_rows import collapse
+from redknot.models.deepseek_v41.mhc import one_hot_pre
+from redknot.models.deepseek_v41.moe import moe_forward, moe_post
 from redknot.models.deepseek_v41.ref_math import (
     INDEX_KEYS, Numerics, Weights, check_choice, layer_rope, rms_norm)
 from redknot.models.deepseek_v41.state import V41State
@@ -100,7 +101,7 @@ class DeepseekV41:
         h, pre = self._layers(range(self.split if compact else cfg.n_layers), h, pre, pos, spans, state,
                               slots, hashes)
         self.last_slots = slots
-        x = hc_collapse(h, pre)
+        x = collapse(h, pre, self.w)
         if not compact:
             return x
         rows, tail = self._tail(meta, spans)
@@ -112,7 +113,7 @@ class DeepseekV41:
             return x
         part = self._layers(range(self.split, cfg.n_layers), h[rows], pre[rows], pos[rows], tail, state,
                             slots.rows(rows), None if hashes is None else hashes[rows], rows)
-        return x.index_copy(0, rows, hc_collapse(*part))
+        return x.index_copy(0, rows, collapse(*part, self.w))
 
     @torch.no_grad()
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,10 +184,11 @@ class DeepseekV41:
 
     def _layers(self, layers, h, pre, pos, spans, state, slots, hashes, rows=None):
         """``rows``: the step rows ``h`` holds (bounded replay's tail), None for all of them."""
-        from redknot.models.deepseek_v41.tensor_step import site_fns
+        from redknot.models.deepseek_v41.tensor_step import _SiteFused, site_fns
 
         cfg, w, num = self.cfg, self.w, self.num
         site = site_fns(self, h)   # the lagged mHC sites: fused kernels with the Triton step ops, else PyTorch
+        fused_site = isinstance(site, _SiteFused)
         for i in layers:
             p = f"layers.{i}"
             if cfg.is_engram(i):
@@ -196,7 +198,9 @@ class DeepseekV41:
             u, pre_a, post_a, c_a = site.pre(h, pre, f"{p}.hc_attn", f"{p}.attn_norm.weight")
             h = site.post(self.attn[i](u, pos, spans, state, slots), h, post_a, c_a)
             u, pre, post_f, c_f = site.pre(h, pre_a, f"{p}.hc_ffn", f"{p}.ffn_norm.weight")
-            h = site.post(moe_forward(u, w, i, cfg, num), h, post_f, c_f)
+            # Many rows on the fused site: the MoE's combine and the post mix in one pass (None elsewhere).
+            mixed = moe_post(u, w, i, cfg, num, (h, post_f, c_f)) if fused_site else None
+            h = mixed if mixed is not None else site.post(moe_forward(u, w, i, cfg, num), h, post_f, c_f)
         return h, pre
 
 

@@ -26,15 +26,73 @@ def route(u: torch.Tensor, w: Weights, prefix: str, cfg, acc: torch.dtype):
     return ids, weights * cfg.route_scale
 
 
-def swiglu_expert(x: torch.Tensor, w: Weights, prefix: str, num: Numerics, limit: float,
-                  weight: Optional[torch.Tensor]) -> torch.Tensor:
-    """W2(bias-free SwiGLU(x) · weight) -> [N, D] in the accumulation dtype."""
-    gate = linear(x, w, f"{prefix}.w1.weight", num).to(num.acc).clamp(max=limit)
-    up = linear(x, w, f"{prefix}.w3.weight", num).to(num.acc).clamp(-limit, limit)
+def swiglu_act(x: torch.Tensor, w: Weights, prefix: str, num: Numerics, limit: float,
+               weight: torch.Tensor | None) -> torch.Tensor:
+    """SwiGLU(x) · weight in the compute dtype (W2's input): fp32 clamp / SiLU / product, one cast. Where the
+    row kernels run (``fused_rows.fused``, fp32 accumulation) the activation is one pass
+    (``prefill_rows_v41.swiglu_rows``: PyTorch's CUDA transcendental and division) instead of seven fp32 ones."""
+    from redknot.models.deepseek_v41 import fused_rows
+
+    g = linear(x, w, f"{prefix}.w1.weight", num)
+    u = linear(x, w, f"{prefix}.w3.weight", num)
+    if (fused_rows.PREFILL_ROWS["swiglu"] and g.dim() == 2 and g.dtype == u.dtype == num.dtype
+            and num.acc == torch.float32 and fused_rows.fused(w, g)
+            and g.stride(-1) == 1 and u.stride(-1) == 1):
+        from redknot.kernels.triton.prefill_rows_v41 import swiglu_rows
+
+        wt = None if weight is None else weight.to(num.acc)
+        act = fused_rows._guarded(swiglu_rows, g, u, limit, wt, num.dtype)
+        if act is not None:
+            return act
+    gate = g.to(num.acc).clamp(max=limit)
+    up = u.to(num.acc).clamp(-limit, limit)
     act = F.silu(gate) * up
     if weight is not None:
         act = act * weight.unsqueeze(-1)
-    return linear(act.to(num.dtype), w, f"{prefix}.w2.weight", num).to(num.acc)
+    return act.to(num.dtype)
+
+
+def swiglu_expert(x: torch.Tensor, w: Weights, prefix: str, num: Numerics, limit: float,
+                  weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """W2(bias-free SwiGLU(x) · weight) -> [N, D] in the accumulation dtype."""
+    return linear(swiglu_act(x, w, prefix, num, limit, weight), w, f"{prefix}.w2.weight", num).to(num.acc)
+
+
+def moe_post(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics, mix) -> torch.Tensor | None:
+    """``hc_expand(moe_forward(u, ...), *mix)`` with ``mix`` = (h, post, comb) of the fused mHC site, for the rows
+    the step kernels leave to the registry ops (more than ``step_moe_v41.MAX_ROWS``: prefill chunks, large
+    batches): the routed experts (``moe_mx``) and the shared expert's W2 output stay bf16 and one launch sums
+    them, rounds once and runs the post mix (``prefill_rows_v41.add_post``: the bits of the fp32 combine followed
+    by ``mhc_post``). None where it does not apply (the caller runs ``moe_forward`` and the site's post)."""
+    from redknot.models.deepseek_v41 import fused_rows
+
+    prefix = f"layers.{layer}.ffn"
+    h, post, comb = mix
+    ops = ops_of(w)
+    if (not fused_rows.PREFILL_ROWS["add_post"] or getattr(w, "expert_dispatch", None) is not None
+            or u.dim() != 2 or num.acc != torch.float32
+            or h.dtype != num.dtype or not fused_rows.fused(w, u) or ops.moe_mx is None
+            or not (w.keep and num.act_quant and ops._dtype_ok("moe_mx", num))):
+        return None
+    from redknot.kernels.triton.step_moe_v41 import MAX_ROWS
+
+    if u.shape[0] <= MAX_ROWS:
+        return None
+    ids, weights = route(u, w, prefix, cfg, num.acc)
+    routed = ops.moe(u, ids, weights, w, prefix, cfg, num)
+    if routed is None:
+        return None
+    sp = f"{prefix}.shared_experts"
+    shared = linear(swiglu_act(u, w, sp, num, cfg.swiglu_limit, None), w, f"{sp}.w2.weight", num)
+    if routed.dtype == shared.dtype == num.dtype and routed.stride(-1) == 1 and shared.stride(-1) == 1:
+        from redknot.kernels.triton.prefill_rows_v41 import add_post
+
+        got = fused_rows._guarded(add_post, routed, shared, h, post, comb)
+        if got is not None:
+            return got
+    from redknot.models.deepseek_v41.mhc import hc_expand
+
+    return hc_expand((routed.to(num.acc) + shared.to(num.acc)).to(num.dtype), h, post, comb)
 
 
 def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,

@@ -46,7 +46,7 @@ from redknot.models.deepseek_v41.attention import grouped_output, sparse_attend
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.kernel_ops import ops_of
 from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, one_hot_pre
-from redknot.models.deepseek_v41.moe import moe_step_kernels, route, swiglu_expert
+from redknot.models.deepseek_v41.moe import moe_post, moe_step_kernels, route, swiglu_expert
 from redknot.models.deepseek_v41.ref_math import linear, rms_norm
 from redknot.models.deepseek_v41.tensor_step_sources import _compress, _index, step_kernels
 
@@ -217,7 +217,7 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
             y, mixed = _moe(u, w, i, cfg, num, mix)
         with region("mhc_post"):
             h = y if mixed else site.post(y, h, post_f, c_f)
-    return hc_collapse(h, pre)
+    return fused_rows.collapse(h, pre, w)   # the eager forward's last step too (same bits)
 
 
 # ---------------------------------------------------------------------- profiling regions
@@ -324,6 +324,10 @@ def _moe(u: torch.Tensor, w, layer: int, cfg, num, mix=None):
     fused = moe_step_kernels(u, w, prefix, cfg, num, mix)   # few rows on the step kernels: ~12 launches, not ~38
     if fused is not None:
         return fused if mix is not None else (fused, False)
+    if mix is not None:   # more rows on the fused site: the combine and the post mix in one pass (as the eager layers)
+        got = moe_post(u, w, layer, cfg, num, mix)
+        if got is not None:
+            return got, True
     return _moe_unfused(u, w, prefix, cfg, num), False
 
 

@@ -1,0 +1,89 @@
+"""The eager prefill forward with the prefill row fusions (``prefill_rows_v41`` through ``fused_rows.PREFILL_ROWS``:
+q and attention-output RoPE in place, the shared expert's SwiGLU, the MoE combine with the ffn site's post mix,
+the final collapse; and the attention output taken without a copy) against the same forward without them, on
+the e2e_v41 toy cut: attention, cache inserts and indexer on their Triton kernels (interpreter), the FP8 linears
+and MXFP4 experts on the registry's reference ops (fast on a CPU; the fusions do not depend on them). A 20-row
+chunk, above the step kernels' 16, so the prefill paths run. The exact fusions (RoPE, combine + post, no copy)
+give the same output rows and cache bytes bit for bit; with the SwiGLU and the collapse too (another ``exp``
+and summation order) the rows stay within a bf16 ulp of their scale."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import redknot.kernels.triton.prefill_rows_v41 as pr  # noqa: E402
+from redknot.models.deepseek_v41 import fused_rows  # noqa: E402
+
+pytestmark = pytest.mark.slow   # three interpreted toy prefill forwards (~100 s on 2 cores); each kernel is held against
+# its PyTorch math in tests/unit/kernels/test_prefill_rows_v41.py (default run) and on the GPU
+
+EXACT = ("rope_cols", "add_post")
+
+
+def _model():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
+    import e2e_v41
+
+    from redknot.kernels import KernelSet
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+
+    dev = torch.device("cpu")
+    cfg = e2e_v41.cut_config(True, 100)
+    ops = V41Ops(KernelSet(default="triton"))
+    ref = V41Ops(KernelSet(default="reference"), route_all=True)
+    for op in ("linear_mx", "moe_mx"):                 # GEMMs on the reference ops: the row fusions are the subject
+        setattr(ops, op, getattr(ref, op))
+        ops.choice[op] = "reference"
+    return e2e_v41, cfg, e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference", ops, dev)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    e2e_v41, cfg, model = _model()
+    ids = e2e_v41.tokens(20, cfg.vocab_size, 1)
+    out, calls = {}, {}
+    saved = dict(fused_rows.PREFILL_ROWS)
+    real = {n: getattr(pr, n) for n in ("rope_cols_", "swiglu_rows", "add_post", "collapse_rows")}
+    try:
+        for name, on in (("off", ()), ("exact", EXACT), ("all", tuple(saved))):
+            for k in fused_rows.PREFILL_ROWS:
+                fused_rows.PREFILL_ROWS[k] = k in on
+            count = calls[name] = {n: 0 for n in real}
+            for n, fn in real.items():
+                def counted(*a, _fn=fn, _n=n, _c=count, **k):
+                    _c[_n] += 1
+                    return _fn(*a, **k)
+                setattr(pr, n, counted)
+            b = e2e_v41.Batch(model, 1, 64, block_size=16)
+            x = b.step([ids], seqs=[0])
+            out[name] = (x, [t.clone() for t in b.state.tensors()])
+    finally:
+        fused_rows.PREFILL_ROWS.update(saved)
+        for n, fn in real.items():
+            setattr(pr, n, fn)
+    return cfg, out, calls
+
+
+def test_exact_fusions_equal_the_forward_without_them(runs):
+    cfg, out, calls = runs
+    assert sum(calls["off"].values()) == 0, calls["off"]
+    n = cfg.n_layers
+    assert calls["exact"]["rope_cols_"] == 2 * n and calls["exact"]["add_post"] == n, calls["exact"]
+    (x, sx), (y, sy) = out["exact"], out["off"]
+    assert torch.equal(x, y)
+    for a, b in zip(sx, sy):
+        assert torch.equal(a, b)
+
+
+def test_all_fusions_within_a_bf16_ulp(runs):
+    cfg, out, calls = runs
+    n = cfg.n_layers
+    c = calls["all"]
+    assert c["rope_cols_"] == 2 * n and c["add_post"] == n and c["collapse_rows"] == 1, c
+    assert c["swiglu_rows"] == n, c                                   # the shared expert's, once per layer
+    (x, _), (y, _) = out["all"], out["off"]
+    err = ((x.float() - y.float()).abs().amax(1) / y.float().abs().amax(1)).max().item()
+    assert err <= 2 ** -7, err
