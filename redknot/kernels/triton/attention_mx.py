@@ -127,8 +127,8 @@ PREFILL_QUERIES = 1024
 # 32 heads per program; each runs only after its first-use check against the reference on the device.
 ATTN_MX_PREFILL_TUNER = ConfigTuner("sparse_attention_mx_prefill",
                                     [c for c in ATTN_MX_TUNER.candidates if c.splits == 1]
-                                    + [AttnMxConfig(64, 32, 16), PrefillAttnConfig(128, 8, 4, 64, 2),
-                                       PrefillAttnConfig(128, 8, 4, 32, 2)])
+                                    + [AttnMxConfig(64, 32, 16), PrefillAttnConfig(128, 8, 4, 64, 1),
+                                       PrefillAttnConfig(128, 8, 4, 32, 1)])
 
 
 def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,

@@ -1,18 +1,20 @@
-"""Prefill form of ``sparse_attention_mx``: scores and outputs transposed, keys on the MMA's M side.
+"""Prefill form of ``sparse_attention_mx``: transposed scores (keys on the MMA's M side), rows decoded once.
 
 Same contract, decoding and rounding as :mod:`attention_mx` (cache rows decoded exactly to bf16, fp32
 scores, probabilities rounded to bf16 for the PV product, fp32 denominator, the running maximum started at
 the sink, a query with no valid row returns 0). What differs is the shape of the tensor-core work of one
-program (one query, ``BLOCK_H`` heads, normally all 64):
+program (one query, ``BLOCK_H`` heads, normally all 64), read off the sm_90a compile (TTGIR / SASS):
 
 * ``attention_mx`` computes s = Q·KVᵀ [heads, keys]. Triton lays a dot whose result feeds another dot
-  out with every warp along M, and M is the 64 heads: one warpgroup's worth. With 8 / 16 warps the 2 / 4
-  warpgroups each compute the same 64 x BLOCK_N scores (sm_90a TTGIR: ``warpsPerCTA = [8, 1]`` /
-  ``[16, 1]`` on a 64-row result), so QKᵀ costs 2x / 4x its work.
-* here sᵀ = KV·Qᵀ [keys, heads] and Oᵀ += KVᵀ·Pᵀ [D, heads]: with ``BLOCK_N = 64 · warpgroups`` each
-  warpgroup owns its own 64 keys of sᵀ (wgmma m64n64k16), the decoded rows in shared memory are the A
-  operand of both products (the second through a transposed view), Pᵀ goes to shared memory as the B
-  operand, and the softmax statistics live along N in the layout both products share (no conversion);
+  out with every warp along M, and M is the 64 heads, one warpgroup's worth: with 8 / 16 warps the 2 / 4
+  warpgroups each compute the same scores (``warpsPerCTA = [8, 1]`` / ``[16, 1]`` on a 64-row result).
+  Here sᵀ = KV·Qᵀ [keys, heads] with ``BLOCK_N = 64 · warpgroups``: each warpgroup owns its 64 keys
+  (wgmma m64n64k16, no copy of another's work). The softmax runs down the key axis; O = P·KV [heads, D]
+  (P = (Pᵀ)ᵀ) is the second product with the warpgroups side by side on D (m64n64k16, ``[4, 2]``).
+* the decoded rows pass an identity inline-PTX move marked as having side effects (``PIN``; compiled
+  runs only, the interpreter runs no PTX): without it the compiler recomputed the whole byte decode in a
+  second register layout for the first product's register operand (twice the decode instructions, and
+  ~1.5-2 KB of spills per thread at 128 keys per step);
 * the latent is decoded and multiplied in ``D_SPLIT`` column chunks (1, 2 or 4), so only one chunk of
   decoded rows is live in registers at a time;
 * the window's E8M0 bytes become 2^(e-127) by an exponent shift (one fp32 multiply per value); the FP4
@@ -24,6 +26,7 @@ first-use check against the reference on the device (:func:`first_use_ok`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +86,7 @@ def _ok(idx_ptr, js, end):
 
 @triton.jit
 def _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, C0: tl.constexpr, DC: tl.constexpr,
-          D: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr):
+          D: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr, PIN: tl.constexpr):
     """Columns [C0, C0 + DC) of block ``js`` of the window (COMP false) or compressed list as exact bf16."""
     if COMP:
         p, s8 = _comp_raw(comp_ptr, cidx, js, NC, stride_c, C0, DC, D)
@@ -91,6 +94,8 @@ def _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, C0: tl.
     else:
         a, b = _win_raw(win_ptr, widx, js, NW, stride_w, C0, DC, D)
         kv = _win_dec(a, b, BN, DC)
+    if PIN:  # an identity with side effects: the compiler may not recompute the decode in a second layout
+        kv = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [kv], dtype=tl.bfloat16, is_pure=False, pack=2)
     return kv
 
 
@@ -106,46 +111,45 @@ def _online_t(zt, ok, m, l, qk_scale):
 
 @triton.jit
 def _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w,
-           stride_c, qk_scale, D: tl.constexpr, D_SPLIT: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr):
-    """One block of BN keys: sᵀ = Σ_c KV_c·Q_cᵀ, online softmax, O_cᵀ = α·O_cᵀ + KV_cᵀ·Pᵀ per chunk c."""
+           stride_c, qk_scale, D: tl.constexpr, D_SPLIT: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr,
+           PIN: tl.constexpr):
+    """One block of BN keys: sᵀ = Σ_c KV_c·Q_cᵀ, online softmax, O_c = α·O_c + P·KV_c per chunk c."""
     DC: tl.constexpr = D // D_SPLIT
     ok = _ok(cidx if COMP else widx, js, NC if COMP else NW)
-    kv0 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 0, DC, D, BN, COMP)
+    kv0 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 0, DC, D, BN, COMP, PIN)
     zt = tl.dot(kv0, tl.trans(q0))
     if D_SPLIT >= 2:
-        kv1 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, DC, DC, D, BN, COMP)
+        kv1 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, DC, DC, D, BN, COMP, PIN)
         zt = tl.dot(kv1, tl.trans(q1), zt)
     if D_SPLIT == 4:
-        kv2 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 2 * DC, DC, D, BN, COMP)
+        kv2 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 2 * DC, DC, D, BN, COMP, PIN)
         zt = tl.dot(kv2, tl.trans(q2), zt)
-        kv3 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 3 * DC, DC, D, BN, COMP)
+        kv3 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 3 * DC, DC, D, BN, COMP, PIN)
         zt = tl.dot(kv3, tl.trans(q3), zt)
     m, l, alpha, pt = _online_t(zt, ok, m, l, qk_scale)
-    acc0 = tl.dot(tl.trans(kv0), pt, acc0 * alpha[None, :])
+    p = tl.trans(pt)
+    acc0 = tl.dot(p, kv0, acc0 * alpha[:, None])
     if D_SPLIT >= 2:
-        acc1 = tl.dot(tl.trans(kv1), pt, acc1 * alpha[None, :])
+        acc1 = tl.dot(p, kv1, acc1 * alpha[:, None])
     if D_SPLIT == 4:
-        acc2 = tl.dot(tl.trans(kv2), pt, acc2 * alpha[None, :])
-        acc3 = tl.dot(tl.trans(kv3), pt, acc3 * alpha[None, :])
+        acc2 = tl.dot(p, kv2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, kv3, acc3 * alpha[:, None])
     return acc0, acc1, acc2, acc3, m, l
 
 
 @triton.jit
 def _store_t(out_ptr, acc, denom, t, heads, hmask, stride_ot, stride_oh, C0: tl.constexpr, DC: tl.constexpr):
-    o = out_ptr + t * stride_ot + heads[None, :] * stride_oh + C0 + tl.arange(0, DC)[:, None]
-    tl.store(o, (acc / denom[None, :]).to(out_ptr.dtype.element_ty), mask=hmask[None, :])
+    o = out_ptr + t * stride_ot + heads[:, None] * stride_oh + C0 + tl.arange(0, DC)[None, :]
+    tl.store(o, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
 def _attn_prefill_t(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_ptr, H, NW, NC,
                     stride_qt, stride_qh, stride_w, stride_wi, stride_c, stride_ci, stride_ot, stride_oh,
                     qk_scale, HAS_COMP: tl.constexpr, D: tl.constexpr, D_SPLIT: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per (query, head block). Scores transposed, sᵀ = KV·Qᵀ [BLOCK_N, BLOCK_H]: the keys
-    sit on the MMA's M side, so with BLOCK_N = 64 per warpgroup each warpgroup owns its own keys
-    (Triton gives a dot that feeds another dot all warps along M; with the heads on M, as in
-    ``attention_mx``, every warpgroup past the first recomputed the same 64-head scores). Outputs
-    transposed too, Oᵀ [D, BLOCK_H] in D_SPLIT (1, 2, 4) column chunks of D / D_SPLIT."""
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIN: tl.constexpr):
+    """One program per (query, head block): sᵀ = KV·Qᵀ [BLOCK_N, BLOCK_H] (BLOCK_N = 64 per warpgroup),
+    O = P·KV [BLOCK_H, D] in D_SPLIT (1, 2, 4) column chunks of D / D_SPLIT; PIN: see the module notes."""
     DC: tl.constexpr = D // D_SPLIT
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -163,7 +167,7 @@ def _attn_prefill_t(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_
     m = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634  # sink, log2 units
     sink = m
     l = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([DC, BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, DC], tl.float32)
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
@@ -173,12 +177,12 @@ def _attn_prefill_t(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_
     for j0 in range(0, NW, BLOCK_N):
         acc0, acc1, acc2, acc3, m, l = _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx, comp_ptr,
                                               cidx, j0 + jn, NW, NC, stride_w, stride_c, qk_scale, D, D_SPLIT,
-                                              BLOCK_N, False)
+                                              BLOCK_N, False, PIN)
     if HAS_COMP:
         for j0 in range(0, NC, BLOCK_N):
             acc0, acc1, acc2, acc3, m, l = _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx,
                                                   comp_ptr, cidx, j0 + jn, NW, NC, stride_w, stride_c, qk_scale, D,
-                                                  D_SPLIT, BLOCK_N, True)
+                                                  D_SPLIT, BLOCK_N, True, PIN)
     denom = l + tl.exp2(sink - m)
     _store_t(out_ptr, acc0, denom, t, heads, hmask, stride_ot, stride_oh, 0, DC)
     if D_SPLIT >= 2:
@@ -218,9 +222,14 @@ def prefill_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx
         q, window_cache, widx, ccache, cidx, sinks.float().contiguous(), out, H, widx.shape[1],
         cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
         ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
-        HAS_COMP=has_comp, D=D, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=config.block_n,
+        HAS_COMP=has_comp, D=D, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=config.block_n, PIN=_compiled(),
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
+
+
+def _compiled() -> bool:
+    """Whether the kernel goes through the compiler (not Triton's CPU interpreter, which runs no inline PTX)."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 _FIRST_USE: dict[tuple[PrefillAttnConfig, str], bool] = {}
