@@ -24,7 +24,7 @@ from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.kernel_ops import (
     attend_spans, block_table, host_ints, index_spans, insert_rows, ops_of, page_rows, segments, span_rows)
 from redknot.models.deepseek_v41.ref_math import (
-    Numerics, Weights, acc_dtype, apply_rope, bf16_round, index_qdq, linear, plain_linear, topk_ids)
+    Numerics, Weights, acc_dtype, acc_linear, apply_rope, bf16_round, index_qdq, linear, plain_linear, topk_ids)
 from redknot.models.deepseek_v41.state import V41State
 
 ROW_CHUNK = 256  # query rows scored / attended at once (bounds [rows, candidates, dim] temporaries)
@@ -239,8 +239,8 @@ class AttentionLayer:
                                      f"{p}.compressor.norm.weight", cfg.norm_eps)
         else:
             a = acc_dtype(num.dtype)
-            kv_a = plain_linear(x.to(a), w, f"{p}.compressor.wkv.weight", a)       # [rows, Dh]
-            gate = plain_linear(x.to(a), w, f"{p}.compressor.wgate.weight", a)
+            kv_a = acc_linear(x, w, f"{p}.compressor.wkv.weight", a)               # [rows, Dh]
+            gate = acc_linear(x, w, f"{p}.compressor.wgate.weight", a)
             ring = src.kv_rows.shape[1]
             kv_ring = src.kv_rows.view(-1, src.kv_rows.shape[-1])
             gate_ring = src.gate_rows.view(-1, src.gate_rows.shape[-1])

@@ -12,12 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from redknot.models.deepseek_v41.kernel_ops import ops_of
-from redknot.models.deepseek_v41.ref_math import Numerics, Weights, linear, topk_ids
+from redknot.models.deepseek_v41.ref_math import (
+    Numerics,
+    Weights,
+    acc_linear,
+    linear,
+    topk_ids,
+)
 
 
 def route(u: torch.Tensor, w: Weights, prefix: str, cfg, acc: torch.dtype):
     """-> (expert ids [T, k], weights [T, k]) in the accumulation dtype."""
-    logits = F.linear(u.to(acc), w.dense(f"{prefix}.gate.weight", acc)) / cfg.gate_temp
+    logits = acc_linear(u, w, f"{prefix}.gate.weight", acc) / cfg.gate_temp
     scores = torch.sqrt(F.softplus(logits))                                    # [T, E]
     ids = topk_ids(scores + w.float(f"{prefix}.gate.bias"), cfg.n_activated_experts)
     weights = scores.gather(1, ids)
@@ -158,7 +164,12 @@ def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numeric
 
     if u.dim() != 2 or num.acc != torch.float32 or not fused_rows.fused(w, u):
         return None
-    from redknot.kernels.triton.step_moe_v41 import MAX_ROWS, post_mix_fits, route_and_gate_up, shared_expert_finish
+    from redknot.kernels.triton.step_moe_v41 import (
+        MAX_ROWS,
+        post_mix_fits,
+        route_and_gate_up,
+        shared_expert_finish,
+    )
 
     ops = ops_of(w)
     sp = f"{prefix}.shared_experts"

@@ -223,6 +223,22 @@ def plain_linear(x: torch.Tensor, w: Weights, name: str, dtype: torch.dtype) -> 
     return torch.nn.functional.linear(x.to(dtype), w.dense(name, dtype))
 
 
+def acc_linear(x: torch.Tensor, w: Weights, name: str, acc: torch.dtype) -> torch.Tensor:
+    """``plain_linear(x, w, name, acc)`` (a bf16-stored weight the reference applies in fp32: the router, the
+    ratio-2 compressor). On CUDA with bf16 rows, a bf16-stored weight and fp32 accumulation: one bf16 GEMM that
+    writes fp32 (bf16 products are exact in fp32 and the GEMM sums in fp32, so the fp32 GEMM's arithmetic up to
+    summation order) on the tensor cores instead of an fp32 copy of the rows and an fp32 GEMM (at 8192 rows the
+    router's is 32 GFLOP). Elsewhere, and with a torch without that overload, ``plain_linear``."""
+    wt = w.tensors.get(name)
+    if (x.is_cuda and acc == torch.float32 and x.dtype == torch.bfloat16 and wt is not None
+            and wt.dtype == torch.bfloat16 and wt.dim() == 2 and x.shape[-1] == wt.shape[1]):
+        try:
+            return torch.mm(x.reshape(-1, x.shape[-1]), wt.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        except (TypeError, RuntimeError):   # a torch without the out_dtype overload
+            pass
+    return plain_linear(x, w, name, acc)
+
+
 def topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
     """[..., n] -> the k indices of the largest scores, ties to the lower index, ascending."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]

@@ -18,7 +18,8 @@ from redknot.kernels import mx_formats as mx
 from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.attention import candidate_blocks
 from redknot.models.deepseek_v41.kernel_ops import ops_of
-from redknot.models.deepseek_v41.ref_math import acc_dtype, apply_rope, bf16_round, linear, plain_linear, topk_ids
+from redknot.models.deepseek_v41.ref_math import (
+    acc_dtype, acc_linear, apply_rope, bf16_round, linear, plain_linear, topk_ids)
 
 if TYPE_CHECKING:
     from redknot.models.deepseek_v41.tensor_step import _Rows
@@ -86,9 +87,8 @@ def _compress_pool_kernel(layer, u, rows: _Rows, src) -> Optional[torch.Tensor]:
     if layer.ratio == 1:
         return _compress_latent(layer, u, rows, src)
     a = acc_dtype(num.dtype)
-    ua = u.to(a)
-    kv_a = plain_linear(ua, w, f"{p}.compressor.wkv.weight", a)                # [T, Dh]
-    gate = plain_linear(ua, w, f"{p}.compressor.wgate.weight", a)
+    kv_a = acc_linear(u, w, f"{p}.compressor.wkv.weight", a)                   # [T, Dh]
+    gate = acc_linear(u, w, f"{p}.compressor.wgate.weight", a)
     return fused_rows._guarded(pool_rows, kv_a, gate, src.kv_rows, src.gate_rows, rows.slot, rows.pos, rows.back,
                                rows.last, w.float(f"{p}.compressor.norm.weight"), cfg.norm_eps, layer.ratio,
                                num.dtype)
@@ -102,8 +102,8 @@ def _compress_latent(layer, u, rows: _Rows, src) -> torch.Tensor:
     if r == 1:
         return fused_rows.norm(plain_linear(u, w, f"{p}.compressor.wkv.weight", num.dtype), w, norm, cfg.norm_eps)
     a = acc_dtype(num.dtype)
-    kv_a = plain_linear(u.to(a), w, f"{p}.compressor.wkv.weight", a)       # [T, Dh]
-    gate = plain_linear(u.to(a), w, f"{p}.compressor.wgate.weight", a)
+    kv_a = acc_linear(u, w, f"{p}.compressor.wkv.weight", a)               # [T, Dh]
+    gate = acc_linear(u, w, f"{p}.compressor.wgate.weight", a)
     # Group (p-1, p) for every row; only odd positions close a group and store it.
     ka = rows.ring_lookback(src.kv_rows, kv_a, r).flip(1).to(a)            # [T, r, Dh] oldest first
     ga = rows.ring_lookback(src.gate_rows, gate, r).flip(1).to(a)

@@ -166,3 +166,41 @@ def test_gpu_prefill_rows_real_sizes():
     assert torch.equal(add_post(a, b, h, post, comb), mhc_post(y, h, post, comb))
     pre = torch.rand(t, 4, device=dev) + 0.1
     assert _rel(collapse_rows(h, pre), hc_collapse(h, pre)) <= BF16_ULP
+
+
+# ---------------------------------------------------------------------- fp32-accumulated linears of bf16 weights
+def _acc_case(t, n, k, device, seed):
+    from redknot.models.deepseek_v41.ref_math import Weights
+
+    g = _gen(seed)
+    x = torch.randn(t, k, generator=g).to(torch.bfloat16).to(device)
+    w = Weights({"gate.weight": (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16).to(device)},
+                torch.bfloat16)
+    return x, w
+
+
+def test_acc_linear_is_plain_linear_off_cuda():
+    from redknot.models.deepseek_v41.ref_math import acc_linear, plain_linear
+
+    x, w = _acc_case(9, 24, 96, "cpu", 1)
+    got = acc_linear(x, w, "gate.weight", torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, plain_linear(x, w, "gate.weight", torch.float32))
+    x3 = x.view(3, 3, 96)
+    assert torch.equal(acc_linear(x3, w, "gate.weight", torch.float32), plain_linear(x3, w, "gate.weight", torch.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_acc_linear_router_and_compressor_sizes():
+    """The bf16 GEMM writing fp32 against the fp32 GEMM at the router's and the compressor's V4.1 sizes: both sum
+    exact products in fp32, so they differ by summation order only."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from redknot.models.deepseek_v41.ref_math import acc_linear, plain_linear
+
+    for n in (384, 512):
+        x, w = _acc_case(8192, n, 5120, "cuda", n)
+        got = acc_linear(x, w, "gate.weight", torch.float32)
+        want = plain_linear(x, w, "gate.weight", torch.float32)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-5, err
