@@ -5,6 +5,7 @@
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only gemm --out DIR   # weight-stream GEMMs, before/after
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only stream --out DIR # decode streams by variant
     PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only prefill --out DIR  # MoE prefill plans, 8192 tokens
+    PYTHONUNBUFFERED=1 python benchmarks/kernels_v41.py --only attention --contexts 8192 --out DIR  # sparse attention
     python benchmarks/kernels_v41.py --smoke --out DIR                # CPU: Triton interpreter, toy sizes
 
 Phase 1 (correctness): every op against its PyTorch reference (``redknot.kernels.ref_v41``) on fresh
@@ -168,11 +169,13 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 131072, 1048576],
                     help="compressed entries visible to attention / indexer cases")
     ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--only", choices=("all", "gemm", "stream", "prefill"), default="all",
+    ap.add_argument("--only", choices=("all", "gemm", "stream", "prefill", "attention"), default="all",
                     help="gemm: only the before/after table of the weight-stream GEMMs (no phase-1 checks); "
                          "prefill: only the MoE prefill plans at 8192 tokens (grouped, the measured choice, "
                          "each FP8 tensor-core plan, then those plans by part); "
-                         "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes)")
+                         "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes); "
+                         "attention: only sparse_attention_mx (the --contexts cases, then the prefill launch shapes "
+                         "of the earlier and the transposed kernel at the first context), no phase-1 checks")
     ap.add_argument("--stream-variants", choices=("core", "all", "moe"), default="core",
                     help="the fused MoE stream plans timed by --only stream / gemm: core, or all (launch-shape "
                          "neighbours too), or moe (only the MoE rows of split-K scaled, the FP8 fused plans of "
@@ -197,6 +200,14 @@ def main(argv=None) -> int:
     if args.only == "prefill":
         for desc, build in list(prefill_compare_cases(dims, device, args.smoke)) + list(
                 prefill_part_cases(dims, device, args.smoke)):
+            timed(run, build, desc)
+        return write_results(run)
+    if args.only == "attention":
+        from kernels_v41_attention_cases import attention_variant_cases
+        from kernels_v41_cases import attention_cases
+        contexts = [64] if args.smoke else args.contexts
+        for desc, build in list(attention_cases(dims, device, contexts, args.smoke)) + list(
+                attention_variant_cases(dims, device, contexts[0], args.smoke)):
             timed(run, build, desc)
         return write_results(run)
     if args.only in ("gemm", "stream"):
@@ -224,12 +235,13 @@ def main(argv=None) -> int:
 
 def tuned_choices() -> List[str]:
     """Every problem class the tuners measured, with the launch shape they kept."""
-    from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
+    from redknot.kernels.triton.attention_mx import ATTN_MX_PREFILL_TUNER, ATTN_MX_TUNER
     from redknot.kernels.triton.gemm_mx import LINEAR_DECODE_TUNER, MX_GEMM_TUNER
     from redknot.kernels.triton.indexer_mx import INDEX_MX_TUNER
     from redknot.kernels.triton.moe_mx import DECODE_TUNER, PREFILL_TUNER
     out = []
-    for tuner in (MX_GEMM_TUNER, PREFILL_TUNER, DECODE_TUNER, LINEAR_DECODE_TUNER, ATTN_MX_TUNER, INDEX_MX_TUNER):
+    for tuner in (MX_GEMM_TUNER, PREFILL_TUNER, DECODE_TUNER, LINEAR_DECODE_TUNER, ATTN_MX_TUNER, ATTN_MX_PREFILL_TUNER,
+                  INDEX_MX_TUNER):
         for key, cfg in tuner.choices.items():
             times = sorted(tuner.timings.get(key, []), key=lambda r: r[1])
             runner = ("; then " + ", ".join(f"{c} {ms:.4f} ms" for c, ms in times[1:])) if len(times) > 1 else ""

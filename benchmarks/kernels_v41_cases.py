@@ -315,6 +315,8 @@ def timed_cases(dims: V41Dims, device, contexts: List[int], smoke: bool) -> Iter
     yield from cache_insert_cases(dims, device, smoke)
     yield from engram_cases(dims, device, smoke)
     yield from attention_cases(dims, device, contexts, smoke)
+    from kernels_v41_attention_cases import attention_variant_cases
+    yield from attention_variant_cases(dims, device, contexts[0], smoke)
     yield from indexer_cases(dims, device, contexts, smoke)
     yield from linear_cases(dims, device, smoke, extras=True)
     yield from moe_cases(dims, device, smoke, extras=True)
