@@ -17,8 +17,9 @@ program (one query, ``BLOCK_H`` heads, normally all 64), read off the sm_90a com
   ~1.5-2 KB of spills per thread at 128 keys per step);
 * the latent is decoded and multiplied in ``D_SPLIT`` column chunks (1, 2 or 4), so only one chunk of
   decoded rows is live in registers at a time;
-* the window's E8M0 bytes become 2^(e-127) by an exponent shift (one fp32 multiply per value); the FP4
-  entries take ``quant_mx.e2m1_half``'s fp16 bit trick, the e4m3 scale times 2^14 in fp32.
+* the window's E8M0 bytes become 2^(e-127) by an exponent shift (one fp32 multiply per value); each FP4
+  nibble becomes the e4m3 byte of its value times 2^-6 (four bytes per PTX word operation, as
+  ``moe_stream_fp8``) and takes the fp8 conversion path, the e4m3 scale times 2^6 in fp32.
 
 Not measured on the H200. The prefill tuner (``attention_mx.ATTN_MX_PREFILL_TUNER``) times these launch
 shapes next to the earlier ones per problem class and keeps the fastest; a shape enters only after its
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import LOG2E, cdiv, next_pow2
-from redknot.kernels.triton.quant_mx import e2m1_half
+from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX
 
 
 @triton.jit
@@ -69,12 +70,19 @@ def _comp_raw(cache_ptr, idx_ptr, js, end, stride_c, C0: tl.constexpr, DC: tl.co
 
 
 @triton.jit
-def _comp_dec(p, s8, BN: tl.constexpr, DC: tl.constexpr):
-    """packed e2m1 [BN, DC/2] with e4m3 scale bytes [BN, DC/16] -> exact bf16 values."""
-    b = p.to(tl.int32)
-    codes = tl.reshape(tl.join(b, b >> 4), (BN, DC))                  # e2m1_half reads only the nibble's bits
-    v = e2m1_half(codes).to(tl.float32)                               # value * 2^-14
-    s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+def _comp_dec(p, s8, BN: tl.constexpr, DC: tl.constexpr, ASM: tl.constexpr):
+    """packed e2m1 [BN, DC/2] with e4m3 scale bytes [BN, DC/16] -> exact bf16 values. Each nibble becomes the
+    e4m3 byte of its value times 2^-6 (sign, then the three magnitude bits as exponent and mantissa top bits:
+    e2m1's subnormal 0.5 lands on e4m3's subnormal 2^-7), converted by the fp8 path; the 2^6 joins the scale.
+    ASM: four bytes per PTX word operation (``moe_stream_fp8``'s sequences) instead of per-byte arithmetic."""
+    if ASM:
+        lo = tl.inline_asm_elementwise(_LO_PTX, "=r,r", [p], dtype=tl.uint8, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_HI_PTX, "=r,r", [p], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        lo = ((p & 0x08) << 4) | ((p & 0x07) << 2)
+        hi = (p & 0x80) | ((p >> 2) & 0x1C)
+    v = tl.reshape(tl.join(lo, hi), (BN, DC)).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0
     v = tl.reshape(tl.reshape(v, (BN, DC // 16, 16)) * s[:, :, None], (BN, DC))
     return v.to(tl.bfloat16)
 
@@ -90,7 +98,7 @@ def _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, C0: tl.
     """Columns [C0, C0 + DC) of block ``js`` of the window (COMP false) or compressed list as exact bf16."""
     if COMP:
         p, s8 = _comp_raw(comp_ptr, cidx, js, NC, stride_c, C0, DC, D)
-        kv = _comp_dec(p, s8, BN, DC)
+        kv = _comp_dec(p, s8, BN, DC, PIN)
     else:
         a, b = _win_raw(win_ptr, widx, js, NW, stride_w, C0, DC, D)
         kv = _win_dec(a, b, BN, DC)
