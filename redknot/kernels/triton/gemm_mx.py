@@ -295,18 +295,53 @@ LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registe
 # Rows on which ``LINEAR_DECODE_TUNER`` times its candidates, whatever the size of the call that triggers
 # the tuning: the choice is per weight shape, measured at the decode batch the step targets.
 LINEAR_TUNE_ROWS = 32
+# Calls of at most ``gemv_mx.MAX_ROWS`` rows (decode at batch 1-4): a second choice per weight shape between
+# the tensor-core stream ``LINEAR_DECODE_TUNER`` chose (``stream``, first: taken untimed off the GPU) and the
+# CUDA-core GEMV streams of ``gemv_mx`` (names in ``gemv_mx.PLANS``), timed on ``LINEAR_SMALL_TUNE_ROWS``
+# rows. Each stream keeps a row's bits whatever the other rows of the call, so a row alone equals that row
+# among up to four rows and a row among 5-128 rows that row among any other 5-128; where the GEMV stream
+# wins, a row's bits at 1-4 rows and at 5+ rows differ by summation order (the same exact products).
+# ``SMALL_ROWS_CLASS`` False: one choice for every row count (the stream's).
+LINEAR_SMALL_TUNER = ConfigTuner("linear_mx_decode_small", ["stream", "gemv", "gemv_n16", "gemv_k512"])
+LINEAR_SMALL_TUNE_ROWS = 1
+SMALL_ROWS_CLASS = True
 
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
                    out: torch.Tensor, decode: Optional[str] = None) -> torch.Tensor:
     """Split-K weight stream (``splitk_mx``) and the slice reduction; ``decode`` None: the choice of
-    ``LINEAR_DECODE_TUNER`` (``splitk_mx.DECODES`` or ``registers_wide``, see the tuner). ``scaled`` /
+    ``LINEAR_DECODE_TUNER`` (``splitk_mx.DECODES`` or ``registers_wide``, see the tuner), at up to
+    ``gemv_mx.MAX_ROWS`` rows that of ``LINEAR_SMALL_TUNER`` (``gemv*``: ``gemv_mx``'s CUDA-core stream, four
+    rows per launch). ``scaled`` /
     ``fp8``: activations quantised by a separate pass (each program would otherwise repeat the amax work
     for 16+ padded rows per weight tile), one row tile of up to 128 rows (each row tile reads the whole
     weight)."""
-    from redknot.kernels.triton import splitk_mx, stream_guard
+    from redknot.kernels.triton import gemv_mx, splitk_mx, stream_guard
     from redknot.kernels.triton.dequant_mx import qdq_bf16
     rows = x2.shape[0]
+    if decode is None and SMALL_ROWS_CLASS and rows <= gemv_mx.MAX_ROWS:
+        made_small = {}
+
+        def small_run(d: str) -> torch.Tensor:  # timed on LINEAR_SMALL_TUNE_ROWS rows
+            if not made_small:
+                g = torch.Generator(device=x2.device).manual_seed(0)
+                made_small["x"] = torch.randn(LINEAR_SMALL_TUNE_ROWS, x2.shape[1], generator=g,
+                                              device=x2.device).to(x2.dtype)
+                made_small["out"] = torch.empty(LINEAR_SMALL_TUNE_ROWS, weight.shape[0], dtype=out.dtype,
+                                                device=x2.device)
+            return _linear_splitk(made_small["x"], weight, ws, block, made_small["out"], None if d == "stream" else d)
+        small = LINEAR_SMALL_TUNER.pick((tuple(weight.shape), block), small_run, x2.device)
+        decode = None if small == "stream" else small
+    if decode is not None and decode.startswith("gemv"):
+        plan = gemv_mx.PLANS[decode]
+
+        def gemv() -> torch.Tensor:
+            for r0 in range(0, rows, gemv_mx.MAX_ROWS):  # groups of up to MAX_ROWS rows (each row's own sums)
+                gemv_mx.gemv_fp8(x2[r0:r0 + gemv_mx.MAX_ROWS], weight, ws, block,
+                                 out[r0:r0 + gemv_mx.MAX_ROWS], plan)
+            return out
+        return stream_guard.with_fallback(x2.device, decode, gemv,
+                                          lambda: _linear_splitk(x2, weight, ws, block, out, "registers"))
     if decode is None:  # measured per weight shape (not per row count: rows stay batch-invariant)
         made = {}
 
