@@ -22,7 +22,21 @@ from redknot.models.deepseek_v41.ref_math import (
 
 
 def route(u: torch.Tensor, w: Weights, prefix: str, cfg, acc: torch.dtype):
-    """-> (expert ids [T, k], weights [T, k]) in the accumulation dtype."""
+    """-> (expert ids [T, k], weights [T, k]) in the accumulation dtype. Where the row kernels run, the tail
+    after the logits (sqrt-softplus, bias, top-k, normalisation) is one launch (``step_moe_v41.route_topk``,
+    the step's router: ties to the lower id, ids ascending, PyTorch's CUDA transcendentals) instead of about
+    ten, two of them sorts of [T, E]."""
+    from redknot.models.deepseek_v41 import fused_rows
+
+    k = cfg.n_activated_experts
+    if fused_rows.PREFILL_ROWS["route"] and acc == torch.float32 and u.dim() == 2 and fused_rows.fused(w, u):
+        from redknot.kernels.triton.step_moe_v41 import route_topk
+
+        got = fused_rows._guarded(route_topk, acc_linear(u, w, f"{prefix}.gate.weight", acc),
+                                  w.float(f"{prefix}.gate.bias"), k, cfg.gate_temp, cfg.norm_topk_prob and k > 1,
+                                  cfg.route_scale)
+        if got is not None:
+            return got
     logits = acc_linear(u, w, f"{prefix}.gate.weight", acc) / cfg.gate_temp
     scores = torch.sqrt(F.softplus(logits))                                    # [T, E]
     ids = topk_ids(scores + w.float(f"{prefix}.gate.bias"), cfg.n_activated_experts)

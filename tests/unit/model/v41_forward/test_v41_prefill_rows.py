@@ -1,11 +1,11 @@
 """The eager prefill forward with the prefill row fusions (``prefill_rows_v41`` through ``fused_rows.PREFILL_ROWS``:
 q and attention-output RoPE in place, the shared expert's SwiGLU, the MoE combine with the ffn site's post mix,
-the final collapse; and the attention output taken without a copy) against the same forward without them, on
+the final collapse, the router's tail in one launch; and the attention output taken without a copy) against the same forward without them, on
 the e2e_v41 toy cut: attention, cache inserts and indexer on their Triton kernels (interpreter), the FP8 linears
 and MXFP4 experts on the registry's reference ops (fast on a CPU; the fusions do not depend on them). A 20-row
 chunk, above the step kernels' 16, so the prefill paths run. The exact fusions (RoPE, combine + post, no copy)
-give the same output rows and cache bytes bit for bit; with the SwiGLU and the collapse too (another ``exp``
-and summation order) the rows stay within a bf16 ulp of their scale."""
+give the same output rows and cache bytes bit for bit; with the SwiGLU, the collapse and the router too (another
+``exp`` and summation order) the rows stay within a bf16 ulp of their scale."""
 import sys
 from pathlib import Path
 
@@ -46,7 +46,10 @@ def runs():
     ids = e2e_v41.tokens(20, cfg.vocab_size, 1)
     out, calls = {}, {}
     saved = dict(fused_rows.PREFILL_ROWS)
-    real = {n: getattr(pr, n) for n in ("rope_cols_", "swiglu_rows", "add_post", "collapse_rows")}
+    import redknot.kernels.triton.step_moe_v41 as sm
+
+    mods = {"rope_cols_": pr, "swiglu_rows": pr, "add_post": pr, "collapse_rows": pr, "route_topk": sm}
+    real = {n: getattr(m, n) for n, m in mods.items()}
     try:
         for name, on in (("off", ()), ("exact", EXACT), ("all", tuple(saved))):
             for k in fused_rows.PREFILL_ROWS:
@@ -56,14 +59,14 @@ def runs():
                 def counted(*a, _fn=fn, _n=n, _c=count, **k):
                     _c[_n] += 1
                     return _fn(*a, **k)
-                setattr(pr, n, counted)
+                setattr(mods[n], n, counted)
             b = e2e_v41.Batch(model, 1, 64, block_size=16)
             x = b.step([ids], seqs=[0])
             out[name] = (x, [t.clone() for t in b.state.tensors()])
     finally:
         fused_rows.PREFILL_ROWS.update(saved)
         for n, fn in real.items():
-            setattr(pr, n, fn)
+            setattr(mods[n], n, fn)
     return cfg, out, calls
 
 
@@ -83,7 +86,7 @@ def test_all_fusions_within_a_bf16_ulp(runs):
     n = cfg.n_layers
     c = calls["all"]
     assert c["rope_cols_"] == 2 * n and c["add_post"] == n and c["collapse_rows"] == 1, c
-    assert c["swiglu_rows"] == n, c                                   # the shared expert's, once per layer
+    assert c["swiglu_rows"] == n and c["route_topk"] == n, c         # the shared expert's, the router: per layer
     (x, _), (y, _) = out["all"], out["off"]
     err = ((x.float() - y.float()).abs().amax(1) / y.float().abs().amax(1)).max().item()
     assert err <= 2 ** -7, err
