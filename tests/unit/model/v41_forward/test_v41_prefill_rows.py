@@ -14,11 +14,12 @@ import torch
 
 pytest.importorskip("triton")
 
-import redknot.kernels.triton.prefill_rows_v41 as pr  # noqa: E402
-from redknot.models.deepseek_v41 import fused_rows  # noqa: E402
+import redknot.kernels.triton.prefill_rows_v41 as pr
+from redknot.models.deepseek_v41 import fused_rows
 
-pytestmark = pytest.mark.slow   # three interpreted toy prefill forwards (~100 s on 2 cores); each kernel is held against
-# its PyTorch math in tests/unit/kernels/test_prefill_rows_v41.py (default run) and on the GPU
+# Three interpreted toy prefill forwards (~130 s on 2 cores): -m slow. Each kernel is held against its PyTorch math
+# in tests/unit/kernels/test_prefill_rows_v41.py (default run) and on the GPU.
+pytestmark = pytest.mark.slow
 
 EXACT = ("rope_cols", "add_post")
 
