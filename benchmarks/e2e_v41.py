@@ -904,8 +904,8 @@ def write(report: dict, out: str) -> None:
         lines += ["", f"## Regions (self time): {name}", "", "| region | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| {r['region']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
     for name, ab in report.get("prefill_rows_ab", {}).items():
-        lines += ["", f"{name}: {ab['unfused_ms']:.2f} ms without the prefill row fusions, {ab['fused_ms']:.2f} ms "
-                  f"with them ({', '.join(ab['fusions'])})"]
+        lines += ["", (f"{name}: {ab['unfused_ms']:.2f} ms without the prefill row fusions, {ab['fused_ms']:.2f} ms "
+                       f"with them ({', '.join(ab['fusions'])})")]
     for name, rows in report["profile"].items():
         lines += ["", f"## Time shares: {name}", "", "| kernel / op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| `{r['op']}` | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
