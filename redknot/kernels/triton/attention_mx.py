@@ -123,12 +123,14 @@ ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
 PREFILL_QUERIES = 1024
 # All 64 heads in one program with 16 warps: each gathered row decoded once per query, the [64, 512]
 # fp32 accumulator over 512 threads. Then the transposed prefill kernel (``attention_prefill_mx``: keys on
-# the MMA's M side, 128 keys per step over two warpgroups, the latent in four decoded chunks), all heads or
-# 32 heads per program; each runs only after its first-use check against the reference on the device.
+# the MMA's M side, 128 keys per step over two warpgroups, the latent in four decoded chunks), all heads (each
+# chunk's bytes loaded where decoded, or a chunk ahead) or 32 heads per program (a chunk ahead); each runs only
+# after its first-use check against the reference on the device.
 ATTN_MX_PREFILL_TUNER = ConfigTuner("sparse_attention_mx_prefill",
                                     [c for c in ATTN_MX_TUNER.candidates if c.splits == 1]
                                     + [AttnMxConfig(64, 32, 16), PrefillAttnConfig(128, 8, 4, 64, 1),
-                                       PrefillAttnConfig(128, 8, 4, 32, 1)])
+                                       PrefillAttnConfig(128, 8, 4, 64, 1, lookahead=True),
+                                       PrefillAttnConfig(128, 8, 4, 32, 1, lookahead=True)])
 
 
 def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,

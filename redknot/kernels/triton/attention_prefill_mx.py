@@ -16,7 +16,10 @@ program (one query, ``BLOCK_H`` heads, normally all 64), read off the sm_90a com
   second register layout for the first product's register operand (twice the decode instructions, and
   ~1.5-2 KB of spills per thread at 128 keys per step);
 * the latent is decoded and multiplied in ``D_SPLIT`` column chunks (1, 2 or 4), so only one chunk of
-  decoded rows is live in registers at a time;
+  decoded rows is live in registers at a time; a block's row indices are loaded one block ahead, and with
+  ``lookahead`` each chunk's bytes one chunk ahead of its decode (the next block's first chunk during the
+  last chunk), so the gather's latency sits behind a chunk of decode and QKᵀ work instead of in front of
+  every chunk (at the price of more live registers: 664 instead of 384 B of stack at 64 heads);
 * the window's E8M0 bytes become 2^(e-127) by an exponent shift (one fp32 multiply per value); each FP4
   nibble becomes the e4m3 byte of its value times 2^-6 (four bytes per PTX word operation, as
   ``moe_stream_fp8``) and takes the fp8 conversion path, the e4m3 scale times 2^6 in fp32.
@@ -39,9 +42,14 @@ from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX
 
 
 @triton.jit
-def _win_raw(cache_ptr, idx_ptr, js, end, stride_c, C0: tl.constexpr, DC: tl.constexpr, D: tl.constexpr):
-    """Bytes of window columns [C0, C0 + DC) of rows idx[js] (rows past ``end`` or with idx -1: zeros)."""
-    idx = tl.load(idx_ptr + js, mask=js < end, other=-1)
+def _idx(idx_ptr, js, end):
+    """Row indices of block ``js`` (-1 past ``end``)."""
+    return tl.load(idx_ptr + js, mask=js < end, other=-1)
+
+
+@triton.jit
+def _win_raw(cache_ptr, idx, stride_c, C0: tl.constexpr, DC: tl.constexpr, D: tl.constexpr):
+    """Bytes of window columns [C0, C0 + DC) of rows ``idx`` (idx -1: zeros)."""
     ok = idx >= 0
     base = cache_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_c
     q = tl.load(base + C0 + tl.arange(0, DC)[None, :], mask=ok[:, None], other=0)
@@ -60,8 +68,7 @@ def _win_dec(q, sb, BN: tl.constexpr, DC: tl.constexpr):
 
 
 @triton.jit
-def _comp_raw(cache_ptr, idx_ptr, js, end, stride_c, C0: tl.constexpr, DC: tl.constexpr, D: tl.constexpr):
-    idx = tl.load(idx_ptr + js, mask=js < end, other=-1)
+def _comp_raw(cache_ptr, idx, stride_c, C0: tl.constexpr, DC: tl.constexpr, D: tl.constexpr):
     ok = idx >= 0
     base = cache_ptr + tl.where(ok, idx, 0).to(tl.int64)[:, None] * stride_c
     p = tl.load(base + C0 // 2 + tl.arange(0, DC // 2)[None, :], mask=ok[:, None], other=0)
@@ -88,20 +95,23 @@ def _comp_dec(p, s8, BN: tl.constexpr, DC: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _ok(idx_ptr, js, end):
-    return tl.load(idx_ptr + js, mask=js < end, other=-1) >= 0
+def _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, C0: tl.constexpr, DC: tl.constexpr, D: tl.constexpr,
+         COMP: tl.constexpr):
+    """Stored bytes of columns [C0, C0 + DC) of the rows ``idx`` (window, or compressed with COMP)."""
+    if COMP:
+        x, sc = _comp_raw(comp_ptr, idx, stride_c, C0, DC, D)
+    else:
+        x, sc = _win_raw(win_ptr, idx, stride_w, C0, DC, D)
+    return x, sc
 
 
 @triton.jit
-def _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, C0: tl.constexpr, DC: tl.constexpr,
-          D: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr, PIN: tl.constexpr):
-    """Columns [C0, C0 + DC) of block ``js`` of the window (COMP false) or compressed list as exact bf16."""
+def _dec(x, sc, BN: tl.constexpr, DC: tl.constexpr, COMP: tl.constexpr, PIN: tl.constexpr):
+    """Those bytes as exact bf16 values."""
     if COMP:
-        p, s8 = _comp_raw(comp_ptr, cidx, js, NC, stride_c, C0, DC, D)
-        kv = _comp_dec(p, s8, BN, DC, PIN)
+        kv = _comp_dec(x, sc, BN, DC, PIN)
     else:
-        a, b = _win_raw(win_ptr, widx, js, NW, stride_w, C0, DC, D)
-        kv = _win_dec(a, b, BN, DC)
+        kv = _win_dec(x, sc, BN, DC)
     if PIN:  # an identity with side effects: the compiler may not recompute the decode in a second layout
         kv = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [kv], dtype=tl.bfloat16, is_pure=False, pack=2)
     return kv
@@ -118,21 +128,47 @@ def _online_t(zt, ok, m, l, qk_scale):
 
 
 @triton.jit
-def _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w,
-           stride_c, qk_scale, D: tl.constexpr, D_SPLIT: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr,
-           PIN: tl.constexpr):
-    """One block of BN keys: sᵀ = Σ_c KV_c·Q_cᵀ, online softmax, O_c = α·O_c + P·KV_c per chunk c."""
+def _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, x0, s0, win_ptr, comp_ptr, idx, nidx, stride_w, stride_c,
+           qk_scale, D: tl.constexpr, D_SPLIT: tl.constexpr, BN: tl.constexpr, COMP: tl.constexpr,
+           PIN: tl.constexpr, LOOKAHEAD: tl.constexpr):
+    """One block of BN keys (rows ``idx``; with LOOKAHEAD the bytes of its first chunk, x0 / s0, already loaded):
+    sᵀ = Σ_c KV_c·Q_cᵀ, online softmax, O_c = α·O_c + P·KV_c per chunk c. LOOKAHEAD: each chunk's bytes are
+    loaded before the previous chunk is decoded, the next block's first chunk (rows ``nidx``) before the last,
+    so one chunk of gathered bytes is in flight behind the decode and the QKᵀ products (returned: that next
+    first chunk; without LOOKAHEAD x0 / s0 pass through unused)."""
     DC: tl.constexpr = D // D_SPLIT
-    ok = _ok(cidx if COMP else widx, js, NC if COMP else NW)
-    kv0 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 0, DC, D, BN, COMP, PIN)
+    ok = idx >= 0
+    if LOOKAHEAD:
+        if D_SPLIT >= 2:
+            x1, s1 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, DC, DC, D, COMP)
+        else:
+            nx, ns = _raw(win_ptr, comp_ptr, nidx, stride_w, stride_c, 0, DC, D, COMP)
+    else:  # each chunk's bytes loaded where it is decoded (fewer live registers)
+        nx, ns = x0, s0
+        x0, s0 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, 0, DC, D, COMP)
+    kv0 = _dec(x0, s0, BN, DC, COMP, PIN)
     zt = tl.dot(kv0, tl.trans(q0))
     if D_SPLIT >= 2:
-        kv1 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, DC, DC, D, BN, COMP, PIN)
+        if not LOOKAHEAD:
+            x1, s1 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, DC, DC, D, COMP)
+        elif D_SPLIT == 4:
+            x2, s2 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, 2 * DC, DC, D, COMP)
+        else:
+            nx, ns = _raw(win_ptr, comp_ptr, nidx, stride_w, stride_c, 0, DC, D, COMP)
+        kv1 = _dec(x1, s1, BN, DC, COMP, PIN)
         zt = tl.dot(kv1, tl.trans(q1), zt)
     if D_SPLIT == 4:
-        kv2 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 2 * DC, DC, D, BN, COMP, PIN)
+        if LOOKAHEAD:
+            x3, s3 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, 3 * DC, DC, D, COMP)
+        else:
+            x2, s2 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, 2 * DC, DC, D, COMP)
+        kv2 = _dec(x2, s2, BN, DC, COMP, PIN)
         zt = tl.dot(kv2, tl.trans(q2), zt)
-        kv3 = _rows(win_ptr, widx, comp_ptr, cidx, js, NW, NC, stride_w, stride_c, 3 * DC, DC, D, BN, COMP, PIN)
+        if LOOKAHEAD:
+            nx, ns = _raw(win_ptr, comp_ptr, nidx, stride_w, stride_c, 0, DC, D, COMP)
+        else:
+            x3, s3 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, 3 * DC, DC, D, COMP)
+        kv3 = _dec(x3, s3, BN, DC, COMP, PIN)
         zt = tl.dot(kv3, tl.trans(q3), zt)
     m, l, alpha, pt = _online_t(zt, ok, m, l, qk_scale)
     p = tl.trans(pt)
@@ -142,7 +178,7 @@ def _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx, comp_ptr
     if D_SPLIT == 4:
         acc2 = tl.dot(p, kv2, acc2 * alpha[:, None])
         acc3 = tl.dot(p, kv3, acc3 * alpha[:, None])
-    return acc0, acc1, acc2, acc3, m, l
+    return acc0, acc1, acc2, acc3, m, l, nx, ns
 
 
 @triton.jit
@@ -155,7 +191,7 @@ def _store_t(out_ptr, acc, denom, t, heads, hmask, stride_ot, stride_oh, C0: tl.
 def _attn_prefill_t(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_ptr, H, NW, NC,
                     stride_qt, stride_qh, stride_w, stride_wi, stride_c, stride_ci, stride_ot, stride_oh,
                     qk_scale, HAS_COMP: tl.constexpr, D: tl.constexpr, D_SPLIT: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIN: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PIN: tl.constexpr, LOOKAHEAD: tl.constexpr):
     """One program per (query, head block): sᵀ = KV·Qᵀ [BLOCK_N, BLOCK_H] (BLOCK_N = 64 per warpgroup),
     O = P·KV [BLOCK_H, D] in D_SPLIT (1, 2, 4) column chunks of D / D_SPLIT; PIN: see the module notes."""
     DC: tl.constexpr = D // D_SPLIT
@@ -182,15 +218,27 @@ def _attn_prefill_t(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_
     jn = tl.arange(0, BLOCK_N)
     widx = widx_ptr + t * stride_wi
     cidx = cidx_ptr + t * stride_ci
+    idx = _idx(widx, jn, NW)  # indices a block ahead, the first column chunk's bytes a chunk ahead
+    x0, s0 = idx, idx  # placeholders without LOOKAHEAD (passed through, loop-invariant)
+    if LOOKAHEAD:
+        x0, s0 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, 0, DC, D, False)
     for j0 in range(0, NW, BLOCK_N):
-        acc0, acc1, acc2, acc3, m, l = _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx, comp_ptr,
-                                              cidx, j0 + jn, NW, NC, stride_w, stride_c, qk_scale, D, D_SPLIT,
-                                              BLOCK_N, False, PIN)
+        nidx = _idx(widx, j0 + BLOCK_N + jn, NW)
+        acc0, acc1, acc2, acc3, m, l, x0, s0 = _block(
+            q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, x0, s0, win_ptr, comp_ptr, idx, nidx, stride_w, stride_c,
+            qk_scale, D, D_SPLIT, BLOCK_N, False, PIN, LOOKAHEAD)
+        idx = nidx
     if HAS_COMP:
+        idx = _idx(cidx, jn, NC)
+        y0, t0 = idx, idx
+        if LOOKAHEAD:
+            y0, t0 = _raw(win_ptr, comp_ptr, idx, stride_w, stride_c, 0, DC, D, True)
         for j0 in range(0, NC, BLOCK_N):
-            acc0, acc1, acc2, acc3, m, l = _block(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, win_ptr, widx,
-                                                  comp_ptr, cidx, j0 + jn, NW, NC, stride_w, stride_c, qk_scale, D,
-                                                  D_SPLIT, BLOCK_N, True, PIN)
+            nidx = _idx(cidx, j0 + BLOCK_N + jn, NC)
+            acc0, acc1, acc2, acc3, m, l, y0, t0 = _block(
+                q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, y0, t0, win_ptr, comp_ptr, idx, nidx, stride_w,
+                stride_c, qk_scale, D, D_SPLIT, BLOCK_N, True, PIN, LOOKAHEAD)
+            idx = nidx
     denom = l + tl.exp2(sink - m)
     _store_t(out_ptr, acc0, denom, t, heads, hmask, stride_ot, stride_oh, 0, DC)
     if D_SPLIT >= 2:
@@ -208,6 +256,7 @@ class PrefillAttnConfig:
     d_split: int = 2    # column chunks of the latent (1 or 2)
     block_h: int = 64   # heads per program (all of V4.1's 64: every gathered row decoded once per query)
     num_stages: int = 1  # Triton's own pipelining of the gathers (cp.async into shared memory) when > 1
+    lookahead: bool = False  # load each column chunk's bytes one chunk ahead of its decode (more live registers)
 
 
 def prefill_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,
@@ -231,6 +280,7 @@ def prefill_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx
         cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
         ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
         HAS_COMP=has_comp, D=D, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=config.block_n, PIN=_compiled(),
+        LOOKAHEAD=config.lookahead,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 

@@ -21,8 +21,10 @@ from redknot.kernels.triton.checks_mx import (
 
 ODD = V41Dims(heads=3, latent=64, window=5, attn_topk=9, attn_tokens=4, entries=37)
 CANDIDATES = [c for c in attention_mx.ATTN_MX_PREFILL_TUNER.candidates if isinstance(c, prefill.PrefillAttnConfig)]
-# one launch shape per column split and block size besides the tuner's, so every code path runs
-SHAPES = CANDIDATES + [prefill.PrefillAttnConfig(16, 4, 1, 64, 1), prefill.PrefillAttnConfig(32, 4, 2, 16, 1)]
+# launch shapes besides the tuner's, so every column split runs with and without the chunk lookahead
+SHAPES = CANDIDATES + [prefill.PrefillAttnConfig(16, 4, 1, 64, 1), prefill.PrefillAttnConfig(32, 4, 2, 16, 1),
+                      prefill.PrefillAttnConfig(16, 4, 1, 64, 1, lookahead=True),
+                      prefill.PrefillAttnConfig(32, 4, 2, 16, 1, lookahead=True)]
 
 
 def _fresh_seed() -> int:
