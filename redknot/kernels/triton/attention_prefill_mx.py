@@ -294,7 +294,7 @@ _FIRST_USE: dict[tuple[PrefillAttnConfig, str], bool] = {}
 
 
 def first_use_ok(config: PrefillAttnConfig, device: torch.device) -> bool:
-    """Whether ``config`` matches the reference on fresh random inputs (64 queries, the V4.1 head count
+    """Whether ``config`` matches the reference on fresh random inputs (4 queries, the V4.1 head count
     and latent, a short window, an empty row, both cache kinds); checked once per device, a build error
     counts as a mismatch. The prefill tuner offers the launch shape only where this holds."""
     key = (config, str(device))
@@ -304,8 +304,9 @@ def first_use_ok(config: PrefillAttnConfig, device: torch.device) -> bool:
         from redknot.kernels import ref_v41
         from redknot.kernels.triton.checks_mx import REAL_V41, attention_inputs
         try:
-            q, win, widx, comp, cidx, sinks = attention_inputs(REAL_V41, device, seed=int(torch.randint(
-                0, 2 ** 31 - 1, ()).item()), tokens=8, n_window=256, n_comp=1024)
+            seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF  # fresh, without touching torch's RNG
+            q, win, widx, comp, cidx, sinks = attention_inputs(REAL_V41, device, seed=seed, tokens=4, n_window=256,
+                                                               n_comp=1024)
             scale = REAL_V41.latent ** -0.5
             got = prefill_attention_mx(q, win, widx, sinks, scale, comp, cidx, config).float()
             want = ref_v41.sparse_attention_mx(q, win, widx, sinks, scale, comp, cidx).float()

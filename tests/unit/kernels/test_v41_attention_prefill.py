@@ -97,3 +97,22 @@ def test_prefill_kernel_at_real_size_on_the_gpu():
         assert torch.equal(got[1], torch.zeros_like(got[1]))
     tuned = attention_mx.sparse_attention_mx(q, win, widx, sinks, scale, comp, cidx)
     assert _rel(tuned, want) < 1e-2, seed
+
+
+def test_first_use_check_accepts_the_kernel_and_refuses_a_wrong_one(monkeypatch, kernel_device):
+    """The guard the tuner relies on: a launch shape passes on fresh inputs at V4.1 width, a kernel that drops
+    its compressed rows does not, and the op then refuses that shape (so the tuner skips it)."""
+    cfg = CANDIDATES[0]
+    monkeypatch.setattr(prefill, "_FIRST_USE", {})
+    assert prefill.first_use_ok(cfg, torch.device(kernel_device))
+    monkeypatch.setattr(prefill, "_FIRST_USE", {})
+    real = prefill.prefill_attention_mx
+    monkeypatch.setattr(prefill, "prefill_attention_mx",
+                        lambda q, win, widx, sinks, scale, comp=None, cidx=None, config=cfg:
+                        real(q, win, widx, sinks, scale, config=config))
+    assert not prefill.first_use_ok(cfg, torch.device(kernel_device))
+    if kernel_device == "cuda":
+        monkeypatch.setattr(attention_mx, "first_use_ok", prefill.first_use_ok)
+        q, win, widx, comp, cidx, sinks = attention_inputs(TOY_V41, kernel_device, seed=_fresh_seed())
+        with pytest.raises(RuntimeError, match="first-use check"):
+            attention_mx.sparse_attention_mx(q, win, widx, sinks, 0.125, comp, cidx, config=cfg)
