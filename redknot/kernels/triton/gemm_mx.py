@@ -307,6 +307,20 @@ LINEAR_SMALL_TUNE_ROWS = 1
 SMALL_ROWS_CLASS = True
 
 
+def _stream_decode(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int, out: torch.Tensor) -> str:
+    """``LINEAR_DECODE_TUNER``'s choice for this weight shape (timed on ``LINEAR_TUNE_ROWS`` rows whatever the
+    call's size, on its first call)."""
+    made = {}
+
+    def tuning_run(d: str) -> torch.Tensor:
+        if not made:
+            g = torch.Generator(device=x2.device).manual_seed(0)
+            made["x"] = torch.randn(LINEAR_TUNE_ROWS, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
+            made["out"] = torch.empty(LINEAR_TUNE_ROWS, weight.shape[0], dtype=out.dtype, device=x2.device)
+        return _linear_splitk(made["x"], weight, ws, block, made["out"], d)
+    return LINEAR_DECODE_TUNER.pick((tuple(weight.shape), block), tuning_run, x2.device)
+
+
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
                    out: torch.Tensor, decode: Optional[str] = None) -> torch.Tensor:
     """Split-K weight stream (``splitk_mx``) and the slice reduction; ``decode`` None: the choice of
@@ -329,9 +343,10 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
                                               device=x2.device).to(x2.dtype)
                 made_small["out"] = torch.empty(LINEAR_SMALL_TUNE_ROWS, weight.shape[0], dtype=out.dtype,
                                                 device=x2.device)
-            return _linear_splitk(made_small["x"], weight, ws, block, made_small["out"], None if d == "stream" else d)
+            dec = _stream_decode(x2, weight, ws, block, out) if d == "stream" else d
+            return _linear_splitk(made_small["x"], weight, ws, block, made_small["out"], dec)
         small = LINEAR_SMALL_TUNER.pick((tuple(weight.shape), block), small_run, x2.device)
-        decode = None if small == "stream" else small
+        decode = _stream_decode(x2, weight, ws, block, out) if small == "stream" else small
     if decode is not None and decode.startswith("gemv"):
         plan = gemv_mx.PLANS[decode]
 
@@ -343,15 +358,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
         return stream_guard.with_fallback(x2.device, decode, gemv,
                                           lambda: _linear_splitk(x2, weight, ws, block, out, "registers"))
     if decode is None:  # measured per weight shape (not per row count: rows stay batch-invariant)
-        made = {}
-
-        def tuning_run(d: str) -> torch.Tensor:  # timed on LINEAR_TUNE_ROWS rows whatever the call's size
-            if not made:
-                g = torch.Generator(device=x2.device).manual_seed(0)
-                made["x"] = torch.randn(LINEAR_TUNE_ROWS, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
-                made["out"] = torch.empty(LINEAR_TUNE_ROWS, weight.shape[0], dtype=out.dtype, device=x2.device)
-            return _linear_splitk(made["x"], weight, ws, block, made["out"], d)
-        decode = LINEAR_DECODE_TUNER.pick((tuple(weight.shape), block), tuning_run, x2.device)
+        decode = _stream_decode(x2, weight, ws, block, out)
 
     def run(dec: str) -> torch.Tensor:
         warps, swap, bn = 4, False, 0

@@ -121,6 +121,15 @@ DECODE_TUNER = ConfigTuner("moe_mx_decode", [
 
 # Tokens of the batch on which ``DECODE_TUNER`` times its candidates (the decode target: batch 32).
 TUNE_TOKENS = 32
+# Calls of at most ``gemv_mx.MAX_ROWS`` tokens (decode at batch 1-4): a second choice per weight shape between
+# the stream ``DECODE_TUNER`` chose (``stream``, first: taken untimed off the GPU) and ``gemv_mx.moe_gemv``
+# (CUDA-core GEMV streams over the (token, slot) pairs; names in ``gemv_mx.PLANS``), timed on
+# ``SMALL_TUNE_TOKENS`` tokens. Each keeps a token's bits whatever the other tokens of the call, within its
+# class; where a GEMV stream wins, a token's bits at 1-4 tokens and at 5+ tokens differ by summation order
+# (the same exact products). ``SMALL_ROWS_CLASS`` False: one choice for every token count.
+SMALL_TUNER = ConfigTuner("moe_mx_decode_small", ["stream", "moe_gemv", "moe_gemv_n16", "moe_gemv_k128"])
+SMALL_TUNE_TOKENS = 1
+SMALL_ROWS_CLASS = True
 # Pairs (T·k) up to which one routing kernel replaces the sort and its companions (decode batches).
 ROUTE_KERNEL_MAX_PAIRS = 8192
 
@@ -240,10 +249,21 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
     kernels run as plain grouped GEMMs (one K slice, larger row tiles) for prefill. ``decode``: how the
     GEMMs decode the FP4 weights (``splitk_mx.DECODES``, or a ``moe_stream.StreamPlan``: the fused streams;
     None: the plan's, else ``DECODE_TUNER``'s measured choice per weight shape)."""
+    from redknot.kernels.triton import gemv_mx
     decode = decode or (plan.decode if plan is not None else None)
     args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit, plan)
+    key = (tuple(w1.shape), tuple(w2.shape))  # not the token count: a token's bits stay batch-invariant
+    if decode is None and plan is None and SMALL_ROWS_CLASS and topk_idx.shape[0] <= gemv_mx.MAX_ROWS:
+        def stream() -> str:
+            return DECODE_TUNER.pick(key, _tuning_run(x, topk_idx.shape[1], args[3:]), x.device)
+        small = SMALL_TUNER.pick(key, _tuning_run(x, topk_idx.shape[1], args[3:], SMALL_TUNE_TOKENS, stream),
+                                 x.device)
+        decode = stream() if small == "stream" else small
+    if isinstance(decode, str) and decode.startswith("moe_gemv"):
+        return stream_guard.with_fallback(
+            x.device, decode, lambda: gemv_mx.moe_gemv(*args[:-1], gemv_mx.PLANS[decode]),
+            lambda: _moe_splitk(*args, "registers"))
     if decode is None:
-        key = (tuple(w1.shape), tuple(w2.shape))  # not the token count: a token's bits stay batch-invariant
         decode = DECODE_TUNER.pick(key, _tuning_run(x, topk_idx.shape[1], args[3:]), x.device)
     if isinstance(decode, StreamPlan):
         return stream_guard.with_fallback(x.device, decode, lambda: moe_stream(*args[:-1], decode),
@@ -254,19 +274,23 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
     return _moe_splitk(*args, decode)
 
 
-def _tuning_run(x: torch.Tensor, k: int, weights):
+def _tuning_run(x: torch.Tensor, k: int, weights, tokens: int = 0, stream=None):
     """``DECODE_TUNER``'s timed call: each candidate on ``TUNE_TOKENS`` tokens routed at random (fixed seed),
     whatever the size of the call that triggers the tuning, so the choice per weight shape is measured at
-    the decode batch the step targets (inputs built on the first timed call: none under graph capture)."""
+    the decode batch the step targets (inputs built on the first timed call: none under graph capture).
+    ``SMALL_TUNER``'s: ``tokens`` tokens, its ``stream`` candidate the choice ``stream()`` returns."""
     made = {}
+    tokens = tokens or TUNE_TOKENS
 
     def run(decode):
         if not made:
             E, D = weights[0].shape[0], x.shape[1]
             g = torch.Generator(device=x.device).manual_seed(0)
-            made["x"] = torch.randn(TUNE_TOKENS, D, generator=g, device=x.device).to(x.dtype)
-            made["idx"] = torch.rand(TUNE_TOKENS, E, generator=g, device=x.device).topk(min(k, E), -1).indices
-            made["wt"] = torch.rand(TUNE_TOKENS, min(k, E), generator=g, device=x.device) + 0.1
+            made["x"] = torch.randn(tokens, D, generator=g, device=x.device).to(x.dtype)
+            made["idx"] = torch.rand(tokens, E, generator=g, device=x.device).topk(min(k, E), -1).indices
+            made["wt"] = torch.rand(tokens, min(k, E), generator=g, device=x.device) + 0.1
+        if decode == "stream":
+            decode = stream()
         return moe_splitk(made["x"], made["idx"], made["wt"], *weights, decode=decode)
     return run
 

@@ -40,11 +40,11 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
     """None when ``decode`` computes what ``registers`` computes on ``device``, else what differs
     (``registers`` itself is the comparison: None; ``registers_wide`` is that kernel with wider row tiles,
     the same products in the same order). A ``moe_stream.StreamPlan``: ``stream_check``; a ``gemv*``
-    name: ``gemv_mx.self_check``."""
+    or ``moe_gemv*`` name: ``gemv_mx.self_check``."""
     from redknot.kernels.triton.moe_stream import StreamPlan
     if isinstance(decode, StreamPlan):
         return stream_check(decode, device, seed)
-    if isinstance(decode, str) and decode.startswith("gemv"):
+    if isinstance(decode, str) and decode.startswith(("gemv", "moe_gemv")):
         from redknot.kernels.triton.gemv_mx import self_check as gemv_check
         return gemv_check(decode, device, seed)
     if decode in ("registers", "registers_wide"):

@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 from redknot.kernels import mx_formats as mx
 from redknot.kernels import ref_v41
 from redknot.kernels.triton import gemm_mx, gemv_mx, stream_guard
+from redknot.kernels.triton.checks_mx import TOY_V41, V41Dims, moe_inputs
 from redknot.kernels.triton.gemv_mx import GemvPlan
 
 
@@ -79,7 +80,7 @@ def test_gemv_detects_a_wrong_weight(kernel_device):
 
 def test_gemv_slices_depend_on_the_weight_shape_only():
     for n, k in ((5120, 8192), (32768, 1280), (96, 512)):
-        for plan in gemv_mx.PLANS.values():
+        for plan in (gemv_mx.PLANS[n] for n in DENSE_NAMES):
             S, ksplit = gemv_mx.slices(n, k, plan)
             assert S * ksplit >= k and (S - 1) * ksplit < k and ksplit % 32 == 0
     assert gemv_mx.slices(32768, 1280, GemvPlan(32, 256))[0] == 1  # 1024 column blocks fill the device alone
@@ -91,7 +92,10 @@ def test_gemv_rejects_more_rows_than_it_holds(kernel_device):
         gemv_mx.gemv_fp8(x, w, ws, 32, torch.empty(x.shape[0], 32, device=kernel_device))
 
 
-@pytest.mark.parametrize("name", list(gemv_mx.PLANS))
+DENSE_NAMES = [n for n in gemv_mx.PLANS if n.startswith("gemv")]
+
+
+@pytest.mark.parametrize("name", DENSE_NAMES)
 def test_linear_gemv_decode_matches_reference_at_any_row_count(name, kernel_device):
     """``linear_mx(decode="gemv*")``: four rows per launch; a row of a 7-row call equals that row alone."""
     x, w, ws = _dense(80, 512, 32, 7, 11, kernel_device)
@@ -100,7 +104,7 @@ def test_linear_gemv_decode_matches_reference_at_any_row_count(name, kernel_devi
     assert torch.equal(gemm_mx.linear_mx(x[5:6], w, ws, 32, path="splitk", decode=name), y[5:6])
 
 
-@pytest.mark.parametrize("name", list(gemv_mx.PLANS))
+@pytest.mark.parametrize("name", DENSE_NAMES)
 def test_gemv_self_check_passes_and_detects_a_wrong_stream(name, kernel_device, monkeypatch):
     dev = torch.device(kernel_device)
     assert stream_guard.self_check(name, dev) is None
@@ -141,4 +145,92 @@ def test_small_row_class_times_its_own_batch_and_runs_the_choice(kernel_device, 
     assert len(asked) == 1 and not ran
     monkeypatch.setattr(gemm_mx, "SMALL_ROWS_CLASS", False)
     gemm_mx.linear_mx(x[:2], w, ws, 32)
+    assert len(asked) == 1 and not ran
+
+
+# ---------------------------------------------------------------------- MXFP4 experts (moe_gemv)
+ODD = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, tokens=9)  # 48 packed bytes: 16-byte K steps
+WIDE = V41Dims(hidden=512, experts=8, topk_experts=6, moe_inter=256, tokens=4)  # V4.1's top-6, K steps of 128 / 256
+MOE_PLANS = [GemvPlan(32, 256), GemvPlan(16, 128, 1), GemvPlan(64, 64, 4, 4, 1)]
+MOE_CASES = [(TOY_V41, 1, 0), (ODD, 3, 1), (WIDE, 4, 0), (WIDE, 1, 1), (ODD, 2, 2), (WIDE, 2, 2)]
+
+
+@pytest.mark.parametrize("dims,tokens,plan", [(d, t, MOE_PLANS[p]) for d, t, p in MOE_CASES],
+                         ids=[f"{d.hidden}-{t}-plan{p}" for d, t, p in MOE_CASES])
+def test_moe_gemv_matches_reference(dims, tokens, plan, kernel_device):
+    x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 70, tokens=tokens)
+    out = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, plan)
+    want = ref_v41.moe_mx(x, idx, wt, *w, 10.0)
+    assert out.shape == want.shape and out.dtype == torch.bfloat16
+    assert _rel(out, want) <= 3e-2
+
+
+def test_moe_gemv_w1_sums_are_the_exact_products(kernel_device):
+    """The W1 | W3 partials summed over slices: fp32 sums of the exact products of each pair's QDQ'd row
+    and its expert's decoded weight (fp64 reference), several slices."""
+    from redknot.kernels.triton.dequant_mx import qdq_bf16
+    x, idx, _, (w1, s1, w3, s3, _, _) = moe_inputs(WIDE, kernel_device, seed=5, tokens=1)
+    k = idx.shape[1]
+    xq = qdq_bf16(x)
+    p1, p3 = gemv_mx.gemv_fp4(xq, idx.reshape(-1).contiguous(), k, w1, s1, GemvPlan(64, 64, 1), w3, s3)
+    assert p1.shape[0] > 1
+    for p, w, s in ((p1, w1, s1), (p3, w3, s3)):
+        want = torch.stack([xq[q // k].double() @ mx.dequant_mxfp4(w[idx.reshape(-1)[q]], s[idx.reshape(-1)[q]])
+                            .double().t() for q in range(idx.numel())])
+        assert _rel(p.sum(0), want) <= 1e-5
+
+
+def test_moe_gemv_token_is_batch_invariant(kernel_device):
+    x, idx, wt, w = moe_inputs(WIDE, kernel_device, seed=8, tokens=3)
+    full = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0)
+    for t in (0, 2):
+        assert torch.equal(gemv_mx.moe_gemv(x[t:t + 1], idx[t:t + 1], wt[t:t + 1], *w, 10.0), full[t:t + 1])
+
+
+def test_moe_gemv_detects_a_wrong_weight(kernel_device):
+    """Nibbles swapped (element order) in W2 or in W1 fail the tolerance."""
+    x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(TOY_V41, kernel_device, seed=3, tokens=2)
+    want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
+    swap = lambda w: ((w >> 4) | (w << 4)).to(torch.uint8)
+    assert _rel(gemv_mx.moe_gemv(x, idx, wt, w1, s1, w3, s3, swap(w2), s2, 10.0), want) > 0.1
+    assert _rel(gemv_mx.moe_gemv(x, idx, wt, swap(w1), s1, w3, s3, w2, s2, 10.0), want) > 0.1
+
+
+def test_moe_gemv_self_check_passes_and_detects_a_wrong_stream(kernel_device, monkeypatch):
+    dev = torch.device(kernel_device)
+    assert stream_guard.self_check("moe_gemv_n16", dev) is None
+    real = gemv_mx.gemv_fp4
+
+    def wrong(x, ids, topk, w, ws, plan, w3=None, ws3=None):
+        out = real(x, ids, topk, w, ws, plan, w3, ws3)
+        if w3 is not None:
+            out[1][..., ::5] *= 1.01
+        return out
+    monkeypatch.setattr(gemv_mx, "gemv_fp4", wrong)
+    assert "W1 | W3 sums differ" in stream_guard.self_check("moe_gemv_n16", dev)
+
+
+def test_moe_small_token_class_runs_the_gemv_choice(kernel_device, monkeypatch):
+    """At most ``gemv_mx.MAX_ROWS`` tokens: ``moe_mx.SMALL_TUNER`` (first candidate ``stream``) times on
+    ``SMALL_TUNE_TOKENS`` tokens and its ``moe_gemv*`` choice runs ``gemv_mx.moe_gemv``; 5+ tokens never ask it."""
+    from redknot.kernels.triton import _common, moe_mx
+    assert moe_mx.SMALL_TUNER.candidates[0] == "stream"
+    assert all(c in gemv_mx.PLANS for c in moe_mx.SMALL_TUNER.candidates[1:])
+    asked, timed = [], {}
+
+    class Pick(_common.ConfigTuner):
+        def pick(self, key, run, device):
+            asked.append(key)
+            timed["tokens"] = run("moe_gemv_n16").shape[0]
+            return "moe_gemv_n16"
+    monkeypatch.setattr(moe_mx, "SMALL_TUNER", Pick("small", ["stream", "moe_gemv_n16"]))
+    ran = []
+    real = gemv_mx.moe_gemv
+    monkeypatch.setattr(gemv_mx, "moe_gemv", lambda *a, **k: ran.append(a[0].shape[0]) or real(*a, **k))
+    x, idx, wt, w = moe_inputs(TOY_V41, kernel_device, seed=12, tokens=6)
+    y = moe_mx.moe_splitk(x[:2], idx[:2], wt[:2], *w, 10.0)
+    assert len(asked) == 1 and timed["tokens"] == moe_mx.SMALL_TUNE_TOKENS and ran[-1] == 2
+    assert _rel(y, ref_v41.moe_mx(x[:2], idx[:2], wt[:2], *w, 10.0)) <= 3e-2
+    ran.clear()
+    moe_mx.moe_splitk(x, idx, wt, *w, 10.0)
     assert len(asked) == 1 and not ran
