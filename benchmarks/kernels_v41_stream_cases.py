@@ -58,20 +58,35 @@ def _plans(smoke: bool, extra: bool = False):
              + (f" W2 n{p.w2_block_n}" if p.w2_block_n else ""), p) for p in plans]
 
 
+# The CUDA-core GEMV streams of ``gemv_mx`` (batches of at most ``gemv_mx.MAX_ROWS``), by tuner name.
+MOE_GEMV = [("moe gemv 32x256", "moe_gemv"), ("moe gemv 16x256", "moe_gemv_n16"), ("moe gemv 32x128", "moe_gemv_k128")]
+LINEAR_GEMV = ["gemv", "gemv_n16", "gemv_k512"]
+
+
 def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
-                 moe_only: bool = False) -> Iterator[Tuple[str, Callable]]:
+                 moe_only: bool = False, gemv_only: bool = False) -> Iterator[Tuple[str, Callable]]:
     """MoE decode batches (T=1, 32): the split-K ``scaled`` / ``registers`` streams and every fused plan; the
     ladder; the dense linears by decode; MoE at T=128 (ordered so that a budget cut loses the least).
     ``moe_only``: the MoE rows of split-K ``scaled``, the FP8 fused plans and the tuned choice at T=32 / 128 / 1,
-    nothing else. Graph replays where there is a GPU."""
+    nothing else. ``gemv_only``: batches of 1 and 4 only: MoE (split-K ``scaled``, the FP8 fused plans the
+    tuner holds, the GEMV streams, ``DECODE_TUNER``'s choice, then the small-token class's) and the dense
+    linears (tensor-core decodes, GEMV streams, both tuned choices). Graph replays where there is a GPU."""
     from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
     _, decode = _sizes(dims, smoke)
     graph = device.type == "cuda"
     how_run = "graph" if graph else "eager"
     weights, want = moe_memo(dims, device)
 
-    variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke, extra) + [
-        ("tuned (DECODE_TUNER)", None)]
+    variants = [("split-K scaled", "scaled"), ("split-K registers", "registers")] + _plans(smoke, extra) + \
+        MOE_GEMV + [("tuned (DECODE_TUNER)", None), ("tuned (small-token class)", "small")]
+    if gemv_only:
+        from redknot.kernels.triton import moe_mx
+        held = [c for c in moe_mx.DECODE_TUNER.candidates if isinstance(c, StreamPlan) and c.decode != "regs"]
+        keep = [("split-K scaled", "scaled")] + [(n, p) for n, p in _plans(smoke, extra) if p in held or smoke]
+        small = [1, 4] if not smoke else [1, 3]
+        yield from _moe_rows(small, keep + MOE_GEMV + variants[-2:], dims, device, graph, weights, want)
+        yield from _linear_rows(dims, device, smoke, graph, rows=small)
+        return
     if moe_only:
         variants = [(n, p) for n, p in variants if p in ("scaled", None) or isinstance(p, StreamPlan)
                     and p.decode.startswith("fp8") and not p.min_steps and p.block_n >= 64]
@@ -104,39 +119,64 @@ def _moe_rows(tokens, variants, dims, device, graph, weights, want):
     from redknot.kernels.triton import moe_mx as fast_moe
     how_run = "graph" if graph else "eager"
     flops_per_token = 2 * dims.topk_experts * 3 * dims.hidden * dims.moe_inter
+    from redknot.kernels.triton import gemv_mx
     for t in tokens:
         for name, dec in variants:
-            def build(t=t, name=name, dec=dec):
+            small = dec == "small"  # the call's own choice: the small-token class at <= MAX_ROWS tokens
+            if (small or (isinstance(dec, str) and dec.startswith("moe_gemv"))) and t > gemv_mx.MAX_ROWS:
+                continue
+
+            def build(t=t, name=name, dec=dec, small=small):
                 x, idx, wt = _moe_case_inputs(dims, device, t, t)
-                fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=dec)  # noqa: E731
+                key = (tuple(weights()[0].shape), tuple(weights()[4].shape))
+                run_dec = None if small else dec
+                if dec is None:  # DECODE_TUNER's choice itself (at <= MAX_ROWS tokens a call asks the small class)
+                    run_dec = fast_moe.DECODE_TUNER.pick(key, fast_moe._tuning_run(x, idx.shape[1], weights()),
+                                                         x.device)
+                fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=run_dec)  # noqa: E731
                 note = _checked("moe_mx", f"T={t}", fn, lambda: want(t, x, idx, wt), 3e-2)
                 run, _, how = _graph_or_eager(fn, device, graph)
                 if dec is None:
-                    key = (tuple(weights()[0].shape), tuple(weights()[4].shape))
                     note = f"{fast_moe.DECODE_TUNER.choices.get(key, 'untimed')}; {note}"
+                if small:
+                    note = (f"{fast_moe.SMALL_TUNER.choices.get(key, 'untimed')} "
+                            f"(timings {fast_moe.SMALL_TUNER.timings.get(key, '-')}); {note}")
                 return _case("moe_mx stream", f"T={t} {how_run} {name}", run, t * flops_per_token,
                              _moe_bytes(dims, idx), note=f"{how}; {note}", key=f"{STREAM_KEY} moe T={t}",
                              variant=name)
             yield f"stream moe T={t} {name}", build
 
 
-def _linear_rows(dims, device, smoke, graph):
+def _linear_rows(dims, device, smoke, graph, rows=None):
+    from redknot.kernels.triton import gemv_mx
     _, decode = _sizes(dims, smoke)
     how_run = "graph" if graph else "eager"
     shapes = [("toy", dims.hidden, dims.hidden)] if smoke else [("wo_b", 5120, 8192), ("wq_b", 32768, 1280)]
     for sname, n, k in shapes:
-        for m in decode:
-            for dec in ("registers", "registers_wide", "fp8", "fp8_n32", "scaled", None):
+        for m in rows or decode:
+            decs = ["registers", "registers_wide", "fp8", "fp8_n32", "scaled", None]
+            if m <= gemv_mx.MAX_ROWS:  # the GEMV streams and the small-row class's own choice
+                decs += LINEAR_GEMV + ["small"]
+            for dec in decs:
                 def build(sname=sname, n=n, k=k, m=m, dec=dec):
                     g = torch.Generator(device=device).manual_seed(m + n)
                     w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
                     x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
-                    fn = lambda: linear_mx(x, w, ws, 32, path="splitk", decode=dec)  # noqa: E731
+                    small = dec == "small"
+                    run_dec = None if small else dec
+                    if dec is None:  # LINEAR_DECODE_TUNER's choice itself (<= MAX_ROWS rows ask the small class)
+                        run_dec = gemm_mx._stream_decode(x, w, ws.view(torch.uint8), 32,
+                                                         torch.empty(m, n, dtype=x.dtype, device=device))
+                    fn = lambda: linear_mx(x, w, ws, 32, path="splitk", decode=run_dec)  # noqa: E731
                     note = _checked("linear_mx", sname, fn, lambda: ref.linear_mx(x, w, ws, 32), 1e-2)
                     run, _, how = _graph_or_eager(fn, device, graph)
-                    name = dec or "tuned (LINEAR_DECODE_TUNER)"
+                    name = "tuned (small-row class)" if small else dec or "tuned (LINEAR_DECODE_TUNER)"
                     if dec is None:
                         note = f"{gemm_mx.LINEAR_DECODE_TUNER.choices.get((tuple(w.shape), 32), 'untimed')}; {note}"
+                    if small:
+                        tkey = (tuple(w.shape), 32)
+                        note = (f"{gemm_mx.LINEAR_SMALL_TUNER.choices.get(tkey, 'untimed')} (timings "
+                                f"{gemm_mx.LINEAR_SMALL_TUNER.timings.get(tkey, '-')}); {note}")
                     return _case("linear_mx stream", f"{sname} M={m} {how_run} {name}", run, 2 * m * n * k,
                                  m * k * 2 + n * k + ws.numel() + m * n * 2, note=f"{how}; {note}",
                                  key=f"{STREAM_KEY} linear {sname} M={m}", variant=name)
