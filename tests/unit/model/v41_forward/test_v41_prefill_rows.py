@@ -17,21 +17,18 @@ pytest.importorskip("triton")
 import redknot.kernels.triton.prefill_rows_v41 as pr
 from redknot.models.deepseek_v41 import fused_rows
 
-# Three interpreted toy prefill forwards (~130 s on 2 cores): -m slow. Each kernel is held against its PyTorch math
-# in tests/unit/kernels/test_prefill_rows_v41.py (default run) and on the GPU.
-pytestmark = pytest.mark.slow
-
+# Three interpreted toy prefill forwards (~130 s on 2 cores): -m slow; on a GPU the same at 200 rows, -m gpu. Each
+# kernel is held against its PyTorch math in tests/unit/kernels/test_prefill_rows_v41.py (default run) and on the GPU.
 EXACT = ("rope_cols", "add_post")
 
 
-def _model():
+def _model(dev: torch.device):
     sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
     import e2e_v41
 
     from redknot.kernels import KernelSet
     from redknot.models.deepseek_v41.kernel_ops import V41Ops
 
-    dev = torch.device("cpu")
     cfg = e2e_v41.cut_config(True, 100)
     ops = V41Ops(KernelSet(default="triton"))
     ref = V41Ops(KernelSet(default="reference"), route_all=True)
@@ -41,10 +38,9 @@ def _model():
     return e2e_v41, cfg, e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference", ops, dev)
 
 
-@pytest.fixture(scope="module")
-def runs():
-    e2e_v41, cfg, model = _model()
-    ids = e2e_v41.tokens(20, cfg.vocab_size, 1)
+def _runs(dev: torch.device, rows: int):
+    e2e_v41, cfg, model = _model(dev)
+    ids = e2e_v41.tokens(rows, cfg.vocab_size, 1)
     out, calls = {}, {}
     saved = dict(fused_rows.PREFILL_ROWS)
     import redknot.kernels.triton.step_moe_v41 as sm
@@ -61,7 +57,7 @@ def runs():
                     _c[_n] += 1
                     return _fn(*a, **k)
                 setattr(mods[n], n, counted)
-            b = e2e_v41.Batch(model, 1, 64, block_size=16)
+            b = e2e_v41.Batch(model, 1, rows + 16, block_size=16)
             x = b.step([ids], seqs=[0])
             out[name] = (x, [t.clone() for t in b.state.tensors()])
     finally:
@@ -71,7 +67,12 @@ def runs():
     return cfg, out, calls
 
 
-def test_exact_fusions_equal_the_forward_without_them(runs):
+@pytest.fixture(scope="module")
+def runs():
+    return _runs(torch.device("cpu"), 20)
+
+
+def _check_exact(runs):
     cfg, out, calls = runs
     assert sum(calls["off"].values()) == 0, calls["off"]
     n = cfg.n_layers
@@ -82,12 +83,35 @@ def test_exact_fusions_equal_the_forward_without_them(runs):
         assert torch.equal(a, b)
 
 
-def test_all_fusions_within_a_bf16_ulp(runs):
+def _check_all(runs, worst: float = 2 ** -7):
+    """``worst``: the largest row error allowed (relative to the row's max); most rows stay within a bf16 ulp."""
     cfg, out, calls = runs
     n = cfg.n_layers
     c = calls["all"]
     assert c["rope_cols_"] == 2 * n and c["add_post"] == n and c["collapse_rows"] == 1, c
     assert c["swiglu_rows"] == n and c["route_topk"] == n, c         # the shared expert's, the router: per layer
     (x, _), (y, _) = out["all"], out["off"]
-    err = ((x.float() - y.float()).abs().amax(1) / y.float().abs().amax(1)).max().item()
-    assert err <= 2 ** -7, err
+    err = (x.float() - y.float()).abs().amax(1) / y.float().abs().amax(1)
+    assert err.max().item() <= worst, err.max().item()
+    assert err.median().item() <= 2 ** -7, err.median().item()
+
+
+@pytest.mark.slow
+def test_exact_fusions_equal_the_forward_without_them(runs):
+    _check_exact(runs)
+
+
+@pytest.mark.slow
+def test_all_fusions_within_a_bf16_ulp(runs):
+    _check_all(runs)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_rows_forward():
+    """The same on the GPU (compiled kernels, libdevice ``exp``) with a 200-row chunk. The router's weight sum in
+    another order can flip an FP8 rounding downstream, so a few rows may move by more than an ulp there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    got = _runs(torch.device("cuda"), 200)
+    _check_exact(got)
+    _check_all(got, worst=6e-2)   # an FP8 / expert choice flip after an ulp (the e2e parity bound under reference)
