@@ -156,6 +156,43 @@ def add_post(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch.Tens
     return out
 
 
+# ---------------------------------------------------------------------- page rows of selected entries
+@triton.jit
+def _page_entries(sel_ptr, seg_ptr, live_ptr, table_ptr, out_ptr, K, stride_s, stride_b, stride_o, ratio, block_size,
+                  per, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    jm = j < K
+    e = tl.load(sel_ptr + row * stride_s + j, mask=jm, other=-1)
+    b = tl.load(seg_ptr + row)
+    alive = tl.load(live_ptr + b).to(tl.int32)
+    ok = (e >= 0) & (tl.zeros_like(j) + alive > 0)
+    pos = tl.maximum(e, 0) * ratio
+    blk = tl.load(table_ptr + b * stride_b + pos // block_size, mask=jm & ok, other=0)
+    tl.store(out_ptr + row * stride_o + j, tl.where(ok, blk * per + (pos % block_size) // ratio, -1), mask=jm)
+
+
+def page_entries(sel: torch.Tensor, seg: torch.Tensor, live: torch.Tensor, table: torch.Tensor, ratio: int,
+                 block_size: int) -> torch.Tensor:
+    """``kernel_ops.attend_spans``' compressed-entry rows in one pass: for entry ids sel [T, K] (int64, -1 pad) of
+    rows whose span is ``seg`` [T], ``where((sel >= 0) & live[seg], page_rows(table, seg, sel, ratio, block_size),
+    -1)`` (``live`` [B] bool, ``table`` [B, blocks] int64 block tables) -> int64 [T, K]. Integer arithmetic: the
+    same values as the PyTorch ops (about ten passes over [T, K] int64 there)."""
+    if sel.dim() != 2 or seg.shape != (sel.shape[0],) or table.dim() != 2 or block_size % ratio:
+        raise ValueError(f"page_entries: sel {tuple(sel.shape)}, seg {tuple(seg.shape)}, table {tuple(table.shape)}, "
+                         f"ratio {ratio}, block_size {block_size}")
+    T, K = sel.shape
+    s = sel if sel.stride(-1) == 1 else sel.contiguous()
+    t = table if table.stride(-1) == 1 else table.contiguous()
+    out = torch.empty(T, K, dtype=torch.int64, device=sel.device)
+    if T and K:
+        bk = min(1024, next_pow2(K))
+        _page_entries[(T, cdiv(K, bk))](s, seg.contiguous(), live.to(torch.int8).contiguous(), t, out, K, s.stride(0),
+                                        t.stride(0), out.stride(0), ratio, block_size, block_size // ratio,
+                                        BLOCK_K=bk, num_warps=4)
+    return out
+
+
 # ---------------------------------------------------------------------- the streams' collapse
 @triton.jit
 def _collapse(s_ptr, pre_ptr, out_ptr, D, stride_st, stride_sn, stride_ot, N: tl.constexpr, BLOCK_D: tl.constexpr):

@@ -237,9 +237,8 @@ def attend_spans(layer, q: torch.Tensor, kv: torch.Tensor, spans, state, slots, 
     if comp:
         src = state.sources[layer.kv_source]
         sel = slots.topk[rows]
-        live = ((ctx + n) // layer.ratio > 0)[seg][:, None]
-        prow = page_rows(block_table(spans), seg[:, None], sel.clamp(min=0), layer.ratio, state.layout.block_size)
-        comp_idx = torch.where((sel >= 0) & live, prow, -1)
+        comp_idx = _page_entries(layer, q, sel, seg, (ctx + n) // layer.ratio > 0, block_table(spans),
+                                 state.layout.block_size)
         comp_cache = src.entries.view(-1, src.entries.shape[-1])
     sink = layer.w.float(f"{layer.p}.attn_sink")
     o = ops.sparse_attention_mx(q[rows], scratch, widx, sink, cfg.head_dim ** -0.5, comp_cache, comp_idx)
@@ -248,6 +247,21 @@ def attend_spans(layer, q: torch.Tensor, kv: torch.Tensor, spans, state, slots, 
         return o
     out[rows] = o
     return out
+
+
+def _page_entries(layer, q, sel, seg, live, table, block_size: int) -> torch.Tensor:
+    """Page rows of the selected entries sel [t, K] (-1: none or a span without entries): one launch where the row
+    kernels run (``prefill_rows_v41.page_entries``, the same integers), else the PyTorch ops."""
+    from redknot.models.deepseek_v41 import fused_rows
+
+    if fused_rows.PREFILL_ROWS["page_entries"] and fused_rows.fused(layer.w, q):
+        from redknot.kernels.triton.prefill_rows_v41 import page_entries
+
+        got = fused_rows._guarded(page_entries, sel, seg, live, table, layer.ratio, block_size)
+        if got is not None:
+            return got
+    prow = page_rows(table, seg[:, None], sel.clamp(min=0), layer.ratio, block_size)
+    return torch.where((sel >= 0) & live[seg][:, None], prow, -1)
 
 
 def index_spans(layer, q: torch.Tensor, wts: torch.Tensor, pos: torch.Tensor, spans, state, slots,

@@ -131,6 +131,28 @@ def test_add_post_refuses_a_stream_count_not_a_power_of_two(kernel_device):
         add_post(a, b, h, post, comb)
 
 
+# ---------------------------------------------------------------------- page rows of selected entries
+@pytest.mark.parametrize("t,k,ratio,bs", [(9, 12, 2, 16), (5, 1500, 1, 4), (4, 8, 2, 4)])
+def test_page_entries_equal_the_pytorch_ops(t, k, ratio, bs, kernel_device):
+    from redknot.kernels.triton.prefill_rows_v41 import page_entries
+    from redknot.models.deepseek_v41.kernel_ops import page_rows
+
+    g = _gen(t * k + ratio)
+    spans = 3
+    blocks = 2 + (k * ratio) // bs
+    table = torch.randint(0, 10 * blocks, (spans, blocks), generator=g)
+    seg = torch.randint(0, spans, (t,), generator=g)
+    sel = torch.randint(0, k, (t, k), generator=g)
+    sel[torch.rand(t, k, generator=g) < 0.3] = -1                      # pads
+    live = torch.tensor([True, False, True])
+    sel, seg, table, live = (x.to(kernel_device) for x in (sel, seg, table, live))
+    want = torch.where((sel >= 0) & live[seg][:, None],
+                       page_rows(table, seg[:, None], sel.clamp(min=0), ratio, bs), -1)
+    got = page_entries(sel, seg, live, table, ratio, bs)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert (got == -1).any() and (got >= 0).any()
+
+
 # ---------------------------------------------------------------------- collapse
 @pytest.mark.parametrize("t,n,d", [(3, 4, 64), (7, 4, 1100), (2, 2, 32)])
 def test_collapse_rows_matches_hc_collapse(t, n, d, kernel_device):
