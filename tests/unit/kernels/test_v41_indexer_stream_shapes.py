@@ -2,8 +2,12 @@
 exactly what the PyTorch scores select with the model's tie rule, in each of the stream's three uses:
 the plain top-k (tokens sharing key blocks, several buffer cuts), the candidate source's pass that also
 writes block maxima, and the walk over each token's candidate list. The tuner keeps the fastest shape
-on a GPU, so none may change a selection (Triton interpreter, small widths)."""
+on a GPU, so none may change a selection (Triton interpreter, small widths). The top-k / source-pass test
+runs one shape of each kernel variant by default and every shape with ``-m slow``; the candidate walk
+(cheap) runs every shape by default."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +18,25 @@ from redknot.kernels.triton import indexer_mx
 from redknot.models.deepseek_v41.ref_math import index_qdq, topk_ids
 
 CANDIDATES = indexer_mx.STREAM_TUNER.candidates
+
+
+def _variant(config):
+    """What makes a shape a different interpreted program: everything but the tokens per program (every shape
+    meets a partial token tile with these 5 tokens) and ``num_warps`` / ``num_stages`` (no effect on the
+    interpreter's arithmetic; the GPU tests compile each shape)."""
+    return dataclasses.replace(config, block_t=0, num_warps=0, num_stages=0)
+
+
+def _first_of_each_variant(configs):
+    """Each candidate as a parameter: the first of each kernel variant (key decode, entries per step, prefetch,
+    head sum, splits) runs by default, the others of the same variant with ``-m slow`` (~8 s each interpreted)."""
+    seen, params = set(), []
+    for config in configs:
+        key = _variant(config)
+        marks = [pytest.mark.slow] if key in seen else []
+        seen.add(key)
+        params.append(pytest.param(config, marks=marks, id=str(config)))
+    return params
 
 
 def _inputs(t, n, heads=4, dim=64, seed=0):
@@ -46,7 +69,7 @@ def _want(s, k):
     return torch.cat([ids, ids.new_full((s.shape[0], k - kk), -1)], 1)
 
 
-@pytest.mark.parametrize("config", CANDIDATES, ids=str)
+@pytest.mark.parametrize("config", _first_of_each_variant(CANDIDATES))
 def test_every_stream_shape_selects_the_reference(config):
     """Plain top-k over 520 entries (the 128-entry shapes cut their buffer several times) and the source
     pass with block maxima, bf16 score arithmetic (many ties at the cut)."""
