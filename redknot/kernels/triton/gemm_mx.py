@@ -302,7 +302,7 @@ LINEAR_TUNE_ROWS = 32
 # among up to four rows and a row among 5-128 rows that row among any other 5-128; where the GEMV stream
 # wins, a row's bits at 1-4 rows and at 5+ rows differ by summation order (the same exact products).
 # ``SMALL_ROWS_CLASS`` False: one choice for every row count (the stream's).
-LINEAR_SMALL_TUNER = ConfigTuner("linear_mx_decode_small", ["stream", "gemv", "gemv_n16", "gemv_k512"])
+LINEAR_SMALL_TUNER = ConfigTuner("linear_mx_decode_small", ["stream", "gemv", "gemv_n16", "gemv_k128"])
 LINEAR_SMALL_TUNE_ROWS = 1
 SMALL_ROWS_CLASS = True
 

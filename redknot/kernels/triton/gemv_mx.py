@@ -2,31 +2,38 @@
 
 At one to four rows a V4.1 linear or expert GEMM is a pure weight stream: every weight byte is used once
 per row, so the floor is the weight's bytes over HBM bandwidth, and the tensor-core streams
-(``splitk_mx``, ``stream_fp8``, ``moe_stream*``) pad the rows to an MMA tile of 16 (or 4-8) rows. Here each
-thread loads 16 consecutive bytes of a weight row (one 16-byte load) for each of ``block_n / 8`` rows per
-K step, converts them to fp32 and multiplies them by the activation values of its 16 K positions (the
-activations' per-32 FP8 QDQ values, exact in bf16, loaded once per thread and K step for all its weight
-rows), adds the 16 exact products per row in fp32, multiplies that half-group sum by the weight's E8M0
-scale (a power of two: exact) and adds it to the row's accumulator; at the end of its K slice the program
-adds its accumulators across K positions (a fixed tree) and stores one fp32 partial per K slice (or the
-output itself with one slice). A second launch adds the slices in slice order (``splitk_mx.reduce_rows``).
+(``splitk_mx``, ``stream_fp8``, ``moe_stream*``) pad the rows to an MMA tile of 16 (or 4-8) rows and spend
+their issue slots on scales, address arithmetic and synchronous scale loads. Here each thread loads 16
+consecutive bytes of a weight row (one 16-byte load) for each of its rows per K step, with the next step's
+weight, scale and activation loads issued before the current step's arithmetic (one step of register
+prefetch), and the programs (column blocks x K slices, about ``TARGET_PROGRAMS``) cover every SM several
+times; a second launch adds the K slices' fp32 partials in slice order (``splitk_mx.reduce_rows``; none
+when one slice fills the device).
+
+Dense FP8 (``gemv_fp8``): the weight read as int32 words of 4 e4m3 bytes, each word two ``e4m3x2 -> f16x2``
+and four ``f16 -> f32`` conversions (inline PTX), then one FFMA per value and row into an elementwise
+accumulator; the activations (the per-32 FP8 QDQ values, exact in bf16, read as bf16 pairs) are multiplied
+by the weight's power-of-two tile scale once per K step (a program's rows lie in one row of scale tiles),
+which gives every product exactly: ``w · (x · 2^s) = (w · 2^s) · x``. The accumulators are added over K
+positions once, at the end (a fixed tree).
+
+MXFP4 experts (``moe_gemv``): one program per (token, slot) pair, column block and K slice, the pair's
+expert weights against its token's row; per 16 bytes (one 32-wide group) the 32 exact products are added
+and multiplied by the group's E8M0 scale.
 
 Every product is the reference's exact product; only the fp32 summation order differs from ``ref_v41``
 (which the ``linear_mx`` / ``moe_mx`` contracts allow). A row's arithmetic does not depend on how many
 rows share the call (the rows are separate accumulators with the same code), so a row alone equals that
-row among up to four; the callers take this stream only for calls of at most ``MAX_ROWS`` rows, so above
-that a row's bits are those of the tensor-core stream the tuner chose (the same products, another order).
+row among up to four; the callers take these streams only for calls of at most ``MAX_ROWS`` rows (tuned
+per weight shape, ``gemm_mx.LINEAR_SMALL_TUNER`` / ``moe_mx.SMALL_TUNER``), so above that a row's bits are
+those of the tensor-core stream (the same products, another order).
 
-MXFP4 experts (``moe_gemv``): the same loop over packed nibbles: a thread's 16 bytes are 32 e2m1 values
-of one row (one whole 32-wide group, one E8M0 scale), decoded through fp16 bit fields (``e2m1_half``:
-the value times 2^-14, the 2^14 folded into the group scale), one program per (expert pair, column
-block, K slice).
-
-Not measured on the H200: the callers enter these streams as tuner candidates for calls of at most
-``MAX_ROWS`` rows, so they run only where the first-use timing finds them faster.
+Not measured on the H200: the tuners time these streams against the tensor-core streams on first use, so
+they run only where they are measured faster.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +42,14 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes, qdq_bf16
-from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
+from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX
+from redknot.kernels.triton.quant_mx import e8m0_decode
+
+
+def _use_asm() -> bool:
+    """Inline PTX when the kernels are compiled; Triton's CPU interpreter runs the byte arithmetic."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
 
 # Rows up to which the GEMV streams are candidates (each row is its own accumulator set).
 MAX_ROWS = 4
@@ -45,86 +59,111 @@ TARGET_PROGRAMS = 6 * 132
 
 @dataclass(frozen=True)
 class GemvPlan:
-    """Launch shape: ``block_n`` weight rows per program (each thread ``block_n / (256 / block_k · ...)``
-    of them), ``block_k`` weight bytes per row per K step (16 per thread), ``min_steps`` K steps per slice
-    at least (fewer slices: less partial traffic, a longer load pipeline per program)."""
-    block_n: int = 64
+    """Launch shape: ``block_n`` weight rows per program (dense: a divisor of the scale tile), ``block_k``
+    weight bytes per row per K step (16 per thread and row: ``block_n · block_k / (512 · num_warps)`` rows
+    per thread), ``min_steps`` K steps per slice at least (fewer slices: less partial traffic, a longer
+    load pipeline per program)."""
+    block_n: int = 32
     block_k: int = 256
     min_steps: int = 2
     num_warps: int = 4
     num_stages: int = 1
+    w2_block_n: int = 0  # MoE: another column block for W2 (one weight per program: fewer rows per thread)
 
 
 # The small-row tuners' GEMV candidates by name (strings: the tuning store keeps names): ``gemv*`` dense FP8
 # (``gemm_mx.LINEAR_SMALL_TUNER``), ``moe_gemv*`` MXFP4 experts (``moe_mx.SMALL_TUNER``; block_k in packed bytes).
-PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 256), "gemv_k512": GemvPlan(16, 512),
-         "moe_gemv": GemvPlan(32, 256), "moe_gemv_n16": GemvPlan(16, 256), "moe_gemv_k128": GemvPlan(32, 128)}
+PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": GemvPlan(32, 128),
+         "moe_gemv": GemvPlan(16, 256, w2_block_n=32), "moe_gemv_n16": GemvPlan(16, 128, w2_block_n=32),
+         "moe_gemv_k128": GemvPlan(32, 128)}
+
+
+# One 32-bit word of 4 e4m3 bytes (K positions 4i..4i+3, little-endian) -> their 4 fp32 values: two packed
+# e4m3x2 -> f16x2 conversions and four f16 -> f32 ones (every e4m3 value is an f16 normal or zero: exact).
+_E4M3X4_PTX = tl.constexpr(
+    "{ .reg .b16 l, h, a0, a1, b0, b1; .reg .b32 a, b; mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a, l; "
+    "cvt.rn.f16x2.e4m3x2 b, h; mov.b32 {a0, a1}, a; mov.b32 {b0, b1}, b; cvt.f32.f16 $0, a0; "
+    "cvt.f32.f16 $1, a1; cvt.f32.f16 $2, b0; cvt.f32.f16 $3, b1; }")
 
 
 @triton.jit
-def _row_dot(w, xv, sc, acc):
-    """acc [BN, G] + (Σ over each 16 K positions of w [BN, BK] · xv [BK]) · sc [BN, G]."""
-    BN: tl.constexpr = w.shape[0]
-    G: tl.constexpr = w.shape[1] // 16
-    return acc + tl.sum(tl.reshape(w * xv.to(tl.float32)[None, :], (BN, G, 16)), 2) * sc
+def _e4m3x4(wd, USE_ASM: tl.constexpr):
+    """int32 words of 4 e4m3 bytes -> the 4 values as fp32 tensors (bytes 0, 1, 2, 3)."""
+    if USE_ASM:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(_E4M3X4_PTX, "=r,=r,=r,=r,r", [wd],
+                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                   is_pure=True, pack=1)
+    else:  # the interpreter: the bytes themselves, bitcast
+        v0 = (wd & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v1 = ((wd >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v2 = ((wd >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v3 = ((wd >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return v0, v1, v2, v3
 
 
 @triton.jit
-def _x_rows(x_ptr, stride_x, koff, ROWS: tl.constexpr):
-    """The activation values of K positions ``koff`` [BK] for rows 0..3 (rows past ROWS: row 0, unused)."""
-    x0 = tl.load(x_ptr + koff)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    if ROWS > 1:
-        x1 = tl.load(x_ptr + stride_x + koff)
-    if ROWS > 2:
-        x2 = tl.load(x_ptr + 2 * stride_x + koff)
-    if ROWS > 3:
-        x3 = tl.load(x_ptr + 3 * stride_x + koff)
+def _x_words(x_ptr, koff, sc):
+    """A row's activation values at K positions 4i..4i+3 (int32 words of bf16 pairs at ``koff`` = 2i, 2i+1:
+    [BK/4, 2]) as four fp32 [BK/4] tensors, each times the weight's power-of-two tile scale ``sc`` [BK/4]."""
+    xa, xb = tl.split(tl.load(x_ptr + koff))
+    x0 = (xa << 16).to(tl.float32, bitcast=True) * sc
+    x1 = (xa & -65536).to(tl.float32, bitcast=True) * sc
+    x2 = (xb << 16).to(tl.float32, bitcast=True) * sc
+    x3 = (xb & -65536).to(tl.float32, bitcast=True) * sc
     return x0, x1, x2, x3
 
 
 @triton.jit
-def _gemv_fp8(x_ptr, w_ptr, s_ptr, p_ptr, N, K, KSPLIT, stride_x, stride_w, stride_s, stride_ps, stride_pm,
-              WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program: BLOCK_N weight rows over one K slice for ROWS activation rows (QDQ'd bf16 [ROWS, K]).
-    K and KSPLIT are multiples of BLOCK_K (no K masks). The next K step's weight bytes, scales and
-    activations are loaded before the current step's arithmetic (one step of register prefetch)."""
-    G: tl.constexpr = BLOCK_K // 16
+def _row_fma(acc, w0, w1, w2, w3, x_ptr, koff, sc):
+    """acc [BN, BK/4] + Σ_j w_j · x_j (one row's four K positions per word, elementwise: no reduction)."""
+    x0, x1, x2, x3 = _x_words(x_ptr, koff, sc)
+    return acc + w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
+
+
+@triton.jit
+def _gemv_fp8(x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, stride_x, stride_w, stride_s, stride_ps, stride_pm,
+              WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              USE_ASM: tl.constexpr):
+    """One program: BLOCK_N weight rows (inside one row of WB x WB scale tiles: BLOCK_N divides WB) over one K
+    slice of KSPLIT bytes, for ROWS activation rows (QDQ'd bf16 read as int32 pairs [ROWS, K/2]); the weight
+    read as int32 words [N, KW = K/4] (16 bytes per thread and row). The tile scale, one power of two per
+    32-wide K group for the whole program, multiplies the activation values (exact: w·(x·2^s) = (w·2^s)·x),
+    so every weight word costs two conversions to f16x2, four to f32 and four FFMAs per row into an
+    elementwise accumulator, added over K positions once at the end. The next K step's words, scales and
+    activations load before the current step's arithmetic (one step of register prefetch)."""
+    W: tl.constexpr = BLOCK_K // 4  # words per row and step
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     c64 = cols.to(tl.int64)
-    j = tl.arange(0, G)
-    kpos = tl.max_contiguous(tl.arange(0, BLOCK_K), BLOCK_K)
-    wrow = w_ptr + c64[:, None] * stride_w + kpos[None, :]
-    srow = s_ptr + (cols // WB).to(tl.int64)[:, None] * stride_s
-    k_lo = tl.program_id(1) * KSPLIT
-    k_hi = tl.minimum(K, k_lo + KSPLIT)
-    acc0 = tl.zeros([BLOCK_N, G], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, G], tl.float32)
-    acc2 = tl.zeros([BLOCK_N, G], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, G], tl.float32)
-    k0 = tl.multiple_of(k_lo, BLOCK_K)
-    w = tl.load(wrow + k0, mask=cmask[:, None], other=0.0)
-    sb = tl.load(srow + ((k0 + j * 16) // WB)[None, :], mask=cmask[:, None], other=127)
-    x0, x1, x2, x3 = _x_rows(x_ptr, stride_x, k0 + kpos, ROWS)
-    for k_step in range(k_lo, k_hi, BLOCK_K):
+    i = tl.max_contiguous(tl.arange(0, W), W)
+    wrow = w_ptr + c64[:, None] * stride_w + i[None, :]
+    srow = s_ptr + ((tl.program_id(0) * BLOCK_N) // WB).to(tl.int64) * stride_s
+    xoff = tl.reshape(2 * i[:, None] + tl.arange(0, 2)[None, :], (W, 2))
+    k_lo = tl.program_id(1) * (KSPLIT // 4)
+    k_hi = tl.minimum(KW, k_lo + KSPLIT // 4)
+    acc0 = tl.zeros([BLOCK_N, W], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, W], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, W], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, W], tl.float32)
+    k0 = tl.multiple_of(k_lo, W)
+    w = tl.load(wrow + k0, mask=cmask[:, None], other=0)
+    sb = tl.load(srow + (4 * (k0 + i)) // WB)
+    for k_step in range(k_lo, k_hi, W):
         # the next step (the last step again at the slice's end: an L2 hit, no mask in the address)
-        k1 = tl.multiple_of(tl.minimum(k_step + BLOCK_K, k_hi - BLOCK_K), BLOCK_K)
-        w_n = tl.load(wrow + k1, mask=cmask[:, None], other=0.0)
-        sb_n = tl.load(srow + ((k1 + j * 16) // WB)[None, :], mask=cmask[:, None], other=127)
-        y0, y1, y2, y3 = _x_rows(x_ptr, stride_x, k1 + kpos, ROWS)
-        wf = w.to(tl.float32)
+        k1 = tl.multiple_of(tl.minimum(k_step + W, k_hi - W), W)
+        w_n = tl.load(wrow + k1, mask=cmask[:, None], other=0)
+        sb_n = tl.load(srow + (4 * (k1 + i)) // WB)
+        w0, w1, w2, w3 = _e4m3x4(w, USE_ASM)
         sc = e8m0_decode(sb)
-        acc0 = _row_dot(wf, x0, sc, acc0)
+        koff = 2 * k_step + xoff
+        acc0 = _row_fma(acc0, w0, w1, w2, w3, x_ptr, koff, sc)
         if ROWS > 1:
-            acc1 = _row_dot(wf, x1, sc, acc1)
+            acc1 = _row_fma(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, sc)
         if ROWS > 2:
-            acc2 = _row_dot(wf, x2, sc, acc2)
+            acc2 = _row_fma(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, sc)
         if ROWS > 3:
-            acc3 = _row_dot(wf, x3, sc, acc3)
-        w, sb, x0, x1, x2, x3 = w_n, sb_n, y0, y1, y2, y3
+            acc3 = _row_fma(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, sc)
+        w, sb = w_n, sb_n
     _store_rows(p_ptr, acc0, acc1, acc2, acc3, cols, cmask, stride_ps, stride_pm, ROWS)
 
 
@@ -173,15 +212,16 @@ def gemv_fp8(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: in
     if M == 0:
         return out
     bk = _block_k(K, plan.block_k)
-    if bk < 32 or block % 16:
-        raise ValueError(f"gemv_fp8: K={K}, block={block}")
+    if block % plan.block_n or block % 32:
+        raise ValueError(f"gemv_fp8: block_n={plan.block_n} must divide the scale tile {block} (a multiple of 32)")
     S, ksplit = slices(N, K, plan)
     xq = qdq_bf16(x2)
     p = out if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x2.device)
+    wb = as_bytes(weight)
     _gemv_fp8[(cdiv(N, plan.block_n), S)](
-        xq, weight, as_bytes(ws), p, N, K, ksplit, xq.stride(0), weight.stride(0), ws.stride(0),
-        p.stride(0) if S > 1 else 0, p.stride(-2), WB=block, ROWS=M, BLOCK_N=plan.block_n, BLOCK_K=bk,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        xq.view(torch.int32), wb.view(torch.int32), as_bytes(ws), p, N, K // 4, ksplit, xq.stride(0) // 2,
+        wb.stride(0) // 4, ws.stride(0), p.stride(0) if S > 1 else 0, p.stride(-2), WB=block, ROWS=M,
+        BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=_use_asm(), num_warps=plan.num_warps, num_stages=plan.num_stages)
     if S > 1:
         from redknot.kernels.triton.splitk_mx import reduce_rows
         reduce_rows(p, out)
@@ -235,53 +275,96 @@ def self_check(name: str, device: torch.device, seed: int = 1234):
 
 # ---------------------------------------------------------------------- MXFP4 experts
 @triton.jit
-def _fp4_dot(b_ptr, s_ptr, c64, cmask, k_step, xe, xo, stride_bn, stride_sbn, acc, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """acc [BN, G] + per 32-wide group (16 packed bytes): Σ of the group's 32 exact products (low nibbles x
-    even activation columns xe, high nibbles x odd ones xo; [BK] each) times 2^(s - 127) · 2^14 (the 2^-14 of
-    ``e2m1_half``)."""
-    G: tl.constexpr = BLOCK_K // 16
-    kb = tl.max_contiguous(tl.multiple_of(k_step + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
-    p = tl.load(b_ptr + c64[:, None] * stride_bn + kb[None, :], mask=cmask[:, None], other=0).to(tl.int32)
-    lo = e2m1_half(p & 0xF).to(tl.float32)
-    hi = e2m1_half((p >> 4) & 0xF).to(tl.float32)
-    part = tl.sum(tl.reshape(lo * xe[None, :] + hi * xo[None, :], (BLOCK_N, G, 16)), 2)
-    gs = k_step // 16 + tl.arange(0, G)
-    sb = tl.load(s_ptr + c64[:, None] * stride_sbn + gs[None, :], mask=cmask[:, None], other=127)
-    return acc + part * (e8m0_decode(sb) * 16384.0)
+def _fp4x8(wd, USE_ASM: tl.constexpr):
+    """int32 words of 8 e2m1 codes (K positions 8i..8i+7; byte b: 2b in its low nibble, 2b+1 in its high one)
+    -> 8 fp32 tensors, each the e2m1 value times 2^-6: the codes become e4m3 bytes by word arithmetic
+    (``moe_stream_fp8``'s PTX: low nibbles, then high ones), then ``_e4m3x4``. Order: K 8i+0, 2, 4, 6, then
+    8i+1, 3, 5, 7."""
+    if USE_ASM:
+        lo = tl.inline_asm_elementwise(_LO_PTX, "=r,r", [wd], dtype=tl.int32, is_pure=True, pack=1)
+        hi = tl.inline_asm_elementwise(_HI_PTX, "=r,r", [wd], dtype=tl.int32, is_pure=True, pack=1)
+    else:  # the same bits (0x80808080 as int32: -2139062144)
+        lo = ((wd & 0x08080808) << 4) | ((wd & 0x07070707) << 2)
+        hi = (wd & -2139062144) | ((wd >> 2) & 0x1C1C1C1C)
+    a0, a1, a2, a3 = _e4m3x4(lo, USE_ASM)
+    b0, b1, b2, b3 = _e4m3x4(hi, USE_ASM)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
-def _gemv_fp4(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N, KH, KSPLIT, stride_x, stride_be,
+def _scale64(sb):
+    """E8M0 bytes -> 2^(s - 127) · 2^6 from the exponent bits alone (byte 0 gives 2^-121, a normal fp32;
+    ``e8m0_decode(s) · 64`` for every byte up to 248, both infinite above)."""
+    return ((sb.to(tl.int32) + 6) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_acc(acc, wd, sc, x0, x1, x2, x3, USE_ASM: tl.constexpr):
+    """acc [BN, W] + (Σ of a word's 8 exact products) · sc: x_p [W] int32 holds the bf16 pair of K 8i+2p
+    (low half) and 8i+2p+1 (high half)."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = _fp4x8(wd, USE_ASM)
+    part = a0 * (x0 << 16).to(tl.float32, bitcast=True)[None, :]
+    part += b0 * (x0 & -65536).to(tl.float32, bitcast=True)[None, :]
+    part += a1 * (x1 << 16).to(tl.float32, bitcast=True)[None, :]
+    part += b1 * (x1 & -65536).to(tl.float32, bitcast=True)[None, :]
+    part += a2 * (x2 << 16).to(tl.float32, bitcast=True)[None, :]
+    part += b2 * (x2 & -65536).to(tl.float32, bitcast=True)[None, :]
+    part += a3 * (x3 << 16).to(tl.float32, bitcast=True)[None, :]
+    part += b3 * (x3 & -65536).to(tl.float32, bitcast=True)[None, :]
+    return acc + part * sc
+
+
+@triton.jit
+def _gemv_fp4(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N, KW, KSPLIT, stride_x, stride_be,
               stride_bn, stride_sbe, stride_sbn, stride_ps, stride_pm, TOPK: tl.constexpr, DUAL: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program: expert pair ``program_id(0)`` (its expert ``ids[pair]``, activation row ``pair // TOPK``),
-    BLOCK_N weight rows over one K slice of packed bytes [k_lo, k_hi) (BLOCK_K bytes = 2·BLOCK_K values a
-    step); fp32 partials per slice. ``DUAL``: W1 and W3 in one pass over the same activations."""
-    G: tl.constexpr = BLOCK_K // 16
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """One program: expert pair ``program_id(0)`` (its expert ``ids[pair]``, activation row ``pair // TOPK``,
+    bf16 pairs read as int32), BLOCK_N weight rows over one K slice of KSPLIT packed bytes read as int32
+    words [N, KW] (8 values a word, 16 bytes per thread and row a step; 4 words = one 32-wide group, its
+    E8M0 scale times 2^6 applied to each word's 8-product sum); fp32 partials per slice. ``DUAL``: W1 and
+    W3 over the same activations. One step of register prefetch."""
+    W: tl.constexpr = BLOCK_K // 4
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)
     xrow = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     c64 = cols.to(tl.int64)
-    bg = b_ptr + e * stride_be
-    sg = sb_ptr + e * stride_sbe
-    b3g = b3_ptr + e * stride_be
-    s3g = sb3_ptr + e * stride_sbe
-    k_lo = tl.program_id(2) * KSPLIT
-    k_hi = tl.minimum(KH, k_lo + KSPLIT)
-    acc = tl.zeros([BLOCK_N, G], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, G], tl.float32)
-    for k_step in range(k_lo, k_hi, BLOCK_K):
-        k0 = tl.multiple_of(k_step, BLOCK_K)
-        xk = tl.max_contiguous(tl.multiple_of(2 * k0 + tl.arange(0, 2 * BLOCK_K), 2 * BLOCK_K), 2 * BLOCK_K)
-        xe, xo = tl.split(tl.reshape(tl.load(xrow + xk), (BLOCK_K, 2)))
-        xe = xe.to(tl.float32)
-        xo = xo.to(tl.float32)
-        acc = _fp4_dot(bg, sg, c64, cmask, k0, xe, xo, stride_bn, stride_sbn, acc, BLOCK_N, BLOCK_K)
+    i = tl.max_contiguous(tl.arange(0, W), W)
+    wrow = b_ptr + e * stride_be + c64[:, None] * stride_bn + i[None, :]
+    w3row = b3_ptr + e * stride_be + c64[:, None] * stride_bn + i[None, :]
+    srow = sb_ptr + e * stride_sbe + c64[:, None] * stride_sbn + i[None, :] // 4
+    s3row = sb3_ptr + e * stride_sbe + c64[:, None] * stride_sbn + i[None, :] // 4
+    xoff = tl.reshape(4 * i[:, None] + tl.arange(0, 4)[None, :], (W, 2, 2))
+    k_lo = tl.program_id(2) * (KSPLIT // 4)
+    k_hi = tl.minimum(KW, k_lo + KSPLIT // 4)
+    acc = tl.zeros([BLOCK_N, W], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, W], tl.float32)
+    k0 = tl.multiple_of(k_lo, W)
+    w = tl.load(wrow + k0, mask=cmask[:, None], other=0)
+    sb = tl.load(srow + k0 // 4, mask=cmask[:, None], other=127)
+    w3 = w
+    sb3 = sb
+    if DUAL:
+        w3 = tl.load(w3row + k0, mask=cmask[:, None], other=0)
+        sb3 = tl.load(s3row + k0 // 4, mask=cmask[:, None], other=127)
+    for k_step in range(k_lo, k_hi, W):
+        k1 = tl.multiple_of(tl.minimum(k_step + W, k_hi - W), W)
+        w_n = tl.load(wrow + k1, mask=cmask[:, None], other=0)
+        sb_n = tl.load(srow + k1 // 4, mask=cmask[:, None], other=127)
+        w3_n = w_n
+        sb3_n = sb_n
         if DUAL:
-            acc3 = _fp4_dot(b3g, s3g, c64, cmask, k0, xe, xo, stride_bn, stride_sbn, acc3, BLOCK_N, BLOCK_K)
+            w3_n = tl.load(w3row + k1, mask=cmask[:, None], other=0)
+            sb3_n = tl.load(s3row + k1 // 4, mask=cmask[:, None], other=127)
+        xv = tl.load(xrow + 4 * k_step + xoff)  # [W, 2, 2]: pairs 4i + 2a + b
+        xe, xo = tl.split(xv)  # b = 0: pairs 4i, 4i+2; b = 1: 4i+1, 4i+3
+        x0, x2 = tl.split(xe)
+        x1, x3 = tl.split(xo)
+        acc = _fp4_acc(acc, w, _scale64(sb), x0, x1, x2, x3, USE_ASM)
+        if DUAL:
+            acc3 = _fp4_acc(acc3, w3, _scale64(sb3), x0, x1, x2, x3, USE_ASM)
+        w, sb, w3, sb3 = w_n, sb_n, w3_n, sb3_n
     out = p_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pm + cols
     tl.store(out, tl.sum(acc, 1), mask=cmask)
     if DUAL:
@@ -304,10 +387,12 @@ def gemv_fp4(x: torch.Tensor, ids: torch.Tensor, topk: int, w: torch.Tensor, ws:
         bk = _block_k(KH, plan.block_k, 16)
         w3b = as_bytes(w3) if dual else w
         s3b = as_bytes(ws3) if dual else ws
+        wv, w3v = w.view(torch.int32), w3b.view(torch.int32)
         _gemv_fp4[(P, cdiv(N, plan.block_n), S)](
-            x, ids, w, ws, w3b, s3b, p, p3, N, KH, ksplit, x.stride(0), w.stride(0), w.stride(1), ws.stride(0),
-            ws.stride(1), p.stride(0), p.stride(1), TOPK=topk, DUAL=dual, BLOCK_N=plan.block_n, BLOCK_K=bk,
-            num_warps=plan.num_warps, num_stages=plan.num_stages)
+            x.view(torch.int32), ids, wv, ws, w3v, s3b, p, p3, N, KH // 4, ksplit, x.stride(0) // 2, wv.stride(0),
+            wv.stride(1), ws.stride(0), ws.stride(1), p.stride(0), p.stride(1), TOPK=topk, DUAL=dual,
+            BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=_use_asm(), num_warps=plan.num_warps,
+            num_stages=plan.num_stages)
     return (p, p3) if dual else p
 
 
@@ -329,6 +414,7 @@ def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale,
     p1, p3 = gemv_fp4(qdq_bf16(x), ids, k, w1, w1_scale, plan, w3, w3_scale)
     act = torch.empty(T * k, inter, dtype=torch.bfloat16, device=x.device)
     reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
-    p2 = gemv_fp4(act, ids, 1, w2, w2_scale, plan)
+    p2 = gemv_fp4(act, ids, 1, w2, w2_scale, GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, plan.num_warps,
+                                                       plan.num_stages) if plan.w2_block_n else plan)
     inv = torch.arange(T * k, dtype=torch.int32, device=x.device)
     return reduce_combine(p2, inv, k, out)
