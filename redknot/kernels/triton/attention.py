@@ -42,6 +42,18 @@ class AttnConfig:
     prefetch: bool = False  # compute the next key block's row pointers (top-k id, block table) one block ahead
 
 
+@dataclass(frozen=True)
+class PrefillTConfig:
+    """Launch shape of the transposed prefill kernel (``attention_prefill``: keys on the MMA's M side), a
+    candidate of ``ATTN_PREFILL_TUNER`` only (unsplit launches, bf16 rows)."""
+    block_n: int = 128   # keys per online-softmax step: 64 per warpgroup
+    num_warps: int = 8
+    d_split: int = 4     # column chunks of the 512-wide rows (1, 2 or 4)
+    block_h: int = 64    # heads per program
+    num_stages: int = 1
+    prefetch: bool = False  # the next block's row pointers one block ahead
+
+
 @triton.jit
 def _finalize(acc, acc_r, acc_sw, m_i, l_i, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d, offs_r,
               stride_ot, stride_oh, H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, HAS_SINK: tl.constexpr,
@@ -239,6 +251,12 @@ ATTN_TUNER = ConfigTuner("sparse_attention", [
 # 64/32/8w/2st 8.94 / 1.05 / 0.12; 64/64/8w/1st 12.4 / 1.03 / 0.16; 64/32/8w/1st 9.35 / 1.04 / 0.14.
 # Dropped after measuring: 4 stages (Triton's pipelining of the top-k -> block-table -> key chain) 11.3;
 # index loads issued a block ahead (``prefetch``) 9.18; 32 heads per program, 4 or 8 warps, 15.0 / 14.4.
+# Prefill classes of bf16 rows: the same shapes, then the transposed prefill kernel
+# (``attention_prefill``, 128 keys per step over two warpgroups, the rows in four column chunks): 64 heads with
+# the row pointers in step or a block ahead, 32 heads (no spills, every row read twice per query); each only
+# after its first-use check against the oracle. Not measured on the H200.
+ATTN_PREFILL_TUNER = ConfigTuner("sparse_attention_prefill", ATTN_TUNER.candidates + [
+    PrefillTConfig(128, 8, 4, 64), PrefillTConfig(128, 8, 4, 64, prefetch=True), PrefillTConfig(128, 8, 4, 32)])
 
 
 def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torch.Tensor, positions: torch.Tensor,
@@ -275,9 +293,25 @@ def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torc
                 rope_sin=rope_sin.float().contiguous() if rope_sin is not None else None, out=out)
     if config is None:
         comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
-        key = (comp, "decode" if T * H < 128 * sm_count(q) else "prefill", H, D, str(q.dtype), rope_cos is not None)
-        config = ATTN_TUNER.pick(key, lambda cfg: _launch(cfg, **args), q.device)
-    return _launch(config, **args)
+        phase = "decode" if T * H < 128 * sm_count(q) else "prefill"
+        key = (comp, phase, H, D, str(q.dtype), rope_cos is not None)
+        tuner = ATTN_PREFILL_TUNER if phase == "prefill" and q.dtype == torch.bfloat16 else ATTN_TUNER
+        config = tuner.pick(key, lambda cfg: _run(cfg, args), q.device)
+    return _run(config, args)
+
+
+def _run(cfg, args: dict) -> torch.Tensor:
+    """``cfg``'s kernel: ``AttnConfig`` this module's, ``PrefillTConfig`` the transposed prefill kernel (bf16 rows,
+    after its first-use check on a GPU)."""
+    if isinstance(cfg, PrefillTConfig):
+        from redknot.kernels.triton import attention_prefill
+        q = args["q"]
+        if q.dtype != torch.bfloat16:
+            raise ValueError(f"sparse_attention_paged: {cfg} takes bf16 rows, not {q.dtype}")
+        if q.is_cuda and not attention_prefill.first_use_ok(cfg, q.device, args["rope_cos"] is not None):
+            raise RuntimeError(f"sparse_attention_paged: {cfg} failed its first-use check against the oracle")
+        return attention_prefill.launch_prefill_t(cfg, **args)
+    return _launch(cfg, **args)
 
 
 def _launch(cfg: AttnConfig, *, q, kv, token_seq, positions, context_lens, query_start, window, sink, scale, ring,
