@@ -46,8 +46,9 @@ def _keys_per_query(positions: torch.Tensor, window: int, mode: str, d: Dims) ->
     return swa
 
 
-def attention_case(d: Dims, device, mode: str, context: int, new: int, batch: int, with_ref: bool) -> Case:
-    """``batch`` sequences each adding ``new`` tokens at the end of ``context`` tokens (prefill chunk or decode)."""
+def _attention_inputs(d: Dims, device, mode: str, context: int, new: int, batch: int):
+    """Inputs of ``ops.sparse_attention`` for ``batch`` sequences each adding ``new`` tokens at the end of
+    ``context`` tokens, and the case's FLOPs and bytes."""
     step = paged_step([context - new] * batch, [new] * batch, d.block_size, device)
     meta, t = step.meta, step.num_tokens
     dt = torch.bfloat16
@@ -69,10 +70,41 @@ def attention_case(d: Dims, device, mode: str, context: int, new: int, batch: in
     last = _keys_per_query(meta.positions.max().view(1), d.window, mode, d)
     n_keys_read = float(keys.sum()) if new == 1 else batch * (new + float(last) - min(d.window, context))
     nbytes = 2.0 * (2 * t * d.heads * d.head_dim + n_keys_read * d.head_dim) + (idx.numel() * 8 if idx is not None else 0)
-    args = (q, kv, ring, sinks, scale, d.window, meta, pool, idx)
+    return (q, kv, ring, sinks, scale, d.window, meta, pool, idx), t, flops, nbytes
+
+
+def attention_case(d: Dims, device, mode: str, context: int, new: int, batch: int, with_ref: bool) -> Case:
+    """``batch`` sequences each adding ``new`` tokens at the end of ``context`` tokens (prefill chunk or decode)."""
+    args, t, flops, nbytes = _attention_inputs(d, device, mode, context, new, batch)
     return Case("sparse_attention", f"{mode} {'decode' if new == 1 else 'prefill'} b{batch}", context, t,
                 lambda: ops.sparse_attention(*args),
                 (lambda: ref_attention.sparse_attention(*args)) if with_ref else None, flops, nbytes)
+
+
+def _paged_call(args, config):
+    """``ops.sparse_attention``'s kernel call (the same lowering of the step metadata) with a fixed launch shape."""
+    from redknot.kernels.step_index import step_tensors
+    from redknot.kernels.triton import attention
+    q, kv, ring, sinks, scale, window, meta, pool, idx = args
+    st = step_tensors(meta)
+    return attention.sparse_attention_paged(
+        q, kv, token_seq=st.token_seq, positions=meta.positions, context_lens=st.context_lens,
+        query_start=st.query_start, window=window, sink=sinks, scale=scale, ring=ring, seq_slots=meta.seq_slots,
+        cache=pool, block_table=meta.block_tables if pool is not None else None, ratio=1,
+        block_size=pool.shape[1] if pool is not None else 0, topk=idx, config=config)
+
+
+def attention_variant_case(d: Dims, device, mode: str, context: int, new: int, batch: int, config,
+                           baseline) -> Case:
+    """The case of :func:`attention_case` with one fixed launch shape ``config`` (``attention.AttnConfig`` or
+    the transposed prefill kernel's ``attention.PrefillTConfig``); its reference is the same call with the
+    ``baseline`` shape (checked against the reference op in the tuned row), so ``ref ms`` / ``speedup`` read
+    as the baseline's time and the variant's gain over it."""
+    args, t, flops, nbytes = _attention_inputs(d, device, mode, context, new, batch)
+    tag = "/".join(str(v) if not isinstance(v, bool) else ("pf" if v else "") for v in vars(config).values())
+    kind = "T" if type(config).__name__ == "PrefillTConfig" else "S"
+    return Case("sparse_attention", f"{mode} {kind}[{tag.rstrip('/')}]", context, t,
+                lambda: _paged_call(args, config), lambda: _paged_call(args, baseline), flops, nbytes)
 
 
 def indexer_case(d: Dims, device, context: int, new: int, batch: int, with_ref: bool) -> Case:

@@ -50,6 +50,11 @@ def parse_args(argv=None):
                     "sparse_attention,indexer_topk,moe,linear,rms_norm+rope,mhc)")
     ap.add_argument("--contexts", type=int, nargs="*", default=FULL_CONTEXTS, help="contexts of the timed cases")
     ap.add_argument("--ref-max-context", type=int, default=32768, help="time the reference up to this context")
+    ap.add_argument("--attention-variants", default="prefill", choices=["prefill", "none"],
+                    help="after each attention prefill row, one row per transposed-kernel launch shape of the "
+                         "prefill tuner (T[block_n/warps/d_split/heads/stages/pf]), each checked against the "
+                         "earlier kernel's 64/32/8w/2-stage shape, whose time is its 'ref ms'; every candidate's "
+                         "tuning time is printed under '# timed sparse_attention_prefill'")
     return ap.parse_args(argv)
 
 
@@ -171,10 +176,19 @@ def timed_plan(runner: Runner, d, smoke: bool):
     batches = [1, 3] if smoke else [1, 32]
     only = {s for s in runner.args.only.split(",") if s}
     plan = []
+    from redknot.kernels.triton import attention
+    variants = [] if runner.args.attention_variants == "none" else \
+        [c for c in attention.ATTN_PREFILL_TUNER.candidates if isinstance(c, attention.PrefillTConfig)]
+    if smoke:  # interpreter-sized transposed shapes (the toy dims have 4 heads)
+        variants = [attention.PrefillTConfig(16, 4, 4, 16), attention.PrefillTConfig(16, 4, 2, 16, prefetch=True)]
     for ctx in contexts:
         for mode in ("csa", "hca", "swa"):
             plan.append(("sparse_attention", lambda m=mode, c=ctx: kc.attention_case(d, dev, m, c, chunk, 1, c <= ref_max),
                          f"attention {mode} prefill {ctx}"))
+            for cfg in variants:
+                plan.append(("sparse_attention", lambda m=mode, c=ctx, cfg=cfg: kc.attention_variant_case(
+                    d, dev, m, c, chunk, 1, cfg, attention.ATTN_TUNER.candidates[0]),
+                    f"attention {mode} prefill {ctx} {cfg}"))
         plan.append(("indexer_topk", lambda c=ctx: kc.indexer_case(d, dev, c, chunk, 1, c <= ref_max),
                      f"indexer prefill {ctx}"))
     for ctx in dict.fromkeys((contexts[0], contexts[-2] if smoke else 131072, contexts[-1])):
@@ -270,12 +284,16 @@ def main(argv=None) -> int:
     failed_checks = [c for c in runner.checks if not c.ok]
     failed_rows = [r for r in runner.rows if r.get("status") == "FAIL"]
     tuned = {t.name: {str(k): str(v) for k, v in t.choices.items()}
-             for t in (attention.ATTN_TUNER, indexer.INDEXER_TUNER, fp8.GEMM_TUNER)}
+             for t in (attention.ATTN_TUNER, attention.ATTN_PREFILL_TUNER, indexer.INDEXER_TUNER, fp8.GEMM_TUNER)}
+    tuned_ms = {f"{t.name} {k}": ", ".join([f"{c}: {ms:.3f} ms" for c, ms in v]
+                                           + [f"{c}: failed ({why})" for c, why in t.failures.get(k, [])])
+                for t in (attention.ATTN_PREFILL_TUNER,) for k, v in t.timings.items()}
     lines = [f"# {env}", f"# checks: {len(runner.checks) - len(failed_checks)}/{len(runner.checks)} pass"
              + (f"; not run (budget): {runner.skipped_checks}" if runner.skipped_checks else "")]
     lines += ["#   " + c.line() for c in failed_checks]
     lines += [HEADER] + [format_row(r) for r in runner.rows]
     lines += [f"# tuned {name}: {choice}" for name, choice in tuned.items() if choice]
+    lines += [f"# timed {name}: {times}" for name, times in tuned_ms.items()]
     lines += [f"# total {runner.elapsed():.0f}s; {len(failed_rows)} failing timed rows"]
     table = "\n".join(lines)
     print("\n" + table, flush=True)
