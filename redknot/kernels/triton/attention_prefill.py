@@ -15,6 +15,9 @@ chunk store this kernel imports):
   runs down the key axis; O = P·K [heads, D] (P = (Pᵀ)ᵀ) is the second product;
 * the 512-wide rows are read and multiplied in ``D_SPLIT`` column chunks, so one chunk of rows (not a whole
   block) passes through registers at a time on its way to shared memory;
+* the window and the compressed entries run as two loops, each with only its own row addressing (window:
+  ``attention._key_rows`` without the compressed part; entries: top-k id, block table), not one loop computing
+  both kinds of pointer for every key;
 * the inverse RoPE of the rope columns runs on the last chunk's accumulator (pairs split and rejoined in
   registers) instead of two extra [heads, rope] accumulators and dots per key block.
 
@@ -46,6 +49,23 @@ from redknot.kernels.triton.attention_prefill_mx import _online_t, _store_t
 def _chunk(ptr, valid, C0: tl.constexpr, DC: tl.constexpr):
     """Columns [C0, C0 + DC) of the key rows ``ptr`` (invalid rows: zeros)."""
     return tl.load(ptr[:, None] + C0 + tl.arange(0, DC)[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _comp_rows(j0, n_comp, tok, b, cache_ptr, bt_ptr, topk_ptr, stride_cb, stride_ce, stride_bt, stride_tk, ratio,
+               block_size, BLOCK_N: tl.constexpr, COMP: tl.constexpr):
+    """Row pointers and validity of compressed entries ``j0 .. j0+BLOCK_N`` of a query's list (``attention._key_rows``
+    past the window: top-k id or the entry itself, then the block table)."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    ok = j < n_comp
+    if COMP == 1:
+        w = tl.load(topk_ptr + tok.to(tl.int64) * stride_tk + j, mask=ok, other=-1)
+        ok = ok & (w >= 0)
+    else:
+        w = j
+    first = w * ratio
+    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + first // block_size, mask=ok, other=0)
+    return cache_ptr + blk.to(tl.int64) * stride_cb + ((first % block_size) // ratio).to(tl.int64) * stride_ce, ok
 
 
 @triton.jit
@@ -128,7 +148,6 @@ def _sparse_attn_prefill_t(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, tok_seq_
         n_comp = num_topk
     elif COMP == 2:
         n_comp = (t + 1) // ratio
-    n_tot = n_swa + n_comp
 
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -153,22 +172,37 @@ def _sparse_attn_prefill_t(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, tok_seq_
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    ptr_nx, valid_nx = _key_rows(0, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
+    # the window (rows of this step or the ring), then the compressed entries: two loops, each with only its own
+    # row addressing
+    ptr_nx, valid_nx = _key_rows(0, n_swa, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
                                  topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt,
-                                 stride_tk, ring_size, ratio, block_size, BLOCK_N, COMP, HAS_RING)
-    for kb in range(0, n_tot, BLOCK_N):
+                                 stride_tk, ring_size, ratio, block_size, BLOCK_N, 0, HAS_RING)
+    for kb in range(0, n_swa, BLOCK_N):
         if PREFETCH:
             ptr, valid = ptr_nx, valid_nx
-            ptr_nx, valid_nx = _key_rows(kb + BLOCK_N, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
+            ptr_nx, valid_nx = _key_rows(kb + BLOCK_N, n_swa, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
                                          cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb,
                                          stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, BLOCK_N,
-                                         COMP, HAS_RING)
+                                         0, HAS_RING)
         else:
-            ptr, valid = _key_rows(kb, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
+            ptr, valid = _key_rows(kb, n_swa, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
                                    topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt,
-                                   stride_tk, ring_size, ratio, block_size, BLOCK_N, COMP, HAS_RING)
+                                   stride_tk, ring_size, ratio, block_size, BLOCK_N, 0, HAS_RING)
         acc0, acc1, acc2, acc3, m, l = _block_t(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, ptr, valid, qk_scale,
                                                 D, D_SPLIT)
+    if COMP != 0:
+        ptr_nx, valid_nx = _comp_rows(0, n_comp, tok, b, cache_ptr, bt_ptr, topk_ptr, stride_cb, stride_ce, stride_bt,
+                                      stride_tk, ratio, block_size, BLOCK_N, COMP)
+        for j0 in range(0, n_comp, BLOCK_N):
+            if PREFETCH:
+                ptr, valid = ptr_nx, valid_nx
+                ptr_nx, valid_nx = _comp_rows(j0 + BLOCK_N, n_comp, tok, b, cache_ptr, bt_ptr, topk_ptr, stride_cb,
+                                              stride_ce, stride_bt, stride_tk, ratio, block_size, BLOCK_N, COMP)
+            else:
+                ptr, valid = _comp_rows(j0, n_comp, tok, b, cache_ptr, bt_ptr, topk_ptr, stride_cb, stride_ce,
+                                        stride_bt, stride_tk, ratio, block_size, BLOCK_N, COMP)
+            acc0, acc1, acc2, acc3, m, l = _block_t(q0, q1, q2, q3, acc0, acc1, acc2, acc3, m, l, ptr, valid,
+                                                    qk_scale, D, D_SPLIT)
     denom = l + tl.exp2(sink - m)
     _store_chunk(out_ptr, acc0, denom, tok64, heads, hmask, cos_ptr, sin_ptr, stride_ot, stride_oh, 0, DC, D, RD,
                  BLOCK_H, ROPE)
