@@ -25,7 +25,7 @@ _FAILED = []   # a row kernel that failed to build: the PyTorch math from then o
 # The prefill row fusions (``prefill_rows_v41``) by name, each on where the row kernels run; a test or a benchmark
 # switches one off to compare against the path without it.
 PREFILL_ROWS = {"rope_cols": True, "swiglu": True, "add_post": True, "collapse": True, "route": True,
-                "page_entries": True}
+                "page_entries": True, "mhc_one_pass": True}
 
 
 def fused(w, x: torch.Tensor) -> bool:

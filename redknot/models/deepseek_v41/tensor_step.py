@@ -268,7 +268,9 @@ class _SiteFused:
         cfg = self.cfg
         args = (h, pre_in, self._f(f"{hc}_fn"), self._f(f"{hc}_base"), self._f(f"{hc}_scale"), self._f(norm),
                 cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
-        got = fused_rows._guarded(site_pre, *args)   # a kernel that does not build: the PyTorch site
+        # a kernel that does not build: the PyTorch site; many rows: the collapse in the mixing pass (same function
+        # for the eager layers and the tensor step, so both keep the same bits)
+        got = fused_rows._guarded(site_pre, *args, one_pass=fused_rows.PREFILL_ROWS["mhc_one_pass"])
         return got if got is not None else _SiteTorch(self).pre(h, pre_in, hc, norm)
 
     def post(self, y, h, post, comb):

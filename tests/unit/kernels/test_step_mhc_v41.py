@@ -75,3 +75,35 @@ def test_gpu_site_pre_real_width(t):
     for got, want in ((pre, wpre), (post, wpost), (comb, wcomb)):
         assert (got - want).abs().max().item() < 2e-5
     assert ((u.float() - wu.float()).abs() / wu.float().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
+
+
+@pytest.mark.parametrize("t,d", [(17, 64), (70, 160), (33, 96)])
+def test_site_pre_one_pass_equals_the_two_pass_site(t, d, kernel_device):
+    """The collapse taken in the mixing pass (``_mix_collapse``, from ``ONE_PASS_MIN_ROWS`` rows: token tiles and D
+    slices with tails) against the split mixing GEMV + two-pass finish and against the PyTorch site."""
+    from redknot.kernels.triton.step_mhc_v41 import ONE_PASS_MIN_ROWS
+
+    assert t >= ONE_PASS_MIN_ROWS
+    args = _case(t, d, kernel_device, 5 + t)
+    one = site_pre(*args, ITERS, HC_EPS, NORM_EPS)
+    two = site_pre(*args, ITERS, HC_EPS, NORM_EPS, one_pass=False)
+    want = _want(*args)
+    for a, b, c in zip(one[1:], two[1:], want[1:]):
+        assert (a - b).abs().max().item() < 2e-5 and (a - c).abs().max().item() < 2e-5
+    for ref in (two[0], want[0]):
+        err = ((one[0].float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-2)).max().item()
+        assert err <= 2 ** -7, err
+        assert (one[0].float() != ref.float()).float().mean().item() < 0.02
+
+
+@pytest.mark.gpu
+def test_gpu_site_pre_one_pass_prefill_rows():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _case(8192, 5120, "cuda", 6)
+    u, pre, post, comb = site_pre(*args, ITERS, HC_EPS, NORM_EPS)
+    wu, wpre, wpost, wcomb = _want(*args)
+    for got, want in ((pre, wpre), (post, wpost), (comb, wcomb)):
+        assert (got - want).abs().max().item() < 2e-5
+    assert ((u.float() - wu.float()).abs() / wu.float().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
+    assert (u.float() != wu.float()).float().mean().item() < 0.02

@@ -1,12 +1,13 @@
 """The eager prefill forward with the prefill row fusions (``prefill_rows_v41`` through ``fused_rows.PREFILL_ROWS``:
 q and attention-output RoPE in place, the shared expert's SwiGLU, the MoE combine with the ffn site's post mix,
-the final collapse, the router's tail in one launch, the selected entries' page rows in one launch; and the
-attention output taken without a copy) against the same forward without them, on the e2e_v41 toy cut: attention,
-cache inserts and indexer on their Triton kernels (interpreter), the FP8 linears and MXFP4 experts on the
-registry's reference ops (fast on a CPU; the fusions do not depend on them). A 20-row chunk, above the step
-kernels' 16, so the prefill paths run. The exact fusions (RoPE, combine + post, page rows, no copy) give the same
-output rows and cache bytes bit for bit; with the SwiGLU, the collapse and the router too (another ``exp`` and
-summation order) the rows stay within a bf16 ulp of their scale."""
+the final collapse, the router's tail in one launch, the selected entries' page rows in one launch, the mHC sites'
+collapse in their mixing pass; and the attention output taken without a copy) against the same forward without
+them, on the e2e_v41 toy cut: attention, cache inserts and indexer on their Triton kernels (interpreter), the FP8
+linears and MXFP4 experts on the registry's reference ops (fast on a CPU; the fusions do not depend on them). A
+20-row chunk, above the step kernels' 16, so the prefill paths run. The exact fusions (RoPE, combine + post, page
+rows, no copy) give the same output rows and cache bytes bit for bit; with the SwiGLU, the final collapse and the
+router too (another ``exp`` and summation orders) the rows stay within a bf16 ulp of their scale; the one-pass
+sites' ulps are amplified by the toy model (see ``_check_all``)."""
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ pytest.importorskip("triton")
 import redknot.kernels.triton.prefill_rows_v41 as pr
 from redknot.models.deepseek_v41 import fused_rows
 
-# Three interpreted toy prefill forwards (~130 s on 2 cores): -m slow; on a GPU the same at 200 rows, -m gpu. Each
+# Four interpreted toy prefill forwards (~170 s on 2 cores): -m slow; on a GPU the same at 200 rows, -m gpu. Each
 # kernel is held against its PyTorch math in tests/unit/kernels/test_prefill_rows_v41.py (default run) and on the GPU.
 EXACT = ("rope_cols", "add_post", "page_entries")
 
@@ -44,13 +45,15 @@ def _runs(dev: torch.device, rows: int):
     ids = e2e_v41.tokens(rows, cfg.vocab_size, 1)
     out, calls = {}, {}
     saved = dict(fused_rows.PREFILL_ROWS)
+    import redknot.kernels.triton.step_mhc_v41 as mh
     import redknot.kernels.triton.step_moe_v41 as sm
 
     mods = {"rope_cols_": pr, "swiglu_rows": pr, "add_post": pr, "collapse_rows": pr, "route_topk": sm,
-            "page_entries": pr}
+            "page_entries": pr, "_site_pre_one_pass": mh}
     real = {n: getattr(m, n) for n, m in mods.items()}
     try:
-        for name, on in (("off", ()), ("exact", EXACT), ("all", tuple(saved))):
+        for name, on in (("off", ()), ("exact", EXACT), ("ulp", tuple(k for k in saved if k != "mhc_one_pass")),
+                         ("all", tuple(saved))):
             for k in fused_rows.PREFILL_ROWS:
                 fused_rows.PREFILL_ROWS[k] = k in on
             count = calls[name] = {n: 0 for n in real}
@@ -86,17 +89,32 @@ def _check_exact(runs):
         assert torch.equal(a, b)
 
 
-def _check_all(runs, worst: float = 2 ** -7):
-    """``worst``: the largest row error allowed (relative to the row's max); most rows stay within a bf16 ulp."""
+def _check_ulp(runs, worst: float = 2 ** -7):
+    """Every fusion but the one-pass mHC sites: ``worst`` is the largest row error allowed (relative to the row's
+    max); most rows stay within a bf16 ulp."""
     cfg, out, calls = runs
     n = cfg.n_layers
-    c = calls["all"]
+    c = calls["ulp"]
     assert c["rope_cols_"] == 2 * n and c["add_post"] == n and c["collapse_rows"] == 1, c
     assert c["swiglu_rows"] == n and c["route_topk"] == n, c         # the shared expert's, the router: per layer
-    (x, _), (y, _) = out["all"], out["off"]
+    assert c["_site_pre_one_pass"] == 0, c
+    (x, _), (y, _) = out["ulp"], out["off"]
     err = (x.float() - y.float()).abs().amax(1) / y.float().abs().amax(1)
     assert err.max().item() <= worst, err.max().item()
     assert err.median().item() <= 2 ** -7, err.median().item()
+
+
+def _check_all(runs):
+    """With the one-pass sites too. Their collapse differs from the two-pass one by an ulp in a few values (held
+    tightly in test_step_mhc_v41.py), which the toy model's indexer selections and FP8 roundings amplify from the
+    first row with more visible entries than it keeps (measured here: up to 7 % of a row's max under reference
+    numerics, 8 % under bf16): this run checks that every site took the one-pass path and the rows stay near."""
+    cfg, out, calls = runs
+    assert calls["all"]["_site_pre_one_pass"] == 2 * cfg.n_layers, calls["all"]
+    (x, _), (y, _) = out["all"], out["off"]
+    assert torch.isfinite(x).all()
+    err = (x.float() - y.float()).abs().amax(1) / y.float().abs().amax(1)
+    assert err.median().item() <= 0.05 and err.max().item() <= 0.25, err
 
 
 @pytest.mark.slow
@@ -105,7 +123,12 @@ def test_exact_fusions_equal_the_forward_without_them(runs):
 
 
 @pytest.mark.slow
-def test_all_fusions_within_a_bf16_ulp(runs):
+def test_fusions_but_one_pass_sites_within_a_bf16_ulp(runs):
+    _check_ulp(runs)
+
+
+@pytest.mark.slow
+def test_all_fusions_near_the_forward_without_them(runs):
     _check_all(runs)
 
 
@@ -117,4 +140,5 @@ def test_gpu_prefill_rows_forward():
         pytest.skip("needs CUDA")
     got = _runs(torch.device("cuda"), 200)
     _check_exact(got)
-    _check_all(got, worst=6e-2)   # an FP8 / expert choice flip after an ulp (the e2e parity bound under reference)
+    _check_ulp(got, worst=6e-2)   # an FP8 / expert choice flip after an ulp (the e2e parity bound under reference)
+    _check_all(got)
