@@ -819,7 +819,7 @@ def main(argv=None) -> dict:
 
             ab = report.setdefault("prefill_rows_ab", {})[name] = rows_ab(chunk, device)
             print(f"{name}: {ab['unfused_ms']:.1f} ms without the prefill row fusions, {ab['fused_ms']:.1f} ms "
-                  f"with them ({', '.join(ab['fusions'])})")
+                  f"with them; saving of each: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ab["saving_ms"].items()))
             if profiles[0] and not over_budget(dt * a.chunk / ctx + 10):
                 profiles[0] -= 1
                 report["profile"][name] = op_shares(chunk, device)
@@ -905,7 +905,8 @@ def write(report: dict, out: str) -> None:
         lines += [f"| {r['region']} | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
     for name, ab in report.get("prefill_rows_ab", {}).items():
         lines += ["", (f"{name}: {ab['unfused_ms']:.2f} ms without the prefill row fusions, {ab['fused_ms']:.2f} ms "
-                       f"with them ({', '.join(ab['fusions'])})")]
+                       f"with them; saving of each (all on but that one, less all on): "
+                       + ", ".join(f"{k} {v:.2f} ms" for k, v in ab["saving_ms"].items()))]
     for name, rows in report["profile"].items():
         lines += ["", f"## Time shares: {name}", "", "| kernel / op | share | ms | calls |", "|---|---|---|---|"]
         lines += [f"| `{r['op']}` | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]

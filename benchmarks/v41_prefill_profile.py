@@ -166,27 +166,31 @@ def region_shares(fn, device, ops=None) -> List[dict]:
 
 def rows_ab(fn, device, repeats: int = 3) -> dict:
     """Mean ms of ``fn`` (a warmed prefill chunk) with the prefill row fusions (``fused_rows.PREFILL_ROWS``)
-    all off, then all on, each run once untimed first: what the fusions save in the same process."""
+    all off, all on, and all on but one (``without`` per fusion: what that one saves; a negative saving is a
+    fusion slower than the path it replaces), each run once untimed first."""
     from redknot.models.deepseek_v41 import fused_rows
 
     saved = dict(fused_rows.PREFILL_ROWS)
-    out = {}
-    try:
-        for name, on in (("unfused_ms", False), ("fused_ms", True)):
-            for k in fused_rows.PREFILL_ROWS:
-                fused_rows.PREFILL_ROWS[k] = on and saved[k]
+    names = sorted(k for k, v in saved.items() if v)
+
+    def timed(on) -> float:
+        for k in fused_rows.PREFILL_ROWS:
+            fused_rows.PREFILL_ROWS[k] = k in on
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            out[name] = (time.perf_counter() - t) / repeats * 1e3
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / repeats * 1e3
+
+    try:
+        out = {"unfused_ms": timed(()), "fused_ms": timed(names), "fusions": names}
+        out["saving_ms"] = {k: timed([x for x in names if x != k]) - out["fused_ms"] for k in names}
     finally:
         fused_rows.PREFILL_ROWS.update(saved)
-    out["fusions"] = sorted(k for k, v in saved.items() if v)
     return out
 
 
