@@ -20,7 +20,7 @@ from redknot.engine.inputs import StepInputs
 from redknot.engine.messages import ModelRunnerOutput
 from redknot.kernels import KernelSet
 from redknot.kernels.dtypes import torch_dtype
-from redknot.kernels.tuning_cache import use_cache_dir, use_seed
+from redknot.kernels.tuning_cache import use_cache_dir, use_seed, use_small_rows_class
 from redknot.models.family import ExpertRows, ModelFamily
 from redknot.sample import Sampler, SamplingRow
 from redknot.speculative.dspark import DSparkSpeculator
@@ -70,6 +70,8 @@ class ModelRunner:
                                 device_name=props.name)
         use_cache_dir(engine.cache_dir, engine.kernel_tuning_store)  # launch choices persist with the caches
         use_seed(engine.kernel_tuning_seed)  # shipped launch choices for the same GPU and versions
+        # a row's bits must not depend on how many rows share its step: one weight-stream class for all
+        use_small_rows_class(not (features.batch_invariant.enabled or features.deterministic))
         self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
                                         expert_rows=expert_rows)
         self.cfg = self.model.cfg

@@ -294,6 +294,22 @@ def use_seed(enabled: bool = True) -> None:
     set_seed_path(SEED_DIR if enabled else None)
 
 
+_small_rows_class = True
+
+
+def use_small_rows_class(enabled: bool = True) -> None:
+    """Whether the V4.1 weight streams keep a second launch choice for calls of 1-4 rows (``gemm_mx`` /
+    ``moe_mx``'s small-row class: a row's bits then differ between 1-4 and 5+ rows by summation order).
+    The engine turns it off under ``features.batch_invariant.enabled`` or ``features.deterministic``, so a
+    row's bits do not depend on how many rows share its step."""
+    global _small_rows_class
+    _small_rows_class = bool(enabled)
+
+
+def small_rows_class() -> bool:
+    return _small_rows_class
+
+
 def current_seed_path() -> str | None:
     if _seed_path is not _UNSET:
         return _seed_path

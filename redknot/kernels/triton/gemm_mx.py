@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from redknot.kernels import tuning_cache
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton.fp8 import _tile_map
 from redknot.kernels.triton.moe import route_by_expert
@@ -333,7 +334,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
     from redknot.kernels.triton import gemv_mx, splitk_mx, stream_guard
     from redknot.kernels.triton.dequant_mx import qdq_bf16
     rows = x2.shape[0]
-    if decode is None and SMALL_ROWS_CLASS and rows <= gemv_mx.MAX_ROWS:
+    if decode is None and SMALL_ROWS_CLASS and tuning_cache.small_rows_class() and rows <= gemv_mx.MAX_ROWS:
         made_small = {}
 
         def small_run(d: str) -> torch.Tensor:  # timed on LINEAR_SMALL_TUNE_ROWS rows

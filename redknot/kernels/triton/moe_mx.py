@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from redknot.kernels import tuning_cache
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 from redknot.kernels.triton import splitk_mx, stream_guard
 from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
@@ -253,7 +254,7 @@ def moe_splitk(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scal
     decode = decode or (plan.decode if plan is not None else None)
     args = (x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit, plan)
     key = (tuple(w1.shape), tuple(w2.shape))  # not the token count: a token's bits stay batch-invariant
-    if decode is None and plan is None and SMALL_ROWS_CLASS and topk_idx.shape[0] <= gemv_mx.MAX_ROWS:
+    if decode is None and plan is None and SMALL_ROWS_CLASS and tuning_cache.small_rows_class() and topk_idx.shape[0] <= gemv_mx.MAX_ROWS:
         def stream() -> str:
             return DECODE_TUNER.pick(key, _tuning_run(x, topk_idx.shape[1], args[3:]), x.device)
         small = SMALL_TUNER.pick(key, _tuning_run(x, topk_idx.shape[1], args[3:], SMALL_TUNE_TOKENS, stream),

@@ -36,3 +36,13 @@ def test_needle_is_bitwise_invariant(engines):
         assert got["needle"].token_ids == ref["needle"].token_ids, (size, budget, chunk)
         for a, b in zip(ref_logits["needle"], got_logits["needle"]):
             assert torch.equal(a, b), f"needle logits differ in a batch of {size} (budget {budget}, chunk {chunk})"
+
+
+def test_batch_invariant_engine_keeps_one_weight_stream_class(engines):
+    """The V4.1 weight streams' small-row class (a second launch choice at 1-4 rows, which sums in another
+    order than at 5+ rows) is off while a batch-invariant engine runs, and back on for a plain one."""
+    from redknot.kernels import tuning_cache
+    engines(batch_invariant=True)
+    assert tuning_cache.small_rows_class() is False
+    engines()
+    assert tuning_cache.small_rows_class() is True

@@ -143,6 +143,12 @@ def test_small_row_class_times_its_own_batch_and_runs_the_choice(kernel_device, 
     ran.clear()
     gemm_mx.linear_mx(x, w, ws, 32)
     assert len(asked) == 1 and not ran
+    from redknot.kernels import tuning_cache
+    monkeypatch.setattr(tuning_cache, "_small_rows_class", True)
+    tuning_cache.use_small_rows_class(False)  # what a batch-invariant engine sets
+    gemm_mx.linear_mx(x[:2], w, ws, 32)
+    assert len(asked) == 1 and not ran
+    tuning_cache.use_small_rows_class(True)
     monkeypatch.setattr(gemm_mx, "SMALL_ROWS_CLASS", False)
     gemm_mx.linear_mx(x[:2], w, ws, 32)
     assert len(asked) == 1 and not ran
