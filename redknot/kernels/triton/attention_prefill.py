@@ -247,21 +247,23 @@ def launch_prefill_t(cfg: PrefillTConfig, *, q, kv, token_seq, positions, contex
     return out
 
 
-_FIRST_USE: dict[tuple[PrefillTConfig, str, bool], bool] = {}
+_FIRST_USE: dict[tuple[PrefillTConfig, str, bool, str], bool] = {}
 
 
-def first_use_ok(cfg: PrefillTConfig, device: torch.device, rope: bool = False) -> bool:
+def first_use_ok(cfg: PrefillTConfig, device: torch.device, rope: bool = False, comp: str = "topk") -> bool:
     """Whether ``cfg`` matches the float64 oracle on fresh random inputs at V4 width (64 heads x 512, window 128;
     a sequence with rows in the ring and in this step, compressed entries from a top-k list with -1 pads, and a
-    query with no entry yet; the fused inverse RoPE with ``rope``); checked once per device and form, a build
-    error counts as a mismatch. The prefill tuner's candidate runs only where this holds."""
-    key = (cfg, str(device), rope)
+    query with no entry yet; ``comp`` and ``rope`` as :func:`check_inputs`: the compiled form the call will run);
+    checked once per device and form, a build error counts as a mismatch. The prefill tuner's candidate runs only
+    where this holds."""
+    key = (cfg, str(device), rope, comp)
     if key not in _FIRST_USE and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False  # no check inside a CUDA-graph capture: run the shape once before capturing it
     if key not in _FIRST_USE:
         from redknot.kernels.triton import oracle
         try:
-            args = check_inputs(device, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF, rope=rope)
+            args = check_inputs(device, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF, rope=rope,
+                                comp=comp)
             got = launch_prefill_t(cfg, **args).double()
             want = oracle.sparse_attention_paged(**{k: v for k, v in args.items() if k != "out"})
             _FIRST_USE[key] = bool(float((got - want).norm() / want.norm()) < 1e-2)

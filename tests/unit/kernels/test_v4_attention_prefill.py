@@ -102,6 +102,14 @@ def test_first_use_check_accepts_the_kernel_and_refuses_a_wrong_one(monkeypatch,
             attention.sparse_attention_paged(**{**args, "out": None}, config=cfg)
 
 
+@pytest.mark.parametrize("comp,rope", [("none", False), ("all", True)])
+def test_first_use_check_of_each_compiled_form(comp, rope, monkeypatch, kernel_device):
+    """The guard checks the form the call runs (window only, every visible entry, fused RoPE), each on its own."""
+    monkeypatch.setattr(prefill, "_FIRST_USE", {})
+    assert prefill.first_use_ok(CANDIDATES[0], torch.device(kernel_device), rope, comp)
+    assert list(prefill._FIRST_USE) == [(CANDIDATES[0], str(torch.device(kernel_device)), rope, comp)]
+
+
 def test_the_prefill_kernel_refuses_fp32_rows(kernel_device):
     """bf16 rows only (its probabilities are bf16): an fp32 call with the shape as config is refused, so the
     tuner never keeps it for an fp32 class."""
