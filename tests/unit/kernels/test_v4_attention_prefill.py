@@ -54,6 +54,13 @@ def test_prefill_kernel_matches_oracle(comp, rope, cfg, kernel_device):
     assert torch.equal(same, got)
 
 
+def test_prefill_kernel_without_sinks(kernel_device):
+    seed = _fresh_seed()
+    args = prefill.check_inputs(kernel_device, seed=seed, comp="topk", **TOY)
+    args["sink"] = None
+    assert _rel(prefill.launch_prefill_t(SHAPES[2], **args), _oracle(args)) < 1e-2, seed
+
+
 def test_a_query_without_entries_equals_the_window_alone(kernel_device):
     """The second sequence's query (position 1) sees no compressed entry: its row is the window-only result."""
     seed = _fresh_seed()
