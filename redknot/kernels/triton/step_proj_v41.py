@@ -15,21 +15,43 @@ such linears over the same rows and their row epilogues in two launches:
 
 So the outputs are bit for bit ``rope_rows(linear_mx(x, W), ...)`` with the ``fp8`` decode, which the tests
 check. Two launches instead of up to eight; not measured on the H200.
+
+At 1-4 rows (decode at batch 1-4) the first launch may instead be a CUDA-core GEMV over both weights
+(:func:`gemv_partials`: ``gemv_mx``'s word-wise FP8 decode, the rows quantised per 32 inside with the bits of
+``qdq_bf16``, each weight's K slices as ``gemv_mx.slices`` cuts them), writing the same [S, T, N] fp32 partials
+that the same epilogue launch sums: still two launches, and the bits of ``gemv_mx.gemv_fp8`` followed by the
+row epilogue (the same exact products as the ``fp8`` stream in another summation order). ``STEP_SMALL_TUNER``
+chooses per launch (the weights' shapes) between ``fp8`` (first: taken untimed off the GPU, under capture, with
+tuning off) and ``gemv_mx.PLANS``' dense shapes, timed on one row on the first call outside capture, each GEMV
+behind its first-use check (:func:`self_check` through ``stream_guard.first_use``); a launch first met under
+capture keeps ``fp8`` for the process, so eager and graph steps compute the same bits.
+``tuning_cache.small_rows_class()`` False or ``gemm_mx.SMALL_ROWS_CLASS`` False: ``fp8`` always (the bits of
+the tensor-core stream at every row count). Not measured on the H200.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, interpreting, next_pow2
-from redknot.kernels.triton.quant_mx import e2m1_code, e2m1_value, e8m0_decode, e8m0_exponent, pow2
+from redknot.kernels.triton._common import ConfigTuner, cdiv, interpreting, next_pow2
+from redknot.kernels.triton.gemv_mx import _e4m3x4
+from redknot.kernels.triton.quant_mx import (
+    e2m1_code,
+    e2m1_value,
+    e8m0_decode,
+    e8m0_exponent,
+    pow2,
+)
 from redknot.kernels.triton.step_rope_v41 import _mul_rn
 
 # Rows up to which the step runs these kernels (decode and speculative verify), as the MoE's step kernels.
 MAX_ROWS = 16
+# The first launch's weight stream at up to ``gemv_mx.MAX_ROWS`` rows, per launch (key: the weights' shapes):
+# the ``fp8`` tensor-core stream (first) or a ``gemv_mx.PLANS`` dense GEMV shape (module docstring).
+STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", "gemv", "gemv_n16", "gemv_k128"])
 
 
 @triton.jit
@@ -81,6 +103,188 @@ def _stream2(a_ptr, M, K, stride_am,
         if pid_s < S1:
             _fp8_tile(a_ptr, b1_ptr, sb1_ptr, p1_ptr, pid_m, pid_n - NB0, pid_s, M, N1, K, KS1, stride_am, stride_b1,
                       stride_sb1, stride_p1s, stride_p1m, WB, BLOCK_M, BLOCK_N, GROUPS1)
+
+
+@triton.jit
+def _qdq_words(x_ptr, koff, sc, W: tl.constexpr):
+    """A raw bf16 row's K positions 4i..4i+3 of one K step (int32 words of bf16 pairs at ``koff``: [W, 2]),
+    QDQ'd per 32 (``qdq_bf16``'s bits: 8 words a group) and times the weight's power-of-two tile scale ``sc``
+    [W]: four fp32 [W] tensors, each ``bf16(QDQ(x)) · sc`` exactly (powers of two)."""
+    xa, xb = tl.split(tl.load(x_ptr + koff))
+    x0 = (xa << 16).to(tl.float32, bitcast=True)
+    x1 = (xa & -65536).to(tl.float32, bitcast=True)
+    x2 = (xb << 16).to(tl.float32, bitcast=True)
+    x3 = (xb & -65536).to(tl.float32, bitcast=True)
+    m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
+    e = e8m0_exponent(tl.max(tl.reshape(m, (W // 8, 8)), 1), 448.0, 1e-4)  # [W/8]: one per 32-wide group
+    down = tl.reshape(tl.broadcast_to(pow2(-e)[:, None], (W // 8, 8)), (W,))
+    up = tl.reshape(tl.broadcast_to(pow2(e)[:, None], (W // 8, 8)), (W,)) * sc
+    q0 = tl.minimum(tl.maximum(x0 * down, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * up
+    q1 = tl.minimum(tl.maximum(x1 * down, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * up
+    q2 = tl.minimum(tl.maximum(x2 * down, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * up
+    q3 = tl.minimum(tl.maximum(x3 * down, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * up
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _row_fma_qdq(acc, w0, w1, w2, w3, x_ptr, koff, sc, W: tl.constexpr):
+    x0, x1, x2, x3 = _qdq_words(x_ptr, koff, sc, W)
+    return acc + w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
+
+
+@triton.jit
+def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x, stride_w, stride_s, stride_ps,
+               stride_pm, WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    """``gemv_mx._gemv_fp8``'s program (column block ``pid_n``, K slice ``pid_s``) on raw bf16 rows, each
+    quantised per 32 inside (:func:`_qdq_words`): the same exact products in the same order as ``gemv_fp8`` on
+    ``qdq_bf16(x)``, fp32 partials p[pid_s, row, cols]."""
+    W: tl.constexpr = BLOCK_K // 4
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    c64 = cols.to(tl.int64)
+    i = tl.max_contiguous(tl.arange(0, W), W)
+    wrow = w_ptr + c64[:, None] * stride_w + i[None, :]
+    srow = s_ptr + ((pid_n * BLOCK_N) // WB).to(tl.int64) * stride_s
+    xoff = tl.reshape(2 * i[:, None] + tl.arange(0, 2)[None, :], (W, 2))
+    k_lo = pid_s * (KSPLIT // 4)
+    k_hi = tl.minimum(KW, k_lo + KSPLIT // 4)
+    acc0 = tl.zeros([BLOCK_N, W], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, W], tl.float32)
+    acc2 = tl.zeros([BLOCK_N, W], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, W], tl.float32)
+    k0 = tl.multiple_of(k_lo, W)
+    w = tl.load(wrow + k0, mask=cmask[:, None], other=0)
+    sb = tl.load(srow + (4 * (k0 + i)) // WB)
+    for k_step in range(k_lo, k_hi, W):
+        k1 = tl.multiple_of(tl.minimum(k_step + W, k_hi - W), W)  # the next step (the last again at the end)
+        w_n = tl.load(wrow + k1, mask=cmask[:, None], other=0)
+        sb_n = tl.load(srow + (4 * (k1 + i)) // WB)
+        w0, w1, w2, w3 = _e4m3x4(w, USE_ASM)
+        sc = e8m0_decode(sb)
+        koff = 2 * k_step + xoff
+        acc0 = _row_fma_qdq(acc0, w0, w1, w2, w3, x_ptr, koff, sc, W)
+        if ROWS > 1:
+            acc1 = _row_fma_qdq(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, sc, W)
+        if ROWS > 2:
+            acc2 = _row_fma_qdq(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, sc, W)
+        if ROWS > 3:
+            acc3 = _row_fma_qdq(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, sc, W)
+        w, sb = w_n, sb_n
+    base = p_ptr + pid_s.to(tl.int64) * stride_ps + cols
+    tl.store(base, tl.sum(acc0, 1), mask=cmask)
+    if ROWS > 1:
+        tl.store(base + stride_pm, tl.sum(acc1, 1), mask=cmask)
+    if ROWS > 2:
+        tl.store(base + 2 * stride_pm, tl.sum(acc2, 1), mask=cmask)
+    if ROWS > 3:
+        tl.store(base + 3 * stride_pm, tl.sum(acc3, 1), mask=cmask)
+
+
+@triton.jit
+def _gemv2(x_ptr, KW, stride_x,
+           w0_ptr, s0_ptr, p0_ptr, N0, KS0, S0, NB0, stride_w0, stride_s0, stride_p0s, stride_p0m,
+           w1_ptr, s1_ptr, p1_ptr, N1, KS1, S1, stride_w1, stride_s1, stride_p1s, stride_p1m,
+           WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           USE_ASM: tl.constexpr):
+    """Column blocks [0, NB0) stream weight 0 (slices < S0), the rest weight 1 (slices < S1), as ``_stream2``."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    if pid_n < NB0:
+        if pid_s < S0:
+            _gemv_tile(x_ptr, w0_ptr, s0_ptr, p0_ptr, pid_n, pid_s, N0, KW, KS0, stride_x, stride_w0, stride_s0,
+                       stride_p0s, stride_p0m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+    else:
+        if pid_s < S1:
+            _gemv_tile(x_ptr, w1_ptr, s1_ptr, p1_ptr, pid_n - NB0, pid_s, N1, KW, KS1, stride_x, stride_w1,
+                       stride_s1, stride_p1s, stride_p1m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+
+
+def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int,
+                  name: str) -> list[torch.Tensor]:
+    """fp32 partials [S_i, T, N_i] of ``QDQ_fp8(x) · dequant(W_i)ᵀ`` for one or two FP8 weights over the same
+    T <= ``gemv_mx.MAX_ROWS`` raw bf16 rows x [T, K], in one launch of the GEMV shape ``gemv_mx.PLANS[name]``
+    (each weight's K slices as ``gemv_mx.slices`` cuts them): Σ_s in slice order, cast, is
+    ``gemv_mx.gemv_fp8(x, W_i)``'s output bit for bit."""
+    from redknot.kernels.triton import gemv_mx
+    from redknot.kernels.triton.dequant_mx import as_bytes
+    plan = gemv_mx.PLANS[name]
+    T, K = x.shape
+    if (T > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or block % plan.block_n or block % 32
+            or not 1 <= len(weights) <= 2):
+        raise ValueError(f"gemv_partials: {T} {x.dtype} rows (bf16, at most {gemv_mx.MAX_ROWS}), {len(weights)} "
+                         f"weights (1 or 2), block {block} (a multiple of 32 and of {plan.block_n})")
+    x = x if x.stride(-1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
+    bk = gemv_mx._block_k(K, plan.block_k)
+    cuts = [gemv_mx.slices(w.shape[0], K, plan) for w, _ in weights]
+    parts = [torch.empty(c[0], T, w.shape[0], dtype=torch.float32, device=x.device) for c, (w, _) in zip(cuts, weights)]
+    if T == 0:
+        return parts
+    ws = [(as_bytes(w).view(torch.int32), as_bytes(s)) for w, s in weights]
+    two = list(zip(ws, cuts, parts))
+    if len(two) == 1:
+        two.append(two[0])
+    ((w0, s0), c0, p0), ((w1, s1), c1, p1) = two
+    nb0 = cdiv(w0.shape[0], plan.block_n)
+    nb = nb0 + (cdiv(w1.shape[0], plan.block_n) if len(weights) > 1 else 0)
+    _gemv2[(nb, max(c0[0], c1[0]))](
+        x.view(torch.int32), K // 4, x.stride(0) // 2,
+        w0, s0, p0, w0.shape[0], c0[1], c0[0], nb0, w0.stride(0), s0.stride(0), p0.stride(0), p0.stride(1),
+        w1, s1, p1, w1.shape[0], c1[1], c1[0], w1.stride(0), s1.stride(0), p1.stride(0), p1.stride(1),
+        WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return parts
+
+
+def self_check(name: str, device: torch.device, seed: int = 1234) -> str | None:
+    """None when :func:`gemv_partials` with the GEMV shape ``name`` computes, for two weights at one and three
+    rows, the fp32 sums the split-K ``registers`` stream computes (within ``stream_guard.CHECK_TOL``), else what
+    differs: the first-use check of the step's GEMV launch (``stream_guard.first_use``)."""
+    from redknot.kernels import mx_formats as mx
+    from redknot.kernels.triton import splitk_mx
+    from redknot.kernels.triton.dequant_mx import qdq_bf16
+    from redknot.kernels.triton.stream_guard import CHECK_TOL, _rel
+    g = torch.Generator(device=device).manual_seed(seed)
+    K, block = 1024, 32
+    weights = [mx.quant_fp8_blocks(torch.randn(n, K, generator=g, device=device) * 0.02, block) for n in (96, 64)]
+    worst = 0.0
+    for rows in (1, 3):
+        x = torch.randn(rows, K, generator=g, device=device).to(torch.bfloat16)
+        for p, (w, ws) in zip(gemv_partials(x, weights, block, name), weights):
+            want = splitk_mx.splitk_mm(qdq_bf16(x), w, ws, rows, w_fp4=False, wb=block, decode="registers").sum(0)
+            worst = max(worst, _rel(p.sum(0), want))
+    return None if worst <= CHECK_TOL else (f"step GEMV {name} differs from decode='registers' by {worst:.3g} "
+                                            f"(tolerance {CHECK_TOL:g})")
+
+
+def small_choice(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor], block: int,
+                 run) -> str | None:
+    """The GEMV shape (a ``gemv_mx.PLANS`` name) the step's launch ``kind`` streams these weights with at this
+    call's rows, or None (the ``fp8`` stream): None above ``gemv_mx.MAX_ROWS`` rows, for 16-bit rows other than
+    bf16, with the small-row class off (``tuning_cache.small_rows_class()`` / ``gemm_mx.SMALL_ROWS_CLASS``), and
+    where ``STEP_SMALL_TUNER`` (key: the launch's weight shapes; ``run(choice)`` times one) keeps ``fp8``. A key
+    first met under CUDA-graph capture keeps ``fp8`` for the process (eager and graph steps: one choice)."""
+    from redknot.kernels import tuning_cache
+    from redknot.kernels.triton import gemm_mx, gemv_mx
+    if (x.shape[0] > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or not gemm_mx.SMALL_ROWS_CLASS
+            or not tuning_cache.small_rows_class()):
+        return None
+    key = (kind, tuple(tuple(w.shape) for w in weights), block)
+    if key not in STEP_SMALL_TUNER.choices and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        STEP_SMALL_TUNER.choices[key] = STEP_SMALL_TUNER.candidates[0]
+    got = STEP_SMALL_TUNER.pick(key, run, x.device)
+    return None if got == "fp8" else got
+
+
+def _with_check(device: torch.device, name: str, fast, fallback):
+    """``fast()`` behind the first-use check of the step's GEMV ``name`` on a CUDA device (``fallback()``, the
+    ``fp8`` stream, where it fails); off the GPU ``fast()`` (errors propagate to the tests)."""
+    if device.type != "cuda":
+        return fast()
+    from redknot.kernels.triton import stream_guard
+    key = ("step_proj", name)
+    return stream_guard.first_use(key, stream_guard._CHECKED, stream_guard.DECODE_ERRORS,
+                                  lambda: self_check(name, device), fast, fallback, stream_guard._fail)
 
 
 @triton.jit
@@ -200,11 +404,12 @@ def _epilogue_post(p_ptr, y_ptr, S, stride_ps, stride_pm, H, s_ptr, post_ptr, co
 
 
 def linear_post(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
-                comb: torch.Tensor, block: int = 32) -> torch.Tensor:
+                comb: torch.Tensor, block: int = 32, stream: str | None = None) -> torch.Tensor:
     """``mhc_post(linear_mx(x, weight, scale), h, post, comb)`` with the ``fp8`` decode in two launches, the same
     bits: the FP8 stream, then one program per (token, column block of ``mhc_post``'s width) that sums the slices
     and mixes the block into the n streams. x [T, K] 16-bit, weight e4m3 [D, K], h [T, n, D] (n a power of two),
-    post [T, n] / comb [T, n, n] fp32 -> h' [T, n, D] in h's dtype."""
+    post [T, n] / comb [T, n, n] fp32 -> h' [T, n, D] in h's dtype. ``stream``: the weight stream, ``fp8`` or a
+    ``gemv_mx.PLANS`` dense shape (:func:`proj_rows`); None: :func:`small_choice`'s."""
     T, K = x.shape
     D = weight.shape[0]
     n = h.shape[1]
@@ -220,22 +425,26 @@ def linear_post(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, h: t
     if T == 0:
         return out
     scale = scale.view(torch.uint8)
-    S, ks, bm, bn = slices(D, K, T)
-    part = torch.empty(S, T, D, dtype=torch.float32, device=x.device)
-    g = 4 if ks % 128 == 0 and K % 128 == 0 else 1
-    _stream2[(cdiv(T, bm), cdiv(D, bn), S)](
-        x, T, K, x.stride(0), weight, scale, part, D, ks, S, cdiv(D, bn), weight.stride(0), scale.stride(0),
-        part.stride(0), part.stride(1), weight, scale, part, D, ks, S, weight.stride(0), scale.stride(0),
-        part.stride(0), part.stride(1), WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS0=g, GROUPS1=g, num_warps=4,
-        num_stages=4)
-    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    _epilogue_post[(T * (D // bd),)](part, y, S, part.stride(0), part.stride(1), D // bd, s, post.float().contiguous(),
-                                     comb.float().contiguous(), out, s.stride(0), s.stride(1), out.stride(0),
-                                     out.stride(1), D=bd, N=n, num_warps=4)
-    return out
+    if stream is None:
+        stream = small_choice("post", x, [weight], block, lambda c: linear_post(
+            x[:1], weight, scale, h[:1], post[:1], comb[:1], block, stream=c)) or "fp8"
+
+    def launches(dec: str) -> torch.Tensor:
+        if dec == "fp8":
+            part = _stream_partials(x, [(weight, scale)], block)[0]
+        else:
+            part = gemv_partials(x, [(weight, scale)], block, dec)[0]
+        y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        _epilogue_post[(T * (D // bd),)](part, y, part.shape[0], part.stride(0), part.stride(1), D // bd, s,
+                                         post.float().contiguous(), comb.float().contiguous(), out, s.stride(0),
+                                         s.stride(1), out.stride(0), out.stride(1), D=bd, N=n, num_warps=4)
+        return out
+    if stream != "fp8":
+        return _with_check(x.device, stream, lambda: launches(stream), lambda: launches("fp8"))
+    return launches("fp8")
 
 
-def slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
+def slices(N: int, K: int, rows: int) -> tuple[int, int, int, int]:
     """(S, ksplit, block_m, block_n) of ``splitk_mx.splitk_mm`` with ``decode="fp8"`` for an [N, K] weight."""
     from redknot.kernels.triton import splitk_mx as sk
     block_n = sk.SCALED_BLOCK_N
@@ -245,7 +454,7 @@ def slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
     return cdiv(K, ksplit), ksplit, sk.dense_row_tile(rows), block_n
 
 
-def epilogue_warps(specs: Sequence["Proj"]) -> Optional[int]:
+def epilogue_warps(specs: Sequence[Proj]) -> int | None:
     """The warps of the epilogue launch: those ``rope_rows`` runs each row kind with (1 up to 128 columns, else
     4). A normalised row's sum of squares depends on them, so its kind decides; None: two normalised kinds
     that ``rope_rows`` would run with different warps (one launch cannot give both their bits)."""
@@ -262,7 +471,7 @@ class Proj:
     tiles, output rows [T, H, dim]; ``norm_w``: RMS norm first (``eps``); ``rope``: rotate the last ``2·half``
     dims by the call's cos/sin; ``qdq``: the FP4 grid after (``rope_rows``'s options)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dim: int, norm_w: Optional[torch.Tensor] = None,
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dim: int, norm_w: torch.Tensor | None = None,
                  eps: float = 0.0, rope: bool = False, qdq: bool = False):
         self.weight, self.scale, self.dim = weight, scale.view(torch.uint8), dim
         self.norm_w, self.eps, self.rope, self.qdq = norm_w, eps, rope, qdq
@@ -288,12 +497,15 @@ def check(x: torch.Tensor, specs: Sequence[Proj], half: int, block: int) -> None
 
 
 def proj_rows(x: torch.Tensor, specs: Sequence[Proj], cos: torch.Tensor, sin: torch.Tensor,
-              block: int = 32, pack: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+              block: int = 32, pack: torch.Tensor | None = None,
+              stream: str | None = None) -> list[torch.Tensor]:
     """[rope_rows(linear_mx(x, s.weight, s.scale).view(T, H, dim), cos, sin, norm_w, eps, qdq) for s in specs]
     with ``linear_mx``'s ``fp8`` decode, bit for bit, in two launches (module docstring): x [T, K] 16-bit,
     cos/sin [T, half] (``rope_table``; rows without ``rope`` ignore them). ``pack`` uint8 [T·H, dim + dim/32]: the
     second linear's output rows also as window-cache bytes there (``cache_insert_mx(pack, arange, rows,
-    "window")``'s bytes; needs two linears, the second's width a multiple of 32)."""
+    "window")``'s bytes; needs two linears, the second's width a multiple of 32). ``stream``: the first launch's
+    weight stream, ``fp8`` or a ``gemv_mx.PLANS`` dense shape (at most ``gemv_mx.MAX_ROWS`` bf16 rows: the bits
+    of ``gemv_mx.gemv_fp8`` then the same epilogue); None: :func:`small_choice`'s."""
     half = cos.shape[-1]
     check(x, specs, half, block)
     if pack is not None:
@@ -303,32 +515,59 @@ def proj_rows(x: torch.Tensor, specs: Sequence[Proj], cos: torch.Tensor, sin: to
             raise ValueError(f"proj_rows: pack {tuple(pack.shape)} {pack.dtype} must be contiguous uint8 "
                              f"[T·H, dim + dim/32] of a second linear (width a multiple of 32, no qdq)")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    T, K = x.shape
+    T = x.shape[0]
     dev = x.device
     outs = [torch.empty(T, s.heads, s.dim, dtype=x.dtype, device=dev) for s in specs]
     if T == 0:
         return outs
-    cuts = [slices(s.weight.shape[0], K, T) for s in specs]
-    parts = [torch.empty(c[0], T, s.weight.shape[0], dtype=torch.float32, device=dev) for c, s in zip(cuts, specs)]
-    raws = [torch.empty(T * s.heads, s.dim, dtype=x.dtype, device=dev) for s in specs]
+    if stream is None:
+        def timed(c):  # STEP_SMALL_TUNER times a choice on the first row
+            one = None if pack is None else torch.empty(specs[-1].heads, pack.shape[1], dtype=pack.dtype, device=dev)
+            return proj_rows(x[:1], specs, cos[:1], sin[:1], block, pack=one, stream=c)
+        stream = small_choice("proj", x, [s.weight for s in specs], block, timed) or "fp8"
+    if stream != "fp8":
+        return _with_check(dev, stream, lambda: _proj_launches(x, specs, cos, sin, block, pack, outs, stream),
+                           lambda: _proj_launches(x, specs, cos, sin, block, pack, outs, "fp8"))
+    return _proj_launches(x, specs, cos, sin, block, pack, outs, "fp8")
+
+
+def _stream_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                     block: int) -> list[torch.Tensor]:
+    """The ``fp8`` stream's fp32 partials [S_i, T, N_i] of one or two weights (``_stream2``, one launch)."""
+    T, K = x.shape
+    cuts = [slices(w.shape[0], K, T) for w, _ in weights]
+    parts = [torch.empty(c[0], T, w.shape[0], dtype=torch.float32, device=x.device) for c, (w, _) in zip(cuts, weights)]
     bm, bn = cuts[0][2], cuts[0][3]
-    two = list(zip(specs, cuts, parts, raws, outs))
+    two = list(zip(weights, cuts, parts))
     if len(two) == 1:
         two.append(two[0])
-    (s0, c0, p0, r0, o0), (s1, c1, p1, r1, o1) = two
-    n1 = len(specs) > 1
-    nb0 = cdiv(s0.weight.shape[0], bn)
-    nb = nb0 + (cdiv(s1.weight.shape[0], bn) if n1 else 0)
+    ((w0, s0), c0, p0), ((w1, s1), c1, p1) = two
+    nb0 = cdiv(w0.shape[0], bn)
+    nb = nb0 + (cdiv(w1.shape[0], bn) if len(weights) > 1 else 0)
 
     def groups(c):
         return 4 if c[1] % 128 == 0 and K % 128 == 0 else 1
     _stream2[(cdiv(T, bm), nb, max(c0[0], c1[0]))](
         x, T, K, x.stride(0),
-        s0.weight, s0.scale, p0, s0.weight.shape[0], c0[1], c0[0], nb0, s0.weight.stride(0), s0.scale.stride(0),
-        p0.stride(0), p0.stride(1),
-        s1.weight, s1.scale, p1, s1.weight.shape[0], c1[1], c1[0], s1.weight.stride(0), s1.scale.stride(0),
-        p1.stride(0), p1.stride(1),
+        w0, s0, p0, w0.shape[0], c0[1], c0[0], nb0, w0.stride(0), s0.stride(0), p0.stride(0), p0.stride(1),
+        w1, s1, p1, w1.shape[0], c1[1], c1[0], w1.stride(0), s1.stride(0), p1.stride(0), p1.stride(1),
         WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS0=groups(c0), GROUPS1=groups(c1), num_warps=4, num_stages=4)
+    return parts
+
+
+def _proj_launches(x, specs, cos, sin, block, pack, outs, stream: str):
+    """:func:`proj_rows`' two launches: the weight stream (``fp8`` or a GEMV shape) and the epilogue."""
+    T = x.shape[0]
+    dev = x.device
+    half = cos.shape[-1]
+    weights = [(s.weight, s.scale) for s in specs]
+    parts = _stream_partials(x, weights, block) if stream == "fp8" else gemv_partials(x, weights, block, stream)
+    raws = [torch.empty(T * s.heads, s.dim, dtype=x.dtype, device=dev) for s in specs]
+    two = list(zip(specs, parts, raws, outs))
+    if len(two) == 1:
+        two.append(two[0])
+    (s0, p0, r0, o0), (s1, p1, r1, o1) = two
+    n1 = len(specs) > 1
     cos, sin = cos.contiguous(), sin.contiguous()
     n0 = T * s0.heads
     n_all = n0 + (T * s1.heads if n1 else 0)
@@ -340,8 +579,8 @@ def proj_rows(x: torch.Tensor, specs: Sequence[Proj], cos: torch.Tensor, sin: to
     (w0, e0), (w1, e1) = kind(s0), kind(s1)
     _epilogue2[(n_all,)](
         cos, sin, half, n0,
-        p0, r0, o0, w0, c0[0], p0.stride(0), p0.stride(1), e0, s0.heads,
-        p1, r1, o1, w1, c1[0], p1.stride(0), p1.stride(1), e1, s1.heads, pack if pack is not None else r1,
+        p0, r0, o0, w0, p0.shape[0], p0.stride(0), p0.stride(1), e0, s0.heads,
+        p1, r1, o1, w1, p1.shape[0], p1.stride(0), p1.stride(1), e1, s1.heads, pack if pack is not None else r1,
         D0=s0.dim, D2P0=next_pow2(s0.dim // 2), HALF0=half if s0.rope else 0, NORM0=s0.norm_w is not None,
         QDQ0=s0.qdq, D1=s1.dim, D2P1=next_pow2(s1.dim // 2), HALF1=half if s1.rope else 0,
         NORM1=s1.norm_w is not None, QDQ1=s1.qdq, PACK1=pack is not None, ASM=not interpreting() and x.is_cuda,

@@ -1,0 +1,167 @@
+"""The decode step's fused FP8 linears (``step_proj_v41.proj_rows`` / ``linear_post``) with a CUDA-core GEMV
+weight stream at 1-4 rows (``gemv_partials``: ``gemv_mx``'s dense decode with the rows quantised per 32 inside)
+and the same epilogue launch: bit for bit the launches they stand for (``linear_mx`` with that ``gemv*`` decode,
+then ``rope_rows`` / ``mhc_post``), within the op tolerance of the PyTorch reference linear, the partials equal
+to ``gemv_mx.gemv_fp8``'s, and the step's choice (``small_choice``): off with the small-row class off, above 4
+rows and under the tuner's first candidate. Fresh random inputs; Triton's CPU interpreter (V4.1 sizes on the GPU:
+``tests/kernels/test_step_proj_v41_gpu.py``)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels import ref_v41, tuning_cache
+from redknot.kernels.triton import gemm_mx, gemv_mx
+from redknot.kernels.triton import step_proj_v41 as sp
+from redknot.kernels.triton.step_proj_v41 import (
+    Proj,
+    gemv_partials,
+    linear_post,
+    proj_rows,
+)
+from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
+from redknot.models.deepseek_v41.ref_math import rope_inv_freq
+
+NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
+
+
+def fp8_weight(n, k, g, device):
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, :32] *= 16                                        # tiles of other scales
+    q, s = mx.quant_fp8_blocks(w, 32)
+    return q.to(device), s.to(device)
+
+
+def case_inputs(t, k, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, k, generator=g) * 2).to(torch.bfloat16).to(device)
+    x[0, :32] *= 50                                        # a group of another scale
+    x[-1, 64:96] *= 1e-3                                   # and a small one
+    pos = torch.randint(0, 1 << 20, (t,), generator=g).to(device)
+    return x, pos, g
+
+
+def reference(x, spec, cos, sin, name):
+    """The launches the GEMV form stands for: ``linear_mx`` with the ``name`` decode, then ``rope_rows``."""
+    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode=name, path="splitk")
+    c, s = (cos, sin) if spec.rope else (cos[:, :0], sin[:, :0])
+    return rope_rows(y.view(x.shape[0], spec.heads, spec.dim), c, s, norm_w=spec.norm_w, eps=spec.eps,
+                     qdq=spec.qdq)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("t", [1, 4])
+def test_partials_equal_gemv_fp8(name, t, kernel_device):
+    """Two weights in one launch, the rows quantised inside: each weight's slice sums equal ``gemv_fp8``'s fp32
+    output on the same rows, bit for bit (several K slices, a partial column block)."""
+    k = 2048
+    x, _, g = case_inputs(t, k, 3 + t, kernel_device)
+    weights = [fp8_weight(n, k, g, kernel_device) for n in (96, 48)]
+    parts = gemv_partials(x, weights, 32, name)
+    for p, (w, s) in zip(parts, weights):
+        want = gemv_mx.gemv_fp8(x, w, s, 32, torch.empty(t, w.shape[0], device=kernel_device),
+                                gemv_mx.PLANS[name])
+        got = p[0].clone()
+        for i in range(1, p.shape[0]):  # slice order, as the epilogue sums them
+            got += p[i]
+        assert p.shape[1:] == (t, w.shape[0]) and torch.equal(got, want)
+    assert parts[0].shape[0] > 1 or name == "gemv_k128"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("t", [1, 3])
+def test_proj_rows_gemv_equals_linear_mx_gemv_and_rope_rows(name, t, kernel_device):
+    """wq_a -> norm, wkv -> norm + RoPE with the kv window bytes: bit for bit ``linear_mx`` (the same GEMV decode)
+    then ``rope_rows``; the linear alone within the op tolerance of ``ref_v41.linear_mx``."""
+    from redknot.kernels.triton.quant_mx import cache_insert_mx
+    k, dq, dkv, rope = 512, 64, 64, 16
+    x, pos, g = case_inputs(t, k, 31 + t, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(rope, 10000.0, None).to(kernel_device))
+    wa, sa = fp8_weight(dq, k, g, kernel_device)
+    wkv, skv = fp8_weight(dkv, k, g, kernel_device)
+    nq = (1 + 0.1 * torch.randn(dq, generator=g)).to(kernel_device)
+    nkv = (1 + 0.1 * torch.randn(dkv, generator=g)).to(kernel_device)
+    specs = [Proj(wa, sa, dq, norm_w=nq, eps=1e-6), Proj(wkv, skv, dkv, norm_w=nkv, eps=1e-6, rope=True)]
+    pack = torch.zeros(t, dkv + dkv // 32, dtype=torch.uint8, device=kernel_device)
+    got = proj_rows(x, specs, cos, sin, pack=pack, stream=name)
+    for spec, y in zip(specs, got):
+        assert torch.equal(y, reference(x, spec, cos, sin, name))
+    want = torch.zeros_like(pack)
+    cache_insert_mx(want, torch.arange(t, device=kernel_device), got[1].view(t, dkv), "window")
+    assert torch.equal(pack, want) and want.any()
+    plain = proj_rows(x, [Proj(wa, sa, 32)], cos, sin, stream=name)[0].view(t, dq).float()
+    ref = ref_v41.linear_mx(x, wa, sa, 32).float()
+    assert ((plain - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_heads_and_index_grid_gemv(t, kernel_device):
+    """wq_b -> per-head RoPE and the indexer's wq_b -> RoPE + FP4 grid with a GEMV stream (two head widths,
+    several K slices) against the launches it stands for."""
+    k, h, d, hi, di, rope = 1024, 3, 96, 2, 64, 32
+    x, pos, g = case_inputs(t, k, 41 + t, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(rope, 160000.0, (16.0, 65536, 32.0, 1.0)).to(kernel_device))
+    wq, sq = fp8_weight(h * d, k, g, kernel_device)
+    wi, si = fp8_weight(hi * di, k, g, kernel_device)
+    specs = [Proj(wq, sq, d, rope=True), Proj(wi, si, di, rope=True, qdq=True)]
+    for spec, y in zip(specs, proj_rows(x, specs, cos, sin, stream="gemv_n16")):
+        assert torch.equal(y, reference(x, spec, cos, sin, "gemv_n16"))
+
+
+@pytest.mark.parametrize("name", ["gemv", "gemv_k128"])
+@pytest.mark.parametrize("t,d,n", [(1, 256, 4), (4, 1024, 4)])
+def test_linear_post_gemv_equals_linear_mx_then_mhc_post(name, t, d, n, kernel_device):
+    from redknot.kernels.triton.mhc import mhc_post
+    k = 512
+    x, _, g = case_inputs(t, k, 51 + t, kernel_device)
+    w, s = fp8_weight(d, k, g, kernel_device)
+    h = torch.randn(t, n, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    post = torch.rand(t, n, generator=g).to(kernel_device) * 2
+    comb = torch.rand(t, n, n, generator=g).to(kernel_device)
+    y = gemm_mx.linear_mx(x, w, s, 32, decode=name, path="splitk")
+    got = linear_post(x, w, s, h, post, comb, stream=name)
+    assert torch.equal(got, mhc_post(y, h, post, comb))
+    ref = mhc_post(ref_v41.linear_mx(x, w, s, 32), h, post, comb).float()
+    assert ((got.float() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-2 * ref.abs().max()).all()
+
+
+def test_wrong_scale_is_detected(kernel_device):
+    k, d = 256, 64
+    x, _, g = case_inputs(2, k, 61, kernel_device)
+    w, s = fp8_weight(d, k, g, kernel_device)
+    good = gemv_partials(x, [(w, s)], 32, "gemv")[0].sum(0)
+    bad = s.clone()
+    bad.view(torch.uint8)[0, 1] += 1
+    assert not torch.equal(gemv_partials(x, [(w, bad)], 32, "gemv")[0].sum(0), good)
+    rot = x.clone()
+    rot[1] = x[1].roll(32)
+    assert not torch.equal(gemv_partials(rot, [(w, s)], 32, "gemv")[0].sum(0)[1], good[1])
+    with pytest.raises(ValueError, match="gemv_partials"):
+        gemv_partials(torch.cat([x, x, x]), [(w, s)], 32, "gemv")   # 6 rows
+
+
+def test_small_choice(kernel_device, monkeypatch):
+    """The step's choice: a forced tuner choice runs (the bits of that GEMV), the class off / more than 4 rows /
+    the first candidate give the ``fp8`` stream's bits."""
+    k, d = 256, 64
+    x, pos, g = case_inputs(2, k, 71, kernel_device)
+    cos, sin = rope_table(pos, rope_inv_freq(16, 10000.0, None).to(kernel_device))
+    w, s = fp8_weight(d, k, g, kernel_device)
+    specs = [Proj(w, s, 32)]
+    key = ("proj", ((d, k),), 32)
+    monkeypatch.setitem(sp.STEP_SMALL_TUNER.choices, key, "gemv_k128")
+    assert sp.small_choice("proj", x, [w], 32, None) == "gemv_k128"
+    assert torch.equal(proj_rows(x, specs, cos, sin)[0], proj_rows(x, specs, cos, sin, stream="gemv_k128")[0])
+    assert sp.small_choice("proj", torch.cat([x, x, x]), [w], 32, None) is None
+    try:
+        tuning_cache.use_small_rows_class(False)
+        assert sp.small_choice("proj", x, [w], 32, None) is None
+        assert torch.equal(proj_rows(x, specs, cos, sin)[0], proj_rows(x, specs, cos, sin, stream="fp8")[0])
+    finally:
+        tuning_cache.use_small_rows_class(True)
+    monkeypatch.setattr(gemm_mx, "SMALL_ROWS_CLASS", False)
+    assert sp.small_choice("proj", x, [w], 32, None) is None
+    monkeypatch.setattr(gemm_mx, "SMALL_ROWS_CLASS", True)
+    monkeypatch.delitem(sp.STEP_SMALL_TUNER.choices, key)
+    assert sp.small_choice("proj", x, [w], 32, None) is None  # off the GPU: the first candidate, fp8
