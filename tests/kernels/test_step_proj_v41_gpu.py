@@ -10,17 +10,29 @@ import torch
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from redknot.kernels import mx_formats as mx  # noqa: E402
-from redknot.kernels.triton import gemm_mx  # noqa: E402
-from redknot.kernels.triton.quant_mx import cache_insert_mx  # noqa: E402
-from redknot.kernels.triton.step_proj_v41 import Proj, proj_rows  # noqa: E402
-from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table  # noqa: E402
-from redknot.models.deepseek_v41.ref_math import rope_inv_freq  # noqa: E402
+from redknot.kernels import mx_formats as mx
+from redknot.kernels.triton import gemm_mx
+from redknot.kernels.triton.quant_mx import cache_insert_mx
+from redknot.kernels.triton.step_proj_v41 import Proj, proj_rows
+from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
+from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _small_rows_class_off():
+    """These tests compare the step's launches with the ``fp8`` launches they replace, bit for bit: the 1-4-row
+    GEMV class (``step_proj_v41.small_choice``) off, so the ``fp8`` stream runs at every row count (the GEMV
+    forms: ``test_step_proj_gemv_v41*``)."""
+    from redknot.kernels import tuning_cache
+    before = tuning_cache.small_rows_class()
+    tuning_cache.use_small_rows_class(False)
+    yield
+    tuning_cache.use_small_rows_class(before)
 
 
 def weight(n, k, g):
@@ -110,7 +122,10 @@ def test_moe_finish_with_the_post_mix_at_v41_size(rows):
     """The shared expert's last launch with the mHC post mix (D 5120, I 2304, 4 streams): bit for bit
     ``mhc_post`` of the unmixed output, both W2 forms."""
     from redknot.kernels.triton.mhc import mhc_post
-    from redknot.kernels.triton.step_moe_v41 import _gate_up_launch, shared_expert_finish
+    from redknot.kernels.triton.step_moe_v41 import (
+        _gate_up_launch,
+        shared_expert_finish,
+    )
 
     g = torch.Generator().manual_seed(300 + rows)
     u = (torch.randn(rows, 5120, generator=g) * 2).to(torch.bfloat16).to(DEV)

@@ -15,6 +15,18 @@ from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
 from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
 
+@pytest.fixture(autouse=True)
+def _small_rows_class_off():
+    """These tests compare the step's launches with the ``fp8`` launches they replace, bit for bit: the 1-4-row
+    GEMV class (``step_proj_v41.small_choice``) off, so the ``fp8`` stream runs at every row count (the GEMV
+    forms: ``test_step_proj_gemv_v41*``)."""
+    from redknot.kernels import tuning_cache
+    before = tuning_cache.small_rows_class()
+    tuning_cache.use_small_rows_class(False)
+    yield
+    tuning_cache.use_small_rows_class(before)
+
+
 def fp8_weight(n, k, g, device):
     w = torch.randn(n, k, generator=g) * 0.05
     w[:, :32] *= 16                                        # tiles of other scales

@@ -1,0 +1,105 @@
+"""The decode step's fused linears with a CUDA-core GEMV weight stream (``step_proj_v41.gemv_partials``) on the
+GPU at V4.1 sizes, 1 and 4 rows: ``wq_a`` | ``wkv`` (5120 -> 1280 normalised, 512 normalised + rotated, the kv
+window bytes), ``wq_b`` | the indexer's ``wq_b`` (1280 -> 64 x 512 rotated, 32 x 128 rotated + FP4 grid) and
+``wo_b`` + the mHC post mix (8192 -> 5120, 4 streams): bit for bit ``linear_mx`` with the same ``gemv*`` decode
+followed by ``rope_rows`` / ``mhc_post``, no first-use failure, a CUDA-graph replay equal to the eager call, and
+the step's own choice (``stream=None``, timed outside capture) the same in a graph as eagerly."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("triton")
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels.triton import gemm_mx, gemv_mx, stream_guard
+from redknot.kernels.triton.mhc import mhc_post
+from redknot.kernels.triton.quant_mx import cache_insert_mx
+from redknot.kernels.triton.step_proj_v41 import Proj, linear_post, proj_rows
+from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
+from redknot.models.deepseek_v41.ref_math import rope_inv_freq
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+DEV = "cuda"
+NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
+
+
+def weight(n, k, g):
+    q, s = mx.quant_fp8_blocks(torch.randn(n, k, generator=g) * 0.02, 32)
+    return q.to(DEV), s.to(DEV)
+
+
+def reference(x, spec, cos, sin, name):
+    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode=name, path="splitk")
+    c, s = (cos, sin) if spec.rope else (cos[:, :0], sin[:, :0])
+    return rope_rows(y.view(x.shape[0], spec.heads, spec.dim), c, s, norm_w=spec.norm_w, eps=spec.eps, qdq=spec.qdq)
+
+
+def problem(rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    u = (torch.randn(rows, 5120, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    pos = torch.randint(0, 1 << 20, (rows,), generator=g).to(DEV)
+    cos, sin = rope_table(pos, rope_inv_freq(64, 160000.0, (16.0, 65536, 32.0, 1.0)).to(DEV))
+    (wa, sa), (wkv, skv) = weight(1280, 5120, g), weight(512, 5120, g)
+    (wb, sb), (wi, si) = weight(64 * 512, 1280, g), weight(32 * 128, 1280, g)
+    nq = (1 + 0.1 * torch.randn(1280, generator=g)).to(DEV)
+    nkv = (1 + 0.1 * torch.randn(512, generator=g)).to(DEV)
+    first = [Proj(wa, sa, 1280, norm_w=nq, eps=1e-6), Proj(wkv, skv, 512, norm_w=nkv, eps=1e-6, rope=True)]
+    second = [Proj(wb, sb, 512, rope=True), Proj(wi, si, 128, rope=True, qdq=True)]
+    z = torch.randn(rows, 8192, generator=g).to(torch.bfloat16).to(DEV)
+    wo = weight(5120, 8192, g)
+    h = torch.randn(rows, 4, 5120, generator=g).to(torch.bfloat16).to(DEV)
+    post = (torch.rand(rows, 4, generator=g) * 2).to(DEV)
+    comb = torch.rand(rows, 4, 4, generator=g).to(DEV)
+    return u, cos, sin, first, second, z, wo, (h, post, comb)
+
+
+def step(u, cos, sin, first, second, z, wo, mix, stream):
+    rows = u.shape[0]
+    pack = torch.zeros(rows, 512 + 16, dtype=torch.uint8, device=DEV)
+    qr, kv = proj_rows(u, first, cos, sin, pack=pack, stream=stream)
+    q, qi = proj_rows(qr.view(rows, 1280), second, cos, sin, stream=stream)
+    hp = linear_post(z, *wo, *mix, stream=stream)
+    return [qr, kv, pack, q, qi, hp]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_forms_equal_linear_mx_gemv_then_epilogues_at_v41_sizes(name, rows):
+    u, cos, sin, first, second, z, wo, mix = problem(rows, 10 + rows)
+    qr, kv, pack, q, qi, hp = step(u, cos, sin, first, second, z, wo, mix, name)
+    assert not [k for k in stream_guard.DECODE_ERRORS if k == ("step_proj", name)], stream_guard.DECODE_ERRORS
+    assert torch.equal(qr, reference(u, first[0], cos, sin, name))
+    assert torch.equal(kv, reference(u, first[1], cos, sin, name))
+    want = torch.zeros_like(pack)
+    cache_insert_mx(want, torch.arange(rows, device=DEV), kv.view(rows, 512), "window")
+    assert torch.equal(pack, want)
+    qr2 = qr.view(rows, 1280)
+    assert torch.equal(q, reference(qr2, second[0], cos, sin, name))
+    assert torch.equal(qi, reference(qr2, second[1], cos, sin, name))
+    assert torch.equal(hp, mhc_post(gemm_mx.linear_mx(z, *wo, 32, decode=name, path="splitk"), *mix))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(u, cos, sin, first, second, z, wo, mix, name)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, [qr, kv, pack, q, qi, hp]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_step_choice_is_the_same_in_a_graph(rows):
+    """``stream=None``: the tuner's choice per launch (timed on the first, eager call) replays in a graph with the
+    same bits."""
+    args = problem(rows, 40 + rows)
+    eager = step(*args, None)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(*args, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
