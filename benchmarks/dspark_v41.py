@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from dspark_common import (Clock, TunerLog, bench_schedule, bench_verify_math, draft_step, timed_cell,
                            timed_ms)
+from e2e_v41_cut import copy_sequence
 
 from redknot.cache import CacheSpec
 from redknot.config.schema import FeaturesConfig
@@ -107,16 +108,7 @@ class Bench41:
     def _copy_first(self, batch: int) -> None:
         st = self.state
         for i in range(1, batch):  # request i: a copy of request 0 (slot i, its own blocks)
-            for win in st.windows:
-                win[i] = win[0]
-            for src in st.sources.values():
-                src.entries[self.tables[i]] = src.entries[self.tables[0]]
-                src.keys[self.tables[i]] = src.keys[self.tables[0]]
-                if src.kv_rows is not None:
-                    src.kv_rows[i] = src.kv_rows[0]
-                    src.gate_rows[i] = src.gate_rows[0]
-            if st.engram_ids is not None:
-                st.engram_ids[i] = st.engram_ids[0]
+            copy_sequence(st, i, 0, self.tables[i], self.tables[0])
             for ring in self.drafter.rings:
                 ring[i] = ring[0]
 

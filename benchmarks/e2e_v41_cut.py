@@ -125,18 +125,8 @@ class Batch:
 
     def clone_first(self) -> None:
         """Every sequence becomes a copy of sequence 0 (a batch of equal contexts without b prefills)."""
-        st = self.state
         for i in range(1, self.b):
-            for win in st.windows:
-                win[i] = win[0]
-            for src in st.sources.values():
-                src.entries[self.blocks[i]] = src.entries[self.blocks[0]]
-                src.keys[self.blocks[i]] = src.keys[self.blocks[0]]
-                if src.kv_rows is not None:
-                    src.kv_rows[i] = src.kv_rows[0]
-                    src.gate_rows[i] = src.gate_rows[0]
-            if st.engram_ids is not None:
-                st.engram_ids[i] = st.engram_ids[0]
+            copy_sequence(self.state, i, 0, self.blocks[i], self.blocks[0])
             self.lens[i] = self.lens[0]
 
     def global_cache_bytes(self, seq: int = 0) -> int:
@@ -144,6 +134,21 @@ class Batch:
         blocks = self.layout.blocks_for(self.lens[seq])
         per_block = sum(src.entries[0].numel() + src.keys[0].numel() for src in self.state.sources.values())
         return blocks * per_block
+
+
+def copy_sequence(st, dst: int, src: int, dst_blocks, src_blocks) -> None:
+    """Slot ``dst`` with its pages ``dst_blocks`` becomes a copy of slot ``src`` with ``src_blocks``: window
+    rings, compressed entries and index keys, ratio-2 carry-over rows and Engram look-back ids."""
+    for win in st.windows:
+        win[dst] = win[src]
+    for s in st.sources.values():
+        s.entries[dst_blocks] = s.entries[src_blocks]
+        s.keys[dst_blocks] = s.keys[src_blocks]
+        if s.kv_rows is not None:
+            s.kv_rows[dst] = s.kv_rows[src]
+            s.gate_rows[dst] = s.gate_rows[src]
+    if st.engram_ids is not None:
+        st.engram_ids[dst] = st.engram_ids[src]
 
 
 def fill_synthetic(b: Batch, ctx: int, seed: int = 0, pool: int = 4096) -> None:
