@@ -228,11 +228,19 @@ def main(argv=None) -> dict:
                     help="run the PyTorch references (check and time) up to this context")
     ap.add_argument("--count-launches", action="store_true",
                     help="count the launches of one tensor-only decode step instead (CPU, Triton interpreter)")
+    ap.add_argument("--small-stream", default=None,
+                    help="with --count-launches: the weight stream every fused step linear takes at 1-4 rows "
+                         "(step_proj_v41.FORCE_SMALL: fp8, gemv, gemv_n16, gemv_k128; default: the tuner's, "
+                         "fp8 off the GPU)")
     a = ap.parse_args(argv)
     if a.smoke or a.count_launches:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.count_launches:
+        if a.small_stream:
+            from redknot.kernels.triton import step_proj_v41
+            step_proj_v41.FORCE_SMALL = a.small_stream
         rep = count_launches()
+        rep["small_stream"] = a.small_stream or "tuned"
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "step_launches_v41.json").write_text(json.dumps(rep, indent=1))

@@ -52,6 +52,9 @@ MAX_ROWS = 16
 # The first launch's weight stream at up to ``gemv_mx.MAX_ROWS`` rows, per launch (key: the weights' shapes):
 # the ``fp8`` tensor-core stream (first) or a ``gemv_mx.PLANS`` dense GEMV shape (module docstring).
 STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", "gemv", "gemv_n16", "gemv_k128"])
+# A ``STEP_SMALL_TUNER`` candidate every launch takes instead of the tuner's choice (tests and the launch count of
+# ``benchmarks/step_kernels_v41.py``); None: the tuner's. The small-row class off still gives ``fp8``.
+FORCE_SMALL = None
 
 
 @triton.jit
@@ -269,6 +272,8 @@ def small_choice(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor], bl
     if (x.shape[0] > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or not gemm_mx.SMALL_ROWS_CLASS
             or not tuning_cache.small_rows_class()):
         return None
+    if FORCE_SMALL is not None:
+        return None if FORCE_SMALL == "fp8" else FORCE_SMALL
     key = (kind, tuple(tuple(w.shape) for w in weights), block)
     if key not in STEP_SMALL_TUNER.choices and x.is_cuda and torch.cuda.is_current_stream_capturing():
         STEP_SMALL_TUNER.choices[key] = STEP_SMALL_TUNER.candidates[0]
