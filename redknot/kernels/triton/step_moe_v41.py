@@ -29,7 +29,6 @@ router's normalising sum adds the k weights in id order (PyTorch's reduction ord
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,7 +38,7 @@ from triton.language.extra import libdevice
 
 from redknot.kernels.triton._common import cdiv, next_pow2
 from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
-from redknot.kernels.triton.step_proj_v41 import _post_block
+from redknot.kernels.triton.step_proj_v41 import _gemv_tile, _post_block
 
 # Triton's CPU interpreter runs no extern (libdevice) calls: there ``tl.exp`` / ``tl.log`` (numpy's fp32) stand in.
 _LIBDEVICE = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -120,7 +119,7 @@ def _route_topk(l_ptr, b_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale, K: t
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, norm: bool,
-               scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int64 [T, k] ascending, weights fp32 [T, k]) of fp32 router logits [T, E] (see the module
     docstring); ``norm``: divide by the weights' sum (``norm_topk_prob`` and k > 1)."""
     T, E = logits.shape
@@ -141,7 +140,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, no
 
 
 def route_topk_reference(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, norm: bool,
-                         scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch math of ``moe.route`` after its GEMV (the test reference)."""
     scores = torch.sqrt(torch.nn.functional.softplus(logits / temp))
     order = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -204,8 +203,31 @@ def _route_gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KSPL
         _gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, tl.program_id(0), pid_n, tl.program_id(2), M, N,
                  K, KSPLIT, NB, stride_am, stride_bn, stride_sbn, stride_ps, stride_pm, WB, BLOCK_M, BLOCK_N,
                  GROUPS)
-    elif ROUTE:  # program column 2·NB + t routes token t (the top-k rounds are serial reductions)
+    elif ROUTE:  # noqa: SIM102  (program column 2·NB + t routes token t; the top-k rounds are serial reductions)
         if (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
+            _route_row(l_ptr, bias_ptr, ids_ptr, w_ptr, pid_n - 2 * NB, E, stride_l, inv_temp, scale, TOPK, KP, NORM,
+                       TEMP, BLOCK_E, LIBDEVICE)
+
+
+@triton.jit
+def _route_gate_up_gemv(x_ptr, KW, stride_x, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, N, KSPLIT, NB, stride_bn,
+                        stride_sbn, stride_ps, stride_pm, l_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale,
+                        WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_ASM: tl.constexpr, ROUTE: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                        NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``_route_gate_up`` with the W1 | W3 stream as CUDA-core GEMV programs (``step_proj_v41._gemv_tile``: raw
+    bf16 rows quantised per 32 inside, ``gemv_mx``'s word-wise FP8 decode): program columns [0, NB) W1 into
+    partial columns [0, N), [NB, 2·NB) W3 into [N, 2N), then (ROUTE) one routing program per token."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    if pid_n < NB:
+        _gemv_tile(x_ptr, b1_ptr, sb1_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x, stride_bn, stride_sbn,
+                   stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+    elif pid_n < 2 * NB:
+        _gemv_tile(x_ptr, b3_ptr, sb3_ptr, p_ptr + N, pid_n - NB, pid_s, N, KW, KSPLIT, stride_x, stride_bn,
+                   stride_sbn, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+    elif ROUTE:  # noqa: SIM102  (a constexpr branch, then a runtime one)
+        if pid_s == 0:
             _route_row(l_ptr, bias_ptr, ids_ptr, w_ptr, pid_n - 2 * NB, E, stride_l, inv_temp, scale, TOPK, KP, NORM,
                        TEMP, BLOCK_E, LIBDEVICE)
 
@@ -313,7 +335,7 @@ def _reduce_add_post(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r
                 stride_hn, N, BLOCK_D)
 
 
-def _slices(N: int, K: int, rows: int) -> Tuple[int, int, int, int]:
+def _slices(N: int, K: int, rows: int) -> tuple[int, int, int, int]:
     """(S, ksplit, block_m, block_n) of ``splitk_mx.splitk_mm`` with ``decode="fp8"`` for an [N, K] weight."""
     from redknot.kernels.triton import splitk_mx as sk
     block_n = sk.SCALED_BLOCK_N
@@ -336,28 +358,66 @@ def _check_shared(u, w1, s1, w3, s3, w2, block: int, name: str):
         raise ValueError(f"{name}: W1 and W3 (and their scales) must have the same strides")
 
 
-def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None) -> torch.Tensor:
+def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None, stream: str | None = None) -> torch.Tensor:
     """The W1 | W3 partials [S, T, 2I] (``_route_gate_up``); ``route``: (logits, bias, ids, w, k, temp, norm,
-    scale), the router's programs (one per token) in the same launch."""
+    scale), the router's programs (one per token) in the same launch. ``stream``: ``fp8`` (the FP8 MMA stream) or
+    a ``gemv_mx.PLANS`` dense shape (at most ``gemv_mx.MAX_ROWS`` bf16 rows: ``_route_gate_up_gemv``, each linear's
+    slice sums the bits of ``gemv_mx.gemv_fp8``); None: ``step_proj_v41.small_choice``'s for (W1, W3)."""
+    from redknot.kernels.triton import step_proj_v41 as sp
     T, D = u.shape
     inter = w1.shape[0]
+    if stream is None:
+        stream = sp.small_choice("gate_up", u, [w1, w3], block,
+                                 lambda c: _gate_up_launch(u[:1], w1, s1, w3, s3, block, stream=c)) or "fp8"
+    if stream != "fp8":
+        return sp._with_check(u.device, stream, lambda: _gate_up_gemv(u, w1, s1, w3, s3, block, route, stream),
+                              lambda: _gate_up_launch(u, w1, s1, w3, s3, block, route, "fp8"))
     S1, ks1, bm, bn = _slices(inter, D, T)
     p1 = torch.empty(S1, T, 2 * inter, dtype=torch.float32, device=u.device)
     groups = 4 if ks1 % 128 == 0 and D % 128 == 0 else 1
     nb = cdiv(inter, bn)
-    if route is None:
-        rargs, rkw = (p1, p1, p1, p1, 0, 0, 1.0, 1.0), dict(ROUTE=False, TOPK=1, KP=1, NORM=False, TEMP=False,
-                                                           BLOCK_E=16)
-    else:
-        logits, bias, ids, w, k, temp, norm, scale = route
-        rargs = (logits, bias, ids, w, logits.shape[1], logits.stride(0), float(np.float32(1.0) / np.float32(temp)),
-                 float(scale))
-        rkw = dict(ROUTE=True, TOPK=k, KP=next_pow2(k), NORM=bool(norm), TEMP=temp != 1.0,
-                   BLOCK_E=max(16, next_pow2(logits.shape[1])))
+    rargs, rkw = _route_args(route, p1)
     _route_gate_up[(cdiv(T, bm), 2 * nb + (T if route is not None else 0), S1)](
         u, w1, s1, w3, s3, p1, T, inter, D, ks1, nb, u.stride(0), w1.stride(0), s1.stride(0), p1.stride(0),
         p1.stride(1), *rargs, WB=block, BLOCK_M=bm, BLOCK_N=bn, GROUPS=groups, LIBDEVICE=_LIBDEVICE, **rkw,
         num_warps=4, num_stages=4)
+    return p1
+
+
+def _route_args(route, p1):
+    """The router's launch arguments and constexprs (unread placeholders without ``route``)."""
+    if route is None:
+        return (p1, p1, p1, p1, 0, 0, 1.0, 1.0), {"ROUTE": False, "TOPK": 1, "KP": 1, "NORM": False, "TEMP": False,
+                                                  "BLOCK_E": 16}
+    logits, bias, ids, w, k, temp, norm, scale = route
+    rargs = (logits, bias, ids, w, logits.shape[1], logits.stride(0), float(np.float32(1.0) / np.float32(temp)),
+             float(scale))
+    return rargs, {"ROUTE": True, "TOPK": k, "KP": next_pow2(k), "NORM": bool(norm), "TEMP": temp != 1.0,
+                   "BLOCK_E": max(16, next_pow2(logits.shape[1]))}
+
+
+def _gate_up_gemv(u, w1, s1, w3, s3, block: int, route, name: str) -> torch.Tensor:
+    """:func:`_gate_up_launch` with the GEMV shape ``name``: one launch, the W1 | W3 partials [S, T, 2I] with the K
+    slices ``gemv_mx.slices`` cuts for [I, D]."""
+    from redknot.kernels.triton import gemv_mx
+    from redknot.kernels.triton.dequant_mx import as_bytes
+    plan = gemv_mx.PLANS[name]
+    T, D = u.shape
+    inter = w1.shape[0]
+    if T > gemv_mx.MAX_ROWS or u.dtype != torch.bfloat16 or block % plan.block_n or u.stride(0) % 2:
+        raise ValueError(f"route_and_gate_up: the GEMV stream takes at most {gemv_mx.MAX_ROWS} bf16 rows and a "
+                         f"scale tile ({block}) that its {plan.block_n} columns divide")
+    bk = gemv_mx._block_k(D, plan.block_k)
+    S, ks = gemv_mx.slices(inter, D, plan)
+    p1 = torch.empty(S, T, 2 * inter, dtype=torch.float32, device=u.device)
+    nb = cdiv(inter, plan.block_n)
+    b1, b3 = as_bytes(w1).view(torch.int32), as_bytes(w3).view(torch.int32)
+    rargs, rkw = _route_args(route, p1)
+    _route_gate_up_gemv[(2 * nb + (T if route is not None else 0), S)](
+        u.view(torch.int32), D // 4, u.stride(0) // 2, b1, s1, b3, s3, p1, inter, ks, nb, b1.stride(0), s1.stride(0),
+        p1.stride(0), p1.stride(1), *rargs, WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk,
+        USE_ASM=gemv_mx._use_asm(), LIBDEVICE=_LIBDEVICE, **rkw, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
     return p1
 
 
@@ -370,7 +430,7 @@ def post_mix_fits(D: int, h: torch.Tensor) -> bool:
 
 
 def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
-                         block: int = 32, prologue: Optional[bool] = None, mix=None) -> torch.Tensor:
+                         block: int = 32, prologue: bool | None = None, mix=None) -> torch.Tensor:
     """bf16(routed + W2(SwiGLU)) [T, D] from the W1 | W3 partials ``p1`` [S, T, 2I] of :func:`route_and_gate_up`:
     the SwiGLU + quantisation, the W2 stream, the reduction with the combine (``prologue``: the W2 stream
     forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits either way. ``mix`` = (h, post, comb): the
@@ -427,9 +487,10 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
 
 def route_and_gate_up(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: float, norm: bool, scale: float,
                       u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
-                      block: int = 32) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      block: int = 32, stream: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, weights) of :func:`route_topk` and the shared expert's W1 | W3 partials [S, T, 2I] in one launch
-    (u bf16 [T, D]; W1, W3 e4m3 [I, D] with E8M0 tiles of ``block``); :func:`shared_expert_finish` ends it."""
+    (u bf16 [T, D]; W1, W3 e4m3 [I, D] with E8M0 tiles of ``block``); :func:`shared_expert_finish` ends it.
+    ``stream``: the W1 | W3 weight stream (:func:`_gate_up_launch`; None: the step's 1-4-row choice)."""
     T, E = logits.shape
     if logits.dtype != torch.float32 or bias.dtype != torch.float32:
         raise ValueError(f"route_and_gate_up: logits {logits.dtype} and bias {bias.dtype} must be float32")
@@ -445,13 +506,14 @@ def route_and_gate_up(logits: torch.Tensor, bias: torch.Tensor, k: int, temp: fl
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T == 0:
         return ids, w, torch.empty(1, 0, 2 * w1.shape[0], dtype=torch.float32, device=u.device)
-    p1 = _gate_up_launch(u, w1, s1, w3, s3, block, (logits, bias.contiguous(), ids, w, k, temp, norm, scale))
+    p1 = _gate_up_launch(u, w1, s1, w3, s3, block, (logits, bias.contiguous(), ids, w, k, temp, norm, scale),
+                         stream)
     return ids, w, p1
 
 
 def shared_expert_combine(u: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
                           w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
-                          block: int = 32, prologue: Optional[bool] = None) -> torch.Tensor:
+                          block: int = 32, prologue: bool | None = None) -> torch.Tensor:
     """bf16(routed + W2(SwiGLU(u))) [T, D]: u bf16 [T, D]; W1, W3 e4m3 [I, D] and W2 e4m3 [D, I] with E8M0
     tiles of ``block``; routed [T, D] 16-bit (the routed experts' sum). Four launches (module docstring), three
     with ``prologue`` (the W2 stream forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits."""

@@ -1,0 +1,110 @@
+"""The step's shared expert with its W1 | W3 stream as a CUDA-core GEMV at 1-4 rows (``step_moe_v41``'s
+``_route_gate_up_gemv``: the router's programs in the same launch, ``step_proj_v41._gemv_tile`` for the weights):
+the routing bit for bit ``route_topk``'s, each linear's slice sums bit for bit ``gemv_mx.gemv_fp8``'s, the shared
+expert within the op tolerance of the PyTorch reference and equal to the per-linear form with the same GEMV
+decode; with the small-row class off the ``fp8`` stream runs. Fresh random inputs, Triton's CPU interpreter."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from redknot.kernels import mx_formats as mx
+from redknot.kernels import ref_v41, tuning_cache
+from redknot.kernels.triton import gemm_mx, gemv_mx
+from redknot.kernels.triton import step_proj_v41 as sp
+from redknot.kernels.triton.step_moe_v41 import (
+    route_and_gate_up,
+    route_topk,
+    shared_expert_finish,
+)
+
+LIMIT = 10.0
+
+
+def _case(t, d, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    u = (torch.randn(t, d, generator=g) * 2).to(torch.bfloat16)
+    u[0, :32] *= 40
+    ws = [mx.quant_fp8_blocks(torch.randn(n, k, generator=g) * 0.05, 32) for n, k in ((inter, d), (inter, d),
+                                                                                      (d, inter))]
+    routed = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    logits = torch.randn(t, 24, generator=g) * 3
+    bias = torch.randn(24, generator=g) * 0.1
+    return u, ws, routed, logits, bias
+
+
+def _want(lin, u, ws, routed):
+    (w1, s1), (w3, s3), (w2, s2) = ws
+    act = F.silu(lin(u, w1, s1).float().clamp(max=LIMIT)) * lin(u, w3, s3).float().clamp(-LIMIT, LIMIT)
+    return (routed.float() + lin(act.to(torch.bfloat16), w2, s2).float()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", [n for n in gemv_mx.PLANS if not n.startswith("moe")])
+@pytest.mark.parametrize("t", [1, 4])
+def test_gate_up_gemv(name, t):
+    d, inter = 2048, 96
+    u, ws, routed, logits, bias = _case(t, d, inter, 5 + t)
+    (w1, s1), (w3, s3), (w2, s2) = ws
+    ids, w, p1 = route_and_gate_up(logits, bias, 4, 1.0, True, 1.5, u, w1, s1, w3, s3, stream=name)
+    want_ids, want_w = route_topk(logits, bias, 4, 1.0, True, 1.5)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    got1, got3 = p1[0, :, :inter].clone(), p1[0, :, inter:].clone()
+    for i in range(1, p1.shape[0]):  # slice order
+        got1 += p1[i, :, :inter]
+        got3 += p1[i, :, inter:]
+    plan = gemv_mx.PLANS[name]
+    assert torch.equal(got1, gemv_mx.gemv_fp8(u, w1, s1, 32, torch.empty(t, inter), plan))
+    assert torch.equal(got3, gemv_mx.gemv_fp8(u, w3, s3, 32, torch.empty(t, inter), plan))
+    assert p1.shape[0] > 1                                    # several K slices
+    out = shared_expert_finish(p1, w2, s2, LIMIT, routed)
+    ref = _want(lambda x, w_, s_: ref_v41.linear_mx(x, w_, s_, 32, 32), u, ws, routed)
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < 2e-2, err
+    # the per-linear form: W1 / W3 through linear_mx with the same GEMV decode, W2 with fp8 (the step's W2 stream)
+    dec = [name, name, "fp8"]
+
+    def lin(x, w_, s_):
+        return gemm_mx.linear_mx(x, w_, s_, 32, 32, decode=dec.pop(0))
+    per = _want(lin, u, ws, routed)
+    assert (out.float() != per.float()).float().mean().item() <= 0.01   # SiLU's exp: numpy in the interpreter
+
+
+def test_gate_up_choice_respects_the_class(monkeypatch):
+    u, ws, _, logits, bias = _case(2, 256, 64, 9)
+    (w1, s1), (w3, s3), _ = ws
+    monkeypatch.setattr(sp, "FORCE_SMALL", "gemv")
+    ran = []
+    real = sp._gemv_tile
+
+    import redknot.kernels.triton.step_moe_v41 as sm
+    real_gemv = sm._gate_up_gemv
+
+    def counted(*a, **k):
+        ran.append(a[-1])
+        return real_gemv(*a, **k)
+    monkeypatch.setattr(sm, "_gate_up_gemv", counted)
+    forced = route_and_gate_up(logits, bias, 4, 1.0, True, 1.5, u, w1, s1, w3, s3)[2]
+    assert ran == ["gemv"] and torch.equal(forced, route_and_gate_up(logits, bias, 4, 1.0, True, 1.5, u, w1, s1,
+                                                                     w3, s3, stream="gemv")[2])
+    before = tuning_cache.small_rows_class()
+    tuning_cache.use_small_rows_class(False)
+    try:
+        off = route_and_gate_up(logits, bias, 4, 1.0, True, 1.5, u, w1, s1, w3, s3)[2]
+    finally:
+        tuning_cache.use_small_rows_class(before)
+    assert ran == ["gemv", "gemv"] and torch.equal(off, route_and_gate_up(logits, bias, 4, 1.0, True, 1.5, u, w1,
+                                                                          s1, w3, s3, stream="fp8")[2])
+    assert real is sp._gemv_tile
+
+
+def test_shared_expert_combine_takes_the_choice(monkeypatch):
+    """``shared_expert_combine`` (no router programs in the W1 | W3 launch) with the GEMV choice: the bits of the
+    routed launch's partials finished the same way."""
+    from redknot.kernels.triton.step_moe_v41 import shared_expert_combine
+    u, ws, routed, logits, bias = _case(3, 512, 64, 13)
+    (w1, s1), (w3, s3), (w2, s2) = ws
+    monkeypatch.setattr(sp, "FORCE_SMALL", "gemv_k128")
+    got = shared_expert_combine(u, w1, s1, w3, s3, w2, s2, LIMIT, routed)
+    p1 = route_and_gate_up(logits, bias, 2, 1.0, True, 1.0, u, w1, s1, w3, s3, stream="gemv_k128")[2]
+    assert torch.equal(got, shared_expert_finish(p1, w2, s2, LIMIT, routed))
