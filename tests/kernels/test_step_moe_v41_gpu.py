@@ -24,6 +24,17 @@ LIMIT = 10.0
 D, INTER, E, K = REAL_V41.hidden, REAL_V41.moe_inter, REAL_V41.experts, REAL_V41.topk_experts
 
 
+@pytest.fixture(autouse=True)
+def _small_rows_class_off():
+    """These tests compare the shared expert with ``linear_mx``'s ``fp8`` decode: the 1-4-row GEMV class of the
+    W1 | W3 launch off (its GEMV form: ``tests/kernels/test_step_proj_gemv_v41_gpu.py``)."""
+    from redknot.kernels import tuning_cache
+    before = tuning_cache.small_rows_class()
+    tuning_cache.use_small_rows_class(False)
+    yield
+    tuning_cache.use_small_rows_class(before)
+
+
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 

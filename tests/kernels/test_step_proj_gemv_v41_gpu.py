@@ -3,7 +3,8 @@ GPU at V4.1 sizes, 1 and 4 rows: ``wq_a`` | ``wkv`` (5120 -> 1280 normalised, 51
 window bytes), ``wq_b`` | the indexer's ``wq_b`` (1280 -> 64 x 512 rotated, 32 x 128 rotated + FP4 grid) and
 ``wo_b`` + the mHC post mix (8192 -> 5120, 4 streams): bit for bit ``linear_mx`` with the same ``gemv*`` decode
 followed by ``rope_rows`` / ``mhc_post``, no first-use failure, a CUDA-graph replay equal to the eager call, and
-the step's own choice (``stream=None``, timed outside capture) the same in a graph as eagerly."""
+the step's own choice (``stream=None``, timed outside capture) the same in a graph as eagerly; the shared expert's
+W1 | W3 GEMV launch with the router (D 5120, I 2304, 384 experts) likewise."""
 import pytest
 import torch
 
@@ -102,4 +103,47 @@ def test_step_choice_is_the_same_in_a_graph(rows):
     graph.replay()
     torch.cuda.synchronize()
     for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_shared_expert_gate_up_gemv_at_v41_size(name, rows):
+    """The shared expert (D 5120, I 2304) with its W1 | W3 GEMV launch and the router's programs: the routing equal
+    to ``route_topk``'s, each linear's slice sums bit for bit ``gemv_mx.gemv_fp8``'s, the finished expert equal to
+    the same launches in a CUDA-graph replay."""
+    from redknot.kernels.triton.step_moe_v41 import (
+        route_and_gate_up,
+        route_topk,
+        shared_expert_finish,
+    )
+
+    g = torch.Generator().manual_seed(300 + rows)
+    u = (torch.randn(rows, 5120, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    (w1, s1), (w3, s3), (w2, s2) = weight(2304, 5120, g), weight(2304, 5120, g), weight(5120, 2304, g)
+    routed = torch.randn(rows, 5120, generator=g).to(torch.bfloat16).to(DEV)
+    logits = (torch.randn(rows, 384, generator=g) * 3).to(DEV)
+    bias = (torch.randn(384, generator=g) * 0.1).to(DEV)
+
+    def run():
+        ids, w, p1 = route_and_gate_up(logits, bias, 6, 1.0, True, 2.5, u, w1, s1, w3, s3, stream=name)
+        return ids, w, p1, shared_expert_finish(p1, w2, s2, 10.0, routed)
+    ids, w, p1, out = run()
+    assert not [k for k in stream_guard.DECODE_ERRORS if k == ("step_proj", name)], stream_guard.DECODE_ERRORS
+    want_ids, want_w = route_topk(logits, bias, 6, 1.0, True, 2.5)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    plan = gemv_mx.PLANS[name]
+    sums = [p1[0, :, :2304].clone(), p1[0, :, 2304:].clone()]
+    for i in range(1, p1.shape[0]):
+        sums[0] += p1[i, :, :2304]
+        sums[1] += p1[i, :, 2304:]
+    for got, (wt, st) in zip(sums, ((w1, s1), (w3, s3))):
+        assert torch.equal(got, gemv_mx.gemv_fp8(u, wt, st, 32, torch.empty(rows, 2304, device=DEV), plan))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        again = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(again, (ids, w, p1, out)):
         assert torch.equal(a, b)
