@@ -109,19 +109,24 @@ def _stream2(a_ptr, M, K, stride_am,
 
 
 @triton.jit
-def _qdq_words(x_ptr, koff, sc, W: tl.constexpr):
-    """A raw bf16 row's K positions 4i..4i+3 of one K step (int32 words of bf16 pairs at ``koff``: [W, 2]),
-    QDQ'd per 32 (``qdq_bf16``'s bits: 8 words a group) and times the weight's power-of-two tile scale ``sc``
-    [W]: four fp32 [W] tensors, each ``bf16(QDQ(x)) · sc`` exactly (powers of two)."""
+def _qdq_words(x_ptr, koff, kbase, sc, W: tl.constexpr):
+    """A raw bf16 row's K positions 4i..4i+3 of one K step (int32 words of bf16 pairs at ``koff``: [W, 2], the
+    step's first at ``kbase``), QDQ'd per 32 (``qdq_bf16``'s bits) and times the weight's power-of-two tile scale
+    ``sc`` [W]: four fp32 [W] tensors, each ``bf16(QDQ(x)) · sc`` exactly (powers of two). The values load as
+    ``gemv_mx._x_words`` loads them (the FMA's layout); the groups' maxima from a second load of the same words
+    as [W/8 groups, 16] (an L1 hit), so only the per-word exponent changes layout."""
     xa, xb = tl.split(tl.load(x_ptr + koff))
     x0 = (xa << 16).to(tl.float32, bitcast=True)
     x1 = (xa & -65536).to(tl.float32, bitcast=True)
     x2 = (xb << 16).to(tl.float32, bitcast=True)
     x3 = (xb & -65536).to(tl.float32, bitcast=True)
-    m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-    e = e8m0_exponent(tl.max(tl.reshape(m, (W // 8, 8)), 1), 448.0, 1e-4)  # [W/8]: one per 32-wide group
-    down = tl.reshape(tl.broadcast_to(pow2(-e)[:, None], (W // 8, 8)), (W,))
-    up = tl.reshape(tl.broadcast_to(pow2(e)[:, None], (W // 8, 8)), (W,)) * sc
+    xg = tl.load(x_ptr + kbase + tl.arange(0, W // 8)[:, None] * 16 + tl.arange(0, 16)[None, :])
+    m = tl.maximum(tl.max(tl.abs((xg << 16).to(tl.float32, bitcast=True)), 1),
+                   tl.max(tl.abs((xg & -65536).to(tl.float32, bitcast=True)), 1))
+    e = e8m0_exponent(m, 448.0, 1e-4)  # [W/8]: one per 32-wide group
+    ew = tl.reshape(tl.broadcast_to(e[:, None], (W // 8, 8)), (W,))
+    down = pow2(-ew)
+    up = pow2(ew) * sc
     q0 = tl.minimum(tl.maximum(x0 * down, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * up
     q1 = tl.minimum(tl.maximum(x1 * down, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * up
     q2 = tl.minimum(tl.maximum(x2 * down, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32) * up
@@ -130,8 +135,8 @@ def _qdq_words(x_ptr, koff, sc, W: tl.constexpr):
 
 
 @triton.jit
-def _row_fma_qdq(acc, w0, w1, w2, w3, x_ptr, koff, sc, W: tl.constexpr):
-    x0, x1, x2, x3 = _qdq_words(x_ptr, koff, sc, W)
+def _row_fma_qdq(acc, w0, w1, w2, w3, x_ptr, koff, kbase, sc, W: tl.constexpr):
+    x0, x1, x2, x3 = _qdq_words(x_ptr, koff, kbase, sc, W)
     return acc + w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
 
 
@@ -166,13 +171,13 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x
         w0, w1, w2, w3 = _e4m3x4(w, USE_ASM)
         sc = e8m0_decode(sb)
         koff = 2 * k_step + xoff
-        acc0 = _row_fma_qdq(acc0, w0, w1, w2, w3, x_ptr, koff, sc, W)
+        acc0 = _row_fma_qdq(acc0, w0, w1, w2, w3, x_ptr, koff, 2 * k_step, sc, W)
         if ROWS > 1:
-            acc1 = _row_fma_qdq(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, sc, W)
+            acc1 = _row_fma_qdq(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, 2 * k_step, sc, W)
         if ROWS > 2:
-            acc2 = _row_fma_qdq(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, sc, W)
+            acc2 = _row_fma_qdq(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, 2 * k_step, sc, W)
         if ROWS > 3:
-            acc3 = _row_fma_qdq(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, sc, W)
+            acc3 = _row_fma_qdq(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, 2 * k_step, sc, W)
         w, sb = w_n, sb_n
     base = p_ptr + pid_s.to(tl.int64) * stride_ps + cols
     tl.store(base, tl.sum(acc0, 1), mask=cmask)
