@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The H200 measurements the CPU-side kernels of benchmarks/NOTES.md are waiting for, in priority order.
+#
+#   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
+#   STAGE: decode tests prefill attention gemv moe_stream moe_prefill indexer v4_attention v4_cut
+#
+# Each stage runs under its own time limit and logs to $OUT/<stage>.log (default
+# OUT=outputs/h200/<UTC date-time>); the kernel tuning store is $REDKNOT_TUNING_CACHE (default
+# $OUT/tune/kernel_choices.json, so an earlier stage's choices serve the later ones) and is exported at the end
+# as a seed file ($OUT/seed.json: commit it as redknot/kernels/tuned/h200.json when the GPU and versions are the
+# shipped ones). TOTAL_S (default 3000) bounds the whole run: a stage that cannot get at least 60 s is skipped.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-outputs/h200/$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 REDKNOT_TUNING_CACHE=${REDKNOT_TUNING_CACHE:-$OUT/tune/kernel_choices.json}
+mkdir -p "$(dirname "$REDKNOT_TUNING_CACHE")"
+TOTAL_S=${TOTAL_S:-3000}
+t0=$(date +%s)
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill attention gemv moe_stream moe_prefill indexer v4_attention v4_cut)
+
+GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
+  tests/unit/model/v41_forward/test_v41_tensor_step_kernels.py tests/kernels/test_step_moe_v41_gpu.py
+  tests/kernels/test_step_rows_v41_gpu.py tests/kernels/test_moe_stream_gpu.py tests/kernels/test_gemv_mx_gpu.py
+  tests/unit/kernels/test_v41_attention_prefill.py tests/unit/kernels/test_v4_attention_prefill.py
+  tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
+  tests/kernels/test_moe_prefill_fp8_gpu.py)
+
+stage() {  # name, limit seconds, command...
+  local name=$1 limit=$2; shift 2
+  local left=$(( TOTAL_S - ($(date +%s) - t0) ))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 60 ]; then echo "$name: skipped ($left s left of TOTAL_S)"; return; fi
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: rc=$? after $(( $(date +%s) - t0 )) s (limit $limit s; log $OUT/$name.log)"
+}
+
+for s in "${STAGES[@]}"; do
+  case $s in
+    decode)  # V4.1 decode in CUDA graphs on a synthetic state, per-kernel step profile
+      stage decode 330 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
+        --decode-batch 1,32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s 300 ;;
+    tests)
+      stage tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" ;;
+    prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
+      stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
+        --decode-batch '' --skip-parity --budget-s 280 ;;
+    attention)  # V4.1 sparse attention prefill: the transposed-score shapes next to the earlier ones
+      stage attention 120 python3 benchmarks/kernels_v41.py --only attention --contexts 8192 --out "$OUT/attention" \
+        --budget-s 110 ;;
+    gemv)  # weight streams at 1-4 rows: GEMV candidates next to the tensor-core streams
+      stage gemv 200 python3 benchmarks/kernels_v41.py --only stream --stream-variants gemv --out "$OUT/gemv" \
+        --budget-s 180 ;;
+    moe_stream)  # MoE decode stream variants (halves order, block-diagonal tiles)
+      stage moe_stream 240 python3 benchmarks/kernels_v41.py --only stream --stream-variants moe --out "$OUT/moe_stream" \
+        --budget-s 220 ;;
+    moe_prefill)  # MoE prefill on FP8 tensor cores against the grouped plan
+      stage moe_prefill 330 python3 benchmarks/kernels_v41.py --only prefill --out "$OUT/moe_prefill" --budget-s 300 ;;
+    indexer)  # indexer prefill stream with expanded keys
+      stage indexer 240 python3 benchmarks/indexer_v41_prefill.py --stream-only --out "$OUT/indexer" --budget-s 220 ;;
+    v4_attention)  # V4 sparse attention prefill: transposed-score candidate (separate store: its classes re-tune)
+      stage v4_attention 160 python3 benchmarks/kernels.py --skip-checks --only sparse_attention --contexts 8192 131072 \
+        --budget-s 140 --out "$OUT/v4_attention" ;;
+    v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
+      stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s 570 ;;
+    *) echo "unknown stage '$s'; stages: decode tests prefill attention gemv moe_stream moe_prefill indexer v4_attention v4_cut"
+       exit 2 ;;
+  esac
+done
+python3 -m redknot.kernels.tuning_cache export "$REDKNOT_TUNING_CACHE" "$OUT/seed.json" > "$OUT/seed.log" 2>&1 \
+  && echo "seed: $OUT/seed.json"
