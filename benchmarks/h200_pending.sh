@@ -27,12 +27,14 @@ GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_
   tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
   tests/kernels/test_moe_prefill_fp8_gpu.py)
 
-stage() {  # name, limit seconds, command...
+stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
   local name=$1 limit=$2; shift 2
   local left=$(( TOTAL_S - ($(date +%s) - t0) ))
   [ "$limit" -gt "$left" ] && limit=$left
   if [ "$limit" -lt 60 ]; then echo "$name: skipped ($left s left of TOTAL_S)"; return; fi
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local args=() a
+  for a in "$@"; do [ "$a" = B ] && a=$(( limit - 20 )); args+=("$a"); done
+  timeout "$limit" "${args[@]}" > "$OUT/$name.log" 2>&1
   echo "$name: rc=$? after $(( $(date +%s) - t0 )) s (limit $limit s; log $OUT/$name.log)"
 }
 
@@ -40,30 +42,30 @@ for s in "${STAGES[@]}"; do
   case $s in
     decode)  # V4.1 decode in CUDA graphs on a synthetic state, per-kernel step profile
       stage decode 330 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
-        --decode-batch 1,32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s 300 ;;
+        --decode-batch 1,32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B ;;
     tests)
       stage tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider "${GPU_TESTS[@]}" ;;
     prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
       stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
-        --decode-batch '' --skip-parity --budget-s 280 ;;
+        --decode-batch '' --skip-parity --budget-s B ;;
     attention)  # V4.1 sparse attention prefill: the transposed-score shapes next to the earlier ones
       stage attention 120 python3 benchmarks/kernels_v41.py --only attention --contexts 8192 --out "$OUT/attention" \
-        --budget-s 110 ;;
+        --budget-s B ;;
     gemv)  # weight streams at 1-4 rows: GEMV candidates next to the tensor-core streams
       stage gemv 200 python3 benchmarks/kernels_v41.py --only stream --stream-variants gemv --out "$OUT/gemv" \
-        --budget-s 180 ;;
+        --budget-s B ;;
     moe_stream)  # MoE decode stream variants (halves order, block-diagonal tiles)
       stage moe_stream 240 python3 benchmarks/kernels_v41.py --only stream --stream-variants moe --out "$OUT/moe_stream" \
-        --budget-s 220 ;;
+        --budget-s B ;;
     moe_prefill)  # MoE prefill on FP8 tensor cores against the grouped plan
-      stage moe_prefill 330 python3 benchmarks/kernels_v41.py --only prefill --out "$OUT/moe_prefill" --budget-s 300 ;;
+      stage moe_prefill 330 python3 benchmarks/kernels_v41.py --only prefill --out "$OUT/moe_prefill" --budget-s B ;;
     indexer)  # indexer prefill stream with expanded keys
-      stage indexer 240 python3 benchmarks/indexer_v41_prefill.py --stream-only --out "$OUT/indexer" --budget-s 220 ;;
+      stage indexer 240 python3 benchmarks/indexer_v41_prefill.py --stream-only --out "$OUT/indexer" --budget-s B ;;
     v4_attention)  # V4 sparse attention prefill: transposed-score candidate (separate store: its classes re-tune)
       stage v4_attention 160 python3 benchmarks/kernels.py --skip-checks --only sparse_attention --contexts 8192 131072 \
-        --budget-s 140 --out "$OUT/v4_attention" ;;
+        --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
-      stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s 570 ;;
+      stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
     *) echo "unknown stage '$s'; stages: decode tests prefill attention gemv moe_stream moe_prefill indexer v4_attention v4_cut"
        exit 2 ;;
   esac
