@@ -24,6 +24,36 @@ from redknot.kernels.triton._common import cdiv, next_pow2, sm_count
 
 
 @triton.jit
+def _split3_dot(mix, z, f):
+    """``mix + z · f`` with ``f = hi + mid + lo`` in bf16 (24 significant bits): three tensor-core dots with fp32
+    accumulation; ``z`` must be exact in bf16."""
+    hi = f.to(tl.bfloat16)
+    rest = f - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    zb = z.to(tl.bfloat16)
+    mix += tl.dot(zb, hi)
+    mix += tl.dot(zb, mid)
+    mix += tl.dot(zb, lo)
+    return mix
+
+
+@triton.jit
+def _post_mix(y, s_ptr, post_ptr, comb_ptr, out_ptr, tok, dd, dmask, offs_n, stride_st, stride_sn, stride_ot,
+              stride_on, N: tl.constexpr):
+    """The mHC post mix of one token's column block ``dd`` (``y``: fp32 [BLOCK_D], ``offs_n = arange(0, N)``):
+    out[k] = post[k]·y + Σ_j C[j, k]·h[j]."""
+    x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dmask[None, :],
+                other=0.0).to(tl.float32)  # [N(j), BLOCK_D]
+    cm = tl.load(comb_ptr + tok * N * N + offs_n[:, None] * N + offs_n[None, :])  # [N(j), N(k)]
+    p = tl.load(post_ptr + tok * N + offs_n)
+    mixed = tl.sum(cm[:, :, None] * x[:, None, :], 0)  # [N(k), BLOCK_D]
+    o = p[:, None] * y[None, :] + mixed
+    tl.store(out_ptr + tok * stride_ot + offs_n[:, None] * stride_on + dd[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=dmask[None, :])
+
+
+@triton.jit
 def _mhc_mix(s_ptr, fn_ptr, part_ptr, ssq_ptr, T, K, stride_st, k_chunk, NMIX: tl.constexpr, MIXP: tl.constexpr,
              BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_FN: tl.constexpr):
     """Partial ``(z · fnᵀ, Σ z²)`` of a token tile over one slice of the ``n·D`` values.
@@ -49,14 +79,7 @@ def _mhc_mix(s_ptr, fn_ptr, part_ptr, ssq_ptr, T, K, stride_st, k_chunk, NMIX: t
         zf = z.to(tl.float32)
         ssq += tl.sum(zf * zf, 1)
         if SPLIT_FN:
-            hi = f.to(tl.bfloat16)
-            rest = f - hi.to(tl.float32)
-            mid = rest.to(tl.bfloat16)
-            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            zb = z.to(tl.bfloat16)
-            mix += tl.dot(zb, hi)
-            mix += tl.dot(zb, mid)
-            mix += tl.dot(zb, lo)
+            mix = _split3_dot(mix, z, f)
         else:
             mix += tl.dot(zf, f, input_precision="ieee")
     row = tl.program_id(1) * T + toks
@@ -122,14 +145,8 @@ def _mhc_post(y_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, D, stride_y, stride_st,
     dmask = dd < D
     offs_n = tl.arange(0, N)
     y = tl.load(y_ptr + tok * stride_y + dd, mask=dmask, other=0.0).to(tl.float32)
-    x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dmask[None, :],
-                other=0.0).to(tl.float32)  # [N(j), BLOCK_D]
-    cm = tl.load(comb_ptr + tok * N * N + offs_n[:, None] * N + offs_n[None, :])  # [N(j), N(k)]
-    p = tl.load(post_ptr + tok * N + offs_n)
-    mixed = tl.sum(cm[:, :, None] * x[:, None, :], 0)  # [N(k), BLOCK_D]
-    o = p[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + tok * stride_ot + offs_n[:, None] * stride_on + dd[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=dmask[None, :])
+    _post_mix(y, s_ptr, post_ptr, comb_ptr, out_ptr, tok, dd, dmask, offs_n, stride_st, stride_sn, stride_ot,
+              stride_on, N)
 
 
 def _launch_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, head: bool, outs=None):

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv, interpreting, next_pow2
+from redknot.kernels.triton.mhc import _post_mix
 from redknot.kernels.triton.step_moe_v41 import _LIBDEVICE, _exp
 from redknot.kernels.triton.step_rope_v41 import _mul_rn
 
@@ -129,15 +130,9 @@ def _add_post(a_ptr, b_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, D, stride_a, str
     a = tl.load(a_ptr + tok * stride_a + dd, mask=dmask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + tok * stride_b + dd, mask=dmask, other=0.0).to(tl.float32)
     y = (a + b).to(a_ptr.dtype.element_ty).to(tl.float32)        # the combine, rounded once
-    # mhc._mhc_post's code from here: out[k] = post[k]·y + Σ_j C[j, k]·h[j]
-    x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dmask[None, :],
-                other=0.0).to(tl.float32)  # [N(j), BLOCK_D]
-    cm = tl.load(comb_ptr + tok * N * N + offs_n[:, None] * N + offs_n[None, :])  # [N(j), N(k)]
-    p = tl.load(post_ptr + tok * N + offs_n)
-    mixed = tl.sum(cm[:, :, None] * x[:, None, :], 0)  # [N(k), BLOCK_D]
-    o = p[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + tok * stride_ot + offs_n[:, None] * stride_on + dd[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=dmask[None, :])
+    # then mhc._mhc_post's mix: out[k] = post[k]·y + Σ_j C[j, k]·h[j]
+    _post_mix(y, s_ptr, post_ptr, comb_ptr, out_ptr, tok, dd, dmask, offs_n, stride_st, stride_sn, stride_ot,
+              stride_on, N)
 
 
 def add_post(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

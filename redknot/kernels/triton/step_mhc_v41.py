@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv, next_pow2, sm_count
-from redknot.kernels.triton.mhc import _mhc_mix, mhc_post
+from redknot.kernels.triton.mhc import _mhc_mix, _split3_dot, mhc_post
 
 
 @triton.jit
@@ -60,14 +60,7 @@ def _mix_collapse(s_ptr, fn_ptr, pin_ptr, part_ptr, ssq_ptr, u_ptr, uss_ptr, T, 
                         mask=(offs_m[None, :] < NMIX) & dm[:, None], other=0.0)   # [BLOCK_D, MIXP] fp32
             zf = z.to(tl.float32)
             ssq += tl.sum(zf * zf, 1)
-            hi = f.to(tl.bfloat16)
-            rest = f - hi.to(tl.float32)
-            mid = rest.to(tl.bfloat16)
-            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            zb = z.to(tl.bfloat16)
-            mix += tl.dot(zb, hi)
-            mix += tl.dot(zb, mid)
-            mix += tl.dot(zb, lo)
+            mix = _split3_dot(mix, z, f)
             pc = tl.sum(tl.where(offs_n[None, :] == c, pin, 0.0), 1)               # pre_in[:, c]
             u += pc[:, None] * zf
         ub = u.to(u_ptr.dtype.element_ty)

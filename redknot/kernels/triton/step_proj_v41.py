@@ -38,6 +38,7 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, interpreting, next_pow2
 from redknot.kernels.triton.gemv_mx import _e4m3x4
+from redknot.kernels.triton.mhc import _post_mix
 from redknot.kernels.triton.quant_mx import (
     e2m1_code,
     e2m1_value,
@@ -389,14 +390,8 @@ def _post_block(y_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, tok, dblk, D, stride_
     dmask = dd < D
     offs_n = tl.arange(0, N)
     y = tl.load(y_ptr + tok * stride_y + dd, mask=dmask, other=0.0).to(tl.float32)
-    x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dmask[None, :],
-                other=0.0).to(tl.float32)  # [N(j), BLOCK_D]
-    cm = tl.load(comb_ptr + tok * N * N + offs_n[:, None] * N + offs_n[None, :])  # [N(j), N(k)]
-    p = tl.load(post_ptr + tok * N + offs_n)
-    mixed = tl.sum(cm[:, :, None] * x[:, None, :], 0)  # [N(k), BLOCK_D]
-    o = p[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + tok * stride_ot + offs_n[:, None] * stride_on + dd[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=dmask[None, :])
+    _post_mix(y, s_ptr, post_ptr, comb_ptr, out_ptr, tok, dd, dmask, offs_n, stride_st, stride_sn, stride_ot,
+              stride_on, N)
 
 
 @triton.jit
