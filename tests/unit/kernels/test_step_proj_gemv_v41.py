@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from redknot.kernels import mx_formats as mx
+from step_proj_cases import fp8_weight, reference
+
 from redknot.kernels import ref_v41, tuning_cache
 from redknot.kernels.triton import gemm_mx, gemv_mx
 from redknot.kernels.triton import step_proj_v41 as sp
@@ -20,17 +21,10 @@ from redknot.kernels.triton.step_proj_v41 import (
     linear_post,
     proj_rows,
 )
-from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
+from redknot.kernels.triton.step_rope_v41 import rope_table
 from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
 NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
-
-
-def fp8_weight(n, k, g, device):
-    w = torch.randn(n, k, generator=g) * 0.05
-    w[:, :32] *= 16                                        # tiles of other scales
-    q, s = mx.quant_fp8_blocks(w, 32)
-    return q.to(device), s.to(device)
 
 
 def case_inputs(t, k, seed, device):
@@ -40,14 +34,6 @@ def case_inputs(t, k, seed, device):
     x[-1, 64:96] *= 1e-3                                   # and a small one
     pos = torch.randint(0, 1 << 20, (t,), generator=g).to(device)
     return x, pos, g
-
-
-def reference(x, spec, cos, sin, name):
-    """The launches the GEMV form stands for: ``linear_mx`` with the ``name`` decode, then ``rope_rows``."""
-    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode=name, path="splitk")
-    c, s = (cos, sin) if spec.rope else (cos[:, :0], sin[:, :0])
-    return rope_rows(y.view(x.shape[0], spec.heads, spec.dim), c, s, norm_w=spec.norm_w, eps=spec.eps,
-                     qdq=spec.qdq)
 
 
 @pytest.mark.parametrize("name", NAMES)

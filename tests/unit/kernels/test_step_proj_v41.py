@@ -7,11 +7,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from redknot.kernels import mx_formats as mx
+from step_proj_cases import fp8_weight, reference
+
 from redknot.kernels import ref_v41
 from redknot.kernels.triton import gemm_mx
 from redknot.kernels.triton.step_proj_v41 import Proj, proj_rows
-from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
+from redknot.kernels.triton.step_rope_v41 import rope_table
 from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
 
@@ -25,20 +26,6 @@ def _small_rows_class_off():
     tuning_cache.use_small_rows_class(False)
     yield
     tuning_cache.use_small_rows_class(before)
-
-
-def fp8_weight(n, k, g, device):
-    w = torch.randn(n, k, generator=g) * 0.05
-    w[:, :32] *= 16                                        # tiles of other scales
-    q, s = mx.quant_fp8_blocks(w, 32)
-    return q.to(device), s.to(device)
-
-
-def reference(x, spec, cos, sin):
-    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode="fp8", path="splitk")
-    y = y.view(x.shape[0], spec.heads, spec.dim)
-    c, s = (cos, sin) if spec.rope else (cos[:, :0], sin[:, :0])
-    return rope_rows(y, c, s, norm_w=spec.norm_w, eps=spec.eps, qdq=spec.qdq)
 
 
 def case_inputs(t, k, seed, device):
