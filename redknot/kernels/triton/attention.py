@@ -115,18 +115,10 @@ def _key_rows(kb, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cach
 
 
 @triton.jit
-def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prope_ptr, pml_ptr,
-                     tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr, bt_ptr, topk_ptr, sink_ptr,
-                     cos_ptr, sin_ptr, nsplit,
-                     stride_qt, stride_qh, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce,
-                     stride_ot, stride_oh, stride_bt, stride_tk,
-                     qk_scale, ring_size, window, ratio, block_size, num_topk,
-                     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_N: tl.constexpr, COMP: tl.constexpr, SPLIT: tl.constexpr, HAS_RING: tl.constexpr,
-                     HAS_SINK: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
-    tok = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_s = tl.program_id(2)
+def _query_span(tok, tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr, window, ratio, num_topk,
+                COMP: tl.constexpr, HAS_RING: tl.constexpr):
+    """Query ``tok``'s sequence ``b``, context length, first query row, ring slot, first window
+    key ``lo`` and its window / compressed key counts."""
     b = tl.load(tok_seq_ptr + tok)
     t = tl.load(pos_ptr + tok)
     ctx = tl.load(ctx_ptr + b)
@@ -141,6 +133,24 @@ def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prop
         n_comp = num_topk
     elif COMP == 2:
         n_comp = (t + 1) // ratio
+    return b, ctx, qs, slot, lo, n_swa, n_comp
+
+
+@triton.jit
+def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prope_ptr, pml_ptr,
+                     tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr, bt_ptr, topk_ptr, sink_ptr,
+                     cos_ptr, sin_ptr, nsplit,
+                     stride_qt, stride_qh, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce,
+                     stride_ot, stride_oh, stride_bt, stride_tk,
+                     qk_scale, ring_size, window, ratio, block_size, num_topk,
+                     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, RD: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_N: tl.constexpr, COMP: tl.constexpr, SPLIT: tl.constexpr, HAS_RING: tl.constexpr,
+                     HAS_SINK: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr):
+    tok = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b, ctx, qs, slot, lo, n_swa, n_comp = _query_span(tok, tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr,
+                                                      window, ratio, num_topk, COMP, HAS_RING)
     n_tot = n_swa + n_comp
     chunk = tl.cdiv(tl.cdiv(n_tot, nsplit), BLOCK_N) * BLOCK_N
     k_lo = pid_s * chunk

@@ -41,6 +41,7 @@ from redknot.kernels.triton.attention import (
     COMP_TOPK,
     PrefillTConfig,
     _key_rows,
+    _query_span,
 )
 from redknot.kernels.triton.attention_prefill_mx import _online_t, _store_t
 
@@ -134,20 +135,8 @@ def _sparse_attn_prefill_t(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, tok_seq_
     O = P·K [BLOCK_H, D] in D_SPLIT (1, 2, 4) column chunks; PREFETCH: a block's row pointers one block ahead."""
     DC: tl.constexpr = D // D_SPLIT
     tok = tl.program_id(0)
-    b = tl.load(tok_seq_ptr + tok)
-    t = tl.load(pos_ptr + tok)
-    ctx = tl.load(ctx_ptr + b)
-    qs = tl.load(qstart_ptr + b)
-    slot = 0
-    if HAS_RING:
-        slot = tl.load(slot_ptr + b)
-    lo = tl.maximum(t - window + 1, 0)
-    n_swa = t - lo + 1
-    n_comp = 0
-    if COMP == 1:
-        n_comp = num_topk
-    elif COMP == 2:
-        n_comp = (t + 1) // ratio
+    b, ctx, qs, slot, lo, n_swa, n_comp = _query_span(tok, tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr,
+                                                      window, ratio, num_topk, COMP, HAS_RING)
 
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
