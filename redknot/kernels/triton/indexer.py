@@ -67,6 +67,30 @@ def _compact(buf, count, rows_ok, BLOCK_T: tl.constexpr, CAP: tl.constexpr, K: t
 
 
 @triton.jit
+def _append(buf, count, theta, key, keep, rows_ok, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+            CAP: tl.constexpr, K: tl.constexpr):
+    """Append each row's kept keys to its buffer (compacting first when a full block might not fit);
+    return (new counts, new thetas)."""
+    if tl.max(count, 0) + BLOCK_N > CAP:
+        count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
+        keep = keep & (key > theta[:, None])
+    slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
+    tl.store(buf + slot, key, mask=keep)
+    count += tl.sum(keep.to(tl.int32), 1)
+    return count, theta
+
+
+@triton.jit
+def _store_best(buf, count, rows_ok, rows, cand_ptr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr):
+    """Each row's best K keys (descending, padded with the empty key) to ``cand_ptr[rows]``."""
+    count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
+    offs_k = tl.arange(0, K)
+    best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
+                   other=_EMPTY)
+    tl.store(cand_ptr + rows[:, None] * K + offs_k[None, :], best, mask=rows_ok[:, None])
+
+
+@triton.jit
 def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_len_ptr, tile_seq_ptr,
                     buf_ptr, cand_ptr, nsplit,
                     stride_qt, stride_qh, stride_wt, stride_kb, stride_ke, stride_bt,
@@ -126,17 +150,8 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
         key = _pack(score, ents[None, :])
         vis = ok[None, :] & (ents[None, :] < n_vis[:, None]) & rows_ok[:, None]
         keep = vis & (key > theta[:, None])
-        if tl.max(count, 0) + BLOCK_N > CAP:
-            count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
-            keep = keep & (key > theta[:, None])
-        slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
-        tl.store(buf + slot, key, mask=keep)
-        count += tl.sum(keep.to(tl.int32), 1)
-    count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
-    offs_k = tl.arange(0, K)
-    best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
-                   other=_EMPTY)
-    tl.store(cand_ptr + rows[:, None] * K + offs_k[None, :], best, mask=rows_ok[:, None])
+        count, theta = _append(buf, count, theta, key, keep, rows_ok, BLOCK_T, BLOCK_N, CAP, K)
+    _store_best(buf, count, rows_ok, rows, cand_ptr, BLOCK_T, CAP, K)
 
 
 @triton.jit

@@ -16,8 +16,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton.indexer import _EMPTY, _compact, _pack
+from redknot.kernels.triton.indexer import _EMPTY, _append, _pack, _store_best
 from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
+
 
 @triton.jit
 def _index_keys(key_ptr, ent, ok, stride_k, DI: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -200,17 +201,8 @@ def _index_stream(q_ptr, w_ptr, key_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb_
             s = tl.sum(tl.maximum(d, 0.0) * w[:, :, None], 1)                          # [BT, BN]
         key, keep = _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j, NB,
                                BLOCK_T, BLOCK_N, BS, BLOCKMAX)
-        if tl.max(count, 0) + BLOCK_N > CAP:
-            count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
-            keep = keep & (key > theta[:, None])
-        slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
-        tl.store(buf + slot, key, mask=keep)
-        count += tl.sum(keep.to(tl.int32), 1)
-    count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
-    offs_k = tl.arange(0, K)
-    best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
-                   other=_EMPTY)
-    tl.store(cand_ptr + rows[:, None] * K + offs_k[None, :], best, mask=rows_ok[:, None])
+        count, theta = _append(buf, count, theta, key, keep, rows_ok, BLOCK_T, BLOCK_N, CAP, K)
+    _store_best(buf, count, rows_ok, rows, cand_ptr, BLOCK_T, CAP, K)
 
 
 @triton.jit
