@@ -18,7 +18,10 @@ experts. In a replayed graph each launch costs its fixed few microseconds, not i
   (the bits of ``act_quant_mx``), the W2 stream (``stream_fp8.fp8_stream``), and one reduction that sums
   W2's slices, rounds to bf16 and adds the routed experts' bf16 sum in fp32: ``bf16(routed + shared)``. At
   one or two rows (``PROLOGUE_MAX_ROWS``) the W2 stream forms its slice of the W2 input itself from the
-  W1 | W3 partials (the same bits; three launches).
+  W1 | W3 partials (the same bits; three launches). At one to four bf16 rows the W1 | W3 stream and the W2
+  stream may each be a CUDA-core GEMV (``gemv_mx``'s decode; ``step_proj_v41.STEP_SMALL_TUNER`` /
+  ``STEP_W2_TUNER`` choose, ``fp8`` first): W2's GEMV reads the SwiGLU rows quantised once by
+  ``_swiglu_quant`` (bf16 QDQ values, one launch more than the prologue stream). Not measured on the H200.
 
 With the dense linears' ``fp8`` decode (``gemm_mx.LINEAR_DECODE_TUNER``'s first choice) every partial and
 every sum is the one ``linear_mx`` computes, so the shared expert keeps its bits; with another decode the
@@ -213,19 +216,21 @@ def _route_gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KSPL
 def _route_gate_up_gemv(x_ptr, KW, stride_x, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, N, KSPLIT, NB, stride_bn,
                         stride_sbn, stride_ps, stride_pm, l_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale,
                         WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_ASM: tl.constexpr, ROUTE: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                        NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr, LIBDEVICE: tl.constexpr):
+                        USE_ASM: tl.constexpr, QX: tl.constexpr, ROUTE: tl.constexpr, TOPK: tl.constexpr,
+                        KP: tl.constexpr, NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr,
+                        LIBDEVICE: tl.constexpr):
     """``_route_gate_up`` with the W1 | W3 stream as CUDA-core GEMV programs (``step_proj_v41._gemv_tile``: raw
-    bf16 rows quantised per 32 inside, ``gemv_mx``'s word-wise FP8 decode): program columns [0, NB) W1 into
-    partial columns [0, N), [NB, 2·NB) W3 into [N, 2N), then (ROUTE) one routing program per token."""
+    bf16 rows quantised per 32 inside, or with QX rows quantised before; ``gemv_mx``'s word-wise FP8 decode):
+    program columns [0, NB) W1 into partial columns [0, N), [NB, 2·NB) W3 into [N, 2N), then (ROUTE) one
+    routing program per token."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if pid_n < NB:
         _gemv_tile(x_ptr, b1_ptr, sb1_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x, stride_bn, stride_sbn,
-                   stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+                   stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
     elif pid_n < 2 * NB:
         _gemv_tile(x_ptr, b3_ptr, sb3_ptr, p_ptr + N, pid_n - NB, pid_s, N, KW, KSPLIT, stride_x, stride_bn,
-                   stride_sbn, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+                   stride_sbn, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
     elif ROUTE:  # noqa: SIM102  (a constexpr branch, then a runtime one)
         if pid_s == 0:
             _route_row(l_ptr, bias_ptr, ids_ptr, w_ptr, pid_n - 2 * NB, E, stride_l, inv_temp, scale, TOPK, KP, NORM,
@@ -234,9 +239,10 @@ def _route_gate_up_gemv(x_ptr, KW, stride_x, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p
 
 @triton.jit
 def _swiglu_quant(p_ptr, q_ptr, s_ptr, N, S, stride_ps, stride_pm, stride_q, stride_s, limit,
-                  BLOCK_G: tl.constexpr, LIBDEVICE: tl.constexpr):
+                  BLOCK_G: tl.constexpr, LIBDEVICE: tl.constexpr, QDQ_BF16: tl.constexpr = False):
     """Row r, BLOCK_G groups of 32 columns: g, u = bf16(Σ_s p) of W1 / W3 (slice order), the SwiGLU of
-    ``moe.swiglu_expert`` in fp32, bf16, then the per-32 e4m3 + E8M0 of ``act_quant_mx``."""
+    ``moe.swiglu_expert`` in fp32, bf16, then the per-32 e4m3 + E8M0 of ``act_quant_mx``. QDQ_BF16: the
+    quantised values times their powers of two as bf16 (exact; ``qdq_bf16``'s bits) at ``q_ptr``, no scales."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * (BLOCK_G * 32) + tl.arange(0, BLOCK_G * 32)
     cm = cols < N
@@ -253,9 +259,13 @@ def _swiglu_quant(p_ptr, q_ptr, s_ptr, N, S, stride_ps, stride_pm, stride_q, str
     ag = tl.reshape(act, (BLOCK_G, 32))
     e = e8m0_exponent(tl.max(tl.abs(ag), 1), 448.0, 1e-4)
     q = tl.minimum(tl.maximum(ag * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
-    tl.store(q_ptr + r * stride_q + cols, tl.reshape(q, (BLOCK_G * 32,)), mask=cm)
-    gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    tl.store(s_ptr + r * stride_s + gs, (e + 127).to(tl.uint8), mask=gs * 32 < N)
+    if QDQ_BF16:
+        v = (q.to(tl.float32) * pow2(e)[:, None]).to(tl.bfloat16)
+        tl.store(q_ptr + r * stride_q + cols, tl.reshape(v, (BLOCK_G * 32,)), mask=cm)
+    else:
+        tl.store(q_ptr + r * stride_q + cols, tl.reshape(q, (BLOCK_G * 32,)), mask=cm)
+        gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        tl.store(s_ptr + r * stride_s + gs, (e + 127).to(tl.uint8), mask=gs * 32 < N)
 
 
 @triton.jit
@@ -361,8 +371,9 @@ def _check_shared(u, w1, s1, w3, s3, w2, block: int, name: str):
 def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None, stream: str | None = None) -> torch.Tensor:
     """The W1 | W3 partials [S, T, 2I] (``_route_gate_up``); ``route``: (logits, bias, ids, w, k, temp, norm,
     scale), the router's programs (one per token) in the same launch. ``stream``: ``fp8`` (the FP8 MMA stream) or
-    a ``gemv_mx.PLANS`` dense shape (at most ``gemv_mx.MAX_ROWS`` bf16 rows: ``_route_gate_up_gemv``, each linear's
-    slice sums the bits of ``gemv_mx.gemv_fp8``); None: ``step_proj_v41.small_choice``'s for (W1, W3)."""
+    a ``step_proj_v41.STEP_SMALL_TUNER`` GEMV name (at most ``gemv_mx.MAX_ROWS`` bf16 rows: ``_route_gate_up_gemv``,
+    ``qgemv*`` with the rows quantised once by a ``qdq_bf16`` launch before; each linear's slice sums the bits of
+    ``gemv_mx.gemv_fp8``); None: ``step_proj_v41.small_choice``'s for (W1, W3)."""
     from redknot.kernels.triton import step_proj_v41 as sp
     T, D = u.shape
     inter = w1.shape[0]
@@ -400,8 +411,10 @@ def _gate_up_gemv(u, w1, s1, w3, s3, block: int, route, name: str) -> torch.Tens
     """:func:`_gate_up_launch` with the GEMV shape ``name``: one launch, the W1 | W3 partials [S, T, 2I] with the K
     slices ``gemv_mx.slices`` cuts for [I, D]."""
     from redknot.kernels.triton import gemv_mx
-    from redknot.kernels.triton.dequant_mx import as_bytes
-    plan = gemv_mx.PLANS[name]
+    from redknot.kernels.triton.dequant_mx import as_bytes, qdq_bf16
+    from redknot.kernels.triton.step_proj_v41 import plan_name
+    plan = gemv_mx.PLANS[plan_name(name)]
+    quantised = name.startswith("qgemv")
     T, D = u.shape
     inter = w1.shape[0]
     if T > gemv_mx.MAX_ROWS or u.dtype != torch.bfloat16 or block % plan.block_n or u.stride(0) % 2:
@@ -413,10 +426,12 @@ def _gate_up_gemv(u, w1, s1, w3, s3, block: int, route, name: str) -> torch.Tens
     nb = cdiv(inter, plan.block_n)
     b1, b3 = as_bytes(w1).view(torch.int32), as_bytes(w3).view(torch.int32)
     rargs, rkw = _route_args(route, p1)
+    if quantised:
+        u = qdq_bf16(u)
     _route_gate_up_gemv[(2 * nb + (T if route is not None else 0), S)](
         u.view(torch.int32), D // 4, u.stride(0) // 2, b1, s1, b3, s3, p1, inter, ks, nb, b1.stride(0), s1.stride(0),
         p1.stride(0), p1.stride(1), *rargs, WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk,
-        USE_ASM=gemv_mx._use_asm(), LIBDEVICE=_LIBDEVICE, **rkw, num_warps=plan.num_warps,
+        USE_ASM=gemv_mx._use_asm(), QX=quantised, LIBDEVICE=_LIBDEVICE, **rkw, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
     return p1
 
@@ -429,13 +444,49 @@ def post_mix_fits(D: int, h: torch.Tensor) -> bool:
     return h.dim() == 3 and h.shape[2] == D and D % bd == 0 and n & (n - 1) == 0
 
 
+def _w2_gemv(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, block: int,
+             name: str) -> torch.Tensor:
+    """W2's fp32 partials [S, T, D] as a CUDA-core GEMV (``gemv_mx.PLANS[name]``) in two launches: the SwiGLU
+    of the W1 | W3 partials quantised per 32 as bf16 rows (``_swiglu_quant`` with QDQ_BF16), then
+    ``gemv_mx._gemv_fp8`` over them with the K slices ``gemv_mx.slices`` cuts for W2: Σ_s in slice order is
+    ``gemv_mx.gemv_fp8(act, W2)``'s fp32 output bit for bit (act: the bf16 SwiGLU rows)."""
+    from redknot.kernels.triton import gemv_mx
+    from redknot.kernels.triton.dequant_mx import as_bytes
+    plan = gemv_mx.PLANS[name]
+    S1, T, two_i = p1.shape
+    inter = two_i // 2
+    D = w2.shape[0]
+    if T > gemv_mx.MAX_ROWS or block % plan.block_n:
+        raise ValueError(f"shared_expert_finish: the W2 GEMV takes at most {gemv_mx.MAX_ROWS} rows and a scale tile "
+                         f"({block}) that its {plan.block_n} columns divide")
+    act = torch.empty(T, inter, dtype=torch.bfloat16, device=p1.device)
+    bg = min(16, next_pow2(inter // 32))
+    _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, act, act, inter, S1, p1.stride(0), p1.stride(1), act.stride(0), 0,
+                                              float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE, QDQ_BF16=True,
+                                              num_warps=4)
+    bk = gemv_mx._block_k(inter, plan.block_k)
+    S2, ks2 = gemv_mx.slices(D, inter, plan)
+    p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
+    wb = as_bytes(w2).view(torch.int32)
+    gemv_mx._gemv_fp8[(cdiv(D, plan.block_n), S2)](
+        act.view(torch.int32), wb, s2, p2, D, inter // 4, ks2, act.stride(0) // 2, wb.stride(0), s2.stride(0),
+        p2.stride(0), p2.stride(1), WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(),
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return p2
+
+
 def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
-                         block: int = 32, prologue: bool | None = None, mix=None) -> torch.Tensor:
+                         block: int = 32, prologue: bool | None = None, mix=None,
+                         stream: str | None = None) -> torch.Tensor:
     """bf16(routed + W2(SwiGLU)) [T, D] from the W1 | W3 partials ``p1`` [S, T, 2I] of :func:`route_and_gate_up`:
     the SwiGLU + quantisation, the W2 stream, the reduction with the combine (``prologue``: the W2 stream
     forms its input; None: up to ``PROLOGUE_MAX_ROWS`` rows). Same bits either way. ``mix`` = (h, post, comb): the
     last launch also runs ``mhc_post(out, h, post, comb)`` per block and returns h' [T, n, D] (the same bits;
-    ``post_mix_fits`` must hold)."""
+    ``post_mix_fits`` must hold). ``stream``: W2's weight stream, ``fp8`` or (at most ``gemv_mx.MAX_ROWS`` bf16
+    rows) a ``gemv_mx.PLANS`` dense shape (:func:`_w2_gemv`: one launch more, W2's sums those of
+    ``gemv_mx.gemv_fp8``, behind ``stream_guard``'s first-use check of that shape); None:
+    ``step_proj_v41.small_choice``'s with ``STEP_W2_TUNER`` (``fp8`` first)."""
+    from redknot.kernels.triton import step_proj_v41 as sp
     from redknot.kernels.triton.stream_fp8 import fp8_stream
 
     S1, T, two_i = p1.shape
@@ -448,6 +499,16 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
     if T == 0:
         return out if mix is None else torch.empty_like(mix[0])
     s2 = s2.view(torch.uint8)
+    if stream is None:
+        def timed(c):  # STEP_W2_TUNER times a choice on the first row
+            one = None if mix is None else (mix[0][:1], mix[1][:1], mix[2][:1])
+            return shared_expert_finish(p1[:, :1], w2, s2, limit, routed[:1], block, prologue, one, stream=c)
+        stream = sp.small_choice("w2", routed, [w2], block, timed, tuner=sp.STEP_W2_TUNER) or "fp8"
+    if stream != "fp8":
+        from redknot.kernels.triton import stream_guard
+        return stream_guard.with_fallback(
+            p1.device, stream, lambda: _finish(_w2_gemv(p1, w2, s2, limit, block, stream), routed, out, mix),
+            lambda: shared_expert_finish(p1, w2, s2, limit, routed, block, prologue, mix, stream="fp8"))
     S2, ks2, bm2, bn2 = _slices(D, inter, T)
     p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
     if prologue is None:
@@ -466,6 +527,13 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
                                                   sa.stride(0), float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE,
                                                   num_warps=4)
         fp8_stream(aq, sa, w2, s2, p2, ks2, block, bm2, bn2, num_warps=4)
+    return _finish(p2, routed, out, mix)
+
+
+def _finish(p2: torch.Tensor, routed: torch.Tensor, out: torch.Tensor, mix) -> torch.Tensor:
+    """:func:`shared_expert_finish`'s last launch: W2's slices summed, rounded, added to ``routed`` into ``out``
+    (and with ``mix`` the mHC post mix, returning h')."""
+    S2, T, D = p2.shape
     routed = routed if routed.stride(-1) == 1 else routed.contiguous()
     if mix is not None:
         h, post, comb = mix

@@ -22,9 +22,12 @@ At 1-4 rows (decode at batch 1-4) the first launch may instead be a CUDA-core GE
 that the same epilogue launch sums: still two launches, and the bits of ``gemv_mx.gemv_fp8`` followed by the
 row epilogue (the same exact products as the ``fp8`` stream in another summation order). ``STEP_SMALL_TUNER``
 chooses per launch (the weights' shapes) between ``fp8`` (first: taken untimed off the GPU, under capture, with
-tuning off) and ``gemv_mx.PLANS``' dense shapes, timed on one row on the first call outside capture, each GEMV
-behind its first-use check (:func:`self_check` through ``stream_guard.first_use``); a launch first met under
-capture keeps ``fp8`` for the process, so eager and graph steps compute the same bits.
+tuning off), ``gemv_mx.PLANS``' dense shapes and the same shapes with the rows quantised once (``qgemv*``: one
+``qdq_bf16`` launch before the stream, which then runs ``gemv_fp8``'s own loop instead of quantising in every
+program: 984 SASS instead of 1128 for the two-weight kernel at one row on sm_90a; three launches, the same bits),
+timed on one row on the first call outside capture, each GEMV behind its first-use check (:func:`self_check`
+through ``stream_guard.first_use``); a launch first met under capture keeps ``fp8`` for the process, so eager
+and graph steps compute the same bits.
 ``tuning_cache.small_rows_class()`` False or ``gemm_mx.SMALL_ROWS_CLASS`` False: ``fp8`` always (the bits of
 the tensor-core stream at every row count). Not measured on the H200.
 """
@@ -37,7 +40,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import ConfigTuner, cdiv, interpreting, next_pow2
-from redknot.kernels.triton.gemv_mx import _e4m3x4
+from redknot.kernels.triton.gemv_mx import _e4m3x4, _row_fma
 from redknot.kernels.triton.mhc import _post_mix
 from redknot.kernels.triton.quant_mx import (
     e2m1_code,
@@ -51,8 +54,14 @@ from redknot.kernels.triton.step_rope_v41 import _mul_rn
 # Rows up to which the step runs these kernels (decode and speculative verify), as the MoE's step kernels.
 MAX_ROWS = 16
 # The first launch's weight stream at up to ``gemv_mx.MAX_ROWS`` rows, per launch (key: the weights' shapes):
-# the ``fp8`` tensor-core stream (first) or a ``gemv_mx.PLANS`` dense GEMV shape (module docstring).
-STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", "gemv", "gemv_n16", "gemv_k128"])
+# the ``fp8`` tensor-core stream (first), a ``gemv_mx.PLANS`` dense GEMV shape with the rows quantised inside every
+# program, or the same shape with a ``q`` in front: the rows quantised once (``qdq_bf16``, one small launch before
+# the stream) and read as ``gemv_mx._gemv_fp8`` reads them (module docstring).
+GEMV_NAMES = ("gemv", "gemv_n16", "gemv_k128")
+STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", *GEMV_NAMES, *("q" + n for n in GEMV_NAMES)])
+# The shared expert's W2 stream at up to ``gemv_mx.MAX_ROWS`` rows (``step_moe_v41.shared_expert_finish``; key:
+# W2's shape): ``fp8`` (first) or a ``gemv_mx.PLANS`` dense shape on the quantised SwiGLU rows.
+STEP_W2_TUNER = ConfigTuner("step_w2_small", ["fp8", *GEMV_NAMES])
 # A ``STEP_SMALL_TUNER`` candidate every launch takes instead of the tuner's choice (tests and the launch count of
 # ``benchmarks/step_kernels_v41.py``); None: the tuner's. The small-row class off still gives ``fp8``.
 FORCE_SMALL = None
@@ -142,11 +151,22 @@ def _row_fma_qdq(acc, w0, w1, w2, w3, x_ptr, koff, kbase, sc, W: tl.constexpr):
 
 
 @triton.jit
+def _fma_rows(acc, w0, w1, w2, w3, x_ptr, koff, kbase, sc, W: tl.constexpr, QX: tl.constexpr):
+    """One row's step: QX, rows already QDQ'd (``gemv_mx._row_fma``), else raw rows QDQ'd here."""
+    if QX:
+        acc = _row_fma(acc, w0, w1, w2, w3, x_ptr, koff, sc)
+    else:
+        acc = _row_fma_qdq(acc, w0, w1, w2, w3, x_ptr, koff, kbase, sc, W)
+    return acc
+
+
+@triton.jit
 def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x, stride_w, stride_s, stride_ps,
                stride_pm, WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               USE_ASM: tl.constexpr):
-    """``gemv_mx._gemv_fp8``'s program (column block ``pid_n``, K slice ``pid_s``) on raw bf16 rows, each
-    quantised per 32 inside (:func:`_qdq_words`): the same exact products in the same order as ``gemv_fp8`` on
+               USE_ASM: tl.constexpr, QX: tl.constexpr):
+    """``gemv_mx._gemv_fp8``'s program (column block ``pid_n``, K slice ``pid_s``) on bf16 rows: QX, rows already
+    quantised per 32 (``qdq_bf16``: ``gemv_fp8``'s own loop), else raw rows quantised per 32 inside
+    (:func:`_qdq_words`). Either way the same exact products in the same order as ``gemv_fp8`` on
     ``qdq_bf16(x)``, fp32 partials p[pid_s, row, cols]."""
     W: tl.constexpr = BLOCK_K // 4
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,13 +192,13 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x
         w0, w1, w2, w3 = _e4m3x4(w, USE_ASM)
         sc = e8m0_decode(sb)
         koff = 2 * k_step + xoff
-        acc0 = _row_fma_qdq(acc0, w0, w1, w2, w3, x_ptr, koff, 2 * k_step, sc, W)
+        acc0 = _fma_rows(acc0, w0, w1, w2, w3, x_ptr, koff, 2 * k_step, sc, W, QX)
         if ROWS > 1:
-            acc1 = _row_fma_qdq(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, 2 * k_step, sc, W)
+            acc1 = _fma_rows(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, 2 * k_step, sc, W, QX)
         if ROWS > 2:
-            acc2 = _row_fma_qdq(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, 2 * k_step, sc, W)
+            acc2 = _fma_rows(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, 2 * k_step, sc, W, QX)
         if ROWS > 3:
-            acc3 = _row_fma_qdq(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, 2 * k_step, sc, W)
+            acc3 = _fma_rows(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, 2 * k_step, sc, W, QX)
         w, sb = w_n, sb_n
     base = p_ptr + pid_s.to(tl.int64) * stride_ps + cols
     tl.store(base, tl.sum(acc0, 1), mask=cmask)
@@ -195,29 +215,38 @@ def _gemv2(x_ptr, KW, stride_x,
            w0_ptr, s0_ptr, p0_ptr, N0, KS0, S0, NB0, stride_w0, stride_s0, stride_p0s, stride_p0m,
            w1_ptr, s1_ptr, p1_ptr, N1, KS1, S1, stride_w1, stride_s1, stride_p1s, stride_p1m,
            WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           USE_ASM: tl.constexpr):
-    """Column blocks [0, NB0) stream weight 0 (slices < S0), the rest weight 1 (slices < S1), as ``_stream2``."""
+           USE_ASM: tl.constexpr, QX: tl.constexpr):
+    """Column blocks [0, NB0) stream weight 0 (slices < S0), the rest weight 1 (slices < S1), as ``_stream2``;
+    QX: the rows come quantised (:func:`_gemv_tile`)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if pid_n < NB0:
         if pid_s < S0:
             _gemv_tile(x_ptr, w0_ptr, s0_ptr, p0_ptr, pid_n, pid_s, N0, KW, KS0, stride_x, stride_w0, stride_s0,
-                       stride_p0s, stride_p0m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+                       stride_p0s, stride_p0m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
     else:
         if pid_s < S1:
             _gemv_tile(x_ptr, w1_ptr, s1_ptr, p1_ptr, pid_n - NB0, pid_s, N1, KW, KS1, stride_x, stride_w1,
-                       stride_s1, stride_p1s, stride_p1m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM)
+                       stride_s1, stride_p1s, stride_p1m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
+
+
+def plan_name(name: str) -> str:
+    """The ``gemv_mx.PLANS`` shape of a step GEMV candidate (``qgemv*``: ``gemv*`` on rows quantised once)."""
+    return name[1:] if name.startswith("qgemv") else name
 
 
 def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int,
-                  name: str) -> list[torch.Tensor]:
+                  name: str, xq: torch.Tensor | None = None) -> list[torch.Tensor]:
     """fp32 partials [S_i, T, N_i] of ``QDQ_fp8(x) · dequant(W_i)ᵀ`` for one or two FP8 weights over the same
     T <= ``gemv_mx.MAX_ROWS`` raw bf16 rows x [T, K], in one launch of the GEMV shape ``gemv_mx.PLANS[name]``
     (each weight's K slices as ``gemv_mx.slices`` cuts them): Σ_s in slice order, cast, is
-    ``gemv_mx.gemv_fp8(x, W_i)``'s output bit for bit."""
+    ``gemv_mx.gemv_fp8(x, W_i)``'s output bit for bit. ``name`` ``qgemv*``: the rows quantised once first
+    (``xq``, the bf16 ``qdq_bf16(x)``, when the caller has it; else one ``qdq_bf16`` launch) and the stream reads
+    them as ``gemv_fp8`` does (no quantisation inside); the same bits."""
     from redknot.kernels.triton import gemv_mx
-    from redknot.kernels.triton.dequant_mx import as_bytes
-    plan = gemv_mx.PLANS[name]
+    from redknot.kernels.triton.dequant_mx import as_bytes, qdq_bf16
+    quantised = name.startswith("qgemv")
+    plan = gemv_mx.PLANS[plan_name(name)]
     T, K = x.shape
     if (T > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or block % plan.block_n or block % 32
             or not 1 <= len(weights) <= 2):
@@ -229,6 +258,10 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
     parts = [torch.empty(c[0], T, w.shape[0], dtype=torch.float32, device=x.device) for c, (w, _) in zip(cuts, weights)]
     if T == 0:
         return parts
+    if quantised:
+        x = qdq_bf16(x) if xq is None else xq
+        if x.shape != (T, K) or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.stride(0) % 2:
+            raise ValueError(f"gemv_partials: quantised rows {tuple(x.shape)} {x.dtype} must be bf16 [{T}, {K}]")
     ws = [(as_bytes(w).view(torch.int32), as_bytes(s)) for w, s in weights]
     two = list(zip(ws, cuts, parts))
     if len(two) == 1:
@@ -240,8 +273,8 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
         x.view(torch.int32), K // 4, x.stride(0) // 2,
         w0, s0, p0, w0.shape[0], c0[1], c0[0], nb0, w0.stride(0), s0.stride(0), p0.stride(0), p0.stride(1),
         w1, s1, p1, w1.shape[0], c1[1], c1[0], w1.stride(0), s1.stride(0), p1.stride(0), p1.stride(1),
-        WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), QX=quantised,
+        num_warps=plan.num_warps, num_stages=plan.num_stages)
     return parts
 
 
@@ -267,23 +300,26 @@ def self_check(name: str, device: torch.device, seed: int = 1234) -> str | None:
 
 
 def small_choice(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor], block: int,
-                 run) -> str | None:
+                 run, tuner: ConfigTuner | None = None) -> str | None:
     """The GEMV shape (a ``gemv_mx.PLANS`` name) the step's launch ``kind`` streams these weights with at this
     call's rows, or None (the ``fp8`` stream): None above ``gemv_mx.MAX_ROWS`` rows, for 16-bit rows other than
     bf16, with the small-row class off (``tuning_cache.small_rows_class()`` / ``gemm_mx.SMALL_ROWS_CLASS``), and
     where ``STEP_SMALL_TUNER`` (key: the launch's weight shapes; ``run(choice)`` times one) keeps ``fp8``. A key
-    first met under CUDA-graph capture keeps ``fp8`` for the process (eager and graph steps: one choice)."""
+    first met under CUDA-graph capture keeps ``fp8`` for the process (eager and graph steps: one choice).
+    ``tuner``: another tuner of the same pattern (``STEP_W2_TUNER``)."""
     from redknot.kernels import tuning_cache
     from redknot.kernels.triton import gemm_mx, gemv_mx
     if (x.shape[0] > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or not gemm_mx.SMALL_ROWS_CLASS
             or not tuning_cache.small_rows_class()):
         return None
-    if FORCE_SMALL is not None:
-        return None if FORCE_SMALL == "fp8" else FORCE_SMALL
+    tuner = STEP_SMALL_TUNER if tuner is None else tuner
+    if FORCE_SMALL is not None:  # a ``qgemv*`` name gives the W2 tuner its ``gemv*`` shape
+        forced = FORCE_SMALL if FORCE_SMALL in tuner.candidates else plan_name(FORCE_SMALL)
+        return None if forced == "fp8" else forced
     key = (kind, tuple(tuple(w.shape) for w in weights), block)
-    if key not in STEP_SMALL_TUNER.choices and x.is_cuda and torch.cuda.is_current_stream_capturing():
-        STEP_SMALL_TUNER.choices[key] = STEP_SMALL_TUNER.candidates[0]
-    got = STEP_SMALL_TUNER.pick(key, run, x.device)
+    if key not in tuner.choices and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        tuner.choices[key] = tuner.candidates[0]
+    got = tuner.pick(key, run, x.device)
     return None if got == "fp8" else got
 
 

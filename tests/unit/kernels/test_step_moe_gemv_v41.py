@@ -40,7 +40,10 @@ def _want(lin, u, ws, routed):
     return (routed.float() + lin(act.to(torch.bfloat16), w2, s2).float()).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", [n for n in gemv_mx.PLANS if not n.startswith("moe")])
+NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
+
+
+@pytest.mark.parametrize("name", NAMES + ["qgemv", "qgemv_k128"])
 @pytest.mark.parametrize("t", [1, 4])
 def test_gate_up_gemv(name, t):
     d, inter = 2048, 96
@@ -53,7 +56,7 @@ def test_gate_up_gemv(name, t):
     for i in range(1, p1.shape[0]):  # slice order
         got1 += p1[i, :, :inter]
         got3 += p1[i, :, inter:]
-    plan = gemv_mx.PLANS[name]
+    plan = gemv_mx.PLANS[sp.plan_name(name)]
     assert torch.equal(got1, gemv_mx.gemv_fp8(u, w1, s1, 32, torch.empty(t, inter), plan))
     assert torch.equal(got3, gemv_mx.gemv_fp8(u, w3, s3, 32, torch.empty(t, inter), plan))
     assert p1.shape[0] > 1                                    # several K slices
@@ -62,7 +65,7 @@ def test_gate_up_gemv(name, t):
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert err < 2e-2, err
     # the per-linear form: W1 / W3 through linear_mx with the same GEMV decode, W2 with fp8 (the step's W2 stream)
-    dec = [name, name, "fp8"]
+    dec = [sp.plan_name(name), sp.plan_name(name), "fp8"]
 
     def lin(x, w_, s_):
         return gemm_mx.linear_mx(x, w_, s_, 32, 32, decode=dec.pop(0))
@@ -108,3 +111,79 @@ def test_shared_expert_combine_takes_the_choice(monkeypatch):
     got = shared_expert_combine(u, w1, s1, w3, s3, w2, s2, LIMIT, routed)
     p1 = route_and_gate_up(logits, bias, 2, 1.0, True, 1.0, u, w1, s1, w3, s3, stream="gemv_k128")[2]
     assert torch.equal(got, shared_expert_finish(p1, w2, s2, LIMIT, routed))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("t", [1, 3])
+def test_w2_gemv(name, t):
+    """The shared expert's W2 as a GEMV (``shared_expert_finish(stream=...)``): the SwiGLU rows quantised once as
+    bf16 are the ``fp8`` path's e4m3 + E8M0 rows dequantised, W2's slice sums equal ``gemv_mx.gemv_fp8``'s on those
+    rows bit for bit (several K slices), and the output (plain and with the mHC post mix) is the ``fp8`` path's up
+    to W2's summation order and within 2e-2 of the PyTorch reference."""
+    import redknot.kernels.triton.step_moe_v41 as sm
+    from redknot.kernels.triton.mhc import mhc_post
+    from redknot.kernels.triton.step_moe_v41 import _swiglu_quant
+    d, inter = 256, 2048
+    u, ws, routed, logits, bias = _case(t, d, inter, 23 + t)
+    (w1, s1), (w3, s3), (w2, s2) = ws
+    p1 = route_and_gate_up(logits, bias, 4, 1.0, True, 1.5, u, w1, s1, w3, s3, stream="fp8")[2]
+    aq = torch.empty(t, inter, dtype=torch.float8_e4m3fn)
+    sa = torch.empty(t, inter // 32, dtype=torch.uint8)
+    act = torch.empty(t, inter, dtype=torch.bfloat16)
+    for q, sc, flag in ((aq, sa, False), (act, act, True)):
+        _swiglu_quant[(t, inter // 32 // 16)](p1, q, sc, inter, p1.shape[0], p1.stride(0), p1.stride(1), q.stride(0),
+                                              sc.stride(0), LIMIT, BLOCK_G=16, LIBDEVICE=False, QDQ_BF16=flag)
+    deq = aq.float().view(t, -1, 32) * torch.exp2(sa.float() - 127)[..., None]
+    assert torch.equal(act.float(), deq.view(t, inter)) and act.float().abs().max() > 0
+    p2 = sm._w2_gemv(p1, w2, s2.view(torch.uint8), LIMIT, 32, name)
+    assert p2.shape[0] > 1 or name == "gemv_k128"
+    got = p2[0].clone()
+    for i in range(1, p2.shape[0]):  # slice order
+        got += p2[i]
+    assert torch.equal(got, gemv_mx.gemv_fp8(act, w2, s2, 32, torch.empty(t, d), gemv_mx.PLANS[name]))
+    out = shared_expert_finish(p1, w2, s2, LIMIT, routed, stream=name)
+    fp8 = shared_expert_finish(p1, w2, s2, LIMIT, routed, stream="fp8")
+    assert not torch.equal(out, routed)
+    assert ((out.float() - fp8.float()).abs() <= 2 ** -7 * fp8.float().abs() + 1e-3).all()
+    ref = _want(lambda x, w_, s_: ref_v41.linear_mx(x, w_, s_, 32, 32), u, ws, routed)
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < 2e-2, err
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(t, 4, d, generator=g).to(torch.bfloat16)
+    post, comb = torch.rand(t, 4, generator=g) * 2, torch.rand(t, 4, 4, generator=g)
+    mixed = shared_expert_finish(p1, w2, s2, LIMIT, routed, mix=(h, post, comb), stream=name)
+    assert torch.equal(mixed, mhc_post(out, h, post, comb))
+
+
+def test_w2_choice(monkeypatch):
+    """W2's stream: ``STEP_W2_TUNER``'s choice (a forced one, and ``FORCE_SMALL``'s ``qgemv*`` as its ``gemv*``
+    shape), ``fp8`` off the GPU, with the class off and above 4 rows."""
+    import redknot.kernels.triton.step_moe_v41 as sm
+    u, ws, routed, logits, bias = _case(2, 256, 256, 31)
+    (w1, s1), (w3, s3), (w2, s2) = ws
+    p1 = route_and_gate_up(logits, bias, 4, 1.0, True, 1.5, u, w1, s1, w3, s3, stream="fp8")[2]
+    ran = []
+    real = sm._w2_gemv
+
+    def counted(*a, **k):
+        ran.append(a[-1])
+        return real(*a, **k)
+    monkeypatch.setattr(sm, "_w2_gemv", counted)
+    fp8 = shared_expert_finish(p1, w2, s2, LIMIT, routed)
+    assert ran == [] and torch.equal(fp8, shared_expert_finish(p1, w2, s2, LIMIT, routed, stream="fp8"))
+    key = ("w2", (tuple(w2.shape),), 32)
+    monkeypatch.setitem(sp.STEP_W2_TUNER.choices, key, "gemv_n16")
+    got = shared_expert_finish(p1, w2, s2, LIMIT, routed)
+    assert ran == ["gemv_n16"] and torch.equal(got, shared_expert_finish(p1, w2, s2, LIMIT, routed,
+                                                                         stream="gemv_n16"))
+    monkeypatch.setattr(sp, "FORCE_SMALL", "qgemv_k128")
+    shared_expert_finish(p1, w2, s2, LIMIT, routed)
+    assert ran[-1] == "gemv_k128"
+    monkeypatch.setattr(sp, "FORCE_SMALL", None)
+    before = tuning_cache.small_rows_class()
+    tuning_cache.use_small_rows_class(False)
+    try:
+        n = len(ran)
+        assert torch.equal(shared_expert_finish(p1, w2, s2, LIMIT, routed), fp8) and len(ran) == n
+    finally:
+        tuning_cache.use_small_rows_class(before)

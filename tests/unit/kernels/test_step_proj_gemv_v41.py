@@ -25,6 +25,7 @@ from redknot.kernels.triton.step_rope_v41 import rope_table
 from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
 NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
+QNAMES = ["q" + n for n in NAMES]           # the rows quantised once before the stream
 
 
 def case_inputs(t, k, seed, device):
@@ -36,7 +37,7 @@ def case_inputs(t, k, seed, device):
     return x, pos, g
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + QNAMES)
 @pytest.mark.parametrize("t", [1, 4])
 def test_partials_equal_gemv_fp8(name, t, kernel_device):
     """Two weights in one launch, the rows quantised inside: each weight's slice sums equal ``gemv_fp8``'s fp32
@@ -47,15 +48,40 @@ def test_partials_equal_gemv_fp8(name, t, kernel_device):
     parts = gemv_partials(x, weights, 32, name)
     for p, (w, s) in zip(parts, weights):
         want = gemv_mx.gemv_fp8(x, w, s, 32, torch.empty(t, w.shape[0], device=kernel_device),
-                                gemv_mx.PLANS[name])
+                                gemv_mx.PLANS[sp.plan_name(name)])
         got = p[0].clone()
         for i in range(1, p.shape[0]):  # slice order, as the epilogue sums them
             got += p[i]
         assert p.shape[1:] == (t, w.shape[0]) and torch.equal(got, want)
-    assert parts[0].shape[0] > 1 or name == "gemv_k128"
+    assert parts[0].shape[0] > 1 or name.endswith("gemv_k128")
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_quantised_once_equals_quantised_inside(name, t, kernel_device):
+    """The rows quantised once (``qgemv*``: a ``qdq_bf16`` launch, or rows the caller quantised) give the partials
+    of the rows quantised inside every program, bit for bit, slice by slice; the quantised rows are those of the
+    per-32 e4m3 + E8M0 quantisation (``act_quant_mx``) dequantised exactly."""
+    from redknot.kernels.triton.dequant_mx import qdq_bf16
+    from redknot.kernels.triton.quant_mx import act_quant_mx
+    k = 1024
+    x, _, g = case_inputs(t, k, 83 + t, kernel_device)
+    x[0, 128:160] = 0.0                                    # an all-zero group
+    weights = [fp8_weight(n, k, g, kernel_device) for n in (64, 96)]
+    inside = gemv_partials(x, weights, 32, name)
+    once = gemv_partials(x, weights, 32, "q" + name)
+    xq = qdq_bf16(x)
+    given = gemv_partials(x, weights, 32, "q" + name, xq=xq)
+    for a, b, c in zip(inside, once, given):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    q, e = act_quant_mx(x, 32)
+    deq = q.float().view(t, k // 32, 32) * torch.exp2(e.float() - 127)[..., None]
+    assert torch.equal(xq.float(), deq.view(t, k))
+    with pytest.raises(ValueError, match="quantised rows"):
+        gemv_partials(x, weights, 32, "q" + name, xq=xq.float())
+
+
+@pytest.mark.parametrize("name", NAMES + ["qgemv"])
 @pytest.mark.parametrize("t", [1, 3])
 def test_proj_rows_gemv_equals_linear_mx_gemv_and_rope_rows(name, t, kernel_device):
     """wq_a -> norm, wkv -> norm + RoPE with the kv window bytes: bit for bit ``linear_mx`` (the same GEMV decode)
@@ -72,7 +98,7 @@ def test_proj_rows_gemv_equals_linear_mx_gemv_and_rope_rows(name, t, kernel_devi
     pack = torch.zeros(t, dkv + dkv // 32, dtype=torch.uint8, device=kernel_device)
     got = proj_rows(x, specs, cos, sin, pack=pack, stream=name)
     for spec, y in zip(specs, got):
-        assert torch.equal(y, reference(x, spec, cos, sin, name))
+        assert torch.equal(y, reference(x, spec, cos, sin, sp.plan_name(name)))
     want = torch.zeros_like(pack)
     cache_insert_mx(want, torch.arange(t, device=kernel_device), got[1].view(t, dkv), "window")
     assert torch.equal(pack, want) and want.any()
@@ -81,8 +107,9 @@ def test_proj_rows_gemv_equals_linear_mx_gemv_and_rope_rows(name, t, kernel_devi
     assert ((plain - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
 
 
+@pytest.mark.parametrize("stream", ["gemv_n16", "qgemv_n16"])
 @pytest.mark.parametrize("t", [2, 4])
-def test_heads_and_index_grid_gemv(t, kernel_device):
+def test_heads_and_index_grid_gemv(t, stream, kernel_device):
     """wq_b -> per-head RoPE and the indexer's wq_b -> RoPE + FP4 grid with a GEMV stream (two head widths,
     several K slices) against the launches it stands for."""
     k, h, d, hi, di, rope = 1024, 3, 96, 2, 64, 32
@@ -91,11 +118,11 @@ def test_heads_and_index_grid_gemv(t, kernel_device):
     wq, sq = fp8_weight(h * d, k, g, kernel_device)
     wi, si = fp8_weight(hi * di, k, g, kernel_device)
     specs = [Proj(wq, sq, d, rope=True), Proj(wi, si, di, rope=True, qdq=True)]
-    for spec, y in zip(specs, proj_rows(x, specs, cos, sin, stream="gemv_n16")):
+    for spec, y in zip(specs, proj_rows(x, specs, cos, sin, stream=stream)):
         assert torch.equal(y, reference(x, spec, cos, sin, "gemv_n16"))
 
 
-@pytest.mark.parametrize("name", ["gemv", "gemv_k128"])
+@pytest.mark.parametrize("name", ["gemv", "gemv_k128", "qgemv_k128"])
 @pytest.mark.parametrize("t,d,n", [(1, 256, 4), (4, 1024, 4)])
 def test_linear_post_gemv_equals_linear_mx_then_mhc_post(name, t, d, n, kernel_device):
     from redknot.kernels.triton.mhc import mhc_post
@@ -105,7 +132,7 @@ def test_linear_post_gemv_equals_linear_mx_then_mhc_post(name, t, d, n, kernel_d
     h = torch.randn(t, n, d, generator=g).to(torch.bfloat16).to(kernel_device)
     post = torch.rand(t, n, generator=g).to(kernel_device) * 2
     comb = torch.rand(t, n, n, generator=g).to(kernel_device)
-    y = gemm_mx.linear_mx(x, w, s, 32, decode=name, path="splitk")
+    y = gemm_mx.linear_mx(x, w, s, 32, decode=sp.plan_name(name), path="splitk")
     got = linear_post(x, w, s, h, post, comb, stream=name)
     assert torch.equal(got, mhc_post(y, h, post, comb))
     ref = mhc_post(ref_v41.linear_mx(x, w, s, 32), h, post, comb).float()
