@@ -390,6 +390,9 @@ def prefill_gemm_bf16(a, w, ws, rows: int, plan, *, offs, rowid=None, w3=None, w
 def prefill_gemm(aq, sa, w, ws, rows: int, plan, **kw):
     """``prefill_gemm_fp8``, or for ``decode="bf16"`` ``prefill_gemm_bf16`` (``sa`` None; with ``w3`` it returns
     (the W2 input, None))."""
+    if plan.decode == "fp8f":  # the weight scales folded into the decode (``moe_prefill_fold``)
+        from redknot.kernels.triton.moe_prefill_fold import prefill_gemm_fold
+        return prefill_gemm_fold(aq, sa, w, ws, rows, plan, **kw)
     if plan.decode != "bf16":
         return prefill_gemm_fp8(aq, sa, w, ws, rows, plan, **kw)
     out = prefill_gemm_bf16(aq, w, ws, rows, plan, **kw)
@@ -402,6 +405,9 @@ def prefill_inputs(x, topk_idx, topk_weight, experts: int, plan):
     order with fp32 scales (``fp8h``), or those scales per sorted pair transposed and padded (``fp8ht``);
     ``bf16``: the rows' bf16 QDQ values and None."""
     from redknot.kernels.triton.moe_mx import _sorted_pairs
+    if plan.decode == "fp8f":  # quads order, fp32 row scales transposed (``moe_prefill_fold``)
+        from redknot.kernels.triton.moe_prefill_fold import fold_inputs
+        return fold_inputs(x, topk_idx, topk_weight, experts)
     if plan.decode == "bf16":  # the rows' bf16 QDQ values, no scales
         return _sorted_pairs(topk_idx, topk_weight, experts, x) + (None,)
     rows, inv, offs, wt, xq, xs = _sorted_pairs(topk_idx, topk_weight, experts, x, fp8=True,
