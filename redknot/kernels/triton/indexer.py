@@ -13,19 +13,35 @@ bits in the high word, ``2^31-1-id`` in the low word), so one comparison orders 
 every key is unique. When a buffer fills, a bitonic top-k cuts it back to ``topk`` and raises
 ``theta``. Few tokens (decode) split their entries over several programs; a second kernel merges the
 per-split lists and unpacks ids (``-1`` where fewer than ``topk`` entries are visible).
+
+A second, pipelined prefill form (``IndexerXConfig``, candidates of the same tuner): ``_gather_keys`` copies each
+sequence's visible entries out of the paged pool into plain rows once per call, then ``_indexer_select_x`` streams
+them as V4.1's expanded stream does (``indexer_kernels_mx._stream_x_rows``: plain key tiles that the compiler
+software-pipelines, entries on the MMA's M axis so a token's head sum stays in its accumulator rows, the buffer
+cut between segments of blocks outside the pipelined loop). Same scores up to the order of the head sum, same
+packing, thresholds and final cut.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import (ConfigTuner, as_i32, cdiv, check_last_dim_contiguous, dot_precision,
-                                            next_pow2, sm_count)
+from redknot.kernels.triton._common import (
+    ConfigTuner,
+    as_i32,
+    cdiv,
+    check_last_dim_contiguous,
+    dot_precision,
+    next_pow2,
+    sm_count,
+)
 
+log = logging.getLogger(__name__)
 _EMPTY = tl.constexpr(-9223372036854775807)  # below every packed key of a finite score
 
 
@@ -44,6 +60,17 @@ class IndexerConfig:
     capacity: int = 0
     prefetch: bool = False  # load the next key block's block-table entries one iteration ahead
     heads_on_n: bool = False  # entries on the dot's M axis, heads on N: the head sum stays inside a warp
+
+
+@dataclass(frozen=True)
+class IndexerXConfig:
+    """Launch shape of the pipelined prefill form (``_gather_keys`` + ``_indexer_select_x``): ``block_t`` tokens
+    of one sequence per program, ``block_n`` entries per step, ``num_stages`` key tiles in flight. Prefill-sized
+    steps only (one program per tile of tokens, no entry split)."""
+    block_t: int = 2
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit
@@ -83,7 +110,7 @@ def _append(buf, count, theta, key, keep, rows_ok, BLOCK_T: tl.constexpr, BLOCK_
 @triton.jit
 def _store_best(buf, count, rows_ok, rows, cand_ptr, BLOCK_T: tl.constexpr, CAP: tl.constexpr, K: tl.constexpr):
     """Each row's best K keys (descending, padded with the empty key) to ``cand_ptr[rows]``."""
-    count, theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
+    count, _theta = _compact(buf, count, rows_ok, BLOCK_T, CAP, K)
     offs_k = tl.arange(0, K)
     best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
                    other=_EMPTY)
@@ -178,6 +205,55 @@ def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexp
     tl.store(out_ptr + tok * stride_ot + offs_k[None, :], ids.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _gather_keys(keys_ptr, bt_ptr, lim_ptr, out_ptr, ncap, stride_kb, stride_ke, stride_bt, ratio, block_size,
+                 DI: tl.constexpr, BLOCK: tl.constexpr):
+    """Entries ``0 .. lim[b]`` of sequence ``b`` out of the paged key pool (the rows ``_indexer_select`` reads
+    through the block table) into plain rows ``out[b, e]`` ([B, ncap, DI], the pool's dtype; rows past
+    ``lim[b]`` are not written and never read)."""
+    b = tl.program_id(1)
+    ents = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = ents < tl.load(lim_ptr + b)
+    first = ents * ratio
+    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + first // block_size, mask=ok, other=0)
+    krow = blk.to(tl.int64) * stride_kb + ((first % block_size) // ratio).to(tl.int64) * stride_ke
+    offs_d = tl.arange(0, DI)
+    k = tl.load(keys_ptr + krow[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(out_ptr + (b.to(tl.int64) * ncap + ents)[:, None] * DI + offs_d[None, :], k, mask=ok[:, None])
+
+
+@triton.jit
+def _indexer_select_x(q_ptr, w_ptr, kx_ptr, pos_ptr, tile_tok_ptr, tile_len_ptr, tile_seq_ptr, buf_ptr, cand_ptr,
+                      stride_qt, stride_qh, stride_wt, stride_kxb, scale, ratio,
+                      H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+    """``_indexer_select``'s selection for one tile of tokens (one sequence, no entry split) over the sequence's
+    plain key rows ``kx_ptr + b · stride_kxb`` (``_gather_keys``): V4.1's expanded stream (``_stream_x_rows``:
+    entries on the MMA's M axis, (token, head) columns on N, key tiles software-pipelined over ``STAGES`` steps,
+    the buffer cut between segments of blocks), the weighted head sum in fp32 times ``scale`` after the sum, as
+    here. The sum runs in another order than ``_indexer_select``'s (last-bit differences of fp32 scores, inside
+    the op's tolerance; exact wherever every partial sum is, as with integer-valued inputs)."""
+    tile = tl.program_id(0)
+    tok0 = tl.load(tile_tok_ptr + tile)
+    n_tok = tl.load(tile_len_ptr + tile)
+    b = tl.load(tile_seq_ptr + tile)
+    offs_t = tl.arange(0, BLOCK_T)
+    rows_ok = offs_t < n_tok
+    t64 = (tok0 + offs_t).to(tl.int64)
+    vis = (tl.load(pos_ptr + t64, mask=rows_ok, other=-1) + 1) // ratio   # [BLOCK_T]; 0 for rows past the tile
+    n_max = tl.max(vis, 0)
+    hs = tl.arange(0, HP)   # heads padded to a tensor-core shape: padded columns have q = 0 and weight 0
+    hmask = rows_ok[:, None] & (hs < H)[None, :]
+    q = tl.load(q_ptr + t64[:, None, None] * stride_qt + hs[None, :, None] * stride_qh +
+                tl.arange(0, DI)[None, None, :], mask=hmask[:, :, None], other=0.0)
+    q_t = tl.trans(tl.reshape(q, (BLOCK_T * HP, DI)))   # [DI, BT*HP]
+    w = tl.load(w_ptr + t64[:, None] * stride_wt + hs[None, :], mask=hmask, other=0.0).to(tl.float32)
+    w = tl.reshape(w, (BLOCK_T * HP,))
+    _kx._stream_x_rows(kx_ptr + b.to(tl.int64) * stride_kxb, q_t, w, rows_ok, t64, vis, t64, 0, n_max,
+                       tl.cdiv(n_max, BLOCK_N), buf_ptr, cand_ptr, cand_ptr, cand_ptr, 0, 0, 0, 0, scale, HP, DI, K,
+                       CAP, BLOCK_T, BLOCK_N, False, False, 1, False, STAGES, False, False, PREC, True)
+
+
 def token_tiles(query_start_loc: torch.Tensor, num_tokens: int, block_t: int):
     """Tiles of at most ``block_t`` consecutive tokens of one sequence, computed on the device.
 
@@ -207,20 +283,25 @@ def _choose_splits(cfg: IndexerConfig, num_tokens: int, max_entries: int, device
     return max(1, min(want, cdiv(max_entries, 8 * cfg.block_n), 32))
 
 
-INDEXER_TUNER = ConfigTuner("indexer_topk", [
+INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
     IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=2, heads_on_n=True),
     IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=2),
     IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
+    IndexerXConfig(2, 64, 4, 3), IndexerXConfig(4, 64, 8, 3), IndexerXConfig(2, 128, 8, 3),
 ])
 # Measured on the H200 (ms; prefill chunk of 8192 queries at 8K / decode b2 at 8K): heads on N 2.44 / 0.57;
 # heads on M 2.87 / 0.39; heads on M, 128-entry blocks 3.13 / 0.36. Dropped after measuring: 4 tokens per
 # tile with heads on N 2.55; 4 pipeline stages 2.88; block-table lookups a block ahead (``prefetch``) 2.87.
+# The ``IndexerXConfig`` shapes (the pipelined prefill form) are not measured on the H200 yet: they run only in
+# prefill classes (a decode class skips them as failures) after a first-use check against the float64 oracle,
+# and the tuner keeps them only where they measure faster. The stored name carries a version so that a tuning
+# store filled before they existed times the class again.
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: torch.Tensor,
                        query_start_loc: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, ratio: int,
-                       block_size: int, topk: int, scale: float, out: Optional[torch.Tensor] = None,
-                       config: Optional[IndexerConfig] = None) -> torch.Tensor:
+                       block_size: int, topk: int, scale: float, out: torch.Tensor | None = None,
+                       config: IndexerConfig | IndexerXConfig | None = None) -> torch.Tensor:
     """Top-``topk`` entry ids per token, ``[T, topk]`` (int32 unless ``out`` says otherwise), ``-1`` padded.
 
     q ``[T, H, DI]`` (roped indexer queries), weights ``[T, H]``, keys ``[num_blocks, block_size // ratio,
@@ -235,12 +316,26 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: tor
     out = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out is None else out
     if T == 0:
         return out
-    args = dict(q=q, weights=weights, positions=as_i32(positions), query_start_loc=query_start_loc, keys=keys,
-                block_table=block_table, ratio=ratio, block_size=block_size, topk=topk, scale=scale, out=out)
+    args = {"q": q, "weights": weights, "positions": as_i32(positions), "query_start_loc": query_start_loc,
+            "keys": keys, "block_table": block_table, "ratio": ratio, "block_size": block_size, "topk": topk,
+            "scale": scale, "out": out}
     if config is None:
         key = ("decode" if T < 2 * sm_count(q) else "prefill", H, DI, topk, str(q.dtype))
-        config = INDEXER_TUNER.pick(key, lambda cfg: _launch(cfg, **args), q.device)
-    return _launch(config, **args)
+        config = INDEXER_TUNER.pick(key, lambda cfg: _run(cfg, args), q.device)
+    return _run(config, args)
+
+
+def _run(cfg, args: dict) -> torch.Tensor:
+    """``cfg``'s kernel: ``IndexerConfig`` the paged ``_indexer_select``, ``IndexerXConfig`` the pipelined prefill
+    form (prefill-sized steps, after its first-use check on a GPU)."""
+    if isinstance(cfg, IndexerXConfig):
+        q = args["q"]
+        if q.shape[0] < 2 * sm_count(q):
+            raise ValueError(f"indexer_topk_paged: {cfg} is a prefill form ({q.shape[0]} tokens)")
+        if q.is_cuda and not first_use_ok(cfg, q.device, q.dtype):
+            raise RuntimeError(f"indexer_topk_paged: {cfg} failed its first-use check against the oracle")
+        return _launch_x(cfg, **args)
+    return _launch(cfg, **args)
 
 
 def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys, block_table, ratio, block_size,
@@ -263,3 +358,115 @@ def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
     return out
+
+
+GATHER_BLOCK = 64   # entries per program of the key gather
+
+
+def seq_entries(query_start_loc: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Per sequence, the most entries any of its tokens sees (``max (t+1)//ratio``), int32 ``[B]``, on the device."""
+    qsl = query_start_loc.to(torch.int64)
+    nseq, t = qsl.numel() - 1, positions.numel()
+    seq = torch.repeat_interleave(torch.arange(nseq, device=qsl.device), qsl[1:] - qsl[:-1], output_size=t)
+    n_vis = (positions.to(torch.int64) + 1) // ratio
+    lim = torch.zeros(nseq, dtype=torch.int64, device=qsl.device).scatter_reduce_(0, seq, n_vis, "amax")
+    return lim.to(torch.int32)
+
+
+def gather_keys(keys: torch.Tensor, block_table: torch.Tensor, lim: torch.Tensor, ratio: int,
+                block_size: int) -> torch.Tensor:
+    """Sequence ``b``'s first ``lim[b]`` entries of the paged pool as plain rows ``[B, ncap, DI]`` (the pool's
+    dtype; ``ncap`` the entries the block table can address; rows past ``lim[b]`` left unwritten)."""
+    nseq, DI = block_table.shape[0], keys.shape[-1]
+    ncap = block_table.shape[1] * (block_size // ratio)
+    out = torch.empty(nseq, ncap, DI, dtype=keys.dtype, device=keys.device)
+    if nseq and ncap:
+        _gather_keys[(cdiv(ncap, GATHER_BLOCK), nseq)](
+            keys, block_table, lim, out, ncap, keys.stride(0), keys.stride(1), block_table.stride(0), ratio,
+            block_size, DI=DI, BLOCK=GATHER_BLOCK, num_warps=4)
+    return out
+
+
+def _launch_x(cfg: IndexerXConfig, *, q, weights, positions, query_start_loc, keys, block_table, ratio, block_size,
+              topk, scale, out) -> torch.Tensor:
+    """The pipelined prefill form: the sequences' keys gathered into plain rows, then one program per tile of
+    ``block_t`` tokens streams them (``_indexer_select_x``), then the merge kernel unpacks the ids."""
+    T, H, DI = q.shape
+    if block_size % ratio:
+        raise ValueError(f"block_size={block_size}: the pool's pages hold whole entries of ratio {ratio}")
+    cap = max(4 * topk, next_pow2(topk + 4 * cfg.block_n))   # room for segments of blocks between buffer cuts
+    kx = gather_keys(keys, block_table, seq_entries(query_start_loc, positions, ratio), ratio, block_size)
+    tile_tok, tile_len, tile_seq, n_tiles = token_tiles(query_start_loc, T, cfg.block_t)
+    buf = torch.empty(T, cap, dtype=torch.int64, device=q.device)
+    cand = torch.empty(T, topk, dtype=torch.int64, device=q.device)
+    _indexer_select_x[(n_tiles,)](
+        q, weights, kx, positions, tile_tok, tile_len, tile_seq, buf, cand,
+        q.stride(0), q.stride(1), weights.stride(0), kx.stride(0), scale, ratio,
+        H=H, HP=max(next_pow2(H), cdiv(16, cfg.block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=cfg.block_t,
+        BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype), STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    _indexer_merge[(T,)](cand, buf, out, out.stride(0), 1, K=topk, CAP=cap, num_warps=4)
+    return out
+
+
+_FIRST_USE: dict[tuple[IndexerXConfig, str, str], bool] = {}
+
+
+def first_use_ok(cfg: IndexerXConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``cfg``'s pipelined form selects a valid top-512 of the float64 scores (the indexer's rule, see
+    ``checks.indexer``) on fresh random inputs at V4 width (64 heads x 128; a sequence of 48 queries whose
+    entries outnumber the buffer several times over, so rows are cut between segments, and one of 16 queries
+    seeing fewer entries than the top-k); checked once per device and dtype, a build error counts as a
+    mismatch. The tuner's pipelined candidates run only where this holds."""
+    key = (cfg, str(device), str(dtype))
+    if key not in _FIRST_USE and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False  # no check inside a CUDA-graph capture: run the shape once before capturing it
+    if key not in _FIRST_USE:
+        try:
+            args, scores = check_inputs(device, dtype, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
+            from redknot.kernels.triton.checks.indexer import (
+                RTOL_RANDOM,
+                topk_violations,
+            )
+            got = _launch_x(cfg, **args)
+            bad = topk_violations(got, scores, args["positions"], args["ratio"], args["topk"], rtol=RTOL_RANDOM)
+            if bad:
+                log.warning("indexer_topk_paged: %s failed its first-use check: %s", cfg, "; ".join(bad[:2]))
+            _FIRST_USE[key] = not bad
+        except Exception as exc:  # noqa: BLE001 - a launch shape the compiler refuses on this device
+            log.warning("indexer_topk_paged: %s failed to run its first-use check (%s: %s)", cfg,
+                        type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")
+            _FIRST_USE[key] = False
+    return _FIRST_USE[key]
+
+
+def check_inputs(device, dtype=torch.bfloat16, *, seed: int, heads: int = 64, dim: int = 128, topk: int = 512,
+                 ratio: int = 4, block_size: int = 256, ctx: int = 12000, new: int = 48, short: int = 16):
+    """``_launch_x`` keyword arguments for two sequences (``new`` queries after ``ctx`` tokens; ``short`` queries
+    from position 0) over a shuffled paged pool of fresh random keys, and their float64 scores ``[T, N]``."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [ctx + new, short]
+    pages = [cdiv(n, block_size) + 1 for n in lens]
+    perm = torch.randperm(sum(pages) + 2, generator=g)
+    width = max(pages)
+    bt = torch.zeros(2, width, dtype=torch.int32)
+    bt[0, :pages[0]], bt[1, :pages[1]] = perm[:pages[0]].int(), perm[pages[0]:pages[0] + pages[1]].int()
+    pos = torch.cat([torch.arange(ctx, ctx + new), torch.arange(short)]).int()
+    t = new + short
+    q = torch.randn(t, heads, dim, generator=g).to(dtype)
+    w = torch.randn(t, heads, generator=g)
+    keys = torch.randn(sum(pages) + 2, block_size // ratio, dim, generator=g).to(dtype)
+    scores = torch.full((t, (ctx + new) // ratio), float("-inf"), dtype=torch.float64)
+    for i in range(t):
+        b = 0 if i < new else 1
+        n = (int(pos[i]) + 1) // ratio
+        e = torch.arange(n)
+        rows = keys[bt[b, (e * ratio) // block_size].long(), e % (block_size // ratio)].double()   # [n, dim]
+        scores[i, :n] = (torch.relu(q[i].double() @ rows.T) * w[i].double()[:, None]).sum(0) * dim ** -0.5
+    args = {"q": q.to(device), "weights": w.to(device), "positions": pos.to(device),
+            "query_start_loc": torch.tensor([0, new, t], dtype=torch.int32, device=device), "keys": keys.to(device),
+            "block_table": bt.to(device), "ratio": ratio, "block_size": block_size, "topk": topk,
+            "scale": dim ** -0.5, "out": torch.empty(t, topk, dtype=torch.int32, device=device)}
+    return args, scores.to(device)
+
+
+from redknot.kernels.triton import indexer_kernels_mx as _kx

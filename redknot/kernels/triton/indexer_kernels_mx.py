@@ -9,7 +9,8 @@ launches them, and the ops built on them, is ``indexer_mx``.
   shared with the expanded form).
 * ``_expand_keys`` + ``_index_stream_x``: the keys decoded once per call to exact bf16, then a
   software-pipelined stream with the entries on the MMA's M axis and the buffer cut (``_cut_rows``)
-  between segments of blocks.
+  between segments of blocks; the stream after the tile's query load is ``_stream_x_rows``, which the V4
+  indexer's pipelined form (``indexer._indexer_select_x``, bf16 keys gathered out of the paged cache) shares.
 """
 from __future__ import annotations
 
@@ -274,10 +275,9 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
     it is exact, as for the reordered adds), instead of an unpack and an add per term."""
     pid_s, rows_ok, t64, vis, e_lo, e_hi, n_blocks = _split_of(vis_ptr, T, nsplit, NB, BLOCK_T, BLOCK_N, BS, CAND)
     hs = tl.arange(0, HP)
-    offs_d = tl.arange(0, DI)
     hmask = rows_ok[:, None] & (hs < HI)[None, :]
     q = tl.load(q_ptr + t64[:, None, None] * stride_qt + hs[None, :, None] * stride_qh +
-                offs_d[None, None, :], mask=hmask[:, :, None], other=0.0).to(tl.bfloat16)
+                tl.arange(0, DI)[None, None, :], mask=hmask[:, :, None], other=0.0).to(tl.bfloat16)
     q_t = tl.trans(tl.reshape(q, (BLOCK_T * HP, DI)))   # [DI, BT*HP]
     w = tl.load(w_ptr + t64[:, None] * stride_wt + hs[None, :], mask=hmask, other=0.0).to(tl.float32)
     if BF16:
@@ -285,10 +285,27 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
         if not BF16_MUL:
             w = w.to(tl.float32)
     w = tl.reshape(w, (BLOCK_T * HP,))
+    _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, t64 * nsplit + pid_s, e_lo, e_hi, n_blocks, buf_ptr, cand_ptr,
+                   bm_ptr, cb_ptr, NB, NKEYS, stride_bm, stride_cb, 1.0, HP, DI, K, CAP, BLOCK_T, BLOCK_N, BF16,
+                   BLOCKMAX, BS, CAND, STAGES, BF16_MUL, HSUM_MMA, None, False)
+
+
+@triton.jit
+def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks, buf_ptr, cand_ptr, bm_ptr, cb_ptr,
+                   NB, NKEYS, stride_bm, stride_cb, scale, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr,
+                   CAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
+                   BLOCKMAX: tl.constexpr, BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr,
+                   BF16_MUL: tl.constexpr, HSUM_MMA: tl.constexpr, PREC: tl.constexpr, SCALE: tl.constexpr):
+    """The expanded stream of one tile of tokens once its queries are in registers: ``q_t`` [DI, BT·HP] (the
+    MMA's second operand), ``w`` [BT·HP] the head weights, keys ``kx_ptr + ents · DI`` (one sequence's plain
+    rows), scratch / candidate rows ``rows``; blocks ``e_lo .. e_hi`` newest first in segments between buffer
+    cuts, the best K of every row to ``cand_ptr``. Shared by ``_index_stream_x`` (V4.1) and the V4 indexer's
+    ``indexer._indexer_select_x``; ``PREC`` is the dot's input precision, ``SCALE`` multiplies each fp32 head
+    sum by ``scale`` (V4's score; V4.1 passes False)."""
+    offs_d = tl.arange(0, DI)
     if HSUM_MMA:   # ones[k, c] = 1 where head row k belongs to token c (columns past BLOCK_T stay 0)
         ones = tl.where(tl.arange(0, BLOCK_T * HP)[:, None] // HP == tl.arange(0, _HSUM_N)[None, :], 1.0, 0.0)
         ones = ones.to(tl.bfloat16)
-    rows = t64 * nsplit + pid_s
     buf = buf_ptr + rows[:, None] * CAP
     count = tl.zeros([BLOCK_T], tl.int32)
     theta = tl.full([BLOCK_T], _EMPTY, tl.int64)
@@ -306,7 +323,7 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                                mask=ok[:, None], other=0.0)
             else:
                 keys = tl.load(kx_ptr + ents.to(tl.int64)[:, None] * DI + offs_d[None, :], mask=ok[:, None], other=0.0)
-            d = tl.dot(keys, q_t)                                                             # [BN, BT*HP] fp32
+            d = tl.dot(keys, q_t, input_precision=PREC)                                       # [BN, BT*HP] fp32
             if BF16 and BF16_MUL:   # relu before the rounding: the same value (rounding keeps signs and zero)
                 tb = tl.maximum(d, 0.0).to(tl.bfloat16) * w[None, :]
             elif BF16:
@@ -318,6 +335,8 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                 s = tl.trans(s)                                                                 # [BT, BN]
             else:
                 s = tl.trans(tl.sum(tl.reshape(tb.to(tl.float32), (BLOCK_N, BLOCK_T, HP)), 2))  # [BT, BN]
+            if SCALE:   # after the head sum, as V4's paged kernel applies it
+                s = s * scale
             if BF16:
                 s = s.to(tl.bfloat16).to(tl.float32)
             key, keep = _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j, NB,
