@@ -107,7 +107,7 @@ def attention_variant_case(d: Dims, device, mode: str, context: int, new: int, b
                 lambda: _paged_call(args, config), lambda: _paged_call(args, baseline), flops, nbytes)
 
 
-def indexer_case(d: Dims, device, context: int, new: int, batch: int, with_ref: bool) -> Case:
+def _indexer_inputs(d: Dims, device, context: int, new: int, batch: int):
     step = paged_step([context - new] * batch, [new] * batch, d.block_size, device)
     meta, t = step.meta, step.num_tokens
     ratio, dt = d.csa_ratio, torch.bfloat16
@@ -118,7 +118,12 @@ def indexer_case(d: Dims, device, context: int, new: int, batch: int, with_ref: 
     flops = float(n_vis.sum()) * 2 * d.index_heads * d.index_dim
     entries_read = float(n_vis.sum()) if new == 1 else float(n_vis.max()) * batch
     nbytes = entries_read * d.index_dim * 2 + t * (d.index_heads * (d.index_dim * 2 + 4) + d.topk * 8)
-    args = (q, w, keys, meta, ratio, d.topk, d.index_dim ** -0.5)
+    return (q, w, keys, meta, ratio, d.topk, d.index_dim ** -0.5), t, flops, nbytes
+
+
+def indexer_case(d: Dims, device, context: int, new: int, batch: int, with_ref: bool) -> Case:
+    args, t, flops, nbytes = _indexer_inputs(d, device, context, new, batch)
+    q, w, keys, meta, ratio, _, _ = args
 
     def validate(got: torch.Tensor) -> List[str]:
         """A valid ordered top-k of the float64 scores (near-ties within fp32 rounding may go either way);
@@ -128,6 +133,44 @@ def indexer_case(d: Dims, device, context: int, new: int, batch: int, with_ref: 
     return Case("indexer_topk", f"{'decode' if new == 1 else 'prefill'} b{batch}", context, t,
                 lambda: ops.indexer_topk(*args), (lambda: ref_attention.indexer_topk(*args)) if with_ref else None,
                 flops, nbytes, compare="ids", validate=validate)
+
+
+def _indexer_call(args, config):
+    """``ops.indexer_topk``'s kernel call (the same arguments) with a fixed launch shape."""
+    from redknot.kernels.triton import indexer
+    q, w, keys, meta, ratio, topk, scale = args
+    return indexer.indexer_topk_paged(q, w, positions=meta.positions, query_start_loc=meta.query_start_loc,
+                                      keys=keys, block_table=meta.block_tables, ratio=ratio,
+                                      block_size=ratio * keys.shape[1], topk=topk, scale=scale, config=config)
+
+
+def indexer_variant_case(d: Dims, device, context: int, new: int, batch: int, config, baseline,
+                         sample: int = 64) -> Case:
+    """The case of :func:`indexer_case` with one fixed launch shape ``config`` (``indexer.IndexerConfig``, or the
+    pipelined prefill form's ``indexer.IndexerXConfig``: label ``X[block_t/block_n/warps/stages]``); its reference
+    is the same call with the ``baseline`` shape, so ``ref ms`` / ``speedup`` read as the baseline's time and the
+    variant's gain over it. The check: ``sample`` random rows of the variant's output are a valid top-k of their
+    float64 scores (the rule of ``checks.indexer``; all rows would cost a float64 pass over the whole chunk)."""
+    args, t, flops, nbytes = _indexer_inputs(d, device, context, new, batch)
+    q, w, keys, meta, ratio, topk, scale = args
+    tag = "/".join(str(v) for v in vars(config).values() if not isinstance(v, bool))
+    kind = "X" if type(config).__name__ == "IndexerXConfig" else "P"
+
+    def validate(got: torch.Tensor) -> list[str]:
+        from redknot.kernels.triton import oracle
+        rows = torch.randperm(t)[:sample].sort().values.tolist()
+        seq = torch.repeat_interleave(torch.arange(len(meta.num_tokens_per_seq)),
+                                      torch.tensor(meta.num_tokens_per_seq)).tolist()
+        n_vis = ((meta.positions[rows].long() + 1) // ratio).tolist()
+        scores = torch.full((len(rows), max(max(n_vis), 1)), float("-inf"), dtype=torch.float64, device=q.device)
+        for r, i in enumerate(rows):
+            if n_vis[r]:
+                k = oracle.entry_rows(keys, meta.block_tables[seq[i]], torch.arange(n_vis[r], device=q.device), ratio,
+                                      ratio * keys.shape[1]).double()
+                scores[r, :n_vis[r]] = (torch.relu(q[i].double() @ k.T) * w[i].double()[:, None]).sum(0) * scale
+        return topk_violations(got[rows], scores, meta.positions[rows], ratio, topk, rtol=RTOL_RANDOM)
+    return Case("indexer_topk", f"prefill b{batch} {kind}[{tag}]", context, t, lambda: _indexer_call(args, config),
+                lambda: _indexer_call(args, baseline), flops, nbytes, compare="ids", validate=validate)
 
 
 def moe_case(d: Dims, device, tokens: int, experts: int, weights: str, with_ref: bool, cache: dict) -> Case:

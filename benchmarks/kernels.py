@@ -55,6 +55,10 @@ def parse_args(argv=None):
                          "prefill tuner (T[block_n/warps/d_split/heads/stages/pf]), each checked against the "
                          "earlier kernel's 64/32/8w/2-stage shape, whose time is its 'ref ms'; every candidate's "
                          "tuning time is printed under '# timed sparse_attention_prefill'")
+    ap.add_argument("--indexer-variants", default="prefill", choices=["prefill", "none"],
+                    help="after each 'indexer prefill' row, one row per pipelined prefill shape of the indexer "
+                         "tuner (X[block_t/block_n/warps/stages]), each with the paged heads-on-N shape (the tuner's "
+                         "first candidate) as its 'ref ms'; 64 sampled rows checked against float64 scores")
     return ap.parse_args(argv)
 
 
@@ -176,11 +180,15 @@ def timed_plan(runner: Runner, d, smoke: bool):
     batches = [1, 3] if smoke else [1, 32]
     only = {s for s in runner.args.only.split(",") if s}
     plan = []
-    from redknot.kernels.triton import attention
+    from redknot.kernels.triton import attention, indexer
     variants = [] if runner.args.attention_variants == "none" else \
         [c for c in attention.ATTN_PREFILL_TUNER.candidates if isinstance(c, attention.PrefillTConfig)]
     if smoke:  # interpreter-sized transposed shapes (the toy dims have 4 heads)
         variants = [attention.PrefillTConfig(16, 4, 4, 16), attention.PrefillTConfig(16, 4, 2, 16, prefetch=True)]
+    ix_variants = [] if runner.args.indexer_variants == "none" else \
+        [c for c in indexer.INDEXER_TUNER.candidates if isinstance(c, indexer.IndexerXConfig)]
+    if smoke and ix_variants:  # an interpreter-sized pipelined shape (short steps)
+        ix_variants = [indexer.IndexerXConfig(2, 16, 4, 3)]
     for ctx in contexts:
         for mode in ("csa", "hca", "swa"):
             plan.append(("sparse_attention", lambda m=mode, c=ctx: kc.attention_case(d, dev, m, c, chunk, 1, c <= ref_max),
@@ -191,6 +199,9 @@ def timed_plan(runner: Runner, d, smoke: bool):
                     f"attention {mode} prefill {ctx} {cfg}"))
         plan.append(("indexer_topk", lambda c=ctx: kc.indexer_case(d, dev, c, chunk, 1, c <= ref_max),
                      f"indexer prefill {ctx}"))
+        for cfg in ix_variants:   # the CPU's nominal 8 SMs make 16 tokens the smallest prefill-sized step
+            plan.append(("indexer_topk", lambda c=ctx, cfg=cfg: kc.indexer_variant_case(
+                d, dev, c, max(chunk, 16), 1, cfg, indexer.INDEXER_TUNER.candidates[0]), f"indexer prefill {ctx} {cfg}"))
     for ctx in dict.fromkeys((contexts[0], contexts[-2] if smoke else 131072, contexts[-1])):
         for b in batches:
             for mode in ("csa", "hca"):
@@ -287,7 +298,7 @@ def main(argv=None) -> int:
              for t in (attention.ATTN_TUNER, attention.ATTN_PREFILL_TUNER, indexer.INDEXER_TUNER, fp8.GEMM_TUNER)}
     tuned_ms = {f"{t.name} {k}": ", ".join([f"{c}: {ms:.3f} ms" for c, ms in v]
                                            + [f"{c}: failed ({why})" for c, why in t.failures.get(k, [])])
-                for t in (attention.ATTN_PREFILL_TUNER,) for k, v in t.timings.items()}
+                for t in (attention.ATTN_PREFILL_TUNER, indexer.INDEXER_TUNER) for k, v in t.timings.items()}
     lines = [f"# {env}", f"# checks: {len(runner.checks) - len(failed_checks)}/{len(runner.checks)} pass"
              + (f"; not run (budget): {runner.skipped_checks}" if runner.skipped_checks else "")]
     lines += ["#   " + c.line() for c in failed_checks]
