@@ -4,7 +4,9 @@ window bytes), ``wq_b`` | the indexer's ``wq_b`` (1280 -> 64 x 512 rotated, 32 x
 ``wo_b`` + the mHC post mix (8192 -> 5120, 4 streams): bit for bit ``linear_mx`` with the same ``gemv*`` decode
 followed by ``rope_rows`` / ``mhc_post``, no first-use failure, a CUDA-graph replay equal to the eager call, and
 the step's own choice (``stream=None``, timed outside capture) the same in a graph as eagerly; the shared expert's
-W1 | W3 GEMV launch with the router (D 5120, I 2304, 384 experts) likewise."""
+W1 | W3 GEMV launch with the router (D 5120, I 2304, 384 experts) likewise, and its W2 GEMV (``stream=`` of
+``shared_expert_finish``). ``qgemv*``: the same shapes with the rows quantised once before the stream (the same
+bits as the ``gemv*`` shape)."""
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from redknot.kernels import mx_formats as mx
 from redknot.kernels.triton import gemm_mx, gemv_mx, stream_guard
 from redknot.kernels.triton.mhc import mhc_post
 from redknot.kernels.triton.quant_mx import cache_insert_mx
-from redknot.kernels.triton.step_proj_v41 import Proj, linear_post, proj_rows
+from redknot.kernels.triton.step_proj_v41 import Proj, linear_post, plan_name, proj_rows
 from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
 from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
@@ -24,6 +26,7 @@ if not torch.cuda.is_available():
 
 DEV = "cuda"
 NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
+QNAMES = ["q" + n for n in NAMES]
 
 
 def weight(n, k, g):
@@ -32,7 +35,7 @@ def weight(n, k, g):
 
 
 def reference(x, spec, cos, sin, name):
-    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode=name, path="splitk")
+    y = gemm_mx.linear_mx(x, spec.weight, spec.scale, 32, decode=plan_name(name), path="splitk")
     c, s = (cos, sin) if spec.rope else (cos[:, :0], sin[:, :0])
     return rope_rows(y.view(x.shape[0], spec.heads, spec.dim), c, s, norm_w=spec.norm_w, eps=spec.eps, qdq=spec.qdq)
 
@@ -65,7 +68,7 @@ def step(u, cos, sin, first, second, z, wo, mix, stream):
     return [qr, kv, pack, q, qi, hp]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + QNAMES)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gemv_forms_equal_linear_mx_gemv_then_epilogues_at_v41_sizes(name, rows):
     u, cos, sin, first, second, z, wo, mix = problem(rows, 10 + rows)
@@ -79,7 +82,7 @@ def test_gemv_forms_equal_linear_mx_gemv_then_epilogues_at_v41_sizes(name, rows)
     qr2 = qr.view(rows, 1280)
     assert torch.equal(q, reference(qr2, second[0], cos, sin, name))
     assert torch.equal(qi, reference(qr2, second[1], cos, sin, name))
-    assert torch.equal(hp, mhc_post(gemm_mx.linear_mx(z, *wo, 32, decode=name, path="splitk"), *mix))
+    assert torch.equal(hp, mhc_post(gemm_mx.linear_mx(z, *wo, 32, decode=plan_name(name), path="splitk"), *mix))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -106,7 +109,7 @@ def test_step_choice_is_the_same_in_a_graph(rows):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + QNAMES)
 @pytest.mark.parametrize("rows", [1, 4])
 def test_shared_expert_gate_up_gemv_at_v41_size(name, rows):
     """The shared expert (D 5120, I 2304) with its W1 | W3 GEMV launch and the router's programs: the routing equal
@@ -132,7 +135,7 @@ def test_shared_expert_gate_up_gemv_at_v41_size(name, rows):
     assert not [k for k in stream_guard.DECODE_ERRORS if k == ("step_proj", name)], stream_guard.DECODE_ERRORS
     want_ids, want_w = route_topk(logits, bias, 6, 1.0, True, 2.5)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
-    plan = gemv_mx.PLANS[name]
+    plan = gemv_mx.PLANS[plan_name(name)]
     sums = [p1[0, :, :2304].clone(), p1[0, :, 2304:].clone()]
     for i in range(1, p1.shape[0]):
         sums[0] += p1[i, :, :2304]
@@ -147,3 +150,49 @@ def test_shared_expert_gate_up_gemv_at_v41_size(name, rows):
     torch.cuda.synchronize()
     for a, b in zip(again, (ids, w, p1, out)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_shared_expert_w2_gemv_at_v41_size(name, rows):
+    """W2 (5120 x 2304) as a GEMV on the SwiGLU rows quantised once: no first-use failure, W2's slice sums bit for
+    bit ``gemv_mx.gemv_fp8``'s on the ``fp8`` path's e4m3 + E8M0 rows dequantised, the output within bf16
+    rounding of the ``fp8`` W2 stream's, plain and with the mHC post mix, and a graph replay equal to eager."""
+    import redknot.kernels.triton.step_moe_v41 as sm
+
+    g = torch.Generator().manual_seed(500 + rows)
+    u = (torch.randn(rows, 5120, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    (w1, s1), (w3, s3), (w2, s2) = weight(2304, 5120, g), weight(2304, 5120, g), weight(5120, 2304, g)
+    routed = torch.randn(rows, 5120, generator=g).to(torch.bfloat16).to(DEV)
+    h = torch.randn(rows, 4, 5120, generator=g).to(torch.bfloat16).to(DEV)
+    post, comb = (torch.rand(rows, 4, generator=g) * 2).to(DEV), torch.rand(rows, 4, 4, generator=g).to(DEV)
+    p1 = sm.route_and_gate_up(torch.randn(rows, 384, generator=g).to(DEV), torch.zeros(384, device=DEV), 6, 1.0,
+                              True, 2.5, u, w1, s1, w3, s3, stream="fp8")[2]
+
+    def run():
+        return (sm.shared_expert_finish(p1, w2, s2, 10.0, routed, stream=name),
+                sm.shared_expert_finish(p1, w2, s2, 10.0, routed, mix=(h, post, comb), stream=name))
+    out, mixed = run()
+    assert name not in stream_guard.DECODE_ERRORS, stream_guard.DECODE_ERRORS
+    aq = torch.empty(rows, 2304, dtype=torch.float8_e4m3fn, device=DEV)
+    sa = torch.empty(rows, 72, dtype=torch.uint8, device=DEV)
+    sm._swiglu_quant[(rows, 72 // 16 + 1)](p1, aq, sa, 2304, p1.shape[0], p1.stride(0), p1.stride(1), aq.stride(0),
+                                           sa.stride(0), 10.0, BLOCK_G=16, LIBDEVICE=True)
+    act = (aq.float().view(rows, 72, 32) * torch.exp2(sa.float() - 127)[..., None]).view(rows, 2304).bfloat16()
+    p2 = sm._w2_gemv(p1, w2, s2.view(torch.uint8), 10.0, 32, name)
+    got = p2[0].clone()
+    for i in range(1, p2.shape[0]):
+        got += p2[i]
+    want = gemv_mx.gemv_fp8(act, w2, s2, 32, torch.empty(rows, 5120, device=DEV), gemv_mx.PLANS[name])
+    assert torch.equal(got, want)
+    fp8 = sm.shared_expert_finish(p1, w2, s2, 10.0, routed, stream="fp8")
+    # the W2 sums differ by order: one bf16 rounding of W2's output apart at most, then one of the sum with routed
+    assert ((out.float() - fp8.float()).abs() <= 2 ** -6 * (fp8.float().abs() + routed.float().abs()) + 1e-3).all()
+    assert torch.equal(mixed, mhc_post(out, h, post, comb))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        again = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(again[0], out) and torch.equal(again[1], mixed)

@@ -144,7 +144,8 @@ def test_w2_gemv(name, t):
     out = shared_expert_finish(p1, w2, s2, LIMIT, routed, stream=name)
     fp8 = shared_expert_finish(p1, w2, s2, LIMIT, routed, stream="fp8")
     assert not torch.equal(out, routed)
-    assert ((out.float() - fp8.float()).abs() <= 2 ** -7 * fp8.float().abs() + 1e-3).all()
+    # the W2 sums differ by order: one bf16 rounding of W2's output apart at most, then one of the sum with routed
+    assert ((out.float() - fp8.float()).abs() <= 2 ** -6 * (fp8.float().abs() + routed.float().abs()) + 1e-3).all()
     ref = _want(lambda x, w_, s_: ref_v41.linear_mx(x, w_, s_, 32, 32), u, ws, routed)
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     assert err < 2e-2, err
