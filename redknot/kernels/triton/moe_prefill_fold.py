@@ -30,12 +30,14 @@ the reduction's layout and send every decoded tile through shared memory.
 
 Decode: a 32-bit word of packed FP4 (8 codes, K order) -> two words of e4m3 by byte permutes: ``prmt`` with the
 codes' magnitude bits as selectors picks the bytes of the column's 8-byte table (``tlo``, ``thi``: two IMADs per
-column and group from the scale byte), a second ``prmt`` in sign-replicate mode on 0x7F bytes gives 0x00 for the
-negative codes, one LOP3 sets the sign bits: 9 instructions per 8 values. Each word's low 4 codes fill one
-register and its high 4 codes another, so a group's 32 K positions are in "quads" order: position 4i + j holds K
-element 8i + j and position 16 + 4i + j element 8i + 4 + j (i, j < 4); the token rows (``quads_order``) and the
-W2 input (the W1 | W3 epilogue) are written in that order, with their scales as fp32 powers of two transposed
-per sorted row as ``fp8ht`` reads them. The MMA's register operand then takes both words as they are.
+column and group from the scale byte; each byte the magnitude + 0x80), a second ``prmt`` with the signed codes as
+selectors gives 0x40 for a positive code and 0x00 for a negative one (sign-replicate mode), one IMAD subtracts
+twice that: 9 instructions per 8 values (the interpreter runs the same operations on words, ``_prmt``). Each
+word's low 4 codes fill one register and its high 4 codes another, so a group's 32 K positions are in "quads"
+order: position 4i + j holds K element 8i + j and position 16 + 4i + j element 8i + 4 + j (i, j < 4); the token
+rows (``quads_order``) and the W2 input (the W1 | W3 epilogue) are written in that order, with their scales as
+fp32 powers of two transposed per sorted row as ``fp8ht`` reads them. The MMA's register operand then takes
+both words as they are.
 
 sm_90a SASS per loop step (one 32-wide group) and thread, W1 | W3 / W2, at V4.1 sizes: 128 x 64, 8 warps 214 / 142
 (``fp8ht``: 261 / 162), the W1 | W3 step without FMUL (64 FFMA, 16 PRMT + 16 LOP3 decode); 128 x 64, 4 warps (one
@@ -58,14 +60,16 @@ from redknot.kernels.triton.quant_mx import pow2
 # Largest spread (base - scale byte) over K of a weight column that the folded decode takes exactly (d >= -5).
 FOLD_SPAN = tl.constexpr(11)
 
-# One word of 8 packed FP4 codes ($2) and a column's table (tlo $3, thi $7: bytes of codes 0-3 / 4-7) -> the e4m3
-# bytes of codes 0-3 ($0) and 4-7 ($1). prmt's selector nibble bit 3 replicates the selected byte's sign bit: the
-# 0x7F table gives 0x00 exactly for the negative codes.
+# One word of 8 packed FP4 codes ($2), a column's tables ($3: bytes of codes 0-3, $7: codes 4-7, each byte the
+# code's e4m3 magnitude + 0x80) and 0x40404040 ($11) -> the e4m3 bytes of codes 0-3 ($0) and 4-7 ($1). The first
+# prmt picks the magnitudes (selector: the codes without their sign bits); the second, with the signed codes as
+# selectors, gives 0x40 for a positive code and 0x00 for a negative one (a selector nibble's bit 3 replicates the
+# selected byte's bit 7); magnitude + 0x80 - 2 * that is the signed byte (no borrow between bytes).
 _QUAD_PTX = tl.constexpr(
-    "{ .reg .b32 s, m, g, h, k; mov.b32 k, 0x7F7F7F7F; "
-    "and.b32 s, $2, 0x7777; prmt.b32 m, $3, $7, s; prmt.b32 g, k, k, $2; lop3.b32 $0, m, g, 0x80808080, 0xF2; "
-    "shr.b32 h, $2, 16; and.b32 s, h, 0x7777; prmt.b32 m, $3, $7, s; prmt.b32 g, k, k, h; "
-    "lop3.b32 $1, m, g, 0x80808080, 0xF2; }")
+    "{ .reg .b32 s, m, g, h; "
+    "and.b32 s, $2, 0x7777; prmt.b32 m, $3, $7, s; prmt.b32 g, $11, $11, $2; mad.lo.s32 $0, g, -2, m; "
+    "shr.b32 h, $2, 16; and.b32 s, h, 0x7777; prmt.b32 m, $3, $7, s; prmt.b32 g, $11, $11, h; "
+    "mad.lo.s32 $1, g, -2, m; }")
 
 
 def quads_order(q: torch.Tensor) -> torch.Tensor:
@@ -82,40 +86,71 @@ def quads(q, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _lut(c, tlo, thi):
-    """e4m3 byte of the FP4 codes ``c`` (int32, 0..15) from the column tables (uint32 [BN, 1]) (interpreter)."""
-    m = c & 7
-    word = tl.where(m < 4, tlo, thi)
-    mag = ((word >> ((m & 3) * 8).to(tl.uint32)) & 0xFF).to(tl.int32)
-    return (mag | ((c & 8) << 4)).to(tl.uint8)
+def _prmt(a, b, c):
+    """PTX ``prmt.b32`` (default mode) on uint32 tensors: result byte i is byte ``c[4i+2:4i]`` of {b, a}, or that
+    byte's bit 7 replicated when ``c[4i+3]`` is set (the interpreter's form of ``_QUAD_PTX``)."""
+    out = tl.zeros_like(c)
+    for i in tl.static_range(4):
+        nib = (c >> (4 * i)) & 0xF
+        idx = nib & 7
+        src = tl.where(idx < 4, a, b)
+        byte = (src >> ((idx & 3) * 8)) & 0xFF
+        rep = tl.where((byte & 0x80) != 0, tl.full(byte.shape, 0xFF, tl.uint32), tl.zeros_like(byte))
+        out = out | (tl.where((nib & 8) != 0, rep, byte) << (8 * i))
+    return out
+
+
+@triton.jit
+def _quad_words(w, tlo, thi, k):
+    """``_QUAD_PTX`` on uint32 words: (e4m3 bytes of codes 0-3, of codes 4-7)."""
+    lo = _prmt(tlo, thi, w & 0x7777) - 2 * _prmt(k, k, w)
+    h = w >> 16
+    hi = _prmt(tlo, thi, h & 0x7777) - 2 * _prmt(k, k, h)
+    return lo, hi
+
+
+@triton.jit
+def _bytes_words(b, BLOCK_N: tl.constexpr):
+    """uint8 [BN, 16] -> uint32 words [BN, 4] (little endian)."""
+    x = tl.reshape(b.to(tl.uint32), (BLOCK_N, 4, 2, 2))  # [n, word, r, q]: byte 2r + q
+    e, o = tl.split(x)
+    b0, b2 = tl.split(e)
+    b1, b3 = tl.split(o)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _words_bytes(w, BLOCK_N: tl.constexpr):
+    """uint32 words [BN, 4] -> uint8 [BN, 16] (``_bytes_words`` inverted)."""
+    e = tl.join(w & 0xFF, (w >> 16) & 0xFF)
+    o = tl.join((w >> 8) & 0xFF, w >> 24)
+    return tl.reshape(tl.join(e, o), (BLOCK_N, 16)).to(tl.uint8)
 
 
 @triton.jit
 def fp4_e4m3_quads(b, tlo, thi, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
-    """Packed MXFP4 bytes [BN, 16] of one 32-wide K group -> e4m3 [BN, 32] in quads order, code c of column n
-    becoming byte c & 7 of (tlo[n], thi[n]) with c's sign (``tlo`` / ``thi`` uint32 [BN])."""
+    """Packed MXFP4 bytes [BN, 16] of one 32-wide K group -> e4m3 [BN, 32] in quads order: code c of column n
+    becomes byte c & 7 of (tlo[n], thi[n]) less 0x80, with c's sign (``tlo`` / ``thi`` uint32 [BN],
+    ``_QUAD_PTX``; the interpreter runs the same operations on words)."""
     if USE_ASM:
         t0 = tl.broadcast_to(tlo[:, None], (BLOCK_N, 16))
         t1 = tl.broadcast_to(thi[:, None], (BLOCK_N, 16))
-        lo, hi = tl.inline_asm_elementwise(_QUAD_PTX, "=r,=r,r,r,r,r,r,r,r,r,r", [b, t0, t1],
+        k = tl.full((BLOCK_N, 16), 0x40404040, tl.uint32)
+        lo, hi = tl.inline_asm_elementwise(_QUAD_PTX, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r", [b, t0, t1, k],
                                            dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    else:  # the same bytes by integer arithmetic: lo[4i + j] = code 8i + j, hi[4i + j] = code 8i + 4 + j
-        x = tl.permute(tl.reshape(b, (BLOCK_N, 4, 2, 2)), (0, 1, 3, 2))  # [n, i, byte r of the pair, pair q]
-        p0, p1 = tl.split(x)  # bytes 4i + r (codes 8i + 2r, + 1) and 4i + 2 + r
-        t0 = tlo[:, None, None]
-        t1 = thi[:, None, None]
-        c0 = p0.to(tl.int32)
-        c1 = p1.to(tl.int32)
-        lo = tl.reshape(tl.join(_lut(c0 & 15, t0, t1), _lut(c0 >> 4, t0, t1)), (BLOCK_N, 16))
-        hi = tl.reshape(tl.join(_lut(c1 & 15, t0, t1), _lut(c1 >> 4, t0, t1)), (BLOCK_N, 16))
+    else:  # lo[4i + j] = code 8i + j, hi[4i + j] = code 8i + 4 + j
+        k = tl.full((BLOCK_N, 4), 0x40404040, tl.uint32)
+        wl, wh = _quad_words(_bytes_words(b, BLOCK_N), tlo[:, None], thi[:, None], k)
+        lo = _words_bytes(wl, BLOCK_N)
+        hi = _words_bytes(wh, BLOCK_N)
     w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
     return w.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
 def _tables(sw, lo_add, hi_add):
-    """The column tables (uint32 [BN]) for scale bytes ``sw`` (int32): code bytes ``4c + 8(sw + off)`` (c >= 2),
-    ``8(sw + off)`` (c = 1), 0 (c = 0), with ``lo_add`` / ``hi_add`` carrying the column's offset."""
+    """The column tables (uint32 [BN]) for scale bytes ``sw`` (int32): code bytes ``0x80 + 4c + 8(sw + off)``
+    (c >= 2), ``0x80 + 8(sw + off)`` (c = 1), 0x80 (c = 0), ``lo_add`` / ``hi_add`` carrying the column's offset."""
     s = sw.to(tl.uint32)
     return s * 0x08080800 + lo_add, s * 0x08080808 + hi_add
 
@@ -263,19 +298,19 @@ def _prefill_fold_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
                 m3 = m1
                 if DUAL:
                     m3 = tl.load(bb + stride_base).to(tl.int32)
-                # code bytes 4c + 8(s - m + 12) (c >= 2), 8(s - m + 12) (c = 1): the IMADs' addends per column
+                # code bytes 0x80 + 4c + 8(s - m + 12) (c >= 2), 0x80 + 8(s - m + 12) (c = 1), 0x80 (c = 0)
                 o1 = ((12 - m1) * 8).to(tl.uint32)
                 o3 = ((12 - m3) * 8).to(tl.uint32)
                 acc, acc3 = _fold_loop(acc, acc3, a_ptr, a_off, sa_base, stride_sam, sa_off, bg, sbg, b3g, sb3g,
-                                       c_off, cs_off, K, o1 * 0x01010100 + 0x0C080000, o1 * 0x01010101 + 0x1C181410,
-                                       o3 * 0x01010100 + 0x0C080000, o3 * 0x01010101 + 0x1C181410, DUAL, True,
+                                       c_off, cs_off, K, o1 * 0x01010100 + 0x8C888080, o1 * 0x01010101 + 0x9C989490,
+                                       o3 * 0x01010100 + 0x8C888080, o3 * 0x01010101 + 0x9C989490, DUAL, True,
                                        USE_ASM, BLOCK_N)
                 # 2^(m - 133) per column, in two exact steps (pow2 takes exponents >= -126)
                 acc = acc * (pow2(m1 - 127) * 0.015625)[:, None]
                 acc3 = acc3 * (pow2(m3 - 127) * 0.015625)[:, None]
-            else:  # e2m1 · 2^-6 for every column: code bytes 4c (0.5 -> the subnormal 2^-7)
-                c1 = tl.full([BLOCK_N], 0x0C080400, tl.uint32)
-                c2 = tl.full([BLOCK_N], 0x1C181410, tl.uint32)
+            else:  # e2m1 · 2^-6 for every column: code bytes 0x80 + 4c (0.5 -> the subnormal 2^-7)
+                c1 = tl.full([BLOCK_N], 0x8C888480, tl.uint32)
+                c2 = tl.full([BLOCK_N], 0x9C989490, tl.uint32)
                 acc, acc3 = _fold_loop(acc, acc3, a_ptr, a_off, sa_base, stride_sam, sa_off, bg, sbg, b3g, sb3g,
                                        c_off, cs_off, K, c1, c2, c1, c2, DUAL, False, USE_ASM, BLOCK_N)
             r64 = rows.to(tl.int64)
