@@ -159,6 +159,18 @@ def run_checks(run: Run, dims) -> None:
             torch.cuda.empty_cache()
 
 
+def _prefill_case_kept(desc: str, decodes) -> bool:
+    """Whether the --only prefill case ``desc`` stays under --prefill-decodes ``decodes``: the grouped plan, the
+    routing and the combine always; an FP8 plan's rows (whole, W1+W3, W2) when its decode is listed; the measured
+    choice never."""
+    words = desc.split()
+    if "plan" in words:
+        return words[words.index("plan") + 1] in decodes
+    if words[:3] in (["prefill", "part", "W1+W3"], ["prefill", "part", "W2"]):
+        return words[3] in decodes
+    return desc != "compare moe prefill after"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, toy dimensions")
@@ -182,6 +194,10 @@ def main(argv=None) -> int:
                          "at least 64 columns in one K slice and the tuned choice, at T=1 / 32 / 128), or gemv "
                          "(only batches of 1 and 4: the gemv_mx CUDA-core streams next to the tensor-core "
                          "streams and both tuned choices, MoE and the dense wo_b / wq_b)")
+    ap.add_argument("--prefill-decodes", default="",
+                    help="with --only prefill: only the FP8 plans of these decodes (comma-separated, e.g. "
+                         "fp8ht,fp8f), whole and by part, next to the grouped plan, the routing and the combine "
+                         "(the measured-choice row, which tunes every candidate, is left out)")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -200,8 +216,11 @@ def main(argv=None) -> int:
     run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
             f"dims {'toy' if args.smoke else 'V4.1'}")
     if args.only == "prefill":
+        decodes = {d for d in args.prefill_decodes.split(",") if d}
         for desc, build in list(prefill_compare_cases(dims, device, args.smoke)) + list(
                 prefill_part_cases(dims, device, args.smoke)):
+            if decodes and not _prefill_case_kept(desc, decodes):
+                continue
             timed(run, build, desc)
         return write_results(run)
     if args.only == "attention":
