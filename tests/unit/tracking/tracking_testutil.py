@@ -1,4 +1,5 @@
 """Helpers for tracking tests: a resolved RunContext on the real conf/, MLflow stores in tmp dirs."""
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from redknot.config.hardware_fit import CONF_DIR
 from redknot.config.resolve import resolve
 
 APP = Path(__file__).with_name("tracked_app.py")
+FORKED = Path(__file__).with_name("forked_apps.py")
 
 
 def make_ctx(root: Path, *overrides, environ=None):
@@ -42,3 +44,18 @@ def start_app(*args, cwd: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEEPINFER_", "MLFLOW_"))}
     return subprocess.Popen([sys.executable, str(APP), *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def start_forked(jobs, cwd: Path, timeout: int = 300):
+    """Run tracked_app.py once per argument list in ``jobs``, all at once: processes forked from one
+    interpreter that has imported the app (forked_apps.py). -> [[exit code, output], ...] in job order."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEEPINFER_", "MLFLOW_"))}
+    spec = cwd / "forked_apps.json"
+    spec.write_text(json.dumps({"cwd": str(cwd), "jobs": jobs}))
+    try:
+        proc = subprocess.run([sys.executable, str(FORKED), str(spec)], check=False, cwd=cwd, env=env, text=True,
+                              capture_output=True, timeout=timeout)
+    finally:
+        spec.unlink()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
