@@ -5,8 +5,8 @@ window bytes), ``wq_b`` | the indexer's ``wq_b`` (1280 -> 64 x 512 rotated, 32 x
 followed by ``rope_rows`` / ``mhc_post``, no first-use failure, a CUDA-graph replay equal to the eager call, and
 the step's own choice (``stream=None``, timed outside capture) the same in a graph as eagerly; the shared expert's
 W1 | W3 GEMV launch with the router (D 5120, I 2304, 384 experts) likewise, and its W2 GEMV (``stream=`` of
-``shared_expert_finish``). ``qgemv*``: the same shapes with the rows quantised once before the stream (the same
-bits as the ``gemv*`` shape)."""
+``shared_expert_finish``). ``qgemv*`` / ``pgemv*``: the same shapes with the rows quantised once before the
+stream / by each program first into scratch rows (the same bits as the ``gemv*`` shape)."""
 import pytest
 import torch
 
@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 
 DEV = "cuda"
 NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
-QNAMES = ["q" + n for n in NAMES]
+QNAMES = ["q" + n for n in NAMES] + ["p" + n for n in NAMES]
 
 
 def weight(n, k, g):

@@ -213,24 +213,25 @@ def _route_gate_up(a_ptr, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, M, N, K, KSPL
 
 
 @triton.jit
-def _route_gate_up_gemv(x_ptr, KW, stride_x, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, N, KSPLIT, NB, stride_bn,
+def _route_gate_up_gemv(x_ptr, KW, stride_x, xs_ptr, stride_xs, b1_ptr, sb1_ptr, b3_ptr, sb3_ptr, p_ptr, N, KSPLIT, NB, stride_bn,
                         stride_sbn, stride_ps, stride_pm, l_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, inv_temp, scale,
                         WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         USE_ASM: tl.constexpr, QX: tl.constexpr, ROUTE: tl.constexpr, TOPK: tl.constexpr,
                         KP: tl.constexpr, NORM: tl.constexpr, TEMP: tl.constexpr, BLOCK_E: tl.constexpr,
                         LIBDEVICE: tl.constexpr):
     """``_route_gate_up`` with the W1 | W3 stream as CUDA-core GEMV programs (``step_proj_v41._gemv_tile``: raw
-    bf16 rows quantised per 32 inside, or with QX rows quantised before; ``gemv_mx``'s word-wise FP8 decode):
+    bf16 rows quantised per 32 inside, before (QX 1) or by each program first into ``xs_ptr`` (QX 2);
+    ``gemv_mx``'s word-wise FP8 decode):
     program columns [0, NB) W1 into partial columns [0, N), [NB, 2·NB) W3 into [N, 2N), then (ROUTE) one
     routing program per token."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if pid_n < NB:
         _gemv_tile(x_ptr, b1_ptr, sb1_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x, stride_bn, stride_sbn,
-                   stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
+                   stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX, xs_ptr, stride_xs)
     elif pid_n < 2 * NB:
         _gemv_tile(x_ptr, b3_ptr, sb3_ptr, p_ptr + N, pid_n - NB, pid_s, N, KW, KSPLIT, stride_x, stride_bn,
-                   stride_sbn, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
+                   stride_sbn, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX, xs_ptr, stride_xs)
     elif ROUTE:  # noqa: SIM102  (a constexpr branch, then a runtime one)
         if pid_s == 0:
             _route_row(l_ptr, bias_ptr, ids_ptr, w_ptr, pid_n - 2 * NB, E, stride_l, inv_temp, scale, TOPK, KP, NORM,
@@ -372,8 +373,8 @@ def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None, stream: str | Non
     """The W1 | W3 partials [S, T, 2I] (``_route_gate_up``); ``route``: (logits, bias, ids, w, k, temp, norm,
     scale), the router's programs (one per token) in the same launch. ``stream``: ``fp8`` (the FP8 MMA stream) or
     a ``step_proj_v41.STEP_SMALL_TUNER`` GEMV name (at most ``gemv_mx.MAX_ROWS`` bf16 rows: ``_route_gate_up_gemv``,
-    ``qgemv*`` with the rows quantised once by a ``qdq_bf16`` launch before; each linear's slice sums the bits of
-    ``gemv_mx.gemv_fp8``); None: ``step_proj_v41.small_choice``'s for (W1, W3)."""
+    ``qgemv*`` with the rows quantised once by a ``qdq_bf16`` launch before, ``pgemv*`` by each program first; each
+    linear's slice sums the bits of ``gemv_mx.gemv_fp8``); None: ``step_proj_v41.small_choice``'s for (W1, W3)."""
     from redknot.kernels.triton import step_proj_v41 as sp
     T, D = u.shape
     inter = w1.shape[0]
@@ -412,9 +413,9 @@ def _gate_up_gemv(u, w1, s1, w3, s3, block: int, route, name: str) -> torch.Tens
     slices ``gemv_mx.slices`` cuts for [I, D]."""
     from redknot.kernels.triton import gemv_mx
     from redknot.kernels.triton.dequant_mx import as_bytes, qdq_bf16
-    from redknot.kernels.triton.step_proj_v41 import plan_name
+    from redknot.kernels.triton.step_proj_v41 import plan_name, quantise_mode
     plan = gemv_mx.PLANS[plan_name(name)]
-    quantised = name.startswith("qgemv")
+    mode = quantise_mode(name)
     T, D = u.shape
     inter = w1.shape[0]
     if T > gemv_mx.MAX_ROWS or u.dtype != torch.bfloat16 or block % plan.block_n or u.stride(0) % 2:
@@ -426,12 +427,13 @@ def _gate_up_gemv(u, w1, s1, w3, s3, block: int, route, name: str) -> torch.Tens
     nb = cdiv(inter, plan.block_n)
     b1, b3 = as_bytes(w1).view(torch.int32), as_bytes(w3).view(torch.int32)
     rargs, rkw = _route_args(route, p1)
-    if quantised:
+    if mode == 1:
         u = qdq_bf16(u)
+    xs = torch.empty(T, D, dtype=torch.bfloat16, device=u.device) if mode == 2 else u
     _route_gate_up_gemv[(2 * nb + (T if route is not None else 0), S)](
-        u.view(torch.int32), D // 4, u.stride(0) // 2, b1, s1, b3, s3, p1, inter, ks, nb, b1.stride(0), s1.stride(0),
+        u.view(torch.int32), D // 4, u.stride(0) // 2, xs.view(torch.int32), xs.stride(0) // 2, b1, s1, b3, s3, p1, inter, ks, nb, b1.stride(0), s1.stride(0),
         p1.stride(0), p1.stride(1), *rargs, WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk,
-        USE_ASM=gemv_mx._use_asm(), QX=quantised, LIBDEVICE=_LIBDEVICE, **rkw, num_warps=plan.num_warps,
+        USE_ASM=gemv_mx._use_asm(), QX=mode, LIBDEVICE=_LIBDEVICE, **rkw, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
     return p1
 

@@ -56,9 +56,11 @@ MAX_ROWS = 16
 # The first launch's weight stream at up to ``gemv_mx.MAX_ROWS`` rows, per launch (key: the weights' shapes):
 # the ``fp8`` tensor-core stream (first), a ``gemv_mx.PLANS`` dense GEMV shape with the rows quantised inside every
 # program, or the same shape with a ``q`` in front: the rows quantised once (``qdq_bf16``, one small launch before
-# the stream) and read as ``gemv_mx._gemv_fp8`` reads them (module docstring).
+# the stream) and read as ``gemv_mx._gemv_fp8`` reads them, or with a ``p``: each program quantises its K slice of
+# the rows first (no launch more), then ``_gemv_fp8``'s loop (module docstring).
 GEMV_NAMES = ("gemv", "gemv_n16", "gemv_k128")
-STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", *GEMV_NAMES, *("q" + n for n in GEMV_NAMES)])
+STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", *GEMV_NAMES, *("q" + n for n in GEMV_NAMES),
+                                                   *("p" + n for n in GEMV_NAMES)])
 # The shared expert's W2 stream at up to ``gemv_mx.MAX_ROWS`` rows (``step_moe_v41.shared_expert_finish``; key:
 # W2's shape): ``fp8`` (first) or a ``gemv_mx.PLANS`` dense shape on the quantised SwiGLU rows.
 STEP_W2_TUNER = ConfigTuner("step_w2_small", ["fp8", *GEMV_NAMES])
@@ -151,6 +153,23 @@ def _row_fma_qdq(acc, w0, w1, w2, w3, x_ptr, koff, kbase, sc, W: tl.constexpr):
 
 
 @triton.jit
+def _qdq_slice(x_ptr, xs_ptr, w_lo, w_hi, HALF: tl.constexpr):
+    """One raw bf16 row's words [w_lo, w_hi) (int32 pairs; HALF words a chunk, a multiple of 16) QDQ'd per 32
+    (``qdq_bf16``'s bits: the values are exact in bf16, so a value's bf16 bits are its fp32 bits' upper half)
+    into the same words at ``xs_ptr``."""
+    for wk in range(w_lo, w_hi, HALF):
+        offs = wk + tl.arange(0, HALF)
+        xw = tl.load(x_ptr + offs)
+        v = tl.reshape(tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)),
+                       (HALF // 16, 32))      # K order: word j's low half, then its high half
+        e = e8m0_exponent(tl.max(tl.abs(v), 1), 448.0, 1e-4)
+        q = tl.minimum(tl.maximum(v * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+        lo, hi = tl.split(tl.reshape(q * pow2(e)[:, None], (HALF, 2)))
+        word = ((lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (hi.to(tl.int32, bitcast=True) & -65536)
+        tl.store(xs_ptr + offs, word)
+
+
+@triton.jit
 def _fma_rows(acc, w0, w1, w2, w3, x_ptr, koff, kbase, sc, W: tl.constexpr, QX: tl.constexpr):
     """One row's step: QX, rows already QDQ'd (``gemv_mx._row_fma``), else raw rows QDQ'd here."""
     if QX:
@@ -163,10 +182,12 @@ def _fma_rows(acc, w0, w1, w2, w3, x_ptr, koff, kbase, sc, W: tl.constexpr, QX: 
 @triton.jit
 def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x, stride_w, stride_s, stride_ps,
                stride_pm, WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               USE_ASM: tl.constexpr, QX: tl.constexpr):
-    """``gemv_mx._gemv_fp8``'s program (column block ``pid_n``, K slice ``pid_s``) on bf16 rows: QX, rows already
-    quantised per 32 (``qdq_bf16``: ``gemv_fp8``'s own loop), else raw rows quantised per 32 inside
-    (:func:`_qdq_words`). Either way the same exact products in the same order as ``gemv_fp8`` on
+               USE_ASM: tl.constexpr, QX: tl.constexpr, xs_ptr=None, stride_xs=0):
+    """``gemv_mx._gemv_fp8``'s program (column block ``pid_n``, K slice ``pid_s``) on bf16 rows: QX 1, rows already
+    quantised per 32 (``qdq_bf16``: ``gemv_fp8``'s own loop); QX 2, raw rows whose K slice the program quantises
+    first (:func:`_qdq_slice`) into the scratch rows ``xs_ptr`` (the same words at the same place from every
+    program of the slice: identical values), then ``gemv_fp8``'s loop on them; QX 0, raw rows quantised per 32
+    inside the loop (:func:`_qdq_words`). Each way the same exact products in the same order as ``gemv_fp8`` on
     ``qdq_bf16(x)``, fp32 partials p[pid_s, row, cols]."""
     W: tl.constexpr = BLOCK_K // 4
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,6 +199,12 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x
     xoff = tl.reshape(2 * i[:, None] + tl.arange(0, 2)[None, :], (W, 2))
     k_lo = pid_s * (KSPLIT // 4)
     k_hi = tl.minimum(KW, k_lo + KSPLIT // 4)
+    if QX == 2:  # the slice of each row quantised once, stored by every thread, read back after the barrier
+        for r in tl.static_range(ROWS):
+            _qdq_slice(x_ptr + r * stride_x, xs_ptr + r * stride_xs, 2 * k_lo, 2 * k_hi, BLOCK_K // 2)
+        tl.debug_barrier()
+        x_ptr = xs_ptr
+        stride_x = stride_xs
     acc0 = tl.zeros([BLOCK_N, W], tl.float32)
     acc1 = tl.zeros([BLOCK_N, W], tl.float32)
     acc2 = tl.zeros([BLOCK_N, W], tl.float32)
@@ -192,13 +219,13 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x
         w0, w1, w2, w3 = _e4m3x4(w, USE_ASM)
         sc = e8m0_decode(sb)
         koff = 2 * k_step + xoff
-        acc0 = _fma_rows(acc0, w0, w1, w2, w3, x_ptr, koff, 2 * k_step, sc, W, QX)
+        acc0 = _fma_rows(acc0, w0, w1, w2, w3, x_ptr, koff, 2 * k_step, sc, W, QX > 0)
         if ROWS > 1:
-            acc1 = _fma_rows(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, 2 * k_step, sc, W, QX)
+            acc1 = _fma_rows(acc1, w0, w1, w2, w3, x_ptr + stride_x, koff, 2 * k_step, sc, W, QX > 0)
         if ROWS > 2:
-            acc2 = _fma_rows(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, 2 * k_step, sc, W, QX)
+            acc2 = _fma_rows(acc2, w0, w1, w2, w3, x_ptr + 2 * stride_x, koff, 2 * k_step, sc, W, QX > 0)
         if ROWS > 3:
-            acc3 = _fma_rows(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, 2 * k_step, sc, W, QX)
+            acc3 = _fma_rows(acc3, w0, w1, w2, w3, x_ptr + 3 * stride_x, koff, 2 * k_step, sc, W, QX > 0)
         w, sb = w_n, sb_n
     base = p_ptr + pid_s.to(tl.int64) * stride_ps + cols
     tl.store(base, tl.sum(acc0, 1), mask=cmask)
@@ -211,28 +238,36 @@ def _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KSPLIT, stride_x
 
 
 @triton.jit
-def _gemv2(x_ptr, KW, stride_x,
+def _gemv2(x_ptr, KW, stride_x, xs_ptr, stride_xs,
            w0_ptr, s0_ptr, p0_ptr, N0, KS0, S0, NB0, stride_w0, stride_s0, stride_p0s, stride_p0m,
            w1_ptr, s1_ptr, p1_ptr, N1, KS1, S1, stride_w1, stride_s1, stride_p1s, stride_p1m,
            WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
            USE_ASM: tl.constexpr, QX: tl.constexpr):
     """Column blocks [0, NB0) stream weight 0 (slices < S0), the rest weight 1 (slices < S1), as ``_stream2``;
-    QX: the rows come quantised (:func:`_gemv_tile`)."""
+    QX: how the rows are quantised (:func:`_gemv_tile`; 2: into the scratch rows ``xs_ptr``)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if pid_n < NB0:
         if pid_s < S0:
             _gemv_tile(x_ptr, w0_ptr, s0_ptr, p0_ptr, pid_n, pid_s, N0, KW, KS0, stride_x, stride_w0, stride_s0,
-                       stride_p0s, stride_p0m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
+                       stride_p0s, stride_p0m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX, xs_ptr, stride_xs)
     else:
         if pid_s < S1:
             _gemv_tile(x_ptr, w1_ptr, s1_ptr, p1_ptr, pid_n - NB0, pid_s, N1, KW, KS1, stride_x, stride_w1,
-                       stride_s1, stride_p1s, stride_p1m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX)
+                       stride_s1, stride_p1s, stride_p1m, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, QX, xs_ptr,
+                       stride_xs)
 
 
 def plan_name(name: str) -> str:
-    """The ``gemv_mx.PLANS`` shape of a step GEMV candidate (``qgemv*``: ``gemv*`` on rows quantised once)."""
-    return name[1:] if name.startswith("qgemv") else name
+    """The ``gemv_mx.PLANS`` shape of a step GEMV candidate (``qgemv*`` / ``pgemv*``: ``gemv*`` on rows quantised
+    once before the stream / at the start of each program)."""
+    return name[1:] if name.startswith(("qgemv", "pgemv")) else name
+
+
+def quantise_mode(name: str) -> int:
+    """``_gemv_tile``'s QX for a step GEMV candidate: 0 ``gemv*`` (inside the loop), 1 ``qgemv*`` (a ``qdq_bf16``
+    launch before), 2 ``pgemv*`` (each program's K slice first, into scratch rows: no launch more)."""
+    return 1 if name.startswith("qgemv") else 2 if name.startswith("pgemv") else 0
 
 
 def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int,
@@ -242,10 +277,11 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
     (each weight's K slices as ``gemv_mx.slices`` cuts them): Σ_s in slice order, cast, is
     ``gemv_mx.gemv_fp8(x, W_i)``'s output bit for bit. ``name`` ``qgemv*``: the rows quantised once first
     (``xq``, the bf16 ``qdq_bf16(x)``, when the caller has it; else one ``qdq_bf16`` launch) and the stream reads
-    them as ``gemv_fp8`` does (no quantisation inside); the same bits."""
+    them as ``gemv_fp8`` does (no quantisation inside); ``pgemv*``: each program quantises its K slice of the rows
+    first into scratch rows, then the same loop (one launch). The same bits every way."""
     from redknot.kernels.triton import gemv_mx
     from redknot.kernels.triton.dequant_mx import as_bytes, qdq_bf16
-    quantised = name.startswith("qgemv")
+    mode = quantise_mode(name)
     plan = gemv_mx.PLANS[plan_name(name)]
     T, K = x.shape
     if (T > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or block % plan.block_n or block % 32
@@ -258,10 +294,11 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
     parts = [torch.empty(c[0], T, w.shape[0], dtype=torch.float32, device=x.device) for c, (w, _) in zip(cuts, weights)]
     if T == 0:
         return parts
-    if quantised:
+    if mode == 1:
         x = qdq_bf16(x) if xq is None else xq
         if x.shape != (T, K) or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or x.stride(0) % 2:
             raise ValueError(f"gemv_partials: quantised rows {tuple(x.shape)} {x.dtype} must be bf16 [{T}, {K}]")
+    xs = torch.empty(T, K, dtype=torch.bfloat16, device=x.device) if mode == 2 else x
     ws = [(as_bytes(w).view(torch.int32), as_bytes(s)) for w, s in weights]
     two = list(zip(ws, cuts, parts))
     if len(two) == 1:
@@ -270,10 +307,10 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
     nb0 = cdiv(w0.shape[0], plan.block_n)
     nb = nb0 + (cdiv(w1.shape[0], plan.block_n) if len(weights) > 1 else 0)
     _gemv2[(nb, max(c0[0], c1[0]))](
-        x.view(torch.int32), K // 4, x.stride(0) // 2,
+        x.view(torch.int32), K // 4, x.stride(0) // 2, xs.view(torch.int32), xs.stride(0) // 2,
         w0, s0, p0, w0.shape[0], c0[1], c0[0], nb0, w0.stride(0), s0.stride(0), p0.stride(0), p0.stride(1),
         w1, s1, p1, w1.shape[0], c1[1], c1[0], w1.stride(0), s1.stride(0), p1.stride(0), p1.stride(1),
-        WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), QX=quantised,
+        WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), QX=mode,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return parts
 

@@ -43,7 +43,7 @@ def _want(lin, u, ws, routed):
 NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
 
 
-@pytest.mark.parametrize("name", NAMES + ["qgemv", "qgemv_k128"])
+@pytest.mark.parametrize("name", NAMES + ["qgemv", "qgemv_k128", "pgemv", "pgemv_n16"])
 @pytest.mark.parametrize("t", [1, 4])
 def test_gate_up_gemv(name, t):
     d, inter = 2048, 96

@@ -26,6 +26,7 @@ from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
 NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
 QNAMES = ["q" + n for n in NAMES]           # the rows quantised once before the stream
+PNAMES = ["p" + n for n in NAMES]           # each program's K slice of the rows quantised first
 
 
 def case_inputs(t, k, seed, device):
@@ -37,7 +38,7 @@ def case_inputs(t, k, seed, device):
     return x, pos, g
 
 
-@pytest.mark.parametrize("name", NAMES + QNAMES)
+@pytest.mark.parametrize("name", NAMES + QNAMES + PNAMES)
 @pytest.mark.parametrize("t", [1, 4])
 def test_partials_equal_gemv_fp8(name, t, kernel_device):
     """Two weights in one launch, the rows quantised inside: each weight's slice sums equal ``gemv_fp8``'s fp32
@@ -59,8 +60,9 @@ def test_partials_equal_gemv_fp8(name, t, kernel_device):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_quantised_once_equals_quantised_inside(name, t, kernel_device):
-    """The rows quantised once (``qgemv*``: a ``qdq_bf16`` launch, or rows the caller quantised) give the partials
-    of the rows quantised inside every program, bit for bit, slice by slice; the quantised rows are those of the
+    """The rows quantised once (``qgemv*``: a ``qdq_bf16`` launch, or rows the caller quantised; ``pgemv*``: each
+    program's K slice first, into scratch rows) give the partials of the rows quantised inside every K step, bit
+    for bit, slice by slice; the quantised rows are those of the
     per-32 e4m3 + E8M0 quantisation (``act_quant_mx``) dequantised exactly."""
     from redknot.kernels.triton.dequant_mx import qdq_bf16
     from redknot.kernels.triton.quant_mx import act_quant_mx
@@ -72,8 +74,9 @@ def test_quantised_once_equals_quantised_inside(name, t, kernel_device):
     once = gemv_partials(x, weights, 32, "q" + name)
     xq = qdq_bf16(x)
     given = gemv_partials(x, weights, 32, "q" + name, xq=xq)
-    for a, b, c in zip(inside, once, given):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    first = gemv_partials(x, weights, 32, "p" + name)
+    for a, b, c, d in zip(inside, once, given, first):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
     q, e = act_quant_mx(x, 32)
     deq = q.float().view(t, k // 32, 32) * torch.exp2(e.float() - 127)[..., None]
     assert torch.equal(xq.float(), deq.view(t, k))
@@ -81,7 +84,7 @@ def test_quantised_once_equals_quantised_inside(name, t, kernel_device):
         gemv_partials(x, weights, 32, "q" + name, xq=xq.float())
 
 
-@pytest.mark.parametrize("name", NAMES + ["qgemv"])
+@pytest.mark.parametrize("name", NAMES + ["qgemv", "pgemv_n16"])
 @pytest.mark.parametrize("t", [1, 3])
 def test_proj_rows_gemv_equals_linear_mx_gemv_and_rope_rows(name, t, kernel_device):
     """wq_a -> norm, wkv -> norm + RoPE with the kv window bytes: bit for bit ``linear_mx`` (the same GEMV decode)
@@ -107,7 +110,7 @@ def test_proj_rows_gemv_equals_linear_mx_gemv_and_rope_rows(name, t, kernel_devi
     assert ((plain - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
 
 
-@pytest.mark.parametrize("stream", ["gemv_n16", "qgemv_n16"])
+@pytest.mark.parametrize("stream", ["gemv_n16", "qgemv_n16", "pgemv"])
 @pytest.mark.parametrize("t", [2, 4])
 def test_heads_and_index_grid_gemv(t, stream, kernel_device):
     """wq_b -> per-head RoPE and the indexer's wq_b -> RoPE + FP4 grid with a GEMV stream (two head widths,
@@ -122,7 +125,7 @@ def test_heads_and_index_grid_gemv(t, stream, kernel_device):
         assert torch.equal(y, reference(x, spec, cos, sin, "gemv_n16"))
 
 
-@pytest.mark.parametrize("name", ["gemv", "gemv_k128", "qgemv_k128"])
+@pytest.mark.parametrize("name", ["gemv", "gemv_k128", "qgemv_k128", "pgemv_k128"])
 @pytest.mark.parametrize("t,d,n", [(1, 256, 4), (4, 1024, 4)])
 def test_linear_post_gemv_equals_linear_mx_then_mhc_post(name, t, d, n, kernel_device):
     from redknot.kernels.triton.mhc import mhc_post
