@@ -39,10 +39,12 @@ rows (``quads_order``) and the W2 input (the W1 | W3 epilogue) are written in th
 fp32 powers of two transposed per sorted row as ``fp8ht`` reads them. The MMA's register operand then takes
 both words as they are.
 
-sm_90a SASS per loop step (one 32-wide group) and thread, W1 | W3 / W2, at V4.1 sizes: 128 x 64, 8 warps 214 / 142
-(``fp8ht``: 261 / 162), the W1 | W3 step without FMUL (64 FFMA, 16 PRMT + 16 LOP3 decode); 128 x 64, 4 warps (one
-warpgroup, 128 MMA columns per warp) 278 / 163; 128 x 128, 8 warps 319 / 180. Registers 190 / 112, 255 / 198,
-255 / 201, no spills in the K loops. Speed: not measured on the H200 (``benchmarks/kernels_v41.py --only prefill``
+sm_90a SASS per loop step (one 32-wide group) and thread, W1 | W3 / W2, at V4.1 sizes: 128 x 64, 8 warps 213 / 142
+(``fp8ht``: 261 / 162), the W1 | W3 step without FMUL (64 FFMA, 16 PRMT + 16 LOP3 decode); W2 with block_k 128
+(4 groups per step, the columns' scale bytes as one 32-bit word per 4 groups) 123; 128 x 64, 4 warps (one
+warpgroup, 128 MMA columns per warp) 278 / 163; 128 x 128, 8 warps 319 / 180. Registers 190 / 112 (130 at 4
+groups), 255 / 198, 255 / 201, no spills in the K loops (4 groups per step in W1 | W3 spill: one group there).
+Speed: not measured on the H200 (``benchmarks/kernels_v41.py --only prefill``
 times it beside the others).
 """
 from __future__ import annotations
@@ -87,17 +89,16 @@ def quads(q, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _prmt(a, b, c):
-    """PTX ``prmt.b32`` (default mode) on uint32 tensors: result byte i is byte ``c[4i+2:4i]`` of {b, a}, or that
-    byte's bit 7 replicated when ``c[4i+3]`` is set (the interpreter's form of ``_QUAD_PTX``)."""
-    out = tl.zeros_like(c)
-    for i in tl.static_range(4):
-        nib = (c >> (4 * i)) & 0xF
-        idx = nib & 7
-        src = tl.where(idx < 4, a, b)
-        byte = (src >> ((idx & 3) * 8)) & 0xFF
-        rep = tl.where((byte & 0x80) != 0, tl.full(byte.shape, 0xFF, tl.uint32), tl.zeros_like(byte))
-        out = out | (tl.where((nib & 8) != 0, rep, byte) << (8 * i))
-    return out
+    """PTX ``prmt.b32`` (default mode) on uint32 words [BN, W] (``a``, ``b`` [BN, 1] or [BN, W]): result byte i is
+    byte ``c[4i+2:4i]`` of {b, a}, or that byte's bit 7 replicated when ``c[4i+3]`` is set (the interpreter's form
+    of ``_QUAD_PTX``; the 4 result bytes side by side)."""
+    i = tl.arange(0, 4)[None, None, :]
+    nib = (c[:, :, None] >> (4 * i).to(tl.uint32)) & 0xF
+    idx = nib & 7
+    src = tl.where(idx < 4, a[:, :, None], b[:, :, None])
+    byte = (src >> ((idx & 3) * 8)) & 0xFF
+    rep = tl.where((byte & 0x80) != 0, 0xFF, 0).to(tl.uint32)
+    return tl.sum(tl.where((nib & 8) != 0, rep, byte) << (8 * i).to(tl.uint32), 2)
 
 
 @triton.jit
@@ -186,43 +187,52 @@ def _col_range_words(sbg, cs_off, KW, BLOCK_N: tl.constexpr, KW_POW2: tl.constex
 
 
 @triton.jit
+def _group_fold(acc, at, sa, b, sw, lo, hi, FOLD: tl.constexpr, USE_ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc + one group's MMA result times the rows' scales (FOLD: the tables carry the column's scale relative
+    to its base), or times ``2^(s_w - 121) · s_a`` (the tables ``lo`` / ``hi`` of ``e2m1 · 2^-6``)."""
+    if FOLD:
+        t0, t1 = _tables(sw, lo, hi)
+    else:
+        t0 = lo
+        t1 = hi
+    d = tl.dot(fp4_e4m3_quads(b, t0, t1, BLOCK_N, USE_ASM), at)
+    if FOLD:
+        return acc + d * sa[None, :]
+    return acc + (d * pow2(sw - 121)[:, None]) * sa[None, :]
+
+
+@triton.jit
 def _fold_loop(acc, acc3, a_ptr, a_off, sa_base, sa_g, sa_off, bg, sbg, b3g, sb3g, c_off, cs_off, K,
                lo1, hi1, lo3, hi3, DUAL: tl.constexpr, FOLD: tl.constexpr, USE_ASM: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """The K loop, one 32-wide group per step. FOLD: the tables carry each column's scale relative to its base
-    and each group's MMA result is multiplied by the rows' scales only; else the tables are ``e2m1 · 2^-6``
-    (``lo1`` ... the constant tables) and the result is scaled by ``2^(s_w - 121) · s_a`` (``fp8ht``)."""
-    for k_step in range(0, K, 32):
-        k0 = tl.multiple_of(k_step, 32)
-        kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
-        kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
-        at = tl.trans(tl.load(a_ptr + (a_off[:, None] + kk[None, :])))
-        sa = tl.load(sa_base + (k0 // 32) * sa_g + sa_off)
-        b = tl.load(bg + (c_off[:, None] + kh[None, :]))
-        sw = tl.load(sbg + (cs_off + k0 // 32)).to(tl.int32)
-        if FOLD:
-            t0, t1 = _tables(sw, lo1, hi1)
-        else:
-            t0 = lo1
-            t1 = hi1
-        d = tl.dot(fp4_e4m3_quads(b, t0, t1, BLOCK_N, USE_ASM), at)
-        if FOLD:  # (W1's result added before W3's MMA: one MMA result live at a time)
-            acc = acc + d * sa[None, :]
-        else:
-            acc = acc + (d * pow2(sw - 121)[:, None]) * sa[None, :]
-        if DUAL:
-            b3 = tl.load(b3g + (c_off[:, None] + kh[None, :]))
-            sw3 = tl.load(sb3g + (cs_off + k0 // 32)).to(tl.int32)
-            if FOLD:
-                t3, u3 = _tables(sw3, lo3, hi3)
+               BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+    """The K loop, GROUPS (1 or 4) 32-wide groups per step, each group's MMA result added in K order
+    (``_group_fold``; W1's before W3's MMA: one MMA result live at a time). GROUPS 4: the columns' scale bytes of
+    the step's 4 groups come in one 32-bit word per column (``sbg`` 4-byte aligned rows)."""
+    for k_step in range(0, K, 32 * GROUPS):
+        if GROUPS == 4:
+            ws1 = tl.load(sbg.to(tl.pointer_type(tl.int32)) + (cs_off // 4 + k_step // 128))
+            ws3 = ws1
+            if DUAL:
+                ws3 = tl.load(sb3g.to(tl.pointer_type(tl.int32)) + (cs_off // 4 + k_step // 128))
+        for g in tl.static_range(GROUPS):
+            k0 = tl.multiple_of(k_step + 32 * g, 32)
+            kk = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, 32), 32), 32)
+            kh = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, 16), 16), 16)
+            at = tl.trans(tl.load(a_ptr + (a_off[:, None] + kk[None, :])))
+            sa = tl.load(sa_base + (k0 // 32) * sa_g + sa_off)
+            b = tl.load(bg + (c_off[:, None] + kh[None, :]))
+            if GROUPS == 4:
+                sw = (ws1 >> (8 * g)) & 0xFF
             else:
-                t3 = lo3
-                u3 = hi3
-            d3 = tl.dot(fp4_e4m3_quads(b3, t3, u3, BLOCK_N, USE_ASM), at)
-            if FOLD:
-                acc3 = acc3 + d3 * sa[None, :]
-            else:
-                acc3 = acc3 + (d3 * pow2(sw3 - 121)[:, None]) * sa[None, :]
+                sw = tl.load(sbg + (cs_off + k0 // 32)).to(tl.int32)
+            acc = _group_fold(acc, at, sa, b, sw, lo1, hi1, FOLD, USE_ASM, BLOCK_N)
+            if DUAL:
+                b3 = tl.load(b3g + (c_off[:, None] + kh[None, :]))
+                if GROUPS == 4:
+                    sw3 = (ws3 >> (8 * g)) & 0xFF
+                else:
+                    sw3 = tl.load(sb3g + (cs_off + k0 // 32)).to(tl.int32)
+                acc3 = _group_fold(acc3, at, sa, b3, sw3, lo3, hi3, FOLD, USE_ASM, BLOCK_N)
     return acc, acc3
 
 
@@ -231,8 +241,8 @@ def _prefill_fold_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
                      tile_group_ptr, tile_row_ptr, tile_end_ptr, flag_ptr, base_ptr, stride_base, N, K, limit,
                      stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm, stride_psm,
                      stride_psg, GATHER: tl.constexpr, DUAL: tl.constexpr, USE_ASM: tl.constexpr,
-                     WIDE: tl.constexpr, MODE: tl.constexpr, KW_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     WIDE: tl.constexpr, MODE: tl.constexpr, KW_POW2: tl.constexpr, GROUPS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``, all
     of K (module docstring). MODE 0: the programs whose column block folds exactly compute (folded decode, row
     scales only) and write ``flag_ptr[pid]`` 1, the others write 0 and nothing else; MODE 1: the programs whose
@@ -304,7 +314,7 @@ def _prefill_fold_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
                 acc, acc3 = _fold_loop(acc, acc3, a_ptr, a_off, sa_base, stride_sam, sa_off, bg, sbg, b3g, sb3g,
                                        c_off, cs_off, K, o1 * 0x01010100 + 0x8C888080, o1 * 0x01010101 + 0x9C989490,
                                        o3 * 0x01010100 + 0x8C888080, o3 * 0x01010101 + 0x9C989490, DUAL, True,
-                                       USE_ASM, BLOCK_N)
+                                       USE_ASM, BLOCK_N, GROUPS)
                 # 2^(m - 133) per column, in two exact steps (pow2 takes exponents >= -126)
                 acc = acc * (pow2(m1 - 127) * 0.015625)[:, None]
                 acc3 = acc3 * (pow2(m3 - 127) * 0.015625)[:, None]
@@ -312,7 +322,7 @@ def _prefill_fold_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
                 c1 = tl.full([BLOCK_N], 0x8C888480, tl.uint32)
                 c2 = tl.full([BLOCK_N], 0x9C989490, tl.uint32)
                 acc, acc3 = _fold_loop(acc, acc3, a_ptr, a_off, sa_base, stride_sam, sa_off, bg, sbg, b3g, sb3g,
-                                       c_off, cs_off, K, c1, c2, c1, c2, DUAL, False, USE_ASM, BLOCK_N)
+                                       c_off, cs_off, K, c1, c2, c1, c2, DUAL, False, USE_ASM, BLOCK_N, GROUPS)
             r64 = rows.to(tl.int64)
             omask = rmask[:, None] & cmask[None, :]
             if DUAL:  # moe_stream_fp8 EPI 1, the W2 input in quads order with fp32 scales (its K groups)
@@ -332,7 +342,9 @@ def prefill_gemm_fold(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=No
     [K/32, rows + SAT_PAD] per sorted row. With ``w3``: (e4m3 W2 input [rows, N] in quads order, its fp32 scales
     [N/32, rows + SAT_PAD]); without: bf16 [rows, N]. Two launches: the folded programs, then the per-group
     scaling for the column blocks the fold cannot take exactly (their programs only; the others exit at once).
-    ``fold`` False: one launch, every program with the per-group scaling; ``"force"``: one launch, every program
+    ``plan.block_k`` 128 (and 4-byte aligned scale rows, K % 128 == 0): without ``w3`` four groups per loop step
+    with the scale bytes read as words (with ``w3`` one group: four spill). ``fold`` False: one launch, every
+    program with the per-group scaling; ``"force"``: one launch, every program
     folded even where that is not exact (tests: the negative control). ``flags``: an int32 tensor of
     at least one element per program (tiles x column blocks), given 1 where the program folded (tests)."""
     from redknot.kernels.triton.splitk_mx import tile_map
@@ -372,7 +384,8 @@ def prefill_gemm_fold(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=No
             wt if wt is not None else p, tg, tr, te, flags, bases, bases.stride(0), N, K, float(limit), aq.stride(0),
             sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), p.stride(0),
             ps.stride(1) if ps is not None else 0, ps.stride(0) if ps is not None else 0, GATHER=rowid is not None,
-            DUAL=dual, USE_ASM=use_asm(dev), WIDE=aq.numel() >= 2**31, MODE=mode, KW_POW2=next_pow2(K // 128) if words else 0, BLOCK_M=bm, BLOCK_N=bn,
+            DUAL=dual, USE_ASM=use_asm(dev), WIDE=aq.numel() >= 2**31, MODE=mode, KW_POW2=next_pow2(K // 128) if words else 0,
+            GROUPS=4 if words and plan.block_k >= 128 and not dual else 1, BLOCK_M=bm, BLOCK_N=bn,
             num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result
 

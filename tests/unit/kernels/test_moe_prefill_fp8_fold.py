@@ -18,7 +18,7 @@ from redknot.kernels.triton.splitk_mx import tile_map
 SMALL = V41Dims(hidden=128, experts=6, topk_experts=2, moe_inter=96, tokens=23)
 WIDE = V41Dims(hidden=256, experts=6, topk_experts=3, moe_inter=128, tokens=23)
 PLAN = moe_mx.MoePlan("fp8", 16, 32, 32, 4, True, "fp8f", 2)
-PLAN_WIDE = moe_mx.MoePlan("fp8", 32, 64, 32, 4, True, "fp8f", 3)
+PLAN_WIDE = moe_mx.MoePlan("fp8", 32, 64, 128, 4, True, "fp8f", 3)  # W2: 4 groups per step, scale words
 
 
 def _rel(a, b):
@@ -41,8 +41,9 @@ def _ht(plan):
 @pytest.mark.parametrize("plan,dims", [(PLAN, SMALL), pytest.param(PLAN_WIDE, WIDE, marks=pytest.mark.slow)],
                          ids=["small", "wide"])
 def test_fold_matches_reference_and_fp8ht(plan, dims, kernel_device):
-    x, _, wt, w = moe_inputs(dims, kernel_device, seed=40 + dims.hidden, tokens=dims.tokens)
-    idx = _routing(dims.tokens, dims.experts, dims.topk_experts, kernel_device, seed=dims.hidden)
+    tokens = 12  # uneven rows per expert, row tiles across experts, an empty expert
+    x, _, wt, w = moe_inputs(dims, kernel_device, seed=40 + dims.hidden, tokens=tokens)
+    idx = _routing(tokens, dims.experts, dims.topk_experts, kernel_device, seed=dims.hidden)
     out = moe_mx.moe_prefill(x, idx, wt, *w, 10.0, plan=plan)
     want = ref_v41.moe_mx(x, idx, wt, *w, 10.0)
     assert out.shape == want.shape and out.dtype == torch.bfloat16
