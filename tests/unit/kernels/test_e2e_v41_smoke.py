@@ -11,11 +11,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_e2e_v41_smoke_run_writes_its_report(tmp_path):
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """``benchmarks/e2e_v41.py --smoke`` run once as a user runs it: (its JSON report, its output folder)."""
+    out = tmp_path_factory.mktemp("e2e_v41_smoke")
     proc = subprocess.run([sys.executable, "-u", str(ROOT / "benchmarks" / "e2e_v41.py"), "--smoke", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+                           str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "e2e_v41.json").read_text())
+    return json.loads((out / "e2e_v41.json").read_text()), out
+
+
+def test_e2e_v41_smoke_run_writes_its_report(smoke_run):
+    res, out = smoke_run
     assert [p["numerics"] for p in res["parity"]] == ["reference", "bf16"]
     for p in res["parity"]:
         assert p["ok"], p
@@ -33,7 +40,7 @@ def test_e2e_v41_smoke_run_writes_its_report(tmp_path):
         ops = {r["op"] for r in rows}
         assert {"moe_mx", "linear_mx", "sparse_attention_mx", "(outside the registry ops)"} <= ops
         assert abs(sum(r["ms"] for r in rows[:-1]) - rows[-1]["ms"]) < 1e-6 * max(1.0, rows[-1]["ms"])
-    assert "## Prefill" in (tmp_path / "e2e_v41.md").read_text()
+    assert "## Prefill" in (out / "e2e_v41.md").read_text()
 
 
 @pytest.mark.slow
@@ -48,17 +55,16 @@ def test_e2e_v41_smoke_with_the_triton_kernels_interpreted(tmp_path):
     assert [p["ok"] for p in res["parity"]] == [True, True], res["parity"]
 
 
-def test_the_prefill_profile_regions_add_up_and_the_chunk_fit_predicts(tmp_path):
+def test_the_prefill_profile_regions_add_up_and_the_chunk_fit_predicts(smoke_run):
     """The region profile's self times plus the time between regions add up to the chunk's wall time, the
     routed ops and the PyTorch parts (mHC, norms, compressor) each appear, and the chunk fit recovers a
-    linear growth exactly."""
+    linear growth exactly. (The regions of the smoke run above: its one prefill chunk's profile.)"""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import e2e_v41
         from v41_prefill_profile import ChunkFit
     finally:
         sys.path.pop(0)
-    res = e2e_v41.main(["--smoke", "--skip-parity", "--decode-batch", "", "--out", str(tmp_path)])
+    res, _ = smoke_run
     (name, rows), = res["regions"].items()
     assert rows[-1]["region"] == "(step, wall)"
     assert abs(sum(r["ms"] for r in rows[:-1]) - rows[-1]["ms"]) < 1e-6 * rows[-1]["ms"]
