@@ -395,7 +395,9 @@ def _launch_x(cfg: IndexerXConfig, *, q, weights, positions, query_start_loc, ke
     if block_size % ratio:
         raise ValueError(f"block_size={block_size}: the pool's pages hold whole entries of ratio {ratio}")
     cap = max(4 * topk, next_pow2(topk + 4 * cfg.block_n))   # room for segments of blocks between buffer cuts
-    kx = gather_keys(keys, block_table, seq_entries(query_start_loc, positions, ratio), ratio, block_size)
+    ncap = block_table.shape[1] * (block_size // ratio)
+    lim = seq_entries(query_start_loc, positions, ratio).clamp_(max=ncap)   # no row past the table's reach
+    kx = gather_keys(keys, block_table, lim, ratio, block_size)
     tile_tok, tile_len, tile_seq, n_tiles = token_tiles(query_start_loc, T, cfg.block_t)
     buf = torch.empty(T, cap, dtype=torch.int64, device=q.device)
     cand = torch.empty(T, topk, dtype=torch.int64, device=q.device)

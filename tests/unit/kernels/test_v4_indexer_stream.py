@@ -6,8 +6,8 @@ ones): ragged sequences over a shuffled paged pool (queries seeing no entry, row
 seeing fewer entries than the top-k), streams long enough that rows are cut between segments, integer-valued
 ties, poisoned outputs, the op's prefill guard, the tuner's candidates and the first-use check (a wrong kernel
 fails it), and a negative control (a wrong selection fails the rule). Interpreter-sized by default; one launch per
-tuner shape at V4 width (64 heads x 128, top-512: what ``tools/sm90_compile.py`` compiles for sm_90a) and the
-first-use check at V4 width run under ``-m slow``."""
+tuner shape at V4 width (64 heads x 128, top-512: what ``tools/sm90_compile.py`` compiles for sm_90a) runs under
+``-m slow``; each tuner shape at real size through the op, and the first-use check at V4 width, under ``-m gpu``."""
 import functools
 
 import pytest
@@ -164,10 +164,12 @@ def test_every_tuner_shape_at_v4_width(cfg, kernel_device):
     assert not topk_violations(got, scores, meta.positions, RATIO, 512, rtol=RTOL_RANDOM), seed
 
 
-@pytest.mark.slow
-def test_the_first_use_check_at_v4_width(kernel_device, monkeypatch):
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CANDIDATES, ids=str)
+def test_the_first_use_check_at_v4_width(cfg, monkeypatch):
+    """Its real inputs (64 heads x 128, top-512, ~3000 entries; minutes under the interpreter, so on the GPU only)."""
     monkeypatch.setattr(indexer, "_FIRST_USE", {})
-    assert indexer.first_use_ok(CANDIDATES[0], torch.device(kernel_device))
+    assert indexer.first_use_ok(cfg, torch.device("cuda"))
 
 
 @pytest.mark.slow
@@ -178,3 +180,18 @@ def test_long_streams_with_many_cuts(cfg, kernel_device):
     got = _select(cfg, meta, q, w, keys, 16)
     _assert_valid(got, meta, q, w, keys, 16)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CANDIDATES, ids=str)
+def test_real_size_pipelined_shapes_on_the_gpu(cfg):
+    """512 queries at the end of a 16K context (4096 entries), V4 width, bf16: each tuner shape (its first-use
+    check included, through the op) a valid top-512 of the float64 scores, every slot written."""
+    seed = _fresh_seed()
+    meta, q, w, keys = _inputs("cuda", [16384 - 512], [512], seed, dtype=torch.bfloat16, heads=64, dim=128,
+                               block=256)
+    got = indexer.indexer_topk_paged(q, w, positions=meta.positions, query_start_loc=meta.query_start_loc, keys=keys,
+                                     block_table=meta.block_tables, ratio=RATIO, block_size=RATIO * keys.shape[1],
+                                     topk=512, scale=128 ** -0.5, config=cfg)
+    scores = exact_scores(q, w, keys, meta, RATIO, 128 ** -0.5)
+    assert not topk_violations(got, scores, meta.positions, RATIO, 512, rtol=RTOL_RANDOM), seed
