@@ -21,7 +21,9 @@ programs own one expert's ``block_m``-row tile (``splitk_mx.tile_map``, one map 
 Launch shapes and forms are ``moe_mx.MoePlan`` fields (``decode``: ``fp8`` natural K order with E8M0 row
 scales, ``fp8h`` halves order with fp32 row scales, ``fp8ht`` those scales transposed per sorted row,
 ``_prefetch`` suffixes load a group's scales one step ahead; ``bf16``: the same programs on bf16 tensor
-cores, operands decoded exactly to bf16 with the scales folded in, one in-place MMA per 64-deep step).
+cores, operands decoded exactly to bf16 with the scales folded in, one in-place MMA per 64-deep step; ``fp8f``:
+``moe_prefill_fold``, the weight's scale folded into the decoded e4m3 values, one FFMA per accumulator element
+and group, dispatched from ``prefill_inputs`` / ``prefill_gemm``).
 
 Programs are numbered column block fastest, so the programs of one row tile (one expert's weights, one
 set of token rows) run side by side and share the rows through L2; each touched expert's weights are read
