@@ -53,9 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import cdiv, next_pow2, sm_count
 from redknot.kernels.triton.dequant_mx import as_bytes
-from redknot.kernels.triton.moe_prefill_fp8 import SAT_PAD, _tile_of_pid, _tile_rows
+from redknot.kernels.triton.moe_prefill_fp8 import SAT_PAD, _tile_rows
 from redknot.kernels.triton.moe_stream_fp8 import swiglu_e4m3, use_asm
 from redknot.kernels.triton.quant_mx import pow2
 
@@ -238,21 +238,49 @@ def _fold_loop(acc, acc3, a_ptr, a_off, sa_base, sa_g, sa_off, bg, sbg, b3g, sb3
 
 @triton.jit
 def _prefill_fold_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr,
-                     tile_group_ptr, tile_row_ptr, tile_end_ptr, flag_ptr, base_ptr, stride_base, N, K, limit,
-                     stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm, stride_psm,
-                     stride_psg, GATHER: tl.constexpr, DUAL: tl.constexpr, USE_ASM: tl.constexpr,
-                     WIDE: tl.constexpr, MODE: tl.constexpr, KW_POW2: tl.constexpr, GROUPS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``, all
+                     tile_group_ptr, tile_row_ptr, tile_end_ptr, flag_ptr, count_ptr, list_ptr, base_ptr,
+                     stride_base, N, K, limit, stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn,
+                     stride_pm, stride_psm, stride_psg, GATHER: tl.constexpr, DUAL: tl.constexpr,
+                     USE_ASM: tl.constexpr, WIDE: tl.constexpr, MODE: tl.constexpr, KW_POW2: tl.constexpr,
+                     GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``pid``: row tile ``pid // column blocks`` of its expert x column block ``pid % column blocks``, all
     of K (module docstring). MODE 0: the programs whose column block folds exactly compute (folded decode, row
-    scales only) and write ``flag_ptr[pid]`` 1, the others write 0 and nothing else; MODE 1: the programs whose
-    flag is 0 compute with the per-group scaling; MODE 2: every program with the per-group scaling; MODE 3 (the
-    tests' negative control): every program folds, in range or not. (Two
-    launches instead of a branch inside one program: each K loop gets its own register allocation.) The rows'
-    scales are fp32 [K/32, rows + SAT_PAD] in sorted row order (``stride_sam``: the group stride). DUAL: W1 | W3
-    with the SwiGLU epilogue writing the W2 input (e4m3 in quads order, fp32 scales transposed: element
-    (row, group) at row · stride_psm + group · stride_psg); else bf16 [rows, N]."""
-    pid_m, pid_n, grp = _tile_of_pid(tile_group_ptr, N, BLOCK_N)
+    scales only) and write ``flag_ptr[pid]`` 1; the others write 0 and append their pid to ``list_ptr`` (count
+    at ``count_ptr``); MODE 1: a few programs go through that list with the per-group scaling (nothing to do
+    when every block folds); MODE 2: every program with the per-group scaling; MODE 3 (the tests' negative
+    control): every program folds, in range or not. (Two launches instead of a branch inside one program: each
+    K loop gets its own register allocation.) The rows' scales are fp32 [K/32, rows + SAT_PAD] in sorted row
+    order (``stride_sam``: the group stride). DUAL: W1 | W3 with the SwiGLU epilogue writing the W2 input (e4m3
+    in quads order, fp32 scales transposed: element (row, group) at row · stride_psm + group · stride_psg); else
+    bf16 [rows, N]."""
+    if MODE == 1:
+        n = tl.load(count_ptr)
+        for i in range(tl.program_id(0), n, tl.num_programs(0)):
+            _fold_program(tl.load(list_ptr + i), a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr,
+                          ps_ptr, wt_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, flag_ptr, count_ptr, list_ptr,
+                          base_ptr, stride_base, N, K, limit, stride_am, stride_sam, stride_bg, stride_bn,
+                          stride_sbg, stride_sbn, stride_pm, stride_psm, stride_psg, GATHER, DUAL, USE_ASM, WIDE,
+                          MODE, KW_POW2, GROUPS, BLOCK_M, BLOCK_N)
+    else:
+        _fold_program(tl.program_id(0), a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr,
+                      wt_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, flag_ptr, count_ptr, list_ptr, base_ptr,
+                      stride_base, N, K, limit, stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn,
+                      stride_pm, stride_psm, stride_psg, GATHER, DUAL, USE_ASM, WIDE, MODE, KW_POW2, GROUPS,
+                      BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _fold_program(pid, a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, ps_ptr, wt_ptr,
+                  tile_group_ptr, tile_row_ptr, tile_end_ptr, flag_ptr, count_ptr, list_ptr, base_ptr, stride_base,
+                  N, K, limit, stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_pm,
+                  stride_psm, stride_psg, GATHER: tl.constexpr, DUAL: tl.constexpr, USE_ASM: tl.constexpr,
+                  WIDE: tl.constexpr, MODE: tl.constexpr, KW_POW2: tl.constexpr, GROUPS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_prefill_fold_mm``'s program ``pid``."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // n_blocks
+    pid_n = pid % n_blocks
+    grp = tl.load(tile_group_ptr + pid_m)
     if grp >= 0:
         row0, rows, rmask, arow = _tile_rows(tile_row_ptr, tile_end_ptr, rowid_ptr, pid_m, GATHER, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -283,13 +311,13 @@ def _prefill_fold_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
             span = tl.max(tl.maximum(m1 - n1, m3 - n3), 0)
             low = tl.min(tl.minimum(m1, m3), 0)
             fits = (span <= FOLD_SPAN) & (low >= 1)
-            tl.store(flag_ptr + tl.program_id(0), fits.to(tl.int32))
+            tl.store(flag_ptr + pid, fits.to(tl.int32))
             if MODE == 0:
                 run = fits
+                if not fits:  # the per-group launch takes this program
+                    tl.store(list_ptr + tl.atomic_add(count_ptr, 1), pid)
             else:
                 run = True
-        elif MODE == 1:
-            run = tl.load(flag_ptr + tl.program_id(0)) == 0
         else:
             run = True
         if run:
@@ -373,20 +401,23 @@ def prefill_gemm_fold(aq, sa, w, ws, rows: int, plan, *, offs, rowid=None, w3=No
     grid = n_tiles * cdiv(N, bn)
     flags = flags if flags is not None else torch.empty(max(1, grid), dtype=torch.int32, device=dev)
     bases = torch.empty(2 if dual else 1, w.shape[0], N, dtype=torch.uint8, device=dev)
+    count = torch.zeros(1, dtype=torch.int32, device=dev)  # programs the fold cannot take, listed in ``todo``
+    todo = torch.empty(max(1, grid), dtype=torch.int32, device=dev)
     w3g = as_bytes(w3) if dual else w
     s3g = as_bytes(ws3) if dual else ws
     # the prologue reads each column's scale bytes as 32-bit words where every scale row is 4-byte aligned
     words = K % 128 == 0 and all(t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.stride(2) == 1 and
                                  t.data_ptr() % 4 == 0 for t in (ws, s3g))
     for mode in ((3,) if fold == "force" else (0, 1) if fold else (2,)):
-        _prefill_fold_mm[(grid,)](
+        # MODE 1: a few programs per SM walk the list the folded launch left (usually empty)
+        _prefill_fold_mm[(min(grid, 4 * sm_count(aq)) if mode == 1 else grid,)](
             aq, sa, rowid if rowid is not None else offs, w, ws, w3g, s3g, p, ps if ps is not None else p,
-            wt if wt is not None else p, tg, tr, te, flags, bases, bases.stride(0), N, K, float(limit), aq.stride(0),
-            sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), p.stride(0),
+            wt if wt is not None else p, tg, tr, te, flags, count, todo, bases, bases.stride(0), N, K, float(limit),
+            aq.stride(0), sa.stride(0), w.stride(0), w.stride(1), ws.stride(0), ws.stride(1), p.stride(0),
             ps.stride(1) if ps is not None else 0, ps.stride(0) if ps is not None else 0, GATHER=rowid is not None,
-            DUAL=dual, USE_ASM=use_asm(dev), WIDE=aq.numel() >= 2**31, MODE=mode, KW_POW2=next_pow2(K // 128) if words else 0,
-            GROUPS=4 if words and plan.block_k >= 128 and not dual else 1, BLOCK_M=bm, BLOCK_N=bn,
-            num_warps=plan.num_warps, num_stages=plan.num_stages)
+            DUAL=dual, USE_ASM=use_asm(dev), WIDE=aq.numel() >= 2**31, MODE=mode,
+            KW_POW2=next_pow2(K // 128) if words else 0, GROUPS=4 if words and plan.block_k >= 128 and not dual else 1,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=plan.num_warps, num_stages=plan.num_stages)
     return result
 
 
