@@ -132,7 +132,10 @@ def _words_bytes(w, BLOCK_N: tl.constexpr):
 def fp4_e4m3_quads(b, tlo, thi, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr):
     """Packed MXFP4 bytes [BN, 16] of one 32-wide K group -> e4m3 [BN, 32] in quads order: code c of column n
     becomes byte c & 7 of (tlo[n], thi[n]) less 0x80, with c's sign (``tlo`` / ``thi`` uint32 [BN],
-    ``_QUAD_PTX``; the interpreter runs the same operations on words)."""
+    ``_QUAD_PTX``; the interpreter runs the same operations on words). The PTX takes each pack of 4 bytes as one
+    packed word (bytes 4c..4c+3 of a row, 8 codes in K order): the layout Triton 3.6 gives ``b`` at every
+    ``fp8f`` tuner shape (TTGIR: register bases [0, 1], [0, 2] first); the first-use check and the GPU tests
+    would catch a layout that grouped other bytes."""
     if USE_ASM:
         t0 = tl.broadcast_to(tlo[:, None], (BLOCK_N, 16))
         t1 = tl.broadcast_to(thi[:, None], (BLOCK_N, 16))
