@@ -88,13 +88,13 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     MoePlan("fp8", 128, 128, 64, 8, True, "bf16", 3), MoePlan("fp8", 64, 128, 64, 8, True, "bf16", 3),
     # ``fp8f`` (``moe_prefill_fold``): the weight's scale folded into the decoded e4m3 values per column, one FFMA
     # per accumulator element and group; a column block outside the fold's exact range runs the per-group scaling
-    # (not measured on the H200 yet). sm_90a SASS per group and thread, W1 | W3 / W2: 128 x 64 8 warps 213 / 123
-    # (block_k 128: W2 four groups per step with scale words; fp8ht 261 / 162); 4 warps (one warpgroup, 128 MMA
-    # columns) 278 / 163 for twice the MMA work per warp; 128 x 128 8 warps 319 / 180; 64 x 128 8 warps block_k
-    # 128 212 / 122 (fp8ht 258 / 160; 64-row tiles waste fewer rows past an expert's end). Registers 190 / 130,
-    # 255 / 198, 255 / 201, 195 / 101; no spills in the K loops.
-    MoePlan("fp8", 128, 64, 128, 8, True, "fp8f", 3), MoePlan("fp8", 128, 64, 32, 4, True, "fp8f", 4),
-    MoePlan("fp8", 128, 128, 32, 8, True, "fp8f", 3), MoePlan("fp8", 64, 128, 128, 8, True, "fp8f", 3),
+    # (not measured on the H200 yet). sm_90a SASS per group and thread, W1 | W3 / W2 (block_k 128: W2 four groups
+    # per step with scale words): 128 x 64 8 warps 213 / 123 (fp8ht 261 / 162); 4 warps (one warpgroup, 128 MMA
+    # columns) 278 / 147 for twice the MMA work per warp; 128 x 128 8 warps 319 / 175; 64 x 128 8 warps 212 / 122
+    # (fp8ht 258 / 160; 64-row tiles waste fewer rows past an expert's end). Registers 190 / 130, 255 / 255,
+    # 255 / 185, 195 / 101; no spills in the K loops but the 4-warp W2's (2 LDL per 4-group step).
+    MoePlan("fp8", 128, 64, 128, 8, True, "fp8f", 3), MoePlan("fp8", 128, 64, 128, 4, True, "fp8f", 4),
+    MoePlan("fp8", 128, 128, 128, 8, True, "fp8f", 3), MoePlan("fp8", 64, 128, 128, 8, True, "fp8f", 3),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)
