@@ -41,9 +41,10 @@ both words as they are.
 
 sm_90a SASS per loop step (one 32-wide group) and thread, W1 | W3 / W2, at V4.1 sizes: 128 x 64, 8 warps 213 / 142
 (``fp8ht``: 261 / 162), the W1 | W3 step without FMUL (64 FFMA, 16 PRMT + 16 LOP3 decode); W2 with block_k 128
-(4 groups per step, the columns' scale bytes as one 32-bit word per 4 groups) 123; 128 x 64, 4 warps (one
-warpgroup, 128 MMA columns per warp) 278 / 163; 128 x 128, 8 warps 319 / 180. Registers 190 / 112 (130 at 4
-groups), 255 / 198, 255 / 201, no spills in the K loops (4 groups per step in W1 | W3 spill: one group there).
+(4 groups per step, the columns' scale bytes as one 32-bit word per 4 groups) 123. At block_k 128: 128 x 64,
+4 warps (one warpgroup, 128 MMA columns per warp) 278 / 147; 128 x 128, 8 warps 319 / 175; 64 x 128, 8 warps
+212 / 122. Registers 190 / 130, 255 / 255, 255 / 185, 195 / 101; no spills in the K loops but the 4-warp W2's
+(2 LDL per 4-group step); 4 groups per step in W1 | W3 spill: one group there.
 Speed: not measured on the H200 (``benchmarks/kernels_v41.py --only prefill``
 times it beside the others).
 """
