@@ -239,6 +239,15 @@ def _route_gate_up_gemv(x_ptr, KW, stride_x, xs_ptr, stride_xs, b1_ptr, sb1_ptr,
 
 
 @triton.jit
+def _swiglu(g, u, limit, LIBDEVICE: tl.constexpr):
+    """The SwiGLU of ``moe.swiglu_expert`` on the fp32 slice sums of W1 (g) and W3 (u): each rounded to bf16 and
+    clamped, SiLU(g) · u in fp32, rounded to bf16 (returned as fp32)."""
+    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -limit), limit)
+    return (tl.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)) * u).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _swiglu_quant(p_ptr, q_ptr, s_ptr, N, S, stride_ps, stride_pm, stride_q, stride_s, limit,
                   BLOCK_G: tl.constexpr, LIBDEVICE: tl.constexpr, QDQ_BF16: tl.constexpr = False):
     """Row r, BLOCK_G groups of 32 columns: g, u = bf16(Σ_s p) of W1 / W3 (slice order), the SwiGLU of
@@ -253,10 +262,7 @@ def _swiglu_quant(p_ptr, q_ptr, s_ptr, N, S, stride_ps, stride_pm, stride_q, str
         base = p_ptr + s * stride_ps + r * stride_pm
         g += tl.load(base + cols, mask=cm, other=0.0)
         u += tl.load(base + N + cols, mask=cm, other=0.0)
-    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), limit)
-    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -limit), limit)
-    act = tl.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)) * u
-    act = tl.where(cm, act.to(tl.bfloat16).to(tl.float32), 0.0)
+    act = tl.where(cm, _swiglu(g, u, limit, LIBDEVICE), 0.0)
     ag = tl.reshape(act, (BLOCK_G, 32))
     e = e8m0_exponent(tl.max(tl.abs(ag), 1), 448.0, 1e-4)
     q = tl.minimum(tl.maximum(ag * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv)
@@ -308,6 +314,37 @@ def _w2_swiglu_stream(p1_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, S1, KSPLIT, stride_
             acc += tl.dot(w, tl.trans(a)) * (sw[:, None] * sa[None, :])
     out = pid_s.to(tl.int64) * stride_ps + r64[:, None] * stride_pm + cols[None, :]
     tl.store(p_ptr + out, tl.trans(acc), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _w2_swiglu_gemv(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, stride_p1s, stride_p1m, stride_a,
+                    stride_w, stride_s, stride_ps, stride_pm, limit, WB: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """W2 as a GEMV that forms its input itself (one launch instead of ``_swiglu_quant`` + ``_gemv_fp8``): each
+    program first computes its K slice of every row's SwiGLU from the W1 | W3 partials (``_swiglu_quant``'s code
+    with QDQ_BF16) into the scratch rows ``a_ptr`` (bf16; every program of the slice stores the same values at the
+    same place), a barrier, then ``gemv_mx._gemv_fp8``'s loop on those rows read as int32 pairs at ``x_ptr``
+    (``step_proj_v41._gemv_tile`` QX 1): the partials of ``_w2_gemv``, bit for bit. Every column block repeats
+    the SwiGLU of its slice (S1 x 2 x slice fp32 loads from L2 per row), so the tuner decides."""
+    I = 4 * KW
+    c_lo = tl.program_id(1) * KSPLIT
+    c_hi = tl.minimum(I, c_lo + KSPLIT)
+    for r in tl.static_range(ROWS):
+        for c0 in range(c_lo, c_hi, BLOCK_K):
+            cols = c0 + tl.arange(0, BLOCK_K)
+            g = tl.zeros([BLOCK_K], tl.float32)
+            u = tl.zeros([BLOCK_K], tl.float32)
+            for s in range(S1):  # slice order 0..S1-1 (``reduce_rows``)
+                base = p1_ptr + s * stride_p1s + r * stride_p1m
+                g += tl.load(base + cols)
+                u += tl.load(base + I + cols)
+            ag = tl.reshape(_swiglu(g, u, limit, LIBDEVICE), (BLOCK_K // 32, 32))
+            e = e8m0_exponent(tl.max(tl.abs(ag), 1), 448.0, 1e-4)
+            q = tl.minimum(tl.maximum(ag * pow2(-e)[:, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+            tl.store(a_ptr + r * stride_a + cols, tl.reshape(q * pow2(e)[:, None], (BLOCK_K,)).to(tl.bfloat16))
+    tl.debug_barrier()   # the slice's rows, stored by every thread of the program, then read back
+    _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, tl.program_id(0), tl.program_id(1), N, KW, KSPLIT, stride_a // 2,
+               stride_w, stride_s, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, 1)
 
 
 @triton.jit
@@ -451,10 +488,12 @@ def _w2_gemv(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
     """W2's fp32 partials [S, T, D] as a CUDA-core GEMV (``gemv_mx.PLANS[name]``) in two launches: the SwiGLU
     of the W1 | W3 partials quantised per 32 as bf16 rows (``_swiglu_quant`` with QDQ_BF16), then
     ``gemv_mx._gemv_fp8`` over them with the K slices ``gemv_mx.slices`` cuts for W2: Σ_s in slice order is
-    ``gemv_mx.gemv_fp8(act, W2)``'s fp32 output bit for bit (act: the bf16 SwiGLU rows)."""
+    ``gemv_mx.gemv_fp8(act, W2)``'s fp32 output bit for bit (act: the bf16 SwiGLU rows). ``pgemv*``: the same
+    partials in one launch (``_w2_swiglu_gemv``: each program forms its K slice of the rows first)."""
     from redknot.kernels.triton import gemv_mx
     from redknot.kernels.triton.dequant_mx import as_bytes
-    plan = gemv_mx.PLANS[name]
+    from redknot.kernels.triton.step_proj_v41 import plan_name
+    plan = gemv_mx.PLANS[plan_name(name)]
     S1, T, two_i = p1.shape
     inter = two_i // 2
     D = w2.shape[0]
@@ -462,19 +501,53 @@ def _w2_gemv(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float,
         raise ValueError(f"shared_expert_finish: the W2 GEMV takes at most {gemv_mx.MAX_ROWS} rows and a scale tile "
                          f"({block}) that its {plan.block_n} columns divide")
     act = torch.empty(T, inter, dtype=torch.bfloat16, device=p1.device)
-    bg = min(16, next_pow2(inter // 32))
-    _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, act, act, inter, S1, p1.stride(0), p1.stride(1), act.stride(0), 0,
-                                              float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE, QDQ_BF16=True,
-                                              num_warps=4)
     bk = gemv_mx._block_k(inter, plan.block_k)
     S2, ks2 = gemv_mx.slices(D, inter, plan)
     p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
     wb = as_bytes(w2).view(torch.int32)
+    if name.startswith("pgemv"):
+        _w2_swiglu_gemv[(cdiv(D, plan.block_n), S2)](
+            p1, act, act.view(torch.int32), wb, s2, p2, D, inter // 4, ks2, S1, p1.stride(0), p1.stride(1),
+            act.stride(0), wb.stride(0), s2.stride(0), p2.stride(0), p2.stride(1), float(limit), WB=block, ROWS=T,
+            BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), LIBDEVICE=_LIBDEVICE,
+            num_warps=plan.num_warps, num_stages=plan.num_stages)
+        return p2
+    bg = min(16, next_pow2(inter // 32))
+    _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, act, act, inter, S1, p1.stride(0), p1.stride(1), act.stride(0), 0,
+                                              float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE, QDQ_BF16=True,
+                                              num_warps=4)
     gemv_mx._gemv_fp8[(cdiv(D, plan.block_n), S2)](
         act.view(torch.int32), wb, s2, p2, D, inter // 4, ks2, act.stride(0) // 2, wb.stride(0), s2.stride(0),
         p2.stride(0), p2.stride(1), WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(),
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     return p2
+
+
+def w2_self_check(name: str, device: torch.device, seed: int = 1234) -> str | None:
+    """None when :func:`_w2_gemv` with ``name`` computes, at one and three rows of random W1 | W3 partials, the W2
+    sums the split-K ``registers`` stream computes on the ``fp8`` path's quantised SwiGLU rows (``_swiglu_quant``'s
+    e4m3 + E8M0, dequantised) within ``stream_guard.CHECK_TOL``, else what differs: the first-use check of the
+    shared expert's W2 GEMV (``stream_guard.first_use``, key ``("step_w2", name)``)."""
+    from redknot.kernels import mx_formats as mx
+    from redknot.kernels.triton import splitk_mx
+    from redknot.kernels.triton.stream_guard import CHECK_TOL, _rel
+    g = torch.Generator(device=device).manual_seed(seed)
+    inter, D, S1, limit = 1024, 96, 3, 10.0
+    w2, s2 = mx.quant_fp8_blocks(torch.randn(D, inter, generator=g, device=device) * 0.02, 32)
+    s2 = s2.view(torch.uint8)
+    worst = 0.0
+    for rows in (1, 3):
+        p1 = torch.randn(S1, rows, 2 * inter, generator=g, device=device) * 2
+        aq = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device)
+        sa = torch.empty(rows, inter // 32, dtype=torch.uint8, device=device)
+        _swiglu_quant[(rows, inter // 32 // 16)](p1, aq, sa, inter, S1, p1.stride(0), p1.stride(1), aq.stride(0),
+                                                 sa.stride(0), limit, BLOCK_G=16, LIBDEVICE=_LIBDEVICE, num_warps=4)
+        act = (aq.float().view(rows, -1, 32) * torch.exp2(sa.float() - 127)[..., None]).view(rows, inter)
+        want = splitk_mx.splitk_mm(act.to(torch.bfloat16), w2, s2, rows, w_fp4=False, wb=32,
+                                   decode="registers").sum(0)
+        worst = max(worst, _rel(_w2_gemv(p1, w2, s2, limit, 32, name).sum(0), want))
+    return None if worst <= CHECK_TOL else (f"shared expert W2 GEMV {name} differs from decode='registers' by "
+                                            f"{worst:.3g} (tolerance {CHECK_TOL:g})")
 
 
 def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float, routed: torch.Tensor,
@@ -486,7 +559,8 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
     last launch also runs ``mhc_post(out, h, post, comb)`` per block and returns h' [T, n, D] (the same bits;
     ``post_mix_fits`` must hold). ``stream``: W2's weight stream, ``fp8`` or (at most ``gemv_mx.MAX_ROWS`` bf16
     rows) a ``gemv_mx.PLANS`` dense shape (:func:`_w2_gemv`: one launch more, W2's sums those of
-    ``gemv_mx.gemv_fp8``, behind ``stream_guard``'s first-use check of that shape); None:
+    ``gemv_mx.gemv_fp8``, behind ``stream_guard``'s first-use check of that shape) or that shape with a ``p``
+    (the same sums, the SwiGLU formed in the W2 launch: no launch more); None:
     ``step_proj_v41.small_choice``'s with ``STEP_W2_TUNER`` (``fp8`` first)."""
     from redknot.kernels.triton import step_proj_v41 as sp
     from redknot.kernels.triton.stream_fp8 import fp8_stream
@@ -507,10 +581,15 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
             return shared_expert_finish(p1[:, :1], w2, s2, limit, routed[:1], block, prologue, one, stream=c)
         stream = sp.small_choice("w2", routed, [w2], block, timed, tuner=sp.STEP_W2_TUNER) or "fp8"
     if stream != "fp8":
+        def fast():
+            return _finish(_w2_gemv(p1, w2, s2, limit, block, stream), routed, out, mix)
+        if p1.device.type != "cuda":
+            return fast()
         from redknot.kernels.triton import stream_guard
-        return stream_guard.with_fallback(
-            p1.device, stream, lambda: _finish(_w2_gemv(p1, w2, s2, limit, block, stream), routed, out, mix),
-            lambda: shared_expert_finish(p1, w2, s2, limit, routed, block, prologue, mix, stream="fp8"))
+        return stream_guard.first_use(("step_w2", stream), stream_guard._CHECKED, stream_guard.DECODE_ERRORS,
+                                      lambda: w2_self_check(stream, p1.device), fast,
+                                      lambda: shared_expert_finish(p1, w2, s2, limit, routed, block, prologue, mix,
+                                                                   stream="fp8"), stream_guard._fail)
     S2, ks2, bm2, bn2 = _slices(D, inter, T)
     p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
     if prologue is None:

@@ -113,12 +113,12 @@ def test_shared_expert_combine_takes_the_choice(monkeypatch):
     assert torch.equal(got, shared_expert_finish(p1, w2, s2, LIMIT, routed))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + ["pgemv", "pgemv_k128"])
 @pytest.mark.parametrize("t", [1, 3])
 def test_w2_gemv(name, t):
     """The shared expert's W2 as a GEMV (``shared_expert_finish(stream=...)``): the SwiGLU rows quantised once as
     bf16 are the ``fp8`` path's e4m3 + E8M0 rows dequantised, W2's slice sums equal ``gemv_mx.gemv_fp8``'s on those
-    rows bit for bit (several K slices), and the output (plain and with the mHC post mix) is the ``fp8`` path's up
+    rows bit for bit (several K slices; ``pgemv*``: the SwiGLU formed in the W2 launch, the same partials), and the output (plain and with the mHC post mix) is the ``fp8`` path's up
     to W2's summation order and within 2e-2 of the PyTorch reference."""
     import redknot.kernels.triton.step_moe_v41 as sm
     from redknot.kernels.triton.mhc import mhc_post
@@ -136,11 +136,13 @@ def test_w2_gemv(name, t):
     deq = aq.float().view(t, -1, 32) * torch.exp2(sa.float() - 127)[..., None]
     assert torch.equal(act.float(), deq.view(t, inter)) and act.float().abs().max() > 0
     p2 = sm._w2_gemv(p1, w2, s2.view(torch.uint8), LIMIT, 32, name)
-    assert p2.shape[0] > 1 or name == "gemv_k128"
+    assert p2.shape[0] > 1
+    if name.startswith("p"):
+        assert torch.equal(p2, sm._w2_gemv(p1, w2, s2.view(torch.uint8), LIMIT, 32, sp.plan_name(name)))
     got = p2[0].clone()
     for i in range(1, p2.shape[0]):  # slice order
         got += p2[i]
-    assert torch.equal(got, gemv_mx.gemv_fp8(act, w2, s2, 32, torch.empty(t, d), gemv_mx.PLANS[name]))
+    assert torch.equal(got, gemv_mx.gemv_fp8(act, w2, s2, 32, torch.empty(t, d), gemv_mx.PLANS[sp.plan_name(name)]))
     out = shared_expert_finish(p1, w2, s2, LIMIT, routed, stream=name)
     fp8 = shared_expert_finish(p1, w2, s2, LIMIT, routed, stream="fp8")
     assert not torch.equal(out, routed)
@@ -188,3 +190,18 @@ def test_w2_choice(monkeypatch):
         assert torch.equal(shared_expert_finish(p1, w2, s2, LIMIT, routed), fp8) and len(ran) == n
     finally:
         tuning_cache.use_small_rows_class(before)
+
+
+def test_w2_first_use_check(monkeypatch):
+    """``w2_self_check``: passes for the W2 GEMV forms, reports a stream whose sums are off."""
+    import redknot.kernels.triton.step_moe_v41 as sm
+    for name in ("gemv_k128", "pgemv"):
+        assert sm.w2_self_check(name, torch.device("cpu")) is None
+    real = sm._w2_gemv
+
+    def off(*a, **k):
+        p = real(*a, **k)
+        p[0, :, 5] += 0.5
+        return p
+    monkeypatch.setattr(sm, "_w2_gemv", off)
+    assert "differs" in sm.w2_self_check("pgemv", torch.device("cpu"))
