@@ -28,3 +28,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def seeded_model_cache(tmp_path_factory):
+    """One engine cache folder for the session's tests that only build a model from its seeded synthetic
+    checkpoint: checkpoints are keyed by architecture and seed (and the Engram token map by the tokenizer's
+    digest), so each is written once here instead of once per test module. Tests about the cache's own
+    contents keep a folder of their own."""
+    return str(tmp_path_factory.mktemp("seeded-model-cache"))

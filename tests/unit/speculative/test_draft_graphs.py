@@ -162,10 +162,10 @@ def _prompts() -> Dict[str, List[int]]:
     return {f"p{k}": [(31 * i + 11 * k) % 120000 + 3 for i in range(n)] for k, n in enumerate((7, 29, 12))}
 
 
-def test_engine_drafter_drafts_the_same_blocks_through_graphs(tmp_path):
+def test_engine_drafter_drafts_the_same_blocks_through_graphs(seeded_model_cache):
     """tiny-v41 with DSpark (fp32, CPU): the drafter with its block forward in (host-recorded) graphs
     drafts the blocks the eager drafter drafts, step by step, and the greedy output is unchanged."""
-    llm = _llm(tmp_path)
+    llm = _llm(seeded_model_cache)
     try:
         eager_out, eager_drafts = _drafts(llm, _prompts())
         spec = llm.runner.speculator

@@ -21,9 +21,9 @@ from redknot.speculative.dspark_drafter import DSparkDrafter, confidence_probs
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(seeded_model_cache):
     family = load_family("deepseek_v4")
-    cache = str(tmp_path_factory.mktemp("dspark-choices"))
+    cache = seeded_model_cache
     raw = OmegaConf.load(Path(CONF_DIR) / "model" / "tiny-0731.yaml")
     model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
     net = family.build_model(model_cfg, HardwareConfig(), cache)

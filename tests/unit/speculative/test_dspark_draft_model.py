@@ -29,9 +29,9 @@ def tiny_0731() -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(seeded_model_cache):
     family = load_family("deepseek_v4")
-    cache = str(tmp_path_factory.mktemp("dspark-0731"))
+    cache = seeded_model_cache
     model_cfg = tiny_0731()
     net = family.build_model(model_cfg, HardwareConfig(), cache)
     return family, net, family.draft_models(net)[DSPARK], family.write_synthetic_checkpoint(model_cfg, cache)

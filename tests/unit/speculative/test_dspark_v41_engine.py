@@ -24,12 +24,12 @@ WINDOW = 16
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
+def v41(seeded_model_cache):
     from redknot.engine import LLM
 
     model = load_yaml_option(CONF, ModelConfig)
     model.max_position = 512
-    cache = str(tmp_path_factory.mktemp("v41-dspark"))
+    cache = seeded_model_cache
     made = {}
 
     def make(dspark: bool, method: str = "auto", compact: bool = False, cuda: bool = False):

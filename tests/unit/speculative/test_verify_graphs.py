@@ -51,8 +51,8 @@ def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False, se
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("v41-verify-graphs"))
+def v41(seeded_model_cache):
+    cache = seeded_model_cache
     made = {}
 
     def make(dspark: bool, cuda: bool = False, graphs: bool = False, seqs: int = MAX_SEQS,

@@ -52,8 +52,8 @@ def _make(cache: str, dspark: bool, cuda: bool = False, graphs: bool = False, dt
 
 
 @pytest.fixture(scope="module")
-def v4(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("v4-verify-graphs"))
+def v4(seeded_model_cache):
+    cache = seeded_model_cache
     made = {}
 
     def make(dspark: bool, cuda: bool = False, graphs: bool = False, dtype: DType = DType.float64,

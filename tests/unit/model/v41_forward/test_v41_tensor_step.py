@@ -396,7 +396,7 @@ class _Replay:
         self.fn()
 
 
-def test_engine_decode_graph_buffers_drive_the_v41_step(tmp_path):
+def test_engine_decode_graph_buffers_drive_the_v41_step(seeded_model_cache):
     """The engine's graph runner (DecodeGraphs) on tiny-v41, on a CPU: its static buffers, padding
     slot/block and first-replay check drive the tensor-only step (a replay here re-runs the step on
     the buffers); greedy tokens equal eager decode and no replay is refused by the check."""
@@ -421,7 +421,7 @@ def test_engine_decode_graph_buffers_drive_the_v41_step(tmp_path):
         features = FeaturesConfig()
         features.dspark.method = "none"
         eng = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16),
-                           cache_dir=str(tmp_path))
+                           cache_dir=seeded_model_cache)
         llm = LLM(model, HardwareConfig(), features, eng)
         if graphs:
             runner = llm.runner
