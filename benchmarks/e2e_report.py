@@ -92,7 +92,9 @@ def tuned_lines() -> List[str]:
         for key, best in tuner.choices.items():
             cands = ", ".join(f"{_short(c)} {ms:.3f}" for c, ms in tuner.timings.get(key, []))
             fails = len(tuner.failures.get(key, []))
-            lines.append(f"# tuned {tuner.name} {key}: {_short(best)} [{cands}]" + (f" ({fails} failed)" if fails else ""))
+            timed = f" timed as {tuner.timed_as[key]}" if key in tuner.timed_as else ""
+            lines.append(f"# tuned {tuner.name} {key}: {_short(best)} [{cands}]{timed}"
+                         + (f" ({fails} failed)" if fails else ""))
     return lines
 
 

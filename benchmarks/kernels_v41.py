@@ -267,7 +267,8 @@ def tuned_choices() -> List[str]:
             times = sorted(tuner.timings.get(key, []), key=lambda r: r[1])
             runner = ("; then " + ", ".join(f"{c} {ms:.4f} ms" for c, ms in times[1:])) if len(times) > 1 else ""
             best = f" {times[0][1]:.4f} ms" if times else ""
-            out.append(f"{tuner.name} {key}: {cfg}{best}{runner}")
+            timed = f" (timed as {tuner.timed_as[key]})" if key in tuner.timed_as else ""
+            out.append(f"{tuner.name} {key}: {cfg}{best}{runner}{timed}")
     return out
 
 

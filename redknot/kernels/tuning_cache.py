@@ -3,7 +3,7 @@
 ``ConfigTuner`` times each candidate on the first call of a problem class; on an H200 the first prefill
 chunk of the V4.1 model spends about three minutes there, in every process. This store keeps each choice
 (and the timings it came from) in one JSON file, keyed by the environment that measured it (GPU name,
-compute capability, torch and triton versions), the tuner's name and the class key's ``repr``. Classes
+compute capability, torch and triton versions, the tuner's timing rule), the tuner's name and the class key's ``repr``. Classes
 are the tuners' own keys (weight shapes and power-of-two size classes), so a stored choice is exactly
 what a fresh measurement would have keyed: batch invariance is unchanged.
 
@@ -17,8 +17,8 @@ torn file (the last writer of a class wins, and both measured the same thing).
 
 Shipped choices (the seed): JSON files of the store's format under ``redknot/kernels/tuned/`` (package
 data), consulted only for a class the store has no entry for. A seed entry is used under the store's own
-rule: the same environment string, i.e. the same GPU name and compute capability and the same torch and
-triton versions; a seed measured under other versions is not used (one warning per process names the
+rule: the same environment string, i.e. the same GPU name and compute capability, the same torch and
+triton versions and the same timing rule; a seed measured under other versions is not used (one warning per process names the
 file, its versions and this process's), because launch choices are re-measured whenever the versions
 change, as the store does. A used seed choice passes the same first-use guard as a stored one (a choice
 that no longer builds or runs is tuned again, and that measurement goes to the store, which then wins).
@@ -50,8 +50,12 @@ _OFF = ("", "0", "off", "none", "false", "no")
 _UNSET = object()
 
 
+TIMING = "graph<1ms"   # how ConfigTuner compares candidates (its graph_below_ms rule); a new rule re-tunes
+
+
 def environment(device: torch.device) -> str:
-    """The part of a key that makes a measurement valid: GPU name, compute capability, torch, triton."""
+    """The part of a key that makes a measurement valid: GPU name, compute capability, torch, triton, and the
+    tuner's timing rule (choices timed under another rule are measured again)."""
     import triton
 
     if device.type == "cuda":
@@ -60,7 +64,7 @@ def environment(device: torch.device) -> str:
         gpu = f"{torch.cuda.get_device_name(index)}|sm{major}{minor}"
     else:
         gpu = device.type
-    return f"{gpu}|torch {torch.__version__}|triton {triton.__version__}"
+    return f"{gpu}|torch {torch.__version__}|triton {triton.__version__}|timing {TIMING}"
 
 
 def describe(value: Any) -> str | None:
@@ -224,10 +228,12 @@ def read_seed_file(path: str) -> dict[str, Any]:
 
 
 def _split(env: str) -> tuple[str, str]:
-    """(GPU part, versions part) of an environment string (``environment``): ``name|smXY``, ``torch ..|triton ..``."""
+    """(GPU part, versions part) of an environment string (``environment``): ``name|smXY``,
+    ``torch ..|triton ..|timing ..``."""
     parts = env.split("|")
-    gpu = "|".join(p for p in parts if not p.startswith(("torch ", "triton ")))
-    return gpu, "|".join(p for p in parts if p.startswith(("torch ", "triton ")))
+    versions = ("torch ", "triton ", "timing ")
+    gpu = "|".join(p for p in parts if not p.startswith(versions))
+    return gpu, "|".join(p for p in parts if p.startswith(versions))
 
 
 class Seed:

@@ -119,7 +119,12 @@ class ConfigTuner:
 
     The first call of a class (``key``) on a CUDA device times every candidate on the real inputs
     (median of a few runs) and keeps the fastest that ran; a candidate that fails to compile is
-    skipped and remembered in ``failures``. Without CUDA, under the interpreter, during CUDA-graph
+    skipped and remembered in ``failures``. A class whose fastest candidate takes less than
+    ``graph_below_ms`` eagerly is timed again as CUDA-graph replays (every candidate captured once), the
+    way the decode step runs it: an eager time that short is mostly the host's launch cost, which a graph
+    does not pay, so eager timing would favour the candidates with the fewest launches over the fastest
+    kernels. If any candidate cannot be captured, the class keeps its eager timings (``timed_as`` says
+    which). Without CUDA, under the interpreter, during CUDA-graph
     capture or while ``ConfigTuner.enabled`` is off, the first candidate is used untimed (and not
     remembered). ``choices`` and ``timings`` are readable by benchmarks. Measured choices persist across
     processes through ``tuning_cache`` (per GPU, compute capability, torch and triton version and class);
@@ -127,6 +132,7 @@ class ConfigTuner:
     """
 
     enabled = True
+    graph_below_ms = 1.0   # classes faster than this eagerly are compared as graph replays (0: never)
 
     def __init__(self, name: str, candidates: Sequence[Any]):
         self.name = name
@@ -134,6 +140,7 @@ class ConfigTuner:
         self.choices: Dict[Hashable, Any] = {}
         self.timings: Dict[Hashable, List[Tuple[Any, float]]] = {}
         self.failures: Dict[Hashable, List[Tuple[Any, str]]] = {}
+        self.timed_as: Dict[Hashable, str] = {}   # "eager" or "graph": how the class's timings were taken
 
     def pick(self, key: Hashable, run: Callable[[Any], Any], device: torch.device) -> Any:
         if key in self.choices:
@@ -187,8 +194,38 @@ class ConfigTuner:
         self.failures[key] = failed
         if not results:
             raise RuntimeError(f"{self.name}: no launch configuration ran for {key}: {failed}")
+        self.timed_as[key] = "eager"
+        if min(ms for _, ms in results) < ConfigTuner.graph_below_ms:
+            replayed = _replay_times([cfg for cfg, _ in results], run)
+            if replayed is not None:
+                results, self.timed_as[key] = replayed, "graph"
         self.timings[key] = results
         best = min(results, key=lambda r: r[1])[0]
         self.choices[key] = best
-        log.info("%s %s: chose %s from %s", self.name, key, best, results)
+        log.info("%s %s: chose %s from %s (%s)", self.name, key, best, results, self.timed_as[key])
         return best
+
+
+def _replay_times(configs: Sequence[Any], run: Callable[[Any], Any]) -> List[Tuple[Any, float]] | None:
+    """Each config's ``run`` captured in a CUDA graph and timed as replays (median, as ``_tune`` times eager
+    runs), or None when CUDA is absent or any config cannot be captured (a host sync, a capture-unsafe call):
+    a class is compared in one way only. Every config has run eagerly before, so nothing compiles here."""
+    from triton.testing import do_bench
+
+    if not torch.cuda.is_available():
+        return None
+    out: List[Tuple[Any, float]] = []
+    for cfg in configs:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                run(cfg)
+        except Exception as exc:
+            log.info("graph timing: %s cannot be captured (%s: %s); the class keeps its eager timings", cfg,
+                     type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")
+            return None
+        try:
+            out.append((cfg, float(do_bench(graph.replay, warmup=3, rep=10, return_mode="median"))))
+        finally:
+            del graph
+    return out
