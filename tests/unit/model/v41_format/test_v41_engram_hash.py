@@ -174,12 +174,13 @@ def test_token_map_cache_survives_writers_racing(tmp_path, v4_map, monkeypatch):
 
     writers = 6
     barrier = threading.Barrier(writers)
-    build = tm.token_map_from_file
 
-    def in_step(*a, **k):  # every writer leaves the build together, so the writes overlap
-        out = build(*a, **k)
+    def in_step(tokenizer_file, vocab_size=None):
+        # The build's result (v4_map is token_map_from_file(TOKENIZER), built once for the module; the build
+        # itself is checked above); every writer leaves the build together, so the writes overlap.
+        assert (tokenizer_file, vocab_size) == (TOKENIZER, None)
         barrier.wait(timeout=60)
-        return out
+        return v4_map
 
     monkeypatch.setattr(tm, "token_map_from_file", in_step)
     errors, maps = [], []
@@ -198,3 +199,4 @@ def test_token_map_cache_survives_writers_racing(tmp_path, v4_map, monkeypatch):
     assert not errors, errors
     assert len(maps) == writers and all(m.lookup == v4_map.lookup for m in maps)
     assert [p.name for p in tmp_path.iterdir()] == [f"engram_token_map_{tm._digest(TOKENIZER)}_all.json"]
+    assert tm.cached_token_map(TOKENIZER, str(tmp_path)).lookup == v4_map.lookup  # the file left is whole
