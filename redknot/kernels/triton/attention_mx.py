@@ -106,6 +106,36 @@ def _sparse_attn_mx(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_
                  o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
 
 
+@triton.jit
+def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H, stride_ot, stride_oh, S: tl.constexpr,
+                         BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """One (query row, head): its ``S`` split partials [T, S, H, D] (unnormalised fp32 sums, each split's
+    running max and denominator in ``ml`` [T, S, H, 2], log2 units) merged with the sink term."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    smask = sp < S
+    rows = (t * S + sp) * H + h
+    m = tl.load(ml_ptr + rows * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + rows * 2 + 1, mask=smask, other=0.0)
+    top = tl.max(m, 0)
+    wgt = tl.exp2(m - top)          # 0 past S; every split's max started at the sink, so none is -inf
+    denom = tl.sum(wgt * l, 0) + tl.exp2(tl.load(sink_ptr + h) * 1.4426950408889634 - top)
+    dims = tl.arange(0, D)
+    part = tl.load(part_ptr + rows.to(tl.int64)[:, None] * D + dims[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(wgt[:, None] * part, 0) / denom
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, o.to(out_ptr.dtype.element_ty))
+
+
+def merge_splits(part: torch.Tensor, ml: torch.Tensor, sink: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` [T, H, D] from a split launch's partials ``part`` [T, S, H, D] and ``ml`` [T, S, H, 2] (fp32,
+    contiguous) and the fp32 sink logits [H], in one launch (the span and the step kernels merge alike)."""
+    T, S, H, D = part.shape
+    _merge_splits_kernel[(T, H)](part, ml, sink, out, H, out.stride(0), out.stride(1), S=S,
+                                 BLOCK_S=next_pow2(S), D=D, num_warps=4)
+    return out
+
+
 @dataclass(frozen=True)
 class AttnMxConfig:
     block_h: int = 16   # heads per program: each gathered row is decoded once per head block
@@ -117,6 +147,8 @@ class AttnMxConfig:
 ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
     AttnMxConfig(16, 32, 8), AttnMxConfig(32, 32, 8), AttnMxConfig(64, 16, 8), AttnMxConfig(32, 64, 8),
     AttnMxConfig(64, 32, 8), AttnMxConfig(16, 64, 4), AttnMxConfig(32, 32, 8, 5), AttnMxConfig(16, 32, 8, 10),
+    # a decode row alone: 64 heads in 4 blocks x 16 or 32 splits = 64 / 128 programs (1 split: 2-4)
+    AttnMxConfig(16, 32, 4, 16), AttnMxConfig(16, 16, 4, 32),
 ])
 # Prefill-sized problems (a program per query and head block already fills the device many times over)
 # time only the unsplit shapes: each candidate is a compile in the first chunk.
@@ -172,10 +204,6 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
         window_cache.stride(0), widx.stride(0), ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
         float(scale) * LOG2E, w_chunk, c_chunk, HAS_COMP=has_comp, SPLIT=splits > 1, D=D, BLOCK_H=block_h,
         BLOCK_N=block_n, num_warps=num_warps)
-    if splits > 1:  # merge: every split started its running max at the sink, so none is -inf
-        m, l = ml[..., 0], ml[..., 1]  # [T, S, H], log2 units
-        top = m.amax(1, keepdim=True)
-        wgt = torch.exp2(m - top)
-        denom = (wgt * l).sum(1) + torch.exp2(sink * LOG2E - top.squeeze(1))
-        out.copy_(((wgt.unsqueeze(-1) * part).sum(1) / denom.unsqueeze(-1)).to(out.dtype))
+    if splits > 1:
+        merge_splits(part, ml, sink, out)
     return out

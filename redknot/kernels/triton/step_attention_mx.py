@@ -24,7 +24,13 @@ import triton.language as tl
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels.triton._common import LOG2E, cdiv, next_pow2
-from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER, AttnMxConfig, _compressed_keys, _softmax_step
+from redknot.kernels.triton.attention_mx import (
+    ATTN_MX_TUNER,
+    AttnMxConfig,
+    _compressed_keys,
+    _softmax_step,
+    merge_splits,
+)
 from redknot.kernels.triton.quant_mx import e8m0_decode
 
 
@@ -136,12 +142,8 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
         q.stride(0), q.stride(1), ring.stride(0), new_rows.stride(0), ccache.stride(0),
         cidx.stride(0) if has_comp else 0, out.stride(0), out.stride(1), float(scale) * LOG2E, w_chunk, c_chunk,
         HAS_COMP=has_comp, SPLIT=splits > 1, D=D, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps)
-    if splits > 1:  # every split started its running max at the sink, so none is -inf
-        m, l = ml[..., 0], ml[..., 1]
-        top = m.amax(1, keepdim=True)
-        wgt = torch.exp2(m - top)
-        denom = (wgt * l).sum(1) + torch.exp2(sink * LOG2E - top.squeeze(1))
-        out.copy_(((wgt.unsqueeze(-1) * part).sum(1) / denom.unsqueeze(-1)).to(out.dtype))
+    if splits > 1:
+        merge_splits(part, ml, sink, out)
     return out
 
 
