@@ -16,9 +16,9 @@ experts. In a replayed graph each launch costs its fixed few microseconds, not i
   ``splitk_mx.splitk_mm`` cuts them for ``decode="fp8"``), one program per row block that sums the slices,
   rounds each linear to bf16, clamps, applies SiLU · up, rounds to bf16 and quantises the W2 input per 32
   (the bits of ``act_quant_mx``), the W2 stream (``stream_fp8.fp8_stream``), and one reduction that sums
-  W2's slices, rounds to bf16 and adds the routed experts' bf16 sum in fp32: ``bf16(routed + shared)``. At
-  one or two rows (``PROLOGUE_MAX_ROWS``) the W2 stream forms its slice of the W2 input itself from the
-  W1 | W3 partials (the same bits; three launches). At one to four bf16 rows the W1 | W3 stream and the W2
+  W2's slices, rounds to bf16 and adds the routed experts' bf16 sum in fp32: ``bf16(routed + shared)``. With
+  ``prologue=True`` (no row count by default: ``PROLOGUE_MAX_ROWS``) the W2 stream forms its slice of the W2
+  input itself from the W1 | W3 partials (the same bits; three launches). At one to four bf16 rows the W1 | W3 stream and the W2
   stream may each be a CUDA-core GEMV (``gemv_mx``'s decode; ``step_proj_v41.STEP_SMALL_TUNER`` /
   ``STEP_W2_TUNER`` choose, ``fp8`` first): W2's GEMV reads the SwiGLU rows quantised once by
   ``_swiglu_quant`` (bf16 QDQ values, one launch more than the prologue stream). Not measured on the H200.
@@ -50,9 +50,11 @@ _LIBDEVICE = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 # the registry's linears, whose per-row launch costs no longer dominate.
 MAX_ROWS = 16
 # Rows up to which the W2 stream forms its input itself (``_w2_swiglu_stream``: one launch fewer). Each of
-# its D/64 column blocks re-reads the W1 | W3 partials of its K slice from L2 (about 7 MB at one V4.1 row):
-# cheaper than a launch at one or two rows, not at sixteen.
-PROLOGUE_MAX_ROWS = 2
+# its D/64 column blocks re-reads the W1 | W3 partials of its K slice from L2 (about 7 MB at one V4.1 row).
+# Measured on an H100 (8K decode in graphs, 2026-12-06): 0.114 ms a call at one row for 11.8 MB of weight, where
+# the two-launch form's W2 stream took 0.0525 ms a call at 32 rows: the re-reads cost more than the launch
+# saved, so no row count takes it by default (``prologue=True`` still runs it).
+PROLOGUE_MAX_ROWS = 0
 
 
 # ---------------------------------------------------------------------- router
