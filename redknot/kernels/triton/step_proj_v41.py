@@ -27,7 +27,9 @@ tuning off), ``gemv_mx.PLANS``' dense shapes and the same shapes with the rows q
 program: 984 SASS instead of 1128 for the two-weight kernel at one row on sm_90a; three launches, the same bits),
 timed on one row on the first call outside capture, each GEMV behind its first-use check (:func:`self_check`
 through ``stream_guard.first_use``); a launch first met under capture keeps ``fp8`` for the process, so eager
-and graph steps compute the same bits.
+and graph steps compute the same bits. :func:`linear_post` (``STEP_POST_TUNER``) also has ``fpgemv*``: ``pgemv*``
+with its epilogue in the stream launch (``_gemv_post``: the last program of each column block, found by an
+acquire-release counter, sums the block's slices in slice order and mixes it; one launch, the same bits).
 ``tuning_cache.small_rows_class()`` False or ``gemm_mx.SMALL_ROWS_CLASS`` False: ``fp8`` always (the bits of
 the tensor-core stream at every row count). Not measured on the H200.
 """
@@ -64,6 +66,10 @@ STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", *GEMV_NAMES, *("q" + n
 # The shared expert's W2 stream at up to ``gemv_mx.MAX_ROWS`` rows (``step_moe_v41.shared_expert_finish``; key:
 # W2's shape): ``fp8`` (first), a ``gemv_mx.PLANS`` dense shape on the quantised SwiGLU rows (a launch before), or
 # that shape with a ``p``: the W2 launch forms its input itself.
+# ``linear_post``'s launch (wo_b + the mHC post mix): ``STEP_SMALL_TUNER``'s candidates and the ``pgemv*`` shapes
+# with the epilogue in the stream launch (``fpgemv*``: the last program of each column block sums its slices and
+# mixes the block; one launch instead of two).
+STEP_POST_TUNER = ConfigTuner("step_post_small", [*STEP_SMALL_TUNER.candidates, *("fp" + n for n in GEMV_NAMES)])
 STEP_W2_TUNER = ConfigTuner("step_w2_small", ["fp8", *GEMV_NAMES, *("p" + n for n in GEMV_NAMES)])
 # A ``STEP_SMALL_TUNER`` candidate every launch takes instead of the tuner's choice (tests and the launch count of
 # ``benchmarks/step_kernels_v41.py``); None: the tuner's. The small-row class off still gives ``fp8``.
@@ -260,15 +266,17 @@ def _gemv2(x_ptr, KW, stride_x, xs_ptr, stride_xs,
 
 
 def plan_name(name: str) -> str:
-    """The ``gemv_mx.PLANS`` shape of a step GEMV candidate (``qgemv*`` / ``pgemv*``: ``gemv*`` on rows quantised
-    once before the stream / at the start of each program)."""
+    """The ``gemv_mx.PLANS`` shape of a step GEMV candidate (``qgemv*`` / ``pgemv*`` / ``fpgemv*``: ``gemv*`` on rows
+    quantised once before the stream / at the start of each program / the same with the epilogue in the launch)."""
+    if name.startswith("fpgemv"):
+        return name[2:]
     return name[1:] if name.startswith(("qgemv", "pgemv")) else name
 
 
 def quantise_mode(name: str) -> int:
     """``_gemv_tile``'s QX for a step GEMV candidate: 0 ``gemv*`` (inside the loop), 1 ``qgemv*`` (a ``qdq_bf16``
-    launch before), 2 ``pgemv*`` (each program's K slice first, into scratch rows: no launch more)."""
-    return 1 if name.startswith("qgemv") else 2 if name.startswith("pgemv") else 0
+    launch before), 2 ``pgemv*`` / ``fpgemv*`` (each program's K slice first, into scratch rows: no launch more)."""
+    return 1 if name.startswith("qgemv") else 2 if name.startswith(("pgemv", "fpgemv")) else 0
 
 
 def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]], block: int,
@@ -333,6 +341,15 @@ def self_check(name: str, device: torch.device, seed: int = 1234) -> str | None:
         for p, (w, ws) in zip(gemv_partials(x, weights, block, name), weights):
             want = splitk_mx.splitk_mm(qdq_bf16(x), w, ws, rows, w_fp4=False, wb=block, decode="registers").sum(0)
             worst = max(worst, _rel(p.sum(0), want))
+        if name.startswith("fpgemv"):  # the epilogue in the stream launch: the two launches' bits
+            w, ws = mx.quant_fp8_blocks(torch.randn(1024, K, generator=g, device=device) * 0.02, block)
+            h = torch.randn(rows, 4, 1024, generator=g, device=device).to(torch.bfloat16)
+            post = torch.rand(rows, 4, generator=g, device=device)
+            comb = torch.rand(rows, 4, 4, generator=g, device=device)
+            for _ in range(2):  # twice: the block counters are zero again after a launch
+                got = linear_post(x, w, ws, h, post, comb, block, stream=name)
+                if not torch.equal(got, linear_post(x, w, ws, h, post, comb, block, stream=name[1:])):
+                    return f"step GEMV {name}: the epilogue in the stream launch differs from the two launches"
     return None if worst <= CHECK_TOL else (f"step GEMV {name} differs from decode='registers' by {worst:.3g} "
                                             f"(tolerance {CHECK_TOL:g})")
 
@@ -351,8 +368,8 @@ def small_choice(kind: str, x: torch.Tensor, weights: Sequence[torch.Tensor], bl
             or not tuning_cache.small_rows_class()):
         return None
     tuner = STEP_SMALL_TUNER if tuner is None else tuner
-    if FORCE_SMALL is not None:  # a ``qgemv*`` name gives the W2 tuner its ``gemv*`` shape
-        forced = FORCE_SMALL if FORCE_SMALL in tuner.candidates else plan_name(FORCE_SMALL)
+    if FORCE_SMALL is not None:  # where not a candidate: fpgemv* -> pgemv*, qgemv* -> gemv* (W2), else the shape
+        forced = next((n for n in (FORCE_SMALL, FORCE_SMALL[1:]) if n in tuner.candidates), plan_name(FORCE_SMALL))
         return None if forced == "fp8" else forced
     key = (kind, tuple(tuple(w.shape) for w in weights), block)
     if key not in tuner.choices and x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -373,14 +390,19 @@ def _with_check(device: torch.device, name: str, fast, fallback):
 
 
 @triton.jit
-def _reduce_row(p_ptr, raw_ptr, row, tok, head, S, stride_ps, stride_pm, D: tl.constexpr, DP: tl.constexpr):
-    """raw[row] = Σ_s p[s, tok, head·D : (head+1)·D] in slice order, cast (``reduce_rows``)."""
+def _reduce_row(p_ptr, raw_ptr, row, tok, head, S, stride_ps, stride_pm, D: tl.constexpr, DP: tl.constexpr,
+                CG: tl.constexpr = False):
+    """raw[row] = Σ_s p[s, tok, head·D : (head+1)·D] in slice order, cast (``reduce_rows``). CG: the partials
+    load from L2 (written by other programs of the same launch)."""
     cols = tl.arange(0, DP)
     m = cols < D
     off = tok * stride_pm + head * D + cols
     acc = tl.zeros([DP], tl.float32)
     for s in range(S):  # slice order 0..S-1
-        acc += tl.load(p_ptr + s * stride_ps + off, mask=m, other=0.0)
+        if CG:
+            acc += tl.load(p_ptr + s * stride_ps + off, mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(p_ptr + s * stride_ps + off, mask=m, other=0.0)
     tl.store(raw_ptr + row * D + cols, acc.to(raw_ptr.dtype.element_ty), mask=m)
 
 
@@ -482,6 +504,73 @@ def _epilogue_post(p_ptr, y_ptr, S, stride_ps, stride_pm, H, s_ptr, post_ptr, co
                 stride_on, N, D)
 
 
+@triton.jit
+def _gemv_post(x_ptr, KW, stride_x, xs_ptr, stride_xs, w_ptr, s_ptr, p_ptr, N, KS, S, stride_w, stride_s, stride_ps,
+               stride_pm, cnt_ptr, y_ptr, H, h_ptr, post_ptr, comb_ptr, out_ptr, stride_st, stride_sn, stride_ot,
+               stride_on, WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               USE_ASM: tl.constexpr, D: tl.constexpr, NS: tl.constexpr):
+    """``linear_post``'s two launches in one: each program streams its (column block, K slice) as ``_gemv2`` with
+    QX 2 and stores its partials; then a barrier and one acquire-release increment of its D-wide block's counter
+    (the partials released at GPU scope); the program that takes the count to the block's last value (every
+    program of the block has stored its partials) resets it and runs ``_epilogue_post``'s code for the block and
+    each row (the slice sum in slice order, from L2; the mHC post mix). The bits of the two launches."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, pid_n, pid_s, N, KW, KS, stride_x, stride_w, stride_s, stride_ps,
+               stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, 2, xs_ptr, stride_xs)
+    tl.debug_barrier()   # every thread's partials stored before the release
+    blk = (pid_n * BLOCK_N) // D
+    done = tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu")
+    if done == (D // BLOCK_N) * S - 1:
+        tl.atomic_xchg(cnt_ptr + blk, 0, sem="relaxed", scope="gpu")   # zero again for the next launch
+        for t in tl.static_range(ROWS):
+            _reduce_row(p_ptr, y_ptr, t * H + blk, t, blk, S, stride_ps, stride_pm, D, D, True)
+            tl.debug_barrier()   # the block's y, stored by every thread of the program, then read back
+            _post_block(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, t, blk, H * D, H * D, stride_st, stride_sn,
+                        stride_ot, stride_on, NS, D)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 block counters of :func:`_gemv_post` for ``device`` (each launch leaves them zero again; the
+    step's launches run one after another on one stream). Kept for the process: a CUDA graph may capture them."""
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = c
+    return c
+
+
+def _post_fused(x, weight, scale, s, post, comb, out, block: int, bd: int, name: str) -> torch.Tensor:
+    """:func:`linear_post` with ``fpgemv*``: one ``_gemv_post`` launch (at most ``gemv_mx.MAX_ROWS`` bf16 rows)."""
+    from redknot.kernels.triton import gemv_mx
+    from redknot.kernels.triton.dequant_mx import as_bytes
+    plan = gemv_mx.PLANS[plan_name(name)]
+    T, K = x.shape
+    D = weight.shape[0]
+    if (T > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or block % plan.block_n or bd % plan.block_n
+            or x.stride(0) % 2):
+        raise ValueError(f"linear_post: {name} takes at most {gemv_mx.MAX_ROWS} bf16 rows and a column block "
+                         f"({bd}) and scale tile ({block}) that its {plan.block_n} columns divide")
+    bk = gemv_mx._block_k(K, plan.block_k)
+    S, ks = gemv_mx.slices(D, K, plan)
+    part = torch.empty(S, T, D, dtype=torch.float32, device=x.device)
+    xs = torch.empty(T, K, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    wb = as_bytes(weight).view(torch.int32)
+    sc = as_bytes(scale)
+    _gemv_post[(cdiv(D, plan.block_n), S)](
+        x.view(torch.int32), K // 4, x.stride(0) // 2, xs.view(torch.int32), xs.stride(0) // 2, wb, sc, part, D, ks,
+        S, wb.stride(0), sc.stride(0), part.stride(0), part.stride(1), _counters(x.device, D // bd), y, D // bd, s,
+        post.float().contiguous(), comb.float().contiguous(), out, s.stride(0), s.stride(1), out.stride(0),
+        out.stride(1), WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), D=bd,
+        NS=s.shape[1], num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return out
+
+
 def linear_post(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
                 comb: torch.Tensor, block: int = 32, stream: str | None = None) -> torch.Tensor:
     """``mhc_post(linear_mx(x, weight, scale), h, post, comb)`` with the ``fp8`` decode in two launches, the same
@@ -506,9 +595,11 @@ def linear_post(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, h: t
     scale = scale.view(torch.uint8)
     if stream is None:
         stream = small_choice("post", x, [weight], block, lambda c: linear_post(
-            x[:1], weight, scale, h[:1], post[:1], comb[:1], block, stream=c)) or "fp8"
+            x[:1], weight, scale, h[:1], post[:1], comb[:1], block, stream=c), tuner=STEP_POST_TUNER) or "fp8"
 
     def launches(dec: str) -> torch.Tensor:
+        if dec.startswith("fpgemv"):
+            return _post_fused(x, weight, scale, s, post, comb, out, block, bd, dec)
         if dec == "fp8":
             part = _stream_partials(x, [(weight, scale)], block)[0]
         else:

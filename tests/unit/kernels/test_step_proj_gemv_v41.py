@@ -181,3 +181,47 @@ def test_small_choice(kernel_device, monkeypatch):
     monkeypatch.setattr(gemm_mx, "SMALL_ROWS_CLASS", True)
     monkeypatch.delitem(sp.STEP_SMALL_TUNER.choices, key)
     assert sp.small_choice("proj", x, [w], 32, None) is None  # off the GPU: the first candidate, fp8
+
+
+@pytest.mark.parametrize("name", ["fpgemv", "fpgemv_n16", "fpgemv_k128"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_linear_post_epilogue_in_the_stream_launch(name, t, kernel_device):
+    """``fpgemv*`` (``_gemv_post``: the last program of each 512-column block sums its slices and mixes the block):
+    bit for bit the two launches (``pgemv*``) and ``linear_mx`` with the gemv decode then ``mhc_post``; the block
+    counters are zero again after each launch (a second call gives the same bits)."""
+    from redknot.kernels.triton.mhc import mhc_post
+    k, d, n = 1024, 1024, 4
+    x, _, g = case_inputs(t, k, 91 + t, kernel_device)
+    w, s = fp8_weight(d, k, g, kernel_device)
+    h = torch.randn(t, n, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    post = torch.rand(t, n, generator=g).to(kernel_device) * 2
+    comb = torch.rand(t, n, n, generator=g).to(kernel_device)
+    got = linear_post(x, w, s, h, post, comb, stream=name)
+    assert torch.equal(got, linear_post(x, w, s, h, post, comb, stream=name[1:]))
+    y = gemm_mx.linear_mx(x, w, s, 32, decode=sp.plan_name(name), path="splitk")
+    assert torch.equal(got, mhc_post(y, h, post, comb))
+    assert not sp._counters(x.device, 2).any()
+    assert torch.equal(linear_post(x, w, s, h, post, comb, stream=name), got)
+    assert sp.quantise_mode(name) == 2 and sp.plan_name(name) == name[2:]
+
+
+def test_post_choice_and_check(kernel_device, monkeypatch):
+    """``linear_post``'s launch takes ``STEP_POST_TUNER``'s choice (with the ``fpgemv*`` names), ``FORCE_SMALL``
+    ``fpgemv`` gives the other launches ``pgemv``; the first-use check passes for ``fpgemv_k128``."""
+    from redknot.kernels.triton.mhc import mhc_post
+    k, d = 256, 512
+    x, _, g = case_inputs(2, k, 97, kernel_device)
+    w, s = fp8_weight(d, k, g, kernel_device)
+    h = torch.randn(2, 2, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    post, comb = torch.rand(2, 2, generator=g).to(kernel_device), torch.rand(2, 2, 2, generator=g).to(kernel_device)
+    assert {"fpgemv", "fpgemv_n16", "fpgemv_k128"} <= set(sp.STEP_POST_TUNER.candidates)
+    assert not {"fpgemv", "fpgemv_n16", "fpgemv_k128"} & set(sp.STEP_SMALL_TUNER.candidates)
+    monkeypatch.setitem(sp.STEP_POST_TUNER.choices, ("post", ((d, k),), 32), "fpgemv_k128")
+    got = linear_post(x, w, s, h, post, comb)
+    assert torch.equal(got, mhc_post(gemm_mx.linear_mx(x, w, s, 32, decode="gemv_k128", path="splitk"), h, post,
+                                     comb))
+    monkeypatch.setattr(sp, "FORCE_SMALL", "fpgemv")
+    assert sp.small_choice("proj", x, [w], 32, None) == "pgemv"
+    assert sp.small_choice("post", x, [w], 32, None, tuner=sp.STEP_POST_TUNER) == "fpgemv"
+    assert sp.small_choice("w2", x, [w], 32, None, tuner=sp.STEP_W2_TUNER) == "pgemv"
+    assert sp.self_check("fpgemv_k128", torch.device(kernel_device)) is None
