@@ -328,6 +328,15 @@ def _w2_swiglu_gemv(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1
     same place), a barrier, then ``gemv_mx._gemv_fp8``'s loop on those rows read as int32 pairs at ``x_ptr``
     (``step_proj_v41._gemv_tile`` QX 1): the partials of ``_w2_gemv``, bit for bit. Every column block repeats
     the SwiGLU of its slice (S1 x 2 x slice fp32 loads from L2 per row), so the tuner decides."""
+    _w2_swiglu_tile(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, stride_p1s, stride_p1m, stride_a,
+                    stride_w, stride_s, stride_ps, stride_pm, limit, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, LIBDEVICE)
+
+
+@triton.jit
+def _w2_swiglu_tile(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, stride_p1s, stride_p1m, stride_a,
+                    stride_w, stride_s, stride_ps, stride_pm, limit, WB: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """:func:`_w2_swiglu_gemv`'s program."""
     I = 4 * KW
     c_lo = tl.program_id(1) * KSPLIT
     c_hi = tl.minimum(I, c_lo + KSPLIT)
@@ -364,6 +373,48 @@ def _reduce_add(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r, str
 
 
 @triton.jit
+def _add_block(p_ptr, r_ptr, out_ptr, t, blk, D, S, stride_ps, stride_pm, stride_r, stride_o, BLOCK_D: tl.constexpr,
+               CG: tl.constexpr):
+    """out[t, block] = bf16(fp32(routed) + fp32(bf16(Σ_s p))) (slice order; CG: the partials from L2)."""
+    cols = blk * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(S):
+        if CG:
+            acc += tl.load(p_ptr + s * stride_ps + t * stride_pm + cols, mask=cm, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(p_ptr + s * stride_ps + t * stride_pm + cols, mask=cm, other=0.0)
+    y = acc.to(tl.bfloat16).to(tl.float32)
+    routed = tl.load(r_ptr + t * stride_r + cols, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, (routed + y).to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _w2_fused(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, S2, stride_p1s, stride_p1m, stride_a,
+              stride_w, stride_s, stride_ps, stride_pm, limit, cnt_ptr, r_ptr, out_ptr, stride_r, stride_o, h_ptr,
+              post_ptr, comb_ptr, h_out_ptr, stride_st, stride_sn, stride_ht, stride_hn, WB: tl.constexpr,
+              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+              LIBDEVICE: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr, NS: tl.constexpr):
+    """The shared expert's W2 and its finish in one launch: :func:`_w2_swiglu_gemv`'s program, then (as
+    ``step_proj_v41._gemv_post``) a barrier and one acquire-release increment of its ``BLOCK_D``-column block's
+    counter; the program that takes it to the block's last count resets it and runs ``_reduce_add`` (MIX:
+    ``_reduce_add_post``) for the block and each row, the partials from L2. The bits of those launches."""
+    _w2_swiglu_tile(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, stride_p1s, stride_p1m, stride_a,
+                    stride_w, stride_s, stride_ps, stride_pm, limit, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, LIBDEVICE)
+    tl.debug_barrier()   # every thread's partials stored before the release
+    blk = (tl.program_id(0) * BLOCK_N) // BLOCK_D
+    done = tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu")
+    if done == (BLOCK_D // BLOCK_N) * S2 - 1:
+        tl.atomic_xchg(cnt_ptr + blk, 0, sem="relaxed", scope="gpu")   # zero again for the next launch
+        for t in tl.static_range(ROWS):
+            _add_block(p_ptr, r_ptr, out_ptr, t, blk, N, S2, stride_ps, stride_pm, stride_r, stride_o, BLOCK_D, True)
+            if MIX:
+                tl.debug_barrier()   # the block, stored by every thread of the program, then read back
+                _post_block(out_ptr, h_ptr, post_ptr, comb_ptr, h_out_ptr, t, blk, N, stride_o, stride_st, stride_sn,
+                            stride_ht, stride_hn, NS, BLOCK_D)
+
+
+@triton.jit
 def _reduce_add_post(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r, stride_o, s_ptr, post_ptr, comb_ptr,
                      h_out_ptr, stride_st, stride_sn, stride_ht, stride_hn, N: tl.constexpr, BLOCK_D: tl.constexpr):
     """``_reduce_add`` of one (token, column block) into ``out``, then the mHC post mix of that block
@@ -372,14 +423,7 @@ def _reduce_add_post(p_ptr, r_ptr, out_ptr, D, S, stride_ps, stride_pm, stride_r
     nb = tl.cdiv(D, BLOCK_D)
     t = pid // nb
     blk = pid - t * nb
-    cols = blk * BLOCK_D + tl.arange(0, BLOCK_D)
-    cm = cols < D
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(S):
-        acc += tl.load(p_ptr + s * stride_ps + t * stride_pm + cols, mask=cm, other=0.0)
-    y = acc.to(tl.bfloat16).to(tl.float32)
-    routed = tl.load(r_ptr + t * stride_r + cols, mask=cm, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + cols, (routed + y).to(out_ptr.dtype.element_ty), mask=cm)
+    _add_block(p_ptr, r_ptr, out_ptr, t, blk, D, S, stride_ps, stride_pm, stride_r, stride_o, BLOCK_D, False)
     tl.debug_barrier()   # the block, stored by every thread of the program, then read back
     _post_block(out_ptr, s_ptr, post_ptr, comb_ptr, h_out_ptr, t, blk, D, stride_o, stride_st, stride_sn, stride_ht,
                 stride_hn, N, BLOCK_D)
@@ -547,7 +591,18 @@ def w2_self_check(name: str, device: torch.device, seed: int = 1234) -> str | No
         act = (aq.float().view(rows, -1, 32) * torch.exp2(sa.float() - 127)[..., None]).view(rows, inter)
         want = splitk_mx.splitk_mm(act.to(torch.bfloat16), w2, s2, rows, w_fp4=False, wb=32,
                                    decode="registers").sum(0)
-        worst = max(worst, _rel(_w2_gemv(p1, w2, s2, limit, 32, name).sum(0), want))
+        if name.startswith("fpgemv"):  # W2 and its finish in one launch: the two launches' bits, twice
+            w2b, s2b = mx.quant_fp8_blocks(torch.randn(1024, inter, generator=g, device=device) * 0.02, 32)
+            routed = torch.randn(rows, 1024, generator=g, device=device).to(torch.bfloat16)
+            h = torch.randn(rows, 4, 1024, generator=g, device=device).to(torch.bfloat16)
+            mix = (h, torch.rand(rows, 4, generator=g, device=device), torch.rand(rows, 4, 4, generator=g,
+                                                                                device=device))
+            for m in (None, mix, None):
+                got = shared_expert_finish(p1, w2b, s2b, limit, routed, mix=m, stream=name)
+                if not torch.equal(got, shared_expert_finish(p1, w2b, s2b, limit, routed, mix=m, stream=name[1:])):
+                    return f"shared expert W2 GEMV {name}: the finish in the W2 launch differs from the launches"
+        else:
+            worst = max(worst, _rel(_w2_gemv(p1, w2, s2, limit, 32, name).sum(0), want))
     return None if worst <= CHECK_TOL else (f"shared expert W2 GEMV {name} differs from decode='registers' by "
                                             f"{worst:.3g} (tolerance {CHECK_TOL:g})")
 
@@ -584,6 +639,8 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
         stream = sp.small_choice("w2", routed, [w2], block, timed, tuner=sp.STEP_W2_TUNER) or "fp8"
     if stream != "fp8":
         def fast():
+            if stream.startswith("fpgemv"):
+                return _w2_fused_launch(p1, w2, s2, limit, block, stream, routed, out, mix)
             return _finish(_w2_gemv(p1, w2, s2, limit, block, stream), routed, out, mix)
         if p1.device.type != "cuda":
             return fast()
@@ -611,6 +668,46 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
                                                   num_warps=4)
         fp8_stream(aq, sa, w2, s2, p2, ks2, block, bm2, bn2, num_warps=4)
     return _finish(p2, routed, out, mix)
+
+
+def _w2_fused_launch(p1, w2, s2, limit: float, block: int, name: str, routed, out, mix):
+    """:func:`shared_expert_finish` with ``fpgemv*``: W2 (its SwiGLU formed inside) and the finish in one
+    ``_w2_fused`` launch (at most ``gemv_mx.MAX_ROWS`` rows; D a multiple of the 512-column block)."""
+    from redknot.kernels.triton import gemv_mx
+    from redknot.kernels.triton.dequant_mx import as_bytes
+    from redknot.kernels.triton.step_proj_v41 import _counters, plan_name
+    plan = gemv_mx.PLANS[plan_name(name)]
+    S1, T, two_i = p1.shape
+    inter = two_i // 2
+    D = w2.shape[0]
+    bd = min(512, next_pow2(D))
+    if T > gemv_mx.MAX_ROWS or block % plan.block_n or D % bd or bd % plan.block_n:
+        raise ValueError(f"shared_expert_finish: {name} takes at most {gemv_mx.MAX_ROWS} rows, D ({D}) a multiple "
+                         f"of its {bd}-column block and a scale tile ({block}) its {plan.block_n} columns divide")
+    routed = routed if routed.stride(-1) == 1 else routed.contiguous()
+    act = torch.empty(T, inter, dtype=torch.bfloat16, device=p1.device)
+    bk = gemv_mx._block_k(inter, plan.block_k)
+    S2, ks2 = gemv_mx.slices(D, inter, plan)
+    p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
+    wb = as_bytes(w2).view(torch.int32)
+    if mix is not None:
+        h, post, comb = mix
+        if not post_mix_fits(D, h) or h.shape[0] != T:
+            raise ValueError(f"shared_expert_finish: h {tuple(h.shape)} does not fit the post mix of [{T}, {D}]")
+        sh = h.contiguous()
+        h_out = torch.empty_like(sh)
+        margs = (sh, post.float().contiguous(), comb.float().contiguous(), h_out, sh.stride(0), sh.stride(1),
+                 h_out.stride(0), h_out.stride(1))
+    else:
+        margs = (out, out, out, out, 0, 0, 0, 0)
+    _w2_fused[(cdiv(D, plan.block_n), S2)](
+        p1, act, act.view(torch.int32), wb, s2, p2, D, inter // 4, ks2, S1, S2, p1.stride(0), p1.stride(1),
+        act.stride(0), wb.stride(0), s2.stride(0), p2.stride(0), p2.stride(1), float(limit),
+        _counters(p1.device, D // bd), routed, out, routed.stride(0), out.stride(0), *margs, WB=block, ROWS=T,
+        BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), LIBDEVICE=_LIBDEVICE, BLOCK_D=bd,
+        MIX=mix is not None, NS=mix[0].shape[1] if mix is not None else 1, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return out if mix is None else h_out
 
 
 def _finish(p2: torch.Tensor, routed: torch.Tensor, out: torch.Tensor, mix) -> torch.Tensor:

@@ -205,3 +205,26 @@ def test_w2_first_use_check(monkeypatch):
         return p
     monkeypatch.setattr(sm, "_w2_gemv", off)
     assert "differs" in sm.w2_self_check("pgemv", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", ["fpgemv", "fpgemv_k128"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_w2_finish_in_the_w2_launch(name, t):
+    """``fpgemv*``: W2 (its SwiGLU formed inside) and the combine (plain and with the mHC post mix) in one launch
+    (``_w2_fused``: the last program of each 512-column block) give the bits of the ``pgemv*`` launches; the block
+    counters are zero again after each launch."""
+    import redknot.kernels.triton.step_moe_v41 as sm
+    d, inter = 1024, 512
+    g = torch.Generator().manual_seed(8 + t)
+    p1 = torch.randn(3, t, 2 * inter, generator=g) * 2              # W1 | W3 partials, three K slices
+    w2, s2 = mx.quant_fp8_blocks(torch.randn(d, inter, generator=g) * 0.05, 32)
+    routed = torch.randn(t, d, generator=g).to(torch.bfloat16)
+    h = torch.randn(t, 4, d, generator=g).to(torch.bfloat16)
+    mix = (h, torch.rand(t, 4, generator=g) * 2, torch.rand(t, 4, 4, generator=g))
+    for m in (None, mix):
+        got = shared_expert_finish(p1, w2, s2, LIMIT, routed, mix=m, stream=name)
+        assert torch.equal(got, shared_expert_finish(p1, w2, s2, LIMIT, routed, mix=m, stream=name[1:]))
+        assert not sp._counters(torch.device("cpu"), 2).any()
+        assert torch.equal(shared_expert_finish(p1, w2, s2, LIMIT, routed, mix=m, stream=name), got)
+    if t == 1:
+        assert sm.w2_self_check(name, torch.device("cpu")) is None
