@@ -207,7 +207,8 @@ def test_linear_post_epilogue_in_the_stream_launch(name, t, kernel_device):
 
 def test_post_choice_and_check(kernel_device, monkeypatch):
     """``linear_post``'s launch takes ``STEP_POST_TUNER``'s choice (with the ``fpgemv*`` names), ``FORCE_SMALL``
-    ``fpgemv`` gives the other launches ``pgemv``; the first-use check passes for ``fpgemv_k128``."""
+    ``fpgemv`` gives the W1 | W3 and proj launches ``pgemv`` (W2 has ``fpgemv``); the first-use check passes for
+    ``fpgemv_k128``."""
     from redknot.kernels.triton.mhc import mhc_post
     k, d = 256, 512
     x, _, g = case_inputs(2, k, 97, kernel_device)
@@ -223,5 +224,5 @@ def test_post_choice_and_check(kernel_device, monkeypatch):
     monkeypatch.setattr(sp, "FORCE_SMALL", "fpgemv")
     assert sp.small_choice("proj", x, [w], 32, None) == "pgemv"
     assert sp.small_choice("post", x, [w], 32, None, tuner=sp.STEP_POST_TUNER) == "fpgemv"
-    assert sp.small_choice("w2", x, [w], 32, None, tuner=sp.STEP_W2_TUNER) == "pgemv"
+    assert sp.small_choice("w2", x, [w], 32, None, tuner=sp.STEP_W2_TUNER) == "fpgemv"
     assert sp.self_check("fpgemv_k128", torch.device(kernel_device)) is None
