@@ -154,7 +154,8 @@ def test_shared_expert_gate_up_gemv_at_v41_size(name, rows):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", NAMES + ["p" + n for n in NAMES] + ["fp" + n for n in NAMES])
+@pytest.mark.parametrize("name", NAMES + ["p" + n for n in NAMES] + ["fp" + n for n in NAMES]
+                         + ["f" + n for n in NAMES])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_shared_expert_w2_gemv_at_v41_size(name, rows):
     """W2 (5120 x 2304) as a GEMV on the SwiGLU rows quantised once (``pgemv*``: formed in the W2 launch itself):
@@ -196,9 +197,9 @@ def test_shared_expert_w2_gemv_at_v41_size(name, rows):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         again = run()
-    for _ in range(20 if name.startswith("fp") else 1):   # fpgemv: the block counters, every replay
+    for _ in range(20 if name.startswith("f") else 1):   # fpgemv / fgemv: the block counters, every replay
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(again[0], out) and torch.equal(again[1], mixed)
-    if name.startswith("fp"):
+    if name.startswith("f"):
         assert torch.equal(out, sm.shared_expert_finish(p1, w2, s2, 10.0, routed, stream=name[1:]))

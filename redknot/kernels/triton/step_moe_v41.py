@@ -394,13 +394,20 @@ def _w2_fused(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, S2, 
               stride_w, stride_s, stride_ps, stride_pm, limit, cnt_ptr, r_ptr, out_ptr, stride_r, stride_o, h_ptr,
               post_ptr, comb_ptr, h_out_ptr, stride_st, stride_sn, stride_ht, stride_hn, WB: tl.constexpr,
               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
-              LIBDEVICE: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr, NS: tl.constexpr):
+              LIBDEVICE: tl.constexpr, BLOCK_D: tl.constexpr, MIX: tl.constexpr, NS: tl.constexpr,
+              PRO: tl.constexpr = True):
     """The shared expert's W2 and its finish in one launch: :func:`_w2_swiglu_gemv`'s program, then (as
     ``step_proj_v41._gemv_post``) a barrier and one acquire-release increment of its ``BLOCK_D``-column block's
     counter; the program that takes it to the block's last count resets it and runs ``_reduce_add`` (MIX:
-    ``_reduce_add_post``) for the block and each row, the partials from L2. The bits of those launches."""
-    _w2_swiglu_tile(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, stride_p1s, stride_p1m, stride_a,
-                    stride_w, stride_s, stride_ps, stride_pm, limit, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, LIBDEVICE)
+    ``_reduce_add_post``) for the block and each row, the partials from L2. The bits of those launches. PRO
+    False: the SwiGLU rows come quantised (``_swiglu_quant`` launched before; ``gemv_fp8``'s loop on them)."""
+    if PRO:
+        _w2_swiglu_tile(p1_ptr, a_ptr, x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, S1, stride_p1s, stride_p1m,
+                        stride_a, stride_w, stride_s, stride_ps, stride_pm, limit, WB, ROWS, BLOCK_N, BLOCK_K,
+                        USE_ASM, LIBDEVICE)
+    else:
+        _gemv_tile(x_ptr, w_ptr, s_ptr, p_ptr, tl.program_id(0), tl.program_id(1), N, KW, KSPLIT, stride_a // 2,
+                   stride_w, stride_s, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, 1)
     tl.debug_barrier()   # every thread's partials stored before the release
     blk = (tl.program_id(0) * BLOCK_N) // BLOCK_D
     done = tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel", scope="gpu")
@@ -591,7 +598,7 @@ def w2_self_check(name: str, device: torch.device, seed: int = 1234) -> str | No
         act = (aq.float().view(rows, -1, 32) * torch.exp2(sa.float() - 127)[..., None]).view(rows, inter)
         want = splitk_mx.splitk_mm(act.to(torch.bfloat16), w2, s2, rows, w_fp4=False, wb=32,
                                    decode="registers").sum(0)
-        if name.startswith("fpgemv"):  # W2 and its finish in one launch: the two launches' bits, twice
+        if name.startswith(("fpgemv", "fgemv")):  # the finish in W2's launch: the bits of the launches, twice
             w2b, s2b = mx.quant_fp8_blocks(torch.randn(1024, inter, generator=g, device=device) * 0.02, 32)
             routed = torch.randn(rows, 1024, generator=g, device=device).to(torch.bfloat16)
             h = torch.randn(rows, 4, 1024, generator=g, device=device).to(torch.bfloat16)
@@ -639,7 +646,7 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
         stream = sp.small_choice("w2", routed, [w2], block, timed, tuner=sp.STEP_W2_TUNER) or "fp8"
     if stream != "fp8":
         def fast():
-            if stream.startswith("fpgemv"):
+            if stream.startswith(("fpgemv", "fgemv")):
                 return _w2_fused_launch(p1, w2, s2, limit, block, stream, routed, out, mix)
             return _finish(_w2_gemv(p1, w2, s2, limit, block, stream), routed, out, mix)
         if p1.device.type != "cuda":
@@ -672,7 +679,8 @@ def shared_expert_finish(p1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, l
 
 def _w2_fused_launch(p1, w2, s2, limit: float, block: int, name: str, routed, out, mix):
     """:func:`shared_expert_finish` with ``fpgemv*``: W2 (its SwiGLU formed inside) and the finish in one
-    ``_w2_fused`` launch (at most ``gemv_mx.MAX_ROWS`` rows; D a multiple of the 512-column block)."""
+    ``_w2_fused`` launch; ``fgemv*``: ``_swiglu_quant`` (the rows quantised once), then W2 and the finish in one
+    launch (at most ``gemv_mx.MAX_ROWS`` rows; D a multiple of the 512-column block)."""
     from redknot.kernels.triton import gemv_mx
     from redknot.kernels.triton.dequant_mx import as_bytes
     from redknot.kernels.triton.step_proj_v41 import _counters, plan_name
@@ -690,6 +698,12 @@ def _w2_fused_launch(p1, w2, s2, limit: float, block: int, name: str, routed, ou
     S2, ks2 = gemv_mx.slices(D, inter, plan)
     p2 = torch.empty(S2, T, D, dtype=torch.float32, device=p1.device)
     wb = as_bytes(w2).view(torch.int32)
+    pro = name.startswith("fpgemv")
+    if not pro:
+        bg = min(16, next_pow2(inter // 32))
+        _swiglu_quant[(T, cdiv(inter // 32, bg))](p1, act, act, inter, S1, p1.stride(0), p1.stride(1), act.stride(0),
+                                                  0, float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE, QDQ_BF16=True,
+                                                  num_warps=4)
     if mix is not None:
         h, post, comb = mix
         if not post_mix_fits(D, h) or h.shape[0] != T:
@@ -705,7 +719,7 @@ def _w2_fused_launch(p1, w2, s2, limit: float, block: int, name: str, routed, ou
         act.stride(0), wb.stride(0), s2.stride(0), p2.stride(0), p2.stride(1), float(limit),
         _counters(p1.device, D // bd), routed, out, routed.stride(0), out.stride(0), *margs, WB=block, ROWS=T,
         BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), LIBDEVICE=_LIBDEVICE, BLOCK_D=bd,
-        MIX=mix is not None, NS=mix[0].shape[1] if mix is not None else 1, num_warps=plan.num_warps,
+        MIX=mix is not None, NS=mix[0].shape[1] if mix is not None else 1, PRO=pro, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
     return out if mix is None else h_out
 

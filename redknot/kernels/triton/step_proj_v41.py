@@ -66,13 +66,14 @@ STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", *GEMV_NAMES, *("q" + n
 # The shared expert's W2 stream at up to ``gemv_mx.MAX_ROWS`` rows (``step_moe_v41.shared_expert_finish``; key:
 # W2's shape): ``fp8`` (first), a ``gemv_mx.PLANS`` dense shape on the quantised SwiGLU rows (a launch before),
 # that shape with a ``p``: the W2 launch forms its input itself, or with ``fp``: and runs the finish too (the last
-# program of each column block; one launch for W2 and its combine).
+# program of each column block; one launch for W2 and its combine), or with ``f``: ``_swiglu_quant`` then W2 with
+# the combine (two launches, no re-read of the W1 | W3 partials per column block).
 # ``linear_post``'s launch (wo_b + the mHC post mix): ``STEP_SMALL_TUNER``'s candidates and the ``pgemv*`` shapes
 # with the epilogue in the stream launch (``fpgemv*``: the last program of each column block sums its slices and
 # mixes the block; one launch instead of two).
 STEP_POST_TUNER = ConfigTuner("step_post_small", [*STEP_SMALL_TUNER.candidates, *("fp" + n for n in GEMV_NAMES)])
 STEP_W2_TUNER = ConfigTuner("step_w2_small", ["fp8", *GEMV_NAMES, *("p" + n for n in GEMV_NAMES),
-                                             *("fp" + n for n in GEMV_NAMES)])
+                                             *("fp" + n for n in GEMV_NAMES), *("f" + n for n in GEMV_NAMES)])
 # A ``STEP_SMALL_TUNER`` candidate every launch takes instead of the tuner's choice (tests and the launch count of
 # ``benchmarks/step_kernels_v41.py``); None: the tuner's. The small-row class off still gives ``fp8``.
 FORCE_SMALL = None
@@ -272,7 +273,7 @@ def plan_name(name: str) -> str:
     quantised once before the stream / at the start of each program / the same with the epilogue in the launch)."""
     if name.startswith("fpgemv"):
         return name[2:]
-    return name[1:] if name.startswith(("qgemv", "pgemv")) else name
+    return name[1:] if name.startswith(("qgemv", "pgemv", "fgemv")) else name
 
 
 def quantise_mode(name: str) -> int:

@@ -207,12 +207,13 @@ def test_w2_first_use_check(monkeypatch):
     assert "differs" in sm.w2_self_check("pgemv", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name", ["fpgemv", "fpgemv_k128"])
+@pytest.mark.parametrize("name", ["fpgemv", "fpgemv_k128", "fgemv_n16"])
 @pytest.mark.parametrize("t", [1, 3])
 def test_w2_finish_in_the_w2_launch(name, t):
     """``fpgemv*``: W2 (its SwiGLU formed inside) and the combine (plain and with the mHC post mix) in one launch
     (``_w2_fused``: the last program of each 512-column block) give the bits of the ``pgemv*`` launches; the block
-    counters are zero again after each launch."""
+    counters are zero again after each launch. ``fgemv*``: ``_swiglu_quant`` first, then W2 and the combine in one
+    launch: the bits of the ``gemv*`` launches."""
     import redknot.kernels.triton.step_moe_v41 as sm
     d, inter = 1024, 512
     g = torch.Generator().manual_seed(8 + t)
