@@ -43,8 +43,14 @@ def _want(lin, u, ws, routed):
 NAMES = [n for n in gemv_mx.PLANS if not n.startswith("moe")]
 
 
-@pytest.mark.parametrize("name", NAMES + ["qgemv", "qgemv_k128", "pgemv", "pgemv_n16"])
-@pytest.mark.parametrize("t", [1, 4])
+def _cases(names, rows, default):
+    """(name, rows) pairs; those not in ``default`` run with ``-m slow`` (each form keeps a default case: the
+    interpreter takes 5-90 s a case at these widths)."""
+    return [pytest.param(n, t, marks=() if (n, t) in default else pytest.mark.slow) for n in names for t in rows]
+
+
+@pytest.mark.parametrize("name,t", _cases(NAMES + ["qgemv", "qgemv_k128", "pgemv", "pgemv_n16"], [1, 4],
+                                         {("gemv", 1), ("gemv_k128", 4), ("qgemv", 1), ("pgemv", 4)}))
 def test_gate_up_gemv(name, t):
     d, inter = 2048, 96
     u, ws, routed, logits, bias = _case(t, d, inter, 5 + t)
@@ -113,8 +119,7 @@ def test_shared_expert_combine_takes_the_choice(monkeypatch):
     assert torch.equal(got, shared_expert_finish(p1, w2, s2, LIMIT, routed))
 
 
-@pytest.mark.parametrize("name", NAMES + ["pgemv", "pgemv_k128"])
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("name,t", _cases(NAMES + ["pgemv", "pgemv_k128"], [1, 3], {("gemv", 1), ("pgemv", 3)}))
 def test_w2_gemv(name, t):
     """The shared expert's W2 as a GEMV (``shared_expert_finish(stream=...)``): the SwiGLU rows quantised once as
     bf16 are the ``fp8`` path's e4m3 + E8M0 rows dequantised, W2's slice sums equal ``gemv_mx.gemv_fp8``'s on those
@@ -207,8 +212,8 @@ def test_w2_first_use_check(monkeypatch):
     assert "differs" in sm.w2_self_check("pgemv", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name", ["fpgemv", "fpgemv_k128", "fgemv_n16"])
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("name,t", _cases(["fpgemv", "fpgemv_k128", "fgemv_n16"], [1, 3],
+                                         {("fpgemv", 3), ("fgemv_n16", 3)}))
 def test_w2_finish_in_the_w2_launch(name, t):
     """``fpgemv*``: W2 (its SwiGLU formed inside) and the combine (plain and with the mHC post mix) in one launch
     (``_w2_fused``: the last program of each 512-column block) give the bits of the ``pgemv*`` launches; the block

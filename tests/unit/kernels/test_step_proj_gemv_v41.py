@@ -183,8 +183,9 @@ def test_small_choice(kernel_device, monkeypatch):
     assert sp.small_choice("proj", x, [w], 32, None) is None  # off the GPU: the first candidate, fp8
 
 
-@pytest.mark.parametrize("name", ["fpgemv", "fpgemv_n16", "fpgemv_k128"])
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("name,t", [pytest.param(n, t, marks=() if (n, t) in {("fpgemv", 4), ("fpgemv_n16", 1)}
+                                                  else pytest.mark.slow)   # 6-28 s a case in the interpreter
+                                     for n in ["fpgemv", "fpgemv_n16", "fpgemv_k128"] for t in [1, 4]])
 def test_linear_post_epilogue_in_the_stream_launch(name, t, kernel_device):
     """``fpgemv*`` (``_gemv_post``: the last program of each 512-column block sums its slices and mixes the block):
     bit for bit the two launches (``pgemv*``) and ``linear_mx`` with the gemv decode then ``mhc_post``; the block
