@@ -705,13 +705,8 @@ def _w2_fused_launch(p1, w2, s2, limit: float, block: int, name: str, routed, ou
                                                   0, float(limit), BLOCK_G=bg, LIBDEVICE=_LIBDEVICE, QDQ_BF16=True,
                                                   num_warps=4)
     if mix is not None:
-        h, post, comb = mix
-        if not post_mix_fits(D, h) or h.shape[0] != T:
-            raise ValueError(f"shared_expert_finish: h {tuple(h.shape)} does not fit the post mix of [{T}, {D}]")
-        sh = h.contiguous()
-        h_out = torch.empty_like(sh)
-        margs = (sh, post.float().contiguous(), comb.float().contiguous(), h_out, sh.stride(0), sh.stride(1),
-                 h_out.stride(0), h_out.stride(1))
+        sh, post, comb, h_out = _mix_rows(mix, T, D)
+        margs = (sh, post, comb, h_out, sh.stride(0), sh.stride(1), h_out.stride(0), h_out.stride(1))
     else:
         margs = (out, out, out, out, 0, 0, 0, 0)
     _w2_fused[(cdiv(D, plan.block_n), S2)](
@@ -724,22 +719,26 @@ def _w2_fused_launch(p1, w2, s2, limit: float, block: int, name: str, routed, ou
     return out if mix is None else h_out
 
 
+def _mix_rows(mix, T: int, D: int):
+    """The mHC post mix's operands for W2's [T, D] output: (h contiguous, post fp32, comb fp32, h' to fill)."""
+    h, post, comb = mix
+    if not post_mix_fits(D, h) or h.shape[0] != T:
+        raise ValueError(f"shared_expert_finish: h {tuple(h.shape)} does not fit the post mix of [{T}, {D}]")
+    sh = h.contiguous()
+    return sh, post.float().contiguous(), comb.float().contiguous(), torch.empty_like(sh)
+
+
 def _finish(p2: torch.Tensor, routed: torch.Tensor, out: torch.Tensor, mix) -> torch.Tensor:
     """:func:`shared_expert_finish`'s last launch: W2's slices summed, rounded, added to ``routed`` into ``out``
     (and with ``mix`` the mHC post mix, returning h')."""
     S2, T, D = p2.shape
     routed = routed if routed.stride(-1) == 1 else routed.contiguous()
     if mix is not None:
-        h, post, comb = mix
-        if not post_mix_fits(D, h) or h.shape[0] != T:
-            raise ValueError(f"shared_expert_finish: h {tuple(h.shape)} does not fit the post mix of [{T}, {D}]")
-        sh = h.contiguous()
-        h_out = torch.empty_like(sh)
+        sh, post, comb, h_out = _mix_rows(mix, T, D)
         bd = min(512, next_pow2(D))
         _reduce_add_post[(T * (D // bd),)](p2, routed, out, D, S2, p2.stride(0), p2.stride(1), routed.stride(0),
-                                           out.stride(0), sh, post.float().contiguous(), comb.float().contiguous(),
-                                           h_out, sh.stride(0), sh.stride(1), h_out.stride(0), h_out.stride(1),
-                                           N=h.shape[1], BLOCK_D=bd, num_warps=4)
+                                           out.stride(0), sh, post, comb, h_out, sh.stride(0), sh.stride(1),
+                                           h_out.stride(0), h_out.stride(1), N=sh.shape[1], BLOCK_D=bd, num_warps=4)
         return h_out
     bd = min(1024, next_pow2(D))
     _reduce_add[(T, cdiv(D, bd))](p2, routed, out, D, S2, p2.stride(0), p2.stride(1), routed.stride(0),
