@@ -208,8 +208,7 @@ def test_linear_post_epilogue_in_the_stream_launch(name, t, kernel_device):
 
 def test_post_choice_and_check(kernel_device, monkeypatch):
     """``linear_post``'s launch takes ``STEP_POST_TUNER``'s choice (with the ``fpgemv*`` names), ``FORCE_SMALL``
-    ``fpgemv`` gives the W1 | W3 and proj launches ``pgemv`` (W2 has ``fpgemv``); the first-use check passes for
-    ``fpgemv_k128``."""
+    ``fpgemv`` gives the W1 | W3 and proj launches ``pgemv`` (W2 has ``fpgemv``)."""
     from redknot.kernels.triton.mhc import mhc_post
     k, d = 256, 512
     x, _, g = case_inputs(2, k, 97, kernel_device)
@@ -226,4 +225,9 @@ def test_post_choice_and_check(kernel_device, monkeypatch):
     assert sp.small_choice("proj", x, [w], 32, None) == "pgemv"
     assert sp.small_choice("post", x, [w], 32, None, tuner=sp.STEP_POST_TUNER) == "fpgemv"
     assert sp.small_choice("w2", x, [w], 32, None, tuner=sp.STEP_W2_TUNER) == "fpgemv"
-    assert sp.self_check("fpgemv_k128", torch.device(kernel_device)) is None
+
+
+@pytest.mark.parametrize("name", ["gemv", pytest.param("fpgemv_k128", marks=pytest.mark.slow)])  # 1.4 s / ~35 s
+def test_first_use_check_passes(name, kernel_device):
+    """The step GEMV's first-use check passes for a right kernel (the in-loop ``gemv``, and ``fpgemv_k128``)."""
+    assert sp.self_check(name, torch.device(kernel_device)) is None
