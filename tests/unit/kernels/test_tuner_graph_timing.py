@@ -18,13 +18,18 @@ REPLAY = {"one_launch": 0.025, "many_launches": 0.006}   # ms: the many small ke
 
 
 @pytest.fixture
-def no_store(monkeypatch):
+def store_off(monkeypatch):
     monkeypatch.setenv(tuning_cache.ENV_VAR, "off")
     tuning_cache.reset()
     tuning_cache.set_seed_path(None)
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **_: fn())
     yield
     tuning_cache.reset()
+
+
+@pytest.fixture
+def no_store(store_off, monkeypatch):
+    """The store off and ``do_bench`` replaced by the candidate's own return value (its fixed eager time)."""
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **_: fn())
 
 
 def _tuner():
@@ -91,7 +96,7 @@ def test_the_timing_rule_is_part_of_the_environment():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_replays_drop_the_host_launch_cost(no_store):
+def test_on_cuda_replays_drop_the_host_launch_cost(store_off):
     """Real capture: 64 tiny launches against one. Replayed, the 64 launches cost the device time of 64 tiny
     kernels; eagerly they also cost 64 host launches, so their replay time must be well below their eager
     time, and a capture-unsafe candidate (a host sync) sends the class back to eager timings."""
