@@ -40,8 +40,11 @@ stage() {  # name, limit seconds, command... (a --budget-s B in the command beco
   if [ "$limit" -lt 60 ]; then echo "$name: skipped ($left s left of TOTAL_S)"; return; fi
   local args=() a
   for a in "$@"; do [ "$a" = B ] && a=$(( limit - 20 )); args+=("$a"); done
+  local t1 rc
+  t1=$(date +%s)
   timeout "$limit" "${args[@]}" > "$OUT/$name.log" 2>&1
-  echo "$name: rc=$? after $(( $(date +%s) - t0 )) s (limit $limit s; log $OUT/$name.log)"
+  rc=$?
+  echo "$name: rc=$rc after $(( $(date +%s) - t1 )) s (limit $limit s; $(( $(date +%s) - t0 )) s since the start; log $OUT/$name.log)"
 }
 
 for s in "${STAGES[@]}"; do
