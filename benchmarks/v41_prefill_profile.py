@@ -166,12 +166,15 @@ def region_shares(fn, device, ops=None) -> List[dict]:
 
 def rows_ab(fn, device, repeats: int = 3) -> dict:
     """Mean ms of ``fn`` (a warmed prefill chunk) with the prefill row fusions (``fused_rows.PREFILL_ROWS``)
-    all off, all on, and all on but one (``without`` per fusion: what that one saves; a negative saving is a
-    fusion slower than the path it replaces), each run once untimed first."""
+    all off, the default ones on (``fused_ms``), and per fusion the default set without it (a default-on
+    one) or with it added (a default-off one, listed in ``off_by_default``): ``saving_ms`` is the time
+    without that fusion minus the time with it (negative: slower than the path it replaces), each run once
+    untimed first."""
     from redknot.models.deepseek_v41 import fused_rows
 
     saved = dict(fused_rows.PREFILL_ROWS)
     names = sorted(k for k, v in saved.items() if v)
+    extra = sorted(k for k, v in saved.items() if not v)
 
     def timed(on) -> float:
         for k in fused_rows.PREFILL_ROWS:
@@ -189,6 +192,8 @@ def rows_ab(fn, device, repeats: int = 3) -> dict:
     try:
         out = {"unfused_ms": timed(()), "fused_ms": timed(names), "fusions": names}
         out["saving_ms"] = {k: timed([x for x in names if x != k]) - out["fused_ms"] for k in names}
+        out["saving_ms"].update({k: out["fused_ms"] - timed(names + [k]) for k in extra})
+        out["off_by_default"] = extra
     finally:
         fused_rows.PREFILL_ROWS.update(saved)
     return out

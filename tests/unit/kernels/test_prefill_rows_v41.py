@@ -66,6 +66,29 @@ def test_rope_cols_on_a_strided_view(kernel_device):
     assert torch.equal(buf[:, :, d:], before[:, :, d:])
 
 
+@pytest.mark.parametrize("t,heads,d,rope", [(2, 70, 128, 64), (5, 64, 512, 64), (130, 1, 64, 24), (3, 5, 32, 32)])
+def test_rope_cols_is_rope_rows(t, heads, d, rope, kernel_device):
+    """The bits of ``step_rope_v41.rope_rows`` (the unfused path) with fresh random rows and positions: more
+    heads than a program takes (two head blocks, a partial one), all heads of a token in one program, several
+    tokens per program (2D rows), a rope width that is not a power of two and one that is the whole row."""
+    from redknot.kernels.triton.prefill_rows_v41 import rope_cols_shape
+    from redknot.kernels.triton.step_rope_v41 import rope_rows
+
+    g = _gen(7 * t + heads + d)
+    x = (torch.randn(t, heads, d, generator=g) * 5).to(torch.bfloat16).to(kernel_device)
+    if heads == 1:
+        x = x[:, 0]
+    pos = torch.randint(0, 1 << 20, (t,), generator=g).to(kernel_device)
+    inv = rope_inv_freq(rope, 160000.0, (16.0, 65536, 32.0, 1.0)).to(kernel_device)
+    cos, sin = rope_table(pos, inv)
+    for inverse in (False, True):
+        want = rope_rows(x, cos, sin, inverse=inverse)
+        got = rope_cols_(x.clone(), cos, sin, inverse=inverse)
+        assert torch.equal(got, want)
+    bt, bh, hp = rope_cols_shape(t, heads, rope // 2)
+    assert bt * bh * 2 * hp <= 4096 and bh <= max(heads, 1) * 2 and hp >= rope // 2
+
+
 def test_rope_cols_refuses_bad_shapes(kernel_device):
     x = torch.zeros(2, 7, dtype=torch.bfloat16, device=kernel_device)
     cos = torch.zeros(2, 2, device=kernel_device)
