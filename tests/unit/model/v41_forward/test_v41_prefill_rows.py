@@ -64,6 +64,7 @@ def _runs(dev: torch.device, rows: int):
                 setattr(mods[n], n, counted)
             b = e2e_v41.Batch(model, 1, rows + 16, block_size=16)
             x = b.step([ids], seqs=[0])
+            assert not fused_rows._FAILED, fused_rows._FAILED   # no fused launch fell back to the PyTorch math
             out[name] = (x, [t.clone() for t in b.state.tensors()])
     finally:
         fused_rows.PREFILL_ROWS.update(saved)
