@@ -69,13 +69,16 @@ class GemvPlan:
     num_warps: int = 4
     num_stages: int = 1
     w2_block_n: int = 0  # MoE: another column block for W2 (one weight per program: fewer rows per thread)
+    direct: bool = False  # MoE: ``_gemv_fp4d`` (activations and scales loaded in the weights' register layout)
 
 
 # The small-row tuners' GEMV candidates by name (strings: the tuning store keeps names): ``gemv*`` dense FP8
 # (``gemm_mx.LINEAR_SMALL_TUNER``), ``moe_gemv*`` MXFP4 experts (``moe_mx.SMALL_TUNER``; block_k in packed bytes).
 PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": GemvPlan(32, 128),
          "moe_gemv": GemvPlan(16, 256, w2_block_n=32), "moe_gemv_n16": GemvPlan(16, 128, w2_block_n=32),
-         "moe_gemv_k128": GemvPlan(32, 128)}
+         "moe_gemv_k128": GemvPlan(32, 128),
+         "moe_gemv_d": GemvPlan(32, 128, w2_block_n=32, direct=True),
+         "moe_gemv_d64": GemvPlan(64, 128, w2_block_n=32, direct=True)}
 
 
 # One 32-bit word of 4 e4m3 bytes (K positions 4i..4i+3, little-endian) -> their 4 fp32 values: two packed
@@ -372,10 +375,118 @@ def _gemv_fp4(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N, 
                  tl.sum(acc3, 1), mask=cmask)
 
 
+# One byte (an E8M0 scale) and one 16-byte vector (four int32 words of bf16 pairs) as elementwise PTX loads: their
+# results take the layout of the address tensor (the weight words'), where ``tl.load`` would get a layout of its
+# own from the address pattern and a conversion through shared memory before the weight arithmetic.
+_LD_U8_PTX = tl.constexpr("ld.global.nc.u8 $0, [$1];")
+_LD_V4_PTX = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
+
+
+@triton.jit
+def _ld_scale64(ptr, USE_ASM: tl.constexpr):
+    """E8M0 bytes at ``ptr`` -> ``_scale64`` of them, in the layout of ``ptr``."""
+    if USE_ASM:
+        b = tl.inline_asm_elementwise(_LD_U8_PTX, "=r,l", [ptr.to(tl.int64)], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        b = tl.load(ptr).to(tl.int32)
+    return ((b + 6) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ld_x4(ptr, USE_ASM: tl.constexpr):
+    """The int32 words ptr[0..3] (16-byte aligned) in the layout of ``ptr``: one vector load per element."""
+    if USE_ASM:
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(_LD_V4_PTX, "=r,=r,=r,=r,l", [ptr.to(tl.int64)],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                                                   pack=1)
+    else:
+        x0 = tl.load(ptr)
+        x1 = tl.load(ptr + 1)
+        x2 = tl.load(ptr + 2)
+        x3 = tl.load(ptr + 3)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _fp4_acc2(acc, wd, sc, x0, x1, x2, x3, USE_ASM: tl.constexpr):
+    """``_fp4_acc`` with the activation words x_p already [BN, W] (the weight words' layout)."""
+    a0, a1, a2, a3, b0, b1, b2, b3 = _fp4x8(wd, USE_ASM)
+    part = a0 * (x0 << 16).to(tl.float32, bitcast=True)
+    part += b0 * (x0 & -65536).to(tl.float32, bitcast=True)
+    part += a1 * (x1 << 16).to(tl.float32, bitcast=True)
+    part += b1 * (x1 & -65536).to(tl.float32, bitcast=True)
+    part += a2 * (x2 << 16).to(tl.float32, bitcast=True)
+    part += b2 * (x2 & -65536).to(tl.float32, bitcast=True)
+    part += a3 * (x3 << 16).to(tl.float32, bitcast=True)
+    part += b3 * (x3 & -65536).to(tl.float32, bitcast=True)
+    return acc + part * sc
+
+
+@triton.jit
+def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N, KW, KSPLIT, stride_x, stride_be,
+               stride_bn, stride_sbe, stride_sbn, stride_ps, stride_pm, TOPK: tl.constexpr, DUAL: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+    """``_gemv_fp4``'s program (the same products and 8-product word sums) with every load in the weight words' [BN, W]
+    register layout: the scales one byte per (row, word) from an elementwise PTX load (one load per thread, row
+    and group after CSE) and the activations one 16-byte PTX load per word (the pairs 4i..4i+3; one per thread
+    and word, shared by its rows and by W1 | W3). ``tl.load`` gives both a layout of their own (the scales'
+    addresses repeat along K, the activations' are 4 words apart), and ``_gemv_fp4`` converts the activations
+    and every step's 8-product sums through shared memory (sm_90a, W1 | W3 at 16 x 128: 12 LDS, 8 STS, 6 BAR
+    of 365 SASS a step; here none, 294; at 32 x 128 527 for 8 KB against 623). The final sum over a row's
+    words follows this layout's tree (another fp32 order than ``_gemv_fp4``'s). Rows past N read row N-1 (stored
+    nowhere): no masks. Activation rows 16-byte aligned. Not measured on the H200."""
+    W: tl.constexpr = BLOCK_K // 4
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    xrow = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    c64 = tl.minimum(cols, N - 1).to(tl.int64)
+    i = tl.max_contiguous(tl.arange(0, W), W)
+    wrow = b_ptr + e * stride_be + c64[:, None] * stride_bn + i[None, :]
+    w3row = b3_ptr + e * stride_be + c64[:, None] * stride_bn + i[None, :]
+    srow = sb_ptr + e * stride_sbe + c64[:, None] * stride_sbn + i[None, :] // 4
+    s3row = sb3_ptr + e * stride_sbe + c64[:, None] * stride_sbn + i[None, :] // 4
+    xw = xrow + 4 * i[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)
+    k_lo = tl.program_id(2) * (KSPLIT // 4)
+    k_hi = tl.minimum(KW, k_lo + KSPLIT // 4)
+    acc = tl.zeros([BLOCK_N, W], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, W], tl.float32)
+    k0 = tl.multiple_of(k_lo, W)
+    w = tl.load(wrow + k0)
+    sc = _ld_scale64(srow + k0 // 4, USE_ASM)
+    w3 = w
+    sc3 = sc
+    if DUAL:
+        w3 = tl.load(w3row + k0)
+        sc3 = _ld_scale64(s3row + k0 // 4, USE_ASM)
+    for k_step in range(k_lo, k_hi, W):
+        k1 = tl.multiple_of(tl.minimum(k_step + W, k_hi - W), W)
+        w_n = tl.load(wrow + k1)
+        sc_n = _ld_scale64(srow + k1 // 4, USE_ASM)
+        w3_n = w_n
+        sc3_n = sc_n
+        if DUAL:
+            w3_n = tl.load(w3row + k1)
+            sc3_n = _ld_scale64(s3row + k1 // 4, USE_ASM)
+        x0, x1, x2, x3 = _ld_x4(xw + 4 * k_step, USE_ASM)
+        acc = _fp4_acc2(acc, w, sc, x0, x1, x2, x3, USE_ASM)
+        if DUAL:
+            acc3 = _fp4_acc2(acc3, w3, sc3, x0, x1, x2, x3, USE_ASM)
+        w, sc, w3, sc3 = w_n, sc_n, w3_n, sc3_n
+    out = p_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pm + cols
+    tl.store(out, tl.sum(acc, 1), mask=cmask)
+    if DUAL:
+        tl.store(p3_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pm + cols,
+                 tl.sum(acc3, 1), mask=cmask)
+
+
 def gemv_fp4(x: torch.Tensor, ids: torch.Tensor, topk: int, w: torch.Tensor, ws: torch.Tensor, plan: GemvPlan,
              w3=None, ws3=None):
     """fp32 partials [S, P, N] (and W3's with ``w3``) of pair p's activation row ``x[p // topk]`` (QDQ'd bf16
-    [R, K]) times expert ``ids[p]``'s packed MXFP4 weight ``w`` [E, N, K/2] with E8M0 ``ws`` [E, N, K/32]."""
+    [R, K]) times expert ``ids[p]``'s packed MXFP4 weight ``w`` [E, N, K/2] with E8M0 ``ws`` [E, N, K/32].
+    ``plan.direct``: ``_gemv_fp4d`` (the same products and per-word sums; a row's words added in the tree of another
+    register layout; activation rows not 16-byte aligned: ``_gemv_fp4``)."""
     P = ids.numel()
     w, ws = as_bytes(w), as_bytes(ws)
     N, KH = w.shape[1], w.shape[2]
@@ -388,7 +499,10 @@ def gemv_fp4(x: torch.Tensor, ids: torch.Tensor, topk: int, w: torch.Tensor, ws:
         w3b = as_bytes(w3) if dual else w
         s3b = as_bytes(ws3) if dual else ws
         wv, w3v = w.view(torch.int32), w3b.view(torch.int32)
-        _gemv_fp4[(P, cdiv(N, plan.block_n), S)](
+        # the direct loads read 16-byte vectors of the activation rows: their start and row stride aligned
+        aligned = x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(-1) == 1
+        kernel = _gemv_fp4d if plan.direct and aligned else _gemv_fp4
+        kernel[(P, cdiv(N, plan.block_n), S)](
             x.view(torch.int32), ids, wv, ws, w3v, s3b, p, p3, N, KH // 4, ksplit, x.stride(0) // 2, wv.stride(0),
             wv.stride(1), ws.stride(0), ws.stride(1), p.stride(0), p.stride(1), TOPK=topk, DUAL=dual,
             BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=_use_asm(), num_warps=plan.num_warps,
@@ -415,6 +529,7 @@ def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale,
     act = torch.empty(T * k, inter, dtype=torch.bfloat16, device=x.device)
     reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
     p2 = gemv_fp4(act, ids, 1, w2, w2_scale, GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, plan.num_warps,
-                                                       plan.num_stages) if plan.w2_block_n else plan)
+                                                       plan.num_stages, direct=plan.direct)
+                  if plan.w2_block_n else plan)
     inv = torch.arange(T * k, dtype=torch.int32, device=x.device)
     return reduce_combine(p2, inv, k, out)

@@ -137,7 +137,10 @@ TUNE_TOKENS = 32
 # ``SMALL_TUNE_TOKENS`` tokens. Each keeps a token's bits whatever the other tokens of the call, within its
 # class; where a GEMV stream wins, a token's bits at 1-4 tokens and at 5+ tokens differ by summation order
 # (the same exact products). ``SMALL_ROWS_CLASS`` False: one choice for every token count.
-SMALL_TUNER = ConfigTuner("moe_mx_decode_small", ["stream", "moe_gemv", "moe_gemv_n16", "moe_gemv_k128"])
+# ``moe_gemv_d*``: ``gemv_mx._gemv_fp4d`` (the activation and scale loads in the weight words' register layout, no
+# shared-memory conversion in the loop; sm_90a W1 | W3 at 32 x 128: 527 SASS a step of 8 KB against 623).
+SMALL_TUNER = ConfigTuner("moe_mx_decode_small", ["stream", "moe_gemv", "moe_gemv_n16", "moe_gemv_k128", "moe_gemv_d",
+                                                  "moe_gemv_d64"])
 SMALL_TUNE_TOKENS = 1
 SMALL_ROWS_CLASS = True
 # Pairs (T·k) up to which one routing kernel replaces the sort and its companions (decode batches).

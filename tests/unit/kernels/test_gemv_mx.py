@@ -227,6 +227,69 @@ def test_moe_gemv_self_check_passes_and_detects_a_wrong_stream(kernel_device, mo
     assert "W1 | W3 sums differ" in stream_guard.self_check("moe_gemv_n16", dev)
 
 
+
+# ``_gemv_fp4d`` (plan.direct): the activation and scale loads in the weight words' layout
+DIRECT_PLANS = [GemvPlan(32, 128, w2_block_n=32, direct=True), GemvPlan(64, 64, 1, direct=True),
+                GemvPlan(16, 256, direct=True)]
+
+
+@pytest.mark.parametrize("dims,tokens,plan", [(TOY_V41, 1, 0), (ODD, 3, 1), (TOY_V41, 2, 2), (ODD, 1, 0)],
+                         ids=["toy-1-d32", "odd-3-d64", "toy-2-d16", "odd-1-d32"])
+def test_moe_gemv_direct_matches_reference(dims, tokens, plan, kernel_device):
+    """The direct-load kernel against ``ref_v41.moe_mx`` on fresh random operands (odd widths: rows past N)."""
+    x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 90 + plan, tokens=tokens)
+    out = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, DIRECT_PLANS[plan])
+    want = ref_v41.moe_mx(x, idx, wt, *w, 10.0)
+    assert out.shape == want.shape and out.dtype == torch.bfloat16
+    assert _rel(out, want) <= 3e-2
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_moe_gemv_direct_sums_are_the_exact_products(aligned, kernel_device):
+    """The direct kernel's W1 | W3 partials (several K slices, rows past N) summed over slices: fp32 sums of the
+    exact products (fp64 reference), and within fp32 reordering of ``_gemv_fp4``'s; activation rows off the
+    16-byte grid (``aligned`` False: a row stride of 8 bytes more) take ``_gemv_fp4`` and the same sums."""
+    from redknot.kernels.triton.dequant_mx import qdq_bf16
+    dims = V41Dims(hidden=256, experts=5, topk_experts=3, moe_inter=80, tokens=2)
+    x, idx, _, (w1, s1, w3, s3, _, _) = moe_inputs(dims, kernel_device, seed=31 + aligned, tokens=2)
+    k = idx.shape[1]
+    xq = qdq_bf16(x)
+    if not aligned:
+        pad = torch.zeros(xq.shape[0], xq.shape[1] + 4, dtype=xq.dtype, device=xq.device)
+        pad[:, :xq.shape[1]] = xq
+        xq = pad[:, :xq.shape[1]]
+    ids = idx.reshape(-1).contiguous()
+    plan = GemvPlan(32, 32, 1, direct=True)
+    p1, p3 = gemv_mx.gemv_fp4(xq, ids, k, w1, s1, plan, w3, s3)
+    o1, o3 = gemv_mx.gemv_fp4(xq, ids, k, w1, s1, GemvPlan(32, 32, 1), w3, s3)
+    assert p1.shape[0] > 1 and p1.shape == o1.shape
+    for p, o, w, s in ((p1, o1, w1, s1), (p3, o3, w3, s3)):
+        want = torch.stack([xq[q // k].double() @ mx.dequant_mxfp4(w[ids[q]], s[ids[q]]).double().t()
+                            for q in range(ids.numel())])
+        assert _rel(p.sum(0), want) <= 1e-5
+        assert _rel(p, o) <= 1e-5
+
+
+def test_moe_gemv_direct_detects_a_wrong_weight(kernel_device):
+    """Nibbles swapped in W1 or W2 fail the tolerance on the direct kernel too."""
+    x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(TOY_V41, kernel_device, seed=4, tokens=1)
+    want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
+    plan = gemv_mx.PLANS["moe_gemv_d"]
+    swap = lambda w: ((w >> 4) | (w << 4)).to(torch.uint8)
+    assert _rel(gemv_mx.moe_gemv(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0, plan), want) <= 3e-2
+    assert _rel(gemv_mx.moe_gemv(x, idx, wt, w1, s1, w3, s3, swap(w2), s2, 10.0, plan), want) > 0.1
+    assert _rel(gemv_mx.moe_gemv(x, idx, wt, swap(w1), s1, w3, s3, w2, s2, 10.0, plan), want) > 0.1
+
+
+def test_moe_gemv_direct_names_are_tuner_candidates_with_a_passing_check(kernel_device):
+    """``moe_gemv_d*`` enter ``moe_mx.SMALL_TUNER`` (timed, never first) and pass their first-use check."""
+    from redknot.kernels.triton import moe_mx
+    names = [n for n in gemv_mx.PLANS if n.startswith("moe_gemv_d")]
+    assert names and all(gemv_mx.PLANS[n].direct for n in names)
+    assert all(n in moe_mx.SMALL_TUNER.candidates[1:] for n in names)
+    assert stream_guard.self_check("moe_gemv_d", torch.device(kernel_device)) is None
+
+
 def test_moe_small_token_class_runs_the_gemv_choice(kernel_device, monkeypatch):
     """At most ``gemv_mx.MAX_ROWS`` tokens: ``moe_mx.SMALL_TUNER`` (first candidate ``stream``) times on
     ``SMALL_TUNE_TOKENS`` tokens and its ``moe_gemv*`` choice runs ``gemv_mx.moe_gemv``; 5+ tokens never ask it."""
