@@ -78,7 +78,11 @@ PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": 
          "moe_gemv": GemvPlan(16, 256, w2_block_n=32), "moe_gemv_n16": GemvPlan(16, 128, w2_block_n=32),
          "moe_gemv_k128": GemvPlan(32, 128),
          "moe_gemv_d": GemvPlan(32, 128, w2_block_n=32, direct=True),
-         "moe_gemv_d64": GemvPlan(64, 128, w2_block_n=32, direct=True)}
+         "moe_gemv_d64": GemvPlan(64, 128, w2_block_n=32, direct=True),
+         # the same with longer K slices (fewer, longer programs: V4.1's W1 | W3 one slice of 20 steps at 32 rows,
+         # two of 10 at 64 rows, where the default cut gives 2 x 10 / 4 x 5)
+         "moe_gemv_d_s16": GemvPlan(32, 128, 16, w2_block_n=32, direct=True),
+         "moe_gemv_d64_s8": GemvPlan(64, 128, 8, w2_block_n=32, direct=True)}
 
 
 # One 32-bit word of 4 e4m3 bytes (K positions 4i..4i+3, little-endian) -> their 4 fp32 values: two packed
