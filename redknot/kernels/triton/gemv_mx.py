@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import cdiv
-from redknot.kernels.triton.dequant_mx import as_bytes, qdq_bf16
+from redknot.kernels.triton.dequant_mx import as_bytes, fp8_qdq_groups, qdq_bf16
 from redknot.kernels.triton.moe_stream_fp8 import _HI_PTX, _LO_PTX
 from redknot.kernels.triton.quant_mx import e8m0_decode
 
@@ -70,6 +70,7 @@ class GemvPlan:
     num_stages: int = 1
     w2_block_n: int = 0  # MoE: another column block for W2 (one weight per program: fewer rows per thread)
     direct: bool = False  # MoE: ``_gemv_fp4d`` (activations and scales loaded in the weights' register layout)
+    fuse: bool = False  # MoE, direct: the SwiGLU in the W1 | W3 launch, the combine in W2's (one K slice each)
 
 
 # The small-row tuners' GEMV candidates by name (strings: the tuning store keeps names): ``gemv*`` dense FP8
@@ -82,7 +83,10 @@ PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": 
          # the same with longer K slices (fewer, longer programs: V4.1's W1 | W3 one slice of 20 steps at 32 rows,
          # two of 10 at 64 rows, where the default cut gives 2 x 10 / 4 x 5)
          "moe_gemv_d_s16": GemvPlan(32, 128, 16, w2_block_n=32, direct=True),
-         "moe_gemv_d64_s8": GemvPlan(64, 128, 8, w2_block_n=32, direct=True)}
+         "moe_gemv_d64_s8": GemvPlan(64, 128, 8, w2_block_n=32, direct=True),
+         # ``moe_gemv_d_s16`` with the SwiGLU and the combine in the GEMV launches (``_gemv_fp4d``'s EPI): three
+         # launches instead of five at one slice each
+         "moe_gemv_f": GemvPlan(32, 128, 16, w2_block_n=32, direct=True, fuse=True)}
 
 
 # One 32-bit word of 4 e4m3 bytes (K positions 4i..4i+3, little-endian) -> their 4 fp32 values: two packed
@@ -429,7 +433,9 @@ def _fp4_acc2(acc, wd, sc, x0, x1, x2, x3, USE_ASM: tl.constexpr):
 @triton.jit
 def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N, KW, KSPLIT, stride_x, stride_be,
                stride_bn, stride_sbe, stride_sbn, stride_ps, stride_pm, TOPK: tl.constexpr, DUAL: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, wt_ptr=None, act_ptr=None,
+               stride_a=0, limit=0.0, cnt_ptr=None, out_ptr=None, stride_o=0, EPI: tl.constexpr = 0,
+               SLOTS: tl.constexpr = 1):
     """``_gemv_fp4``'s program (the same products and 8-product word sums) with every load in the weight words' [BN, W]
     register layout: the scales one byte per (row, word) from an elementwise PTX load (one load per thread, row
     and group after CSE) and the activations one 16-byte PTX load per word (the pairs 4i..4i+3; one per thread
@@ -438,7 +444,15 @@ def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N,
     and every step's 8-product sums through shared memory (sm_90a, W1 | W3 at 16 x 128: 12 LDS, 8 STS, 6 BAR
     of 365 SASS a step; here none, 294; at 32 x 128 527 for 8 KB against 623). The final sum over a row's
     words follows this layout's tree (another fp32 order than ``_gemv_fp4``'s). Rows past N read row N-1 (stored
-    nowhere): no masks. Activation rows 16-byte aligned. Not measured on the H200."""
+    nowhere): no masks. Activation rows 16-byte aligned. Not measured on the H200.
+
+    One K slice only (the grid's third dimension 1), ``EPI`` runs the next launch's code for the program's columns:
+    1 (W1 | W3, BLOCK_N a multiple of 32): ``splitk_mx._reduce_swiglu``'s math on the two sums (bf16 roundings,
+    clamps, SiLU, the pair's routing weight ``wt``) and the W2 input's per-32 FP8 QDQ, stored as bf16 rows
+    ``act`` [P, N], instead of the partials; 2 (W2): the pair's sums stored, a barrier, one acquire-release
+    increment of the (token, column block) counter; the program that takes it to ``SLOTS`` (every slot of the
+    token stored) zeroes it and runs ``splitk_mx._reduce_combine`` for the block (each slot rounded to bf16, added
+    in slot order, the slots' sums from L2) into ``out`` [T, N]. The bits of the separate launches."""
     W: tl.constexpr = BLOCK_K // 4
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -478,40 +492,99 @@ def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N,
         if DUAL:
             acc3 = _fp4_acc2(acc3, w3, sc3, x0, x1, x2, x3, USE_ASM)
         w, sc, w3, sc3 = w_n, sc_n, w3_n, sc3_n
-    out = p_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pm + cols
-    tl.store(out, tl.sum(acc, 1), mask=cmask)
-    if DUAL:
-        tl.store(p3_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pm + cols,
-                 tl.sum(acc3, 1), mask=cmask)
+    if EPI == 1:
+        g = tl.minimum(tl.sum(acc, 1).to(tl.bfloat16).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(tl.sum(acc3, 1).to(tl.bfloat16).to(tl.float32), -limit), limit)
+        a = (g / (1.0 + tl.exp(-g)) * u * tl.load(wt_ptr + pair)).to(tl.bfloat16).to(tl.float32)
+        v = fp8_qdq_groups(tl.reshape(a, (1, BLOCK_N)), 1, BLOCK_N).to(tl.bfloat16)
+        tl.store(act_ptr + pair.to(tl.int64) * stride_a + cols[None, :], v, mask=cmask[None, :])
+    else:
+        out = p_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pm + cols
+        tl.store(out, tl.sum(acc, 1), mask=cmask)
+        if DUAL:
+            tl.store(p3_ptr + tl.program_id(2).to(tl.int64) * stride_ps + pair.to(tl.int64) * stride_pm + cols,
+                     tl.sum(acc3, 1), mask=cmask)
+        if EPI == 2:
+            tl.debug_barrier()   # every thread's sums stored before the release
+            tok = pair // SLOTS
+            cnt = cnt_ptr + tok * tl.num_programs(1) + tl.program_id(1)
+            done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if done == SLOTS - 1:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")   # zero again for the next launch
+                comb = tl.zeros([BLOCK_N], tl.float32)
+                for j in tl.static_range(SLOTS):  # slot order
+                    y = tl.load(p_ptr + (tok * SLOTS + j).to(tl.int64) * stride_pm + cols, mask=cmask, other=0.0,
+                                cache_modifier=".cg")
+                    comb += y.to(tl.bfloat16).to(tl.float32)
+                tl.store(out_ptr + tok.to(tl.int64) * stride_o + cols, comb.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def gemv_fp4(x: torch.Tensor, ids: torch.Tensor, topk: int, w: torch.Tensor, ws: torch.Tensor, plan: GemvPlan,
-             w3=None, ws3=None):
+             w3=None, ws3=None, act=None, wt=None, limit: float = 0.0, out=None, slots: int = 1):
     """fp32 partials [S, P, N] (and W3's with ``w3``) of pair p's activation row ``x[p // topk]`` (QDQ'd bf16
     [R, K]) times expert ``ids[p]``'s packed MXFP4 weight ``w`` [E, N, K/2] with E8M0 ``ws`` [E, N, K/32].
     ``plan.direct``: ``_gemv_fp4d`` (the same products and per-word sums; a row's words added in the tree of another
-    register layout; activation rows not 16-byte aligned: ``_gemv_fp4``)."""
+    register layout; activation rows not 16-byte aligned: ``_gemv_fp4``). Where :func:`fusable`: ``act`` (with
+    ``w3``, the routing weights ``wt`` [P] fp32, the clamp ``limit``) receives the W2 input rows [P, N] bf16, or
+    ``out`` (without ``w3``; ``slots`` pairs a token) the combined rows [P / slots, N]; no partials (None)."""
     P = ids.numel()
     w, ws = as_bytes(w), as_bytes(ws)
     N, KH = w.shape[1], w.shape[2]
     S, ksplit = slices(N * max(P, 1), KH, plan, least=16)  # the pairs multiply the column blocks
     dual = w3 is not None
-    p = torch.empty(S, P, N, dtype=torch.float32, device=x.device)
-    p3 = torch.empty_like(p) if dual else p
+    epi = 1 if act is not None else 2 if out is not None else 0
+    if epi and not fusable(x, N, KH, P, plan, dual):
+        raise ValueError(f"gemv_fp4: the fused epilogue needs one K slice, a direct plan and aligned rows ({plan})")
+    p = torch.empty(S, P, N, dtype=torch.float32, device=x.device) if epi != 1 else None
+    p3 = torch.empty_like(p) if dual and not epi else p
     if P:
         bk = _block_k(KH, plan.block_k, 16)
         w3b = as_bytes(w3) if dual else w
         s3b = as_bytes(ws3) if dual else ws
         wv, w3v = w.view(torch.int32), w3b.view(torch.int32)
         # the direct loads read 16-byte vectors of the activation rows: their start and row stride aligned
-        aligned = x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(-1) == 1
-        kernel = _gemv_fp4d if plan.direct and aligned else _gemv_fp4
-        kernel[(P, cdiv(N, plan.block_n), S)](
-            x.view(torch.int32), ids, wv, ws, w3v, s3b, p, p3, N, KH // 4, ksplit, x.stride(0) // 2, wv.stride(0),
-            wv.stride(1), ws.stride(0), ws.stride(1), p.stride(0), p.stride(1), TOPK=topk, DUAL=dual,
-            BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=_use_asm(), num_warps=plan.num_warps,
-            num_stages=plan.num_stages)
+        kernel = _gemv_fp4d if plan.direct and _aligned(x) else _gemv_fp4
+        grid = (P, cdiv(N, plan.block_n), S)
+        args = [x.view(torch.int32), ids, wv, ws, w3v, s3b, p if p is not None else act,
+                p3 if p3 is not None else act, N, KH // 4, ksplit, x.stride(0) // 2, wv.stride(0), wv.stride(1),
+                ws.stride(0), ws.stride(1), p.stride(0) if p is not None else 0, p.stride(1) if p is not None else 0]
+        meta = {"TOPK": topk, "DUAL": dual, "BLOCK_N": plan.block_n, "BLOCK_K": bk, "USE_ASM": _use_asm(),
+                "num_warps": plan.num_warps, "num_stages": plan.num_stages}
+        if epi == 1:
+            kernel[grid](*args, wt_ptr=wt, act_ptr=act, stride_a=act.stride(0), limit=float(limit), EPI=1, **meta)
+        elif epi == 2:
+            kernel[grid](*args, cnt_ptr=_counters(x.device, out.shape[0] * grid[1]), out_ptr=out,
+                         stride_o=out.stride(0), EPI=2, SLOTS=slots, **meta)
+        else:
+            kernel[grid](*args, **meta)
+    if epi:
+        return None
     return (p, p3) if dual else p
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    return x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(-1) == 1
+
+
+def fusable(x: torch.Tensor, N: int, KH: int, P: int, plan: GemvPlan, dual: bool) -> bool:
+    """Whether ``gemv_fp4`` runs this launch with its next launch's code (``plan.fuse``): a direct plan on
+    16-byte aligned rows, one K slice, and for W1 | W3 column blocks on the per-32 QDQ groups."""
+    return (plan.fuse and plan.direct and _aligned(x) and slices(N * max(P, 1), KH, plan, least=16)[0] == 1
+            and (not dual or (plan.block_n % 32 == 0 and N % 32 == 0)))
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 (token, column block) counters of the fused W2 launch (each launch leaves them zero again;
+    launches run one after another on one stream). Kept for the process: a CUDA graph may capture them."""
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = c
+    return c
 
 
 def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,
@@ -519,7 +592,8 @@ def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale,
     """``moe_mx`` for a few tokens as GEMV streams over the (token, slot) pairs in their own order (no sort):
     W1 | W3 of each pair's expert against its token's QDQ'd row, ``splitk_mx.reduce_swiglu`` (clamped SwiGLU,
     routing weight, bf16 rounding, the W2 input's per-32 FP8 QDQ), W2 against each pair's row,
-    ``splitk_mx.reduce_combine`` (each slot rounded to bf16, a token's slots added in slot order)."""
+    ``splitk_mx.reduce_combine`` (each slot rounded to bf16, a token's slots added in slot order). ``plan.fuse``:
+    the SwiGLU in the W1 | W3 launch and the combine in the W2 launch where :func:`fusable` (the same bits)."""
     from redknot.kernels.triton.splitk_mx import reduce_combine, reduce_swiglu
     T, k = topk_idx.shape
     inter, D = w1.shape[1], w2.shape[1]
@@ -529,11 +603,18 @@ def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale,
     ids = topk_idx.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     wt = topk_weight.reshape(-1).float().contiguous()
-    p1, p3 = gemv_fp4(qdq_bf16(x), ids, k, w1, w1_scale, plan, w3, w3_scale)
+    xq = qdq_bf16(x)
     act = torch.empty(T * k, inter, dtype=torch.bfloat16, device=x.device)
-    reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
-    p2 = gemv_fp4(act, ids, 1, w2, w2_scale, GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, plan.num_warps,
-                                                       plan.num_stages, direct=plan.direct)
-                  if plan.w2_block_n else plan)
+    if fusable(xq, inter, w1.shape[2], T * k, plan, True):  # SwiGLU in the W1 | W3 launch
+        gemv_fp4(xq, ids, k, w1, w1_scale, plan, w3, w3_scale, act=act, wt=wt, limit=swiglu_limit)
+    else:
+        p1, p3 = gemv_fp4(xq, ids, k, w1, w1_scale, plan, w3, w3_scale)
+        reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
+    plan2 = GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, plan.num_warps, plan.num_stages,
+                     direct=plan.direct, fuse=plan.fuse) if plan.w2_block_n else plan
+    if fusable(act, D, w2.shape[2], T * k, plan2, False):  # the combine in the W2 launch
+        gemv_fp4(act, ids, 1, w2, w2_scale, plan2, out=out, slots=k)
+        return out
+    p2 = gemv_fp4(act, ids, 1, w2, w2_scale, plan2)
     inv = torch.arange(T * k, dtype=torch.int32, device=x.device)
     return reduce_combine(p2, inv, k, out)

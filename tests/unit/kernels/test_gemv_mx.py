@@ -290,6 +290,41 @@ def test_moe_gemv_direct_names_are_tuner_candidates_with_a_passing_check(kernel_
     assert stream_guard.self_check("moe_gemv_d", torch.device(kernel_device)) is None
 
 
+
+@pytest.mark.parametrize("dims,tokens", [(TOY_V41, 1), (TOY_V41, 3), (ODD, 2)], ids=["toy-1", "toy-3", "odd-2"])
+def test_moe_gemv_fused_epilogues_keep_the_bits(dims, tokens, kernel_device):
+    """``fuse``: the SwiGLU in the W1 | W3 launch and the combine in the W2 launch (one K slice each) give the bits of
+    the same plan's five launches, twice (the counters are zero again after a launch), and the reference's values."""
+    x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 40, tokens=tokens)
+    fused = GemvPlan(32, 32, 64, w2_block_n=32, direct=True, fuse=True)
+    plain = GemvPlan(32, 32, 64, w2_block_n=32, direct=True)
+    assert gemv_mx.fusable(x, dims.moe_inter, dims.hidden // 2, x.shape[0] * idx.shape[1], fused, True)
+    launches = []
+    real = gemv_mx.gemv_fp4
+    seen = lambda *a, **k: launches.append(k.get("act") is not None or k.get("out") is not None) or real(*a, **k)
+    want = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, plain)
+    try:
+        gemv_mx.gemv_fp4 = seen
+        for _ in range(2):
+            got = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, fused)
+            assert torch.equal(got, want)
+    finally:
+        gemv_mx.gemv_fp4 = real
+    assert launches == [True, True, True, True]
+    assert not gemv_mx._counters(torch.device(kernel_device), 1).any()
+    assert _rel(got, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
+
+
+def test_moe_gemv_fused_plan_falls_back_where_a_launch_cannot_fuse(kernel_device):
+    """W1 | W3 blocks of 16 columns (off the per-32 QDQ groups) and several K slices: the separate SwiGLU launch
+    (W2's one slice keeps its combine), the bits of the unfused plan."""
+    x, idx, wt, w = moe_inputs(TOY_V41, kernel_device, seed=9, tokens=2)
+    fused = GemvPlan(16, 32, 1, direct=True, fuse=True)
+    assert not gemv_mx.fusable(x, TOY_V41.moe_inter, TOY_V41.hidden // 2, 2 * idx.shape[1], fused, True)
+    got = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, fused)
+    assert torch.equal(got, gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, GemvPlan(16, 32, 1, direct=True)))
+
+
 def test_moe_small_token_class_runs_the_gemv_choice(kernel_device, monkeypatch):
     """At most ``gemv_mx.MAX_ROWS`` tokens: ``moe_mx.SMALL_TUNER`` (first candidate ``stream``) times on
     ``SMALL_TUNE_TOKENS`` tokens and its ``moe_gemv*`` choice runs ``gemv_mx.moe_gemv``; 5+ tokens never ask it."""
