@@ -12,6 +12,14 @@ exclusive prefix count, so the output is ascending for free. A row with at most 
 entries keeps them all, and once every key of the threshold's bin is wanted the lower digits do not
 matter: the remaining digit passes then read nothing.
 
+A counting form (``RadixSelectConfig.step_bits``, for a segment resident in registers) finds the same
+threshold without histograms: keys as order-preserving uint32 (0: not selectable), 1 or 2 bits of the
+threshold per step from the top, each step one count of the keys at or above the candidate values (a few
+instructions a key, where an 8-bit ``tl.histogram`` pass costs about a hundred), stopping once exactly k keys
+lie at or above the bits found; its end pass scans (above, tied) counts packed in one int32 instead of two
+scans. Same threshold, same tie rule, same output. For few rows (the batch-1 decode step: one program per
+row at latency) it is a tuner candidate (:data:`CANDIDATES`), not measured on a GPU yet.
+
 Long rows split in two launches: segments of ``seg`` entries each keep their own top-k (the row's
 top-k is inside the union of the segments' top-k under the same total order), as (key, id) lists in
 entry order, and one program per row selects again over those lists. Either launch's grid depends on
@@ -26,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2
 
 
 @triton.jit
@@ -62,17 +70,80 @@ def _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, 
 
 
 @triton.jit
+def _store_sel(out_ids_ptr, out_keys_ptr, om_ptr, out_at, row_om, at, ids, key, sel, si, cols, hi,
+               KEYS_OUT: tl.constexpr, EXPAND: tl.constexpr, MASK_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """The selected entries' ids (and keys) at their output slots ``at``, and the selection map."""
+    if EXPAND > 1:
+        j = tl.arange(0, EXPAND)[None, :]
+        tl.store(out_ids_ptr + out_at + at[:, None] * EXPAND + j, ids.to(tl.int64)[:, None] * EXPAND + j,
+                 mask=sel[:, None])
+    else:
+        tl.store(out_ids_ptr + out_at + at, ids, mask=sel)
+    if KEYS_OUT:
+        tl.store(out_keys_ptr + out_at + at, key, mask=sel)
+    if MASK_OUT == 1:
+        tl.store(om_ptr + row_om + cols, si.to(tl.uint8), mask=cols < hi)
+    if MASK_OUT == 2:
+        tl.store(om_ptr + row_om + cols, tl.zeros([BLOCK], tl.uint8), mask=cols < hi)
+    if MASK_OUT == 3:
+        tl.store(om_ptr + row_om + ids, tl.full([BLOCK], 1, tl.uint8), mask=sel)
+
+
+@triton.jit
+def _count_search(u, K, BLOCK: tl.constexpr, STEP_BITS: tl.constexpr):
+    """(thr, need) of the final pass over resident keys ``u`` (order-preserving uint32, 0: not selectable) by
+    counting: ``thr`` is the largest v with at least K keys >= v (kept: the keys > thr and the first ``need``
+    equal to it). STEP_BITS bits
+    of v per step, most significant first: the 2^STEP_BITS candidates lo + j·2^shift are counted in one
+    reduction over [BLOCK, 2^STEP_BITS] compares (a few instructions an entry, where an 8-bit histogram
+    pass costs about a hundred), the largest j whose count reaches K extends ``lo``, and the count at the
+    smallest candidate that failed is kept (the count above the threshold at the end). Stops early once
+    exactly K keys are >= lo (then no tie is cut). At most K selectable: all kept, no step runs."""
+    NCP: tl.constexpr = 1 << STEP_BITS
+    jc = tl.arange(0, NCP)
+    nsel = tl.sum((u > 0).to(tl.int32), 0)
+    lo = tl.full([], 0, tl.uint32)
+    hi_cnt = tl.full([], 0, tl.int32)     # keys >= the smallest candidate that failed (none yet: 2^32)
+    done = (nsel <= K).to(tl.int32)      # at most K selectable: keep them all, no search
+    at = tl.full([], BLOCK, tl.int32)     # keys >= lo (lo = 0: every lane)
+    step = tl.full([], 0, tl.int32)
+    while (step < 32 // STEP_BITS) & (done == 0):
+        shift = (32 - STEP_BITS * (step + 1)).to(tl.uint32)
+        if STEP_BITS == 1:      # one candidate: a plain count (no [BLOCK, 2] tile with the known count at lo)
+            c1 = lo + (tl.full([], 1, tl.uint32) << shift)
+            n1 = tl.sum(tl.where(u >= c1, 1, 0), 0)
+            take = n1 >= K
+            hi_cnt = tl.where(take, hi_cnt, n1)
+            at = tl.where(take, n1, at)
+            lo = tl.where(take, c1, lo)
+        else:
+            cand = lo + (jc.to(tl.uint32) << shift)
+            cnt = tl.sum(tl.where(u[:, None] >= cand[None, :], 1, 0), 0)            # non-increasing in j
+            jstar = tl.max(tl.where(cnt >= K, jc, 0), 0)
+            hi_cnt = tl.where(jstar + 1 < NCP, tl.sum(tl.where(jc == jstar + 1, cnt, 0), 0), hi_cnt)
+            at = tl.sum(tl.where(jc == jstar, cnt, 0), 0)
+            lo = lo + (jstar.to(tl.uint32) << shift)
+        done = ((at == K) & (lo > 0)).to(tl.int32)
+        step += 1
+    # done: exactly the keys >= lo; else the keys > lo and the first K - (count > lo) equal to lo
+    thr_u = tl.where(nsel <= K, 0, tl.where(done != 0, lo - 1, lo))
+    need = tl.where((done != 0) | (lo == 0), 0, K - hi_cnt)
+    return thr_u, need
+
+
+@triton.jit
 def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, om_ptr,
                   N, N_ENT, SEG, K, NB_M, stride_src, stride_ids, stride_bm, stride_out, stride_om,
                   KEYS_IN: tl.constexpr, IDS_IN: tl.constexpr, KEYS_OUT: tl.constexpr, GROUP: tl.constexpr,
                   MASK_G: tl.constexpr, EXPAND: tl.constexpr, MASK_OUT: tl.constexpr, BLOCK: tl.constexpr,
-                  RESIDENT: tl.constexpr):
+                  RESIDENT: tl.constexpr, STEP_BITS: tl.constexpr = 0):
     """Program (t, s): the top ``K`` of columns [s·SEG, min((s+1)·SEG, N)) of row t -> out[t, s·K : s·K+K]
     (ids ascending then -1; with KEYS_OUT their keys too; EXPAND > 1: id c written as the EXPAND ids
     c·EXPAND + j, K·EXPAND slots). MASK_OUT writes a [T, N] uint8 map of the selected columns: 1 the
     selection of a single program per row, 2 zeros over the segment (a first launch), 3 ones at the
     selected ids (the second launch over the first one's lists). RESIDENT: the segment fits one tile, read
-    once and kept in registers through the passes (else every pass re-reads its tiles)."""
+    once and kept in registers through the passes (else every pass re-reads its tiles). STEP_BITS > 0 (with
+    RESIDENT; 1, 2 or 4): the threshold by counting instead of histograms (see :func:`_count_search`)."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     lo = s * SEG
@@ -94,71 +165,76 @@ def _radix_select(src_ptr, ids_ptr, vis_ptr, bm_ptr, out_ids_ptr, out_keys_ptr, 
     if RESIDENT:
         key_r, ids_r, ok_r = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, lo + offs,
                                    lo + offs < hi, N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
-    for d in tl.static_range(4):
-        shift = 24 - 8 * d                  # a constexpr (d is one); never annotated: not reassignable
-        hist = tl.zeros([256], dtype=tl.int32)
-        for c0 in range(lo, stop, BLOCK):
-            if RESIDENT:
-                key, ok = key_r, ok_r
-            else:
-                cols = c0 + offs
-                key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols,
-                                     cols < hi, N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
-            m = ok & ((key & pmask) == prefix)
-            dig = (key >> shift) & 0xFF
+    if STEP_BITS > 0:   # resident: the keys as u (0: not selectable), one tile, one scan at the end
+        u = tl.where(ok_r, key_r ^ (-2147483647 - 1), 0).to(tl.uint32, bitcast=True)
+        thr_u, need = _count_search(u, K, BLOCK, STEP_BITS)
+        gt = (u > thr_u).to(tl.int32)
+        eq = ((u == thr_u) & (u > 0)).to(tl.int32)
+        ge = gt + (eq << 16)                    # (gt, eq) in 16-bit halves: one scan (BLOCK < 2^16)
+        cs = tl.cumsum(ge, 0) - ge              # exclusive
+        tie_at = cs >> 16                       # ties before the entry; the first ``need`` are kept
+        sel = (gt != 0) | ((eq != 0) & (tie_at < need))
+        at = (cs & 0xFFFF) + tl.minimum(tie_at, need)
+        cols = lo + offs
+        ids = ids_r if IDS_IN else cols
+        key = (u ^ 0x80000000).to(tl.int32, bitcast=True)
+        _store_sel(out_ids_ptr, out_keys_ptr, om_ptr, out_at, row_om, at, ids, key, sel, sel.to(tl.int32), cols,
+                   hi, KEYS_OUT, EXPAND, MASK_OUT, BLOCK)
+        taken = tl.sum(sel.to(tl.int32), 0)
+    else:
+        for d in tl.static_range(4):
+            shift = 24 - 8 * d                  # a constexpr (d is one); never annotated: not reassignable
+            hist = tl.zeros([256], dtype=tl.int32)
+            for c0 in range(lo, stop, BLOCK):
+                if RESIDENT:
+                    key, ok = key_r, ok_r
+                else:
+                    cols = c0 + offs
+                    key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols,
+                                         cols < hi, N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
+                m = ok & ((key & pmask) == prefix)
+                dig = (key >> shift) & 0xFF
+                if d == 0:
+                    dig = dig ^ 0x80                # the sign bit: negative keys below positive ones
+                dig = tl.where(m, dig, 0)
+                hist += tl.histogram(dig, 256)
+                hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)   # masked lanes went to bin 0
+            total = tl.sum(hist, 0)
+            ge = total - tl.cumsum(hist, 0) + hist                      # matching keys with digit >= bin
+            b = tl.max(tl.where(ge >= krem, bins, -1), 0)
             if d == 0:
-                dig = dig ^ 0x80                # the sign bit: negative keys below positive ones
-            dig = tl.where(m, dig, 0)
-            hist += tl.histogram(dig, 256)
-            hist -= tl.where(bins == 0, BLOCK - tl.sum(m.to(tl.int32), 0), 0)   # masked lanes went to bin 0
-        total = tl.sum(hist, 0)
-        ge = total - tl.cumsum(hist, 0) + hist                      # matching keys with digit >= bin
-        b = tl.max(tl.where(ge >= krem, bins, -1), 0)
-        if d == 0:
-            keep_all = (b < 0).to(tl.int32)                         # at most K selectable: keep them all
-        b = tl.maximum(b, 0)
-        krem -= tl.sum(tl.where(bins > b, hist, 0), 0)
-        if d < 3:   # every key of the threshold's bin is wanted: the lower digits do not matter
-            whole = whole | ((keep_all == 0) & (tl.sum(tl.where(bins == b, hist, 0), 0) == krem)).to(tl.int32)
-        stop = tl.where((keep_all != 0) | (whole != 0), lo, hi)     # later passes: nothing to read
-        if d == 0:
-            prefix = (b ^ 0x80) << 24
-        else:
-            prefix = prefix | (b << shift)                          # unchanged once ``whole`` (b = 0)
-        pmask = tl.full([], -(1 << shift), tl.int32)   # the top 32 - shift bits are known
-    # keep_all: below every selectable key; whole: keys >= the bin's lowest key, no ties to count
-    thr = tl.where(keep_all != 0, -2147483647 - 1, tl.where(whole != 0, prefix - 1, prefix))
-    need = tl.where((keep_all != 0) | (whole != 0), 0, krem)
+                keep_all = (b < 0).to(tl.int32)                         # at most K selectable: keep them all
+            b = tl.maximum(b, 0)
+            krem -= tl.sum(tl.where(bins > b, hist, 0), 0)
+            if d < 3:   # every key of the threshold's bin is wanted: the lower digits do not matter
+                whole = whole | ((keep_all == 0) & (tl.sum(tl.where(bins == b, hist, 0), 0) == krem)).to(tl.int32)
+            stop = tl.where((keep_all != 0) | (whole != 0), lo, hi)     # later passes: nothing to read
+            if d == 0:
+                prefix = (b ^ 0x80) << 24
+            else:
+                prefix = prefix | (b << shift)                          # unchanged once ``whole`` (b = 0)
+            pmask = tl.full([], -(1 << shift), tl.int32)   # the top 32 - shift bits are known
+        # keep_all: below every selectable key; whole: keys >= the bin's lowest key, no ties to count
+        thr = tl.where(keep_all != 0, -2147483647 - 1, tl.where(whole != 0, prefix - 1, prefix))
+        need = tl.where((keep_all != 0) | (whole != 0), 0, krem)
 
-    taken = tl.full([], 0, tl.int32)
-    ties = tl.full([], 0, tl.int32)
-    for c0 in range(lo, hi, BLOCK):
-        cols = c0 + offs
-        if RESIDENT:
-            key, ids, ok = key_r, ids_r, ok_r
-        else:
-            key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, cols < hi,
-                                 N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
-        eq = (ok & (key == thr)).to(tl.int32)
-        sel = (ok & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
-        si = sel.to(tl.int32)
-        at = taken + tl.cumsum(si, 0) - si
-        if EXPAND > 1:
-            j = tl.arange(0, EXPAND)[None, :]
-            tl.store(out_ids_ptr + out_at + at[:, None] * EXPAND + j, ids.to(tl.int64)[:, None] * EXPAND + j,
-                     mask=sel[:, None])
-        else:
-            tl.store(out_ids_ptr + out_at + at, ids, mask=sel)
-        if KEYS_OUT:
-            tl.store(out_keys_ptr + out_at + at, key, mask=sel)
-        if MASK_OUT == 1:
-            tl.store(om_ptr + row_om + cols, si.to(tl.uint8), mask=cols < hi)
-        if MASK_OUT == 2:
-            tl.store(om_ptr + row_om + cols, tl.zeros([BLOCK], tl.uint8), mask=cols < hi)
-        if MASK_OUT == 3:
-            tl.store(om_ptr + row_om + ids, tl.full([BLOCK], 1, tl.uint8), mask=sel)
-        taken += tl.sum(si, 0)
-        ties += tl.sum(eq, 0)
+        taken = tl.full([], 0, tl.int32)
+        ties = tl.full([], 0, tl.int32)
+        for c0 in range(lo, hi, BLOCK):
+            cols = c0 + offs
+            if RESIDENT:
+                key, ids, ok = key_r, ids_r, ok_r
+            else:
+                key, ids, ok = _keys(src_ptr, ids_ptr, vis_ptr, bm_ptr, t, row_src, row_ids, row_bm, cols, cols < hi,
+                                     N_ENT, NB_M, KEYS_IN, IDS_IN, GROUP, MASK_G)
+            eq = (ok & (key == thr)).to(tl.int32)
+            sel = (ok & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, 0) - eq < need))
+            si = sel.to(tl.int32)
+            at = taken + tl.cumsum(si, 0) - si
+            _store_sel(out_ids_ptr, out_keys_ptr, om_ptr, out_at, row_om, at, ids, key, sel, si, cols, hi,
+                       KEYS_OUT, EXPAND, MASK_OUT, BLOCK)
+            taken += tl.sum(si, 0)
+            ties += tl.sum(eq, 0)
     for f0 in range(0, K * EXPAND, BLOCK):
         p = f0 + offs
         tl.store(out_ids_ptr + out_at + p, tl.full([BLOCK], -1, tl.int32), mask=(p < K * EXPAND) & (p >= taken * EXPAND))
@@ -169,9 +245,23 @@ class RadixSelectConfig:
     resident_max: int = 8192   # a segment of up to this many entries is read once and kept in registers
     block: int = 4096          # the tile of a longer segment (re-read by every pass)
     per_thread: int = 16       # entries a thread holds (sets the warp count, 4 to 16)
+    step_bits: int = 0         # 0: 8-bit histogram passes; 1, 2 or 4: a resident segment's threshold by counting
 
 
 DEFAULT_CONFIG = RadixSelectConfig()
+# The tuner's candidates (the default first: what runs untimed under the interpreter or a graph capture). The
+# counting forms cut the instructions a resident segment costs (an 8-bit histogram pass is about a hundred a key,
+# a 1-bit counting step a few; the end's two scans become one): for few rows, where one program per row runs at
+# latency. Not measured on a GPU yet; the tuner keeps whichever is fastest per class.
+CANDIDATES = (DEFAULT_CONFIG, RadixSelectConfig(step_bits=1), RadixSelectConfig(step_bits=2),
+              RadixSelectConfig(resident_max=16384, step_bits=1))
+TUNER = ConfigTuner("radix_select", CANDIDATES)
+
+
+def _pick(kind: str, t: int, n: int, k: int, group: int, masked: bool, listed: bool, seg, run, device):
+    """The configuration for one selection class (rows and width as powers of two) by measurement."""
+    key = (kind, next_pow2(t), next_pow2(n), k, group, masked, listed, seg)
+    return TUNER.pick(key, run, device)
 
 
 def segment_size(n: int, k: int, cap: int) -> int:
@@ -202,7 +292,8 @@ def radix_topk(scores: torch.Tensor, topk: int, ids: Optional[torch.Tensor] = No
     selectable): the result is ``ids`` at the selected columns, i.e. ``ids.gather(1, select_topk(...))``
     with -1 kept. ``block_mask`` [T, nb] (uint8/bool): only entries j whose block ``j // mask_block`` is
     set (and < nb) are selectable (the candidate blocks). ``seg``: entries per first-launch program
-    (None: :func:`segment_size`); rows wider split in two launches."""
+    (None: :func:`segment_size`); rows wider split in two launches. ``config``: the launch configuration
+    (None: the tuner's measured choice among :data:`CANDIDATES` for this class on a GPU, else the default)."""
     if scores.dim() != 2:
         raise ValueError(f"radix_topk: scores must be [T, n], got shape {tuple(scores.shape)}")
     if topk < 0:
@@ -223,8 +314,15 @@ def radix_topk(scores: torch.Tensor, topk: int, ids: Optional[torch.Tensor] = No
             raise ValueError(f"radix_topk: block_mask must be [T={t}, blocks] with mask_block >= 1, got shape "
                              f"{tuple(block_mask.shape)}, mask_block={mask_block}")
         block_mask = _rowmajor(block_mask.view(torch.uint8) if block_mask.dtype == torch.bool else block_mask)
-    _select(_rowmajor(scores.float()), topk, out, ids=ids, block_mask=block_mask,
-            mask_block=mask_block if block_mask is not None else 0, seg=seg, config=config)
+    x = _rowmajor(scores.float())
+    mb = mask_block if block_mask is not None else 0
+
+    def run(cfg):
+        _select(x, topk, out, ids=ids, block_mask=block_mask, mask_block=mb, seg=seg, config=cfg)
+
+    if config is None:
+        config = _pick("topk", t, n, topk, 1, block_mask is not None, ids is not None, seg, run, scores.device)
+    run(config)
     return out
 
 
@@ -242,8 +340,14 @@ def radix_candidates(scores: torch.Tensor, visible: torch.Tensor, num_blocks: in
     bmask = torch.zeros(t, nblk, dtype=torch.uint8, device=scores.device)
     if t == 0 or num_blocks == 0 or n == 0:
         return out.fill_(-1), bmask
-    _select(_rowmajor(scores.float()), num_blocks, out, n_cols=nblk, group=block, visible=visible.contiguous(),
-            mask_out=bmask, seg=seg, config=config)
+    x, vis = _rowmajor(scores.float()), visible.contiguous()
+
+    def run(cfg):
+        _select(x, num_blocks, out, n_cols=nblk, group=block, visible=vis, mask_out=bmask, seg=seg, config=cfg)
+
+    if config is None:
+        config = _pick("candidates", t, n, num_blocks, block, False, False, seg, run, scores.device)
+    run(config)
     return out, bmask
 
 
@@ -267,7 +371,7 @@ def _select(x: torch.Tensor, k: int, out: torch.Tensor, n_cols: Optional[int] = 
     strides = (idl.stride(0) if ids is not None else 0, bm.stride(0) if block_mask is not None else 0)
     om_stride = om.stride(0) if mask_out is not None else 0
     block, warps, resident = launch_shape(min(seg, n), group, cfg)
-    shape = dict(BLOCK=block, RESIDENT=resident, num_warps=warps)
+    shape = dict(BLOCK=block, RESIDENT=resident, STEP_BITS=_step_bits(cfg, block, resident), num_warps=warps)
     if nseg == 1:
         _radix_select[(t, 1)](x, idl, vis, bm, out, out, om, n, n_ent, n, k, bm.shape[-1], x.stride(0), *strides,
                               out.stride(0), om_stride, KEYS_IN=False, IDS_IN=ids is not None, KEYS_OUT=False,
@@ -285,4 +389,11 @@ def _select(x: torch.Tensor, k: int, out: torch.Tensor, n_cols: Optional[int] = 
     _radix_select[(t, 1)](keys, cand, vis, bm, out, out, om, m, m, m, k, 0, keys.stride(0), cand.stride(0), 0,
                           out.stride(0), om_stride, KEYS_IN=True, IDS_IN=True, KEYS_OUT=False, GROUP=1, MASK_G=0,
                           EXPAND=group, MASK_OUT=3 if mask_out is not None else 0, BLOCK=block, RESIDENT=resident,
-                          num_warps=warps)
+                          STEP_BITS=_step_bits(cfg, block, resident), num_warps=warps)
+
+
+def _step_bits(cfg: RadixSelectConfig, block: int, resident: bool) -> int:
+    """The counting form's bits per step where it applies (a resident tile whose counts fit 16 bits), else 0."""
+    if cfg.step_bits not in (0, 1, 2, 4):
+        raise ValueError(f"radix select: step_bits must be 0, 1, 2 or 4, got {cfg.step_bits}")
+    return cfg.step_bits if resident and block < (1 << 15) else 0

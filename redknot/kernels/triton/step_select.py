@@ -3,7 +3,8 @@
 :func:`step_indexer_mx.select_topk` and :func:`step_indexer_mx.candidate_entries` state the selections
 in PyTorch (a top-k over packed tie keys, then a sort; block maxima, a pin, a top-k, an expansion) and
 stay their references. Here the same results come from :mod:`radix_select` in one or two launches each.
-On the first call per CUDA device (outside CUDA-graph capture) every mode is checked against those
+On the first call per CUDA device (outside CUDA-graph capture) every mode, under every launch
+configuration the tuner may choose (``radix_select.CANDIDATES``), is checked against those
 references on fresh random rows (heavy exact ties, -inf tails, rows with nothing selectable, fewer
 entries than k, rows long enough for the two-launch split); a build failure or a mismatch is recorded in
 ``SELECT_ERRORS``, warned once, and the references run from then on (the GPU tests fail on it). Off the
@@ -16,7 +17,7 @@ from typing import Callable, Dict, Optional, Set, Tuple, TypeVar
 
 import torch
 
-from redknot.kernels.triton.radix_select import radix_candidates, radix_topk
+from redknot.kernels.triton.radix_select import CANDIDATES, radix_candidates, radix_topk
 from redknot.kernels.triton.step_indexer_mx import candidate_entries, select_topk
 from redknot.kernels.triton.stream_guard import first_use
 
@@ -68,19 +69,24 @@ def self_check(device: torch.device, seed: int = 4321) -> Optional[str]:
         bm = (torch.rand(t, nb, generator=g, device=device) < 0.5).to(torch.uint8)
         ids = torch.where(torch.rand(t, n, generator=g, device=device) < 0.9,
                           torch.arange(n, device=device) * 3, -1)
-        for name, got, want in (
-                ("topk", lambda: radix_topk(sc, k), lambda: select_topk(sc, k)),
-                ("entry list", lambda: radix_topk(sc, k, ids=ids), lambda: topk_reference(sc, k, ids=ids)),
-                ("block mask", lambda: radix_topk(sc, k, block_mask=bm, mask_block=8),
-                 lambda: topk_reference(sc, k, block_mask=bm, mask_block=8)),
-                ("candidates", lambda: radix_candidates(sc, vis, k // 4, 8),
-                 lambda: candidates_reference(sc, vis, k // 4, 8)),
-                ("candidates split", lambda: radix_candidates(sc, vis, k // 4, 8, seg=4 * k),
-                 lambda: candidates_reference(sc, vis, k // 4, 8))):
-            a, b = got(), want()
-            if not all(torch.equal(x, y) for x, y in zip(_tuple(a), _tuple(b))):
-                return f"radix {name} selection differs from its reference (rows {t}, n {n}, k {k})"
+        for c in CANDIDATES:   # every launch configuration the tuner may choose
+            for name, got, want in _modes(sc, k, ids, bm, vis, c):
+                a, b = got(), want()
+                if not all(torch.equal(x, y) for x, y in zip(_tuple(a), _tuple(b))):
+                    return f"radix {name} selection ({c}) differs from its reference (rows {t}, n {n}, k {k})"
     return None
+
+
+def _modes(sc, k, ids, bm, vis, c):
+    """(name, the radix selection under config ``c``, its reference) of every mode the step uses."""
+    return (("topk", lambda: radix_topk(sc, k, config=c), lambda: select_topk(sc, k)),
+            ("entry list", lambda: radix_topk(sc, k, ids=ids, config=c), lambda: topk_reference(sc, k, ids=ids)),
+            ("block mask", lambda: radix_topk(sc, k, block_mask=bm, mask_block=8, config=c),
+             lambda: topk_reference(sc, k, block_mask=bm, mask_block=8)),
+            ("candidates", lambda: radix_candidates(sc, vis, k // 4, 8, config=c),
+             lambda: candidates_reference(sc, vis, k // 4, 8)),
+            ("candidates split", lambda: radix_candidates(sc, vis, k // 4, 8, seg=4 * k, config=c),
+             lambda: candidates_reference(sc, vis, k // 4, 8)))
 
 
 def _tuple(x):

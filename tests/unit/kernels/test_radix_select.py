@@ -125,6 +125,78 @@ def test_radix_candidates_are_the_models_candidate_blocks(seg, config, kernel_de
         assert torch.equal(got[0].cpu(), ent.cpu()) and torch.equal(got[1].cpu(), bmap.cpu())
 
 
+COUNTING = [RadixSelectConfig(step_bits=b) for b in (1, 2, 4)]
+
+
+def _edge_rows(t: int, n: int, k: int, seed: int) -> torch.Tensor:
+    """``_rows`` plus rows that stress the counting search: exactly k selectable, k + 1 with the last two tied,
+    ties straddling the k-th place with extreme values (+-FLT_MAX, subnormals, +-0), one repeated value."""
+    g = torch.Generator().manual_seed(seed)
+    sc = _rows(t, n, seed, "cpu")
+    big = torch.finfo(torch.float32).max
+    extra = torch.full((5, n), float("-inf"))
+    extra[0, torch.randperm(n, generator=g)[:k]] = torch.randn(min(k, n), generator=g)
+    pick = torch.randperm(n, generator=g)[:k + 1]
+    extra[1, pick] = torch.randn(len(pick), generator=g).abs() + 1.0
+    extra[1, pick[-2:]] = 0.5
+    vals = torch.tensor([big, -big, 1e-45, -1e-45, 0.0, -0.0, 1.0, -1.0])
+    extra[2] = vals[torch.randint(0, len(vals), (n,), generator=g)]
+    extra[3] = 0.75
+    extra[4, : n // 2] = torch.randn(n // 2, generator=g) - 2.0
+    extra[4, n // 2:] = torch.randn(n - n // 2, generator=g).to(torch.bfloat16).float()
+    return torch.cat([sc, extra])
+
+
+@pytest.mark.parametrize("config", COUNTING, ids=["1bit", "2bit", "4bit"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_counting_forms_are_select_topk(case, config, kernel_device):
+    """The tuner's counting forms (thresholds by counts, one scan at the end) give select_topk's ids exactly,
+    with fresh random rows, in one launch and in the two-launch split (keys, ids and lists handed on)."""
+    t, n, k, seg = CASES[case]
+    for seed in (case + 100, case + 200):
+        sc = _edge_rows(t, n, k, seed)
+        got = radix_topk(sc.to(kernel_device), k, seg=seg, config=config).cpu()
+        assert torch.equal(got, select_topk(sc, k)), seed
+
+
+@pytest.mark.parametrize("config", COUNTING[:2], ids=["1bit", "2bit"])
+def test_counting_forms_over_lists_masks_and_candidates(config, kernel_device):
+    """Entry lists with -1 holes, a block map, and the candidate blocks (block maxima, the pinned newest block,
+    ids expanded per block, the selection map) under the counting forms, one launch and split."""
+    from redknot.kernels.triton.step_select import candidates_reference
+
+    g = torch.Generator().manual_seed(31)
+    t, n, k = 7, 900, 40
+    sc = _edge_rows(t - 5, n, k, 32)
+    ids = torch.sort(torch.randint(0, 9000, (t, n), generator=g), dim=1).values
+    ids[torch.rand(t, n, generator=g) < 0.2] = -1
+    bm = (torch.rand(t, 100, generator=g) < 0.4).to(torch.uint8)
+    dev = kernel_device
+    for seg in (None, 256):
+        got = radix_topk(sc.to(dev), k, ids=ids.to(dev), seg=seg, config=config).cpu()
+        assert torch.equal(got, topk_reference(sc, k, ids=ids)), seg
+        got = radix_topk(sc.to(dev), k, block_mask=bm.to(dev), mask_block=8, seg=seg, config=config).cpu()
+        assert torch.equal(got, topk_reference(sc, k, block_mask=bm, mask_block=8)), seg
+    vis = torch.randint(0, n + 1, (t,), generator=g)
+    vis[0] = n
+    cs = sc.masked_fill(torch.arange(n)[None, :] >= vis[:, None], float("-inf"))
+    for nb, seg in ((9, None), (9, 40), (200, None)):      # 200 blocks > the 113 there are: keep all
+        ent, bmap = radix_candidates(cs.to(dev), vis.to(dev), nb, 8, seg=seg, config=config)
+        want = candidates_reference(cs, vis, nb, 8)
+        assert torch.equal(ent.cpu(), want[0]) and torch.equal(bmap.cpu(), want[1]), (nb, seg)
+
+
+def test_tuner_candidates_start_with_the_default():
+    """Untimed (interpreter, graph capture) the tuner runs the histogram default; every candidate is distinct."""
+    from redknot.kernels.triton.radix_select import CANDIDATES, DEFAULT_CONFIG, TUNER
+
+    assert CANDIDATES[0] == DEFAULT_CONFIG and TUNER.candidates[0] == DEFAULT_CONFIG
+    assert len(set(CANDIDATES)) == len(CANDIDATES)
+    assert any(c.step_bits for c in CANDIDATES)
+    with pytest.raises(ValueError, match="step_bits"):
+        radix_topk(torch.zeros(1, 8), 2, config=RadixSelectConfig(step_bits=3))
+
+
 def test_radix_topk_edges(kernel_device):
     sc = _rows(4, 30, 3, kernel_device)
     assert radix_topk(sc, 0).shape == (4, 0)
