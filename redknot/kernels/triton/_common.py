@@ -120,8 +120,9 @@ def _speed_up_lang_patching(interpreter, tl) -> None:
 
     * the builtins of a module or class are found by one scan and remembered (the per-call check that a
       member is still the original builtin, i.e. not already patched, stays);
-    * a helper called while the running launch has patched the same ``tl`` modules skips the re-patch: its
-      patches would replace the launch's by equal ones (and are never restored by the interpreter either).
+    * a helper called while the running launch (or an earlier helper of it) has patched the same ``tl``
+      modules skips the re-patch: its patches would replace those by equal ones (the interpreter never
+      restores a helper's patches either).
 
     Anything else (a different Triton layout, a helper outside a launch) takes the interpreter's own path.
     """
@@ -161,9 +162,13 @@ def _speed_up_lang_patching(interpreter, tl) -> None:
             scope = original_patch_lang(fn)
             state["patched"] = langs(fn)
             return scope
-        if state["patched"] is not None and langs(fn) <= state["patched"]:
+        if state["patched"] is None:  # outside a launch
+            return original_patch_lang(fn)
+        if langs(fn) <= state["patched"]:
             return interpreter._LangPatchScope()  # already in place; nothing to restore
-        return original_patch_lang(fn)
+        scope = original_patch_lang(fn)  # e.g. tl.sum's module also names tl.core; in place till the launch ends
+        state["patched"] = state["patched"] | langs(fn)
+        return scope
 
     def launch(self, *args, **kwargs):
         outer = state["patched"]
