@@ -274,3 +274,15 @@ def test_select_benchmark_smoke(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     text = (tmp_path / "select_topk_v41.md").read_text()
     assert "| 700 | 2 |" in text and "NO" not in text
+
+
+def test_select_benchmark_b1_smoke(tmp_path):
+    """The b1 mode's CPU smoke run: the four decode-step selections under every tuner candidate, all equal."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "select_topk_v41.py"), "--b1", "--smoke",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300,
+                         check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    text = (tmp_path / "select_topk_b1.md").read_text()
+    assert "b1 step sum" in text and "topk in candidate blocks" in text and "NO" not in text
