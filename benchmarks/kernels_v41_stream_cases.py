@@ -60,9 +60,9 @@ def _plans(smoke: bool, extra: bool = False):
 
 # The CUDA-core GEMV streams of ``gemv_mx`` (batches of at most ``gemv_mx.MAX_ROWS``), by tuner name.
 MOE_GEMV = [("moe gemv 16x256", "moe_gemv"), ("moe gemv 16x128", "moe_gemv_n16"), ("moe gemv 32x128", "moe_gemv_k128"),
-            ("moe gemv direct 32x128", "moe_gemv_d"), ("moe gemv direct 64x128", "moe_gemv_d64"),
-            ("moe gemv direct 32x128 s16", "moe_gemv_d_s16"), ("moe gemv direct 64x128 s8", "moe_gemv_d64_s8"),
-            ("moe gemv direct 32x128 s16, SwiGLU and combine fused (3 launches)", "moe_gemv_f")]
+            ("moe gemv direct 32x128 2 slices", "moe_gemv_d"), ("moe gemv direct 32x128 1 slice", "moe_gemv_d1"),
+            ("moe gemv direct 64x128 4 slices", "moe_gemv_d64"), ("moe gemv direct 64x128 2 slices", "moe_gemv_d64_2"),
+            ("moe gemv direct 32x128 1 slice, SwiGLU and combine fused (3 launches)", "moe_gemv_f")]
 LINEAR_GEMV = ["gemv", "gemv_n16", "gemv_k128"]
 
 

@@ -71,6 +71,7 @@ class GemvPlan:
     w2_block_n: int = 0  # MoE: another column block for W2 (one weight per program: fewer rows per thread)
     direct: bool = False  # MoE: ``_gemv_fp4d`` (activations and scales loaded in the weights' register layout)
     fuse: bool = False  # MoE, direct: the SwiGLU in the W1 | W3 launch, the combine in W2's (one K slice each)
+    ksplits: int = 0  # MoE: K slices of every launch of this plan, whatever the pairs (0: ``slices``' rule)
 
 
 # The small-row tuners' GEMV candidates by name (strings: the tuning store keeps names): ``gemv*`` dense FP8
@@ -78,15 +79,15 @@ class GemvPlan:
 PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": GemvPlan(32, 128),
          "moe_gemv": GemvPlan(16, 256, w2_block_n=32), "moe_gemv_n16": GemvPlan(16, 128, w2_block_n=32),
          "moe_gemv_k128": GemvPlan(32, 128),
-         "moe_gemv_d": GemvPlan(32, 128, w2_block_n=32, direct=True),
-         "moe_gemv_d64": GemvPlan(64, 128, w2_block_n=32, direct=True),
-         # the same with longer K slices (fewer, longer programs: V4.1's W1 | W3 one slice of 20 steps at 32 rows,
-         # two of 10 at 64 rows, where the default cut gives 2 x 10 / 4 x 5)
-         "moe_gemv_d_s16": GemvPlan(32, 128, 16, w2_block_n=32, direct=True),
-         "moe_gemv_d64_s8": GemvPlan(64, 128, 8, w2_block_n=32, direct=True),
-         # ``moe_gemv_d_s16`` with the SwiGLU and the combine in the GEMV launches (``_gemv_fp4d``'s EPI): three
-         # launches instead of five at one slice each
-         "moe_gemv_f": GemvPlan(32, 128, 16, w2_block_n=32, direct=True, fuse=True)}
+         # ``_gemv_fp4d`` with fixed K slices (W1 | W3: 2 / 1 at 32 rows, 4 / 2 at 64; W2 one), so that a token's
+         # sums do not depend on how many tokens share the call (``slices`` counts the pairs' column blocks)
+         "moe_gemv_d": GemvPlan(32, 128, w2_block_n=32, direct=True, ksplits=2),
+         "moe_gemv_d1": GemvPlan(32, 128, w2_block_n=32, direct=True, ksplits=1),
+         "moe_gemv_d64": GemvPlan(64, 128, w2_block_n=32, direct=True, ksplits=4),
+         "moe_gemv_d64_2": GemvPlan(64, 128, w2_block_n=32, direct=True, ksplits=2),
+         # ``moe_gemv_d1`` with the SwiGLU and the combine in the GEMV launches (``_gemv_fp4d``'s EPI): three
+         # launches instead of five
+         "moe_gemv_f": GemvPlan(32, 128, w2_block_n=32, direct=True, fuse=True, ksplits=1)}
 
 
 # One 32-bit word of 4 e4m3 bytes (K positions 4i..4i+3, little-endian) -> their 4 fp32 values: two packed
@@ -530,7 +531,7 @@ def gemv_fp4(x: torch.Tensor, ids: torch.Tensor, topk: int, w: torch.Tensor, ws:
     P = ids.numel()
     w, ws = as_bytes(w), as_bytes(ws)
     N, KH = w.shape[1], w.shape[2]
-    S, ksplit = slices(N * max(P, 1), KH, plan, least=16)  # the pairs multiply the column blocks
+    S, ksplit = fp4_slices(N, KH, P, plan)
     dual = w3 is not None
     epi = 1 if act is not None else 2 if out is not None else 0
     if epi and not fusable(x, N, KH, P, plan, dual):
@@ -562,6 +563,18 @@ def gemv_fp4(x: torch.Tensor, ids: torch.Tensor, topk: int, w: torch.Tensor, ws:
     return (p, p3) if dual else p
 
 
+def fp4_slices(N: int, KH: int, P: int, plan: GemvPlan) -> tuple:
+    """(slice count, slice width in packed bytes) of a ``gemv_fp4`` launch over P pairs of [N, KH] weights:
+    ``plan.ksplits`` slices (a function of the weight and the plan only), else ``slices`` over the pairs' column
+    blocks (the count depends on P where the pairs' blocks stay under ``TARGET_PROGRAMS``)."""
+    if not plan.ksplits:
+        return slices(N * max(P, 1), KH, plan, least=16)  # the pairs multiply the column blocks
+    bk = _block_k(KH, plan.block_k, 16)
+    steps = cdiv(KH, bk)
+    ksplit = cdiv(steps, min(plan.ksplits, steps)) * bk
+    return cdiv(KH, ksplit), ksplit
+
+
 def _aligned(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(-1) == 1
 
@@ -569,7 +582,7 @@ def _aligned(x: torch.Tensor) -> bool:
 def fusable(x: torch.Tensor, N: int, KH: int, P: int, plan: GemvPlan, dual: bool) -> bool:
     """Whether ``gemv_fp4`` runs this launch with its next launch's code (``plan.fuse``): a direct plan on
     16-byte aligned rows, one K slice, and for W1 | W3 column blocks on the per-32 QDQ groups."""
-    return (plan.fuse and plan.direct and _aligned(x) and slices(N * max(P, 1), KH, plan, least=16)[0] == 1
+    return (plan.fuse and plan.direct and _aligned(x) and fp4_slices(N, KH, P, plan)[0] == 1
             and (not dual or (plan.block_n % 32 == 0 and N % 32 == 0)))
 
 
@@ -611,7 +624,7 @@ def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale,
         p1, p3 = gemv_fp4(xq, ids, k, w1, w1_scale, plan, w3, w3_scale)
         reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
     plan2 = GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, plan.num_warps, plan.num_stages,
-                     direct=plan.direct, fuse=plan.fuse) if plan.w2_block_n else plan
+                     direct=plan.direct, fuse=plan.fuse, ksplits=min(plan.ksplits, 1)) if plan.w2_block_n else plan
     if fusable(act, D, w2.shape[2], T * k, plan2, False):  # the combine in the W2 launch
         gemv_fp4(act, ids, 1, w2, w2_scale, plan2, out=out, slots=k)
         return out

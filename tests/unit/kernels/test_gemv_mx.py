@@ -291,6 +291,22 @@ def test_moe_gemv_direct_names_are_tuner_candidates_with_a_passing_check(kernel_
 
 
 
+
+def test_moe_gemv_direct_plans_cut_k_whatever_the_token_count():
+    """The ``moe_gemv_d*`` / ``moe_gemv_f`` plans' K slices at V4.1's W1 | W3 and W2 shapes are the same at 1-4
+    tokens (6-24 pairs), so a token alone and among four has the same sums (``slices``' own rule counts the
+    pairs' column blocks: ``moe_gemv_k128`` cuts W1 | W3 into 2 slices at one token and 1 at four)."""
+    names = [n for n in gemv_mx.PLANS if n.startswith(("moe_gemv_d", "moe_gemv_f"))]
+    for name in names:
+        plan = gemv_mx.PLANS[name]
+        w2 = GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, direct=True, ksplits=min(plan.ksplits, 1))
+        cuts = {(gemv_mx.fp4_slices(2304, 2560, p, plan), gemv_mx.fp4_slices(5120, 1152, p, w2)) for p in (6, 12, 24)}
+        assert len(cuts) == 1, (name, cuts)
+    assert gemv_mx.fp4_slices(2304, 2560, 6, gemv_mx.PLANS["moe_gemv_f"])[0] == 1
+    k128 = gemv_mx.PLANS["moe_gemv_k128"]
+    assert gemv_mx.fp4_slices(2304, 2560, 6, k128) != gemv_mx.fp4_slices(2304, 2560, 24, k128)
+
+
 @pytest.mark.parametrize("dims,tokens", [(TOY_V41, 1), (TOY_V41, 3), (ODD, 2)], ids=["toy-1", "toy-3", "odd-2"])
 def test_moe_gemv_fused_epilogues_keep_the_bits(dims, tokens, kernel_device):
     """``fuse``: the SwiGLU in the W1 | W3 launch and the combine in the W2 launch (one K slice each) give the bits of
