@@ -72,6 +72,7 @@ class GemvPlan:
     direct: bool = False  # MoE: ``_gemv_fp4d`` (activations and scales loaded in the weights' register layout)
     fuse: bool = False  # MoE, direct: the SwiGLU in the W1 | W3 launch, the combine in W2's (one K slice each)
     ksplits: int = 0  # MoE: K slices of every launch of this plan, whatever the pairs (0: ``slices``' rule)
+    w2_block_k: int = 0  # MoE: another K step for W2 (0: block_k)
 
 
 # The small-row tuners' GEMV candidates by name (strings: the tuning store keeps names): ``gemv*`` dense FP8
@@ -87,7 +88,9 @@ PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": 
          "moe_gemv_d64_2": GemvPlan(64, 128, w2_block_n=32, direct=True, ksplits=2),
          # ``moe_gemv_d1`` with the SwiGLU and the combine in the GEMV launches (``_gemv_fp4d``'s EPI): three
          # launches instead of five
-         "moe_gemv_f": GemvPlan(32, 128, w2_block_n=32, direct=True, fuse=True, ksplits=1)}
+         "moe_gemv_f": GemvPlan(32, 128, w2_block_n=32, direct=True, fuse=True, ksplits=1),
+         # W2 at 64 x 64 (480 programs of 18 steps at one token, 76 regs: one wave) instead of 32 x 128 (960 of 9)
+         "moe_gemv_f_w64": GemvPlan(32, 128, w2_block_n=64, direct=True, fuse=True, ksplits=1, w2_block_k=64)}
 
 
 # One 32-bit word of 4 e4m3 bytes (K positions 4i..4i+3, little-endian) -> their 4 fp32 values: two packed
@@ -623,8 +626,9 @@ def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale,
     else:
         p1, p3 = gemv_fp4(xq, ids, k, w1, w1_scale, plan, w3, w3_scale)
         reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
-    plan2 = GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, plan.num_warps, plan.num_stages,
-                     direct=plan.direct, fuse=plan.fuse, ksplits=min(plan.ksplits, 1)) if plan.w2_block_n else plan
+    plan2 = GemvPlan(plan.w2_block_n, plan.w2_block_k or plan.block_k, plan.min_steps, plan.num_warps,
+                     plan.num_stages, direct=plan.direct, fuse=plan.fuse,
+                     ksplits=min(plan.ksplits, 1)) if plan.w2_block_n else plan
     if fusable(act, D, w2.shape[2], T * k, plan2, False):  # the combine in the W2 launch
         gemv_fp4(act, ids, 1, w2, w2_scale, plan2, out=out, slots=k)
         return out

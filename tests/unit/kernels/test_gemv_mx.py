@@ -299,7 +299,8 @@ def test_moe_gemv_direct_plans_cut_k_whatever_the_token_count():
     names = [n for n in gemv_mx.PLANS if n.startswith(("moe_gemv_d", "moe_gemv_f"))]
     for name in names:
         plan = gemv_mx.PLANS[name]
-        w2 = GemvPlan(plan.w2_block_n, plan.block_k, plan.min_steps, direct=True, ksplits=min(plan.ksplits, 1))
+        w2 = GemvPlan(plan.w2_block_n, plan.w2_block_k or plan.block_k, plan.min_steps, direct=True,
+                      ksplits=min(plan.ksplits, 1))
         cuts = {(gemv_mx.fp4_slices(2304, 2560, p, plan), gemv_mx.fp4_slices(5120, 1152, p, w2)) for p in (6, 12, 24)}
         assert len(cuts) == 1, (name, cuts)
     assert gemv_mx.fp4_slices(2304, 2560, 6, gemv_mx.PLANS["moe_gemv_f"])[0] == 1
@@ -312,8 +313,8 @@ def test_moe_gemv_fused_epilogues_keep_the_bits(dims, tokens, kernel_device):
     """``fuse``: the SwiGLU in the W1 | W3 launch and the combine in the W2 launch (one K slice each) give the bits of
     the same plan's five launches, twice (the counters are zero again after a launch), and the reference's values."""
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 40, tokens=tokens)
-    fused = GemvPlan(32, 32, 64, w2_block_n=32, direct=True, fuse=True)
-    plain = GemvPlan(32, 32, 64, w2_block_n=32, direct=True)
+    fused = GemvPlan(32, 32, 64, w2_block_n=64, direct=True, fuse=True, w2_block_k=16)
+    plain = GemvPlan(32, 32, 64, w2_block_n=64, direct=True, w2_block_k=16)
     assert gemv_mx.fusable(x, dims.moe_inter, dims.hidden // 2, x.shape[0] * idx.shape[1], fused, True)
     launches = []
     real = gemv_mx.gemv_fp4
