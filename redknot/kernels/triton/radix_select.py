@@ -90,6 +90,11 @@ def _store_sel(out_ids_ptr, out_keys_ptr, om_ptr, out_at, row_om, at, ids, key, 
 
 
 @triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
 def _count_search(u, K, BLOCK: tl.constexpr, STEP_BITS: tl.constexpr):
     """(thr, need) of the final pass over resident keys ``u`` (order-preserving uint32, 0: not selectable) by
     counting: ``thr`` is the largest v with at least K keys >= v (kept: the keys > thr and the first ``need``
@@ -98,17 +103,21 @@ def _count_search(u, K, BLOCK: tl.constexpr, STEP_BITS: tl.constexpr):
     reduction over [BLOCK, 2^STEP_BITS] compares (a few instructions an entry, where an 8-bit histogram
     pass costs about a hundred), the largest j whose count reaches K extends ``lo``, and the count at the
     smallest candidate that failed is kept (the count above the threshold at the end). Stops early once
-    exactly K keys are >= lo (then no tie is cut). At most K selectable: all kept, no step runs."""
+    exactly K keys are >= lo (then no tie is cut), and before the bits below the lowest bit any key has set
+    (all 0 in the threshold too, and no key lies between lo and the failed candidate: bf16-rounded scores
+    take at most 16 one-bit steps). At most K selectable: all kept, no step runs."""
     NCP: tl.constexpr = 1 << STEP_BITS
     jc = tl.arange(0, NCP)
     nsel = tl.sum((u > 0).to(tl.int32), 0)
+    orv = tl.reduce(u, 0, _bit_or)
+    low = orv & (~orv + 1)                # the lowest bit any key has set (bf16 scores: bit 16 or above)
     lo = tl.full([], 0, tl.uint32)
     hi_cnt = tl.full([], 0, tl.int32)     # keys >= the smallest candidate that failed (none yet: 2^32)
     done = (nsel <= K).to(tl.int32)      # at most K selectable: keep them all, no search
     at = tl.full([], BLOCK, tl.int32)     # keys >= lo (lo = 0: every lane)
     step = tl.full([], 0, tl.int32)
-    while (step < 32 // STEP_BITS) & (done == 0):
-        shift = (32 - STEP_BITS * (step + 1)).to(tl.uint32)
+    shift = tl.full([], 32 - STEP_BITS, tl.uint32)
+    while (step < 32 // STEP_BITS) & (done == 0) & ((low >> shift) < NCP):   # bits below ``low``: 0 in every key
         if STEP_BITS == 1:      # one candidate: a plain count (no [BLOCK, 2] tile with the known count at lo)
             c1 = lo + (tl.full([], 1, tl.uint32) << shift)
             n1 = tl.sum(tl.where(u >= c1, 1, 0), 0)
@@ -125,6 +134,7 @@ def _count_search(u, K, BLOCK: tl.constexpr, STEP_BITS: tl.constexpr):
             lo = lo + (jstar.to(tl.uint32) << shift)
         done = ((at == K) & (lo > 0)).to(tl.int32)
         step += 1
+        shift = tl.maximum(32 - STEP_BITS * (step + 1), 0).to(tl.uint32)     # 0 past the last step
     # done: exactly the keys >= lo; else the keys > lo and the first K - (count > lo) equal to lo
     thr_u = tl.where(nsel <= K, 0, tl.where(done != 0, lo - 1, lo))
     need = tl.where((done != 0) | (lo == 0), 0, K - hi_cnt)
