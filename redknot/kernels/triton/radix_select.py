@@ -16,7 +16,7 @@ A counting form (``RadixSelectConfig.step_bits``, for a segment resident in regi
 threshold without histograms: keys as order-preserving uint32 (0: not selectable), 1 or 2 bits of the
 threshold per step from the top, each step one count of the keys at or above the candidate values (a few
 instructions a key, where an 8-bit ``tl.histogram`` pass costs about a hundred), stopping once exactly k keys
-lie at or above the bits found; its end pass scans (above, tied) counts packed in one int32 instead of two
+lie at or above the bits found or at the lowest bit any key has set (bf16 scores: 16 bits); its end pass scans (above, tied) counts packed in one int32 instead of two
 scans. Same threshold, same tie rule, same output. For few rows (the batch-1 decode step: one program per
 row at latency) it is a tuner candidate (:data:`CANDIDATES`), not measured on a GPU yet.
 
