@@ -63,7 +63,8 @@ MOE_GEMV = [("moe gemv 16x256", "moe_gemv"), ("moe gemv 16x128", "moe_gemv_n16")
             ("moe gemv direct 32x128 2 slices", "moe_gemv_d"), ("moe gemv direct 32x128 1 slice", "moe_gemv_d1"),
             ("moe gemv direct 64x128 4 slices", "moe_gemv_d64"), ("moe gemv direct 64x128 2 slices", "moe_gemv_d64_2"),
             ("moe gemv direct 32x128 1 slice, SwiGLU and combine fused (3 launches)", "moe_gemv_f"),
-            ("moe gemv direct fused, W2 64x64", "moe_gemv_f_w64")]
+            ("moe gemv direct fused, W2 64x64", "moe_gemv_f_w64"),
+            ("moe gemv direct fused, 2 steps in flight", "moe_gemv_f_p2")]
 LINEAR_GEMV = ["gemv", "gemv_n16", "gemv_k128"]
 
 

@@ -73,6 +73,7 @@ class GemvPlan:
     fuse: bool = False  # MoE, direct: the SwiGLU in the W1 | W3 launch, the combine in W2's (one K slice each)
     ksplits: int = 0  # MoE: K slices of every launch of this plan, whatever the pairs (0: ``slices``' rule)
     w2_block_k: int = 0  # MoE: another K step for W2 (0: block_k)
+    depth: int = 1  # MoE, direct: K steps of weights and scales loaded ahead (1 or 2)
 
 
 # The small-row tuners' GEMV candidates by name (strings: the tuning store keeps names): ``gemv*`` dense FP8
@@ -90,7 +91,9 @@ PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": 
          # launches instead of five
          "moe_gemv_f": GemvPlan(32, 128, w2_block_n=32, direct=True, fuse=True, ksplits=1),
          # W2 at 64 x 64 (480 programs of 18 steps at one token, 76 regs: one wave) instead of 32 x 128 (960 of 9)
-         "moe_gemv_f_w64": GemvPlan(32, 128, w2_block_n=64, direct=True, fuse=True, ksplits=1, w2_block_k=64)}
+         "moe_gemv_f_w64": GemvPlan(32, 128, w2_block_n=64, direct=True, fuse=True, ksplits=1, w2_block_k=64),
+         # ``moe_gemv_f`` with two K steps in flight per program (more bytes in flight an SM, more registers)
+         "moe_gemv_f_p2": GemvPlan(32, 128, w2_block_n=32, direct=True, fuse=True, ksplits=1, depth=2)}
 
 
 # One 32-bit word of 4 e4m3 bytes (K positions 4i..4i+3, little-endian) -> their 4 fp32 values: two packed
@@ -439,7 +442,7 @@ def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N,
                stride_bn, stride_sbe, stride_sbn, stride_ps, stride_pm, TOPK: tl.constexpr, DUAL: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, wt_ptr=None, act_ptr=None,
                stride_a=0, limit=0.0, cnt_ptr=None, out_ptr=None, stride_o=0, EPI: tl.constexpr = 0,
-               SLOTS: tl.constexpr = 1):
+               SLOTS: tl.constexpr = 1, DEPTH: tl.constexpr = 1):
     """``_gemv_fp4``'s program (the same products and 8-product word sums) with every load in the weight words' [BN, W]
     register layout: the scales one byte per (row, word) from an elementwise PTX load (one load per thread, row
     and group after CSE) and the activations one 16-byte PTX load per word (the pairs 4i..4i+3; one per thread
@@ -482,8 +485,23 @@ def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N,
     if DUAL:
         w3 = tl.load(w3row + k0)
         sc3 = _ld_scale64(s3row + k0 // 4, USE_ASM)
+    # DEPTH 2: the step after the next one also in flight (its words and scales in registers one step early)
+    kb = tl.multiple_of(tl.minimum(k0 + W, k_hi - W), W)
+    wb = w
+    scb = sc
+    w3b = w
+    sc3b = sc
+    if DEPTH == 2:
+        wb = tl.load(wrow + kb)
+        scb = _ld_scale64(srow + kb // 4, USE_ASM)
+        w3b = wb
+        sc3b = scb
+        if DUAL:
+            w3b = tl.load(w3row + kb)
+            sc3b = _ld_scale64(s3row + kb // 4, USE_ASM)
     for k_step in range(k_lo, k_hi, W):
-        k1 = tl.multiple_of(tl.minimum(k_step + W, k_hi - W), W)
+        # the next step (DEPTH 1) or the one after it (2); past the slice's end its last step again (an L2 hit)
+        k1 = tl.multiple_of(tl.minimum(k_step + DEPTH * W, k_hi - W), W)
         w_n = tl.load(wrow + k1)
         sc_n = _ld_scale64(srow + k1 // 4, USE_ASM)
         w3_n = w_n
@@ -495,7 +513,11 @@ def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N,
         acc = _fp4_acc2(acc, w, sc, x0, x1, x2, x3, USE_ASM)
         if DUAL:
             acc3 = _fp4_acc2(acc3, w3, sc3, x0, x1, x2, x3, USE_ASM)
-        w, sc, w3, sc3 = w_n, sc_n, w3_n, sc3_n
+        if DEPTH == 2:
+            w, sc, w3, sc3 = wb, scb, w3b, sc3b
+            wb, scb, w3b, sc3b = w_n, sc_n, w3_n, sc3_n
+        else:
+            w, sc, w3, sc3 = w_n, sc_n, w3_n, sc3_n
     if EPI == 1:
         g = tl.minimum(tl.sum(acc, 1).to(tl.bfloat16).to(tl.float32), limit)
         u = tl.minimum(tl.maximum(tl.sum(acc3, 1).to(tl.bfloat16).to(tl.float32), -limit), limit)
@@ -554,6 +576,8 @@ def gemv_fp4(x: torch.Tensor, ids: torch.Tensor, topk: int, w: torch.Tensor, ws:
                 ws.stride(0), ws.stride(1), p.stride(0) if p is not None else 0, p.stride(1) if p is not None else 0]
         meta = {"TOPK": topk, "DUAL": dual, "BLOCK_N": plan.block_n, "BLOCK_K": bk, "USE_ASM": _use_asm(),
                 "num_warps": plan.num_warps, "num_stages": plan.num_stages}
+        if kernel is _gemv_fp4d:
+            meta["DEPTH"] = plan.depth
         if epi == 1:
             kernel[grid](*args, wt_ptr=wt, act_ptr=act, stride_a=act.stride(0), limit=float(limit), EPI=1, **meta)
         elif epi == 2:
@@ -627,8 +651,8 @@ def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale,
         p1, p3 = gemv_fp4(xq, ids, k, w1, w1_scale, plan, w3, w3_scale)
         reduce_swiglu(p1, p3, wt, swiglu_limit, act, split=False)
     plan2 = GemvPlan(plan.w2_block_n, plan.w2_block_k or plan.block_k, plan.min_steps, plan.num_warps,
-                     plan.num_stages, direct=plan.direct, fuse=plan.fuse,
-                     ksplits=min(plan.ksplits, 1)) if plan.w2_block_n else plan
+                     plan.num_stages, direct=plan.direct, fuse=plan.fuse, ksplits=min(plan.ksplits, 1),
+                     depth=plan.depth) if plan.w2_block_n else plan
     if fusable(act, D, w2.shape[2], T * k, plan2, False):  # the combine in the W2 launch
         gemv_fp4(act, ids, 1, w2, w2_scale, plan2, out=out, slots=k)
         return out

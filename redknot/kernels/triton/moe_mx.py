@@ -141,7 +141,7 @@ TUNE_TOKENS = 32
 # shared-memory conversion in the loop; sm_90a W1 | W3 at 32 x 128: 527 SASS a step of 8 KB against 623).
 SMALL_TUNER = ConfigTuner("moe_mx_decode_small", ["stream", "moe_gemv", "moe_gemv_n16", "moe_gemv_k128", "moe_gemv_d",
                                                   "moe_gemv_d1", "moe_gemv_d64", "moe_gemv_d64_2", "moe_gemv_f",
-                                                  "moe_gemv_f_w64"])
+                                                  "moe_gemv_f_w64", "moe_gemv_f_p2"])
 SMALL_TUNE_TOKENS = 1
 SMALL_ROWS_CLASS = True
 # Pairs (T·k) up to which one routing kernel replaces the sort and its companions (decode batches).

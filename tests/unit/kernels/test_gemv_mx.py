@@ -230,11 +230,12 @@ def test_moe_gemv_self_check_passes_and_detects_a_wrong_stream(kernel_device, mo
 
 # ``_gemv_fp4d`` (plan.direct): the activation and scale loads in the weight words' layout
 DIRECT_PLANS = [GemvPlan(32, 128, w2_block_n=32, direct=True), GemvPlan(64, 64, 1, direct=True),
-                GemvPlan(16, 256, direct=True)]
+                GemvPlan(16, 256, direct=True), GemvPlan(32, 32, 1, w2_block_n=64, direct=True, depth=2)]
 
 
-@pytest.mark.parametrize("dims,tokens,plan", [(TOY_V41, 1, 0), (ODD, 3, 1), (TOY_V41, 2, 2), (ODD, 1, 0)],
-                         ids=["toy-1-d32", "odd-3-d64", "toy-2-d16", "odd-1-d32"])
+@pytest.mark.parametrize("dims,tokens,plan", [(TOY_V41, 1, 0), (ODD, 3, 1), (TOY_V41, 2, 2), (ODD, 1, 0),
+                                               (TOY_V41, 2, 3), (ODD, 2, 3)],
+                         ids=["toy-1-d32", "odd-3-d64", "toy-2-d16", "odd-1-d32", "toy-2-depth2", "odd-2-depth2"])
 def test_moe_gemv_direct_matches_reference(dims, tokens, plan, kernel_device):
     """The direct-load kernel against ``ref_v41.moe_mx`` on fresh random operands (odd widths: rows past N)."""
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 90 + plan, tokens=tokens)
@@ -268,6 +269,17 @@ def test_moe_gemv_direct_sums_are_the_exact_products(aligned, kernel_device):
                             for q in range(ids.numel())])
         assert _rel(p.sum(0), want) <= 1e-5
         assert _rel(p, o) <= 1e-5
+
+
+
+@pytest.mark.parametrize("ksplits", [1, 3])
+def test_moe_gemv_direct_depth_two_keeps_the_bits(ksplits, kernel_device):
+    """Two K steps in flight (``depth`` 2) load the same words for the same steps: the bits of depth 1, with slices
+    of several steps (ksplits 1: 4 steps) and of one or two (ksplits 3)."""
+    dims = V41Dims(hidden=256, experts=5, topk_experts=3, moe_inter=64, tokens=2)
+    x, idx, wt, w = moe_inputs(dims, kernel_device, seed=50 + ksplits, tokens=2)
+    one, two = (GemvPlan(32, 32, w2_block_n=32, direct=True, ksplits=ksplits, depth=d) for d in (1, 2))
+    assert torch.equal(gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, two), gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, one))
 
 
 def test_moe_gemv_direct_detects_a_wrong_weight(kernel_device):
