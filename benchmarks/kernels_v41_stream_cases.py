@@ -69,13 +69,14 @@ LINEAR_GEMV = ["gemv", "gemv_n16", "gemv_k128"]
 
 
 def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
-                 moe_only: bool = False, gemv_only: bool = False) -> Iterator[Tuple[str, Callable]]:
+                 moe_only: bool = False, gemv_only: bool = False, dense: bool = True) -> Iterator[Tuple[str, Callable]]:
     """MoE decode batches (T=1, 32): the split-K ``scaled`` / ``registers`` streams and every fused plan; the
     ladder; the dense linears by decode; MoE at T=128 (ordered so that a budget cut loses the least).
     ``moe_only``: the MoE rows of split-K ``scaled``, the FP8 fused plans and the tuned choice at T=32 / 128 / 1,
     nothing else. ``gemv_only``: batches of 1 and 4 only: MoE (split-K ``scaled``, the FP8 fused plans the
     tuner holds, the GEMV streams, ``DECODE_TUNER``'s choice, then the small-token class's) and the dense
-    linears (tensor-core decodes, GEMV streams, both tuned choices). Graph replays where there is a GPU."""
+    linears (tensor-core decodes, GEMV streams, both tuned choices); ``dense`` False: without the dense linears.
+    Graph replays where there is a GPU."""
     from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
     _, decode = _sizes(dims, smoke)
     graph = device.type == "cuda"
@@ -90,7 +91,8 @@ def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
         keep = [("split-K scaled", "scaled")] + [(n, p) for n, p in _plans(smoke, extra) if p in held or smoke]
         small = [1, 4] if not smoke else [1, 3]
         yield from _moe_rows(small, keep + MOE_GEMV + variants[-2:], dims, device, graph, weights, want)
-        yield from _linear_rows(dims, device, smoke, graph, rows=small)
+        if dense:
+            yield from _linear_rows(dims, device, smoke, graph, rows=small)
         return
     if moe_only:
         variants = [(n, p) for n, p in variants if p in ("scaled", None) or isinstance(p, StreamPlan)
