@@ -112,9 +112,13 @@ class TuningStore:
         ok = isinstance(entry, dict) and isinstance(entry.get("choice"), str)
         return entry if ok else None
 
-    def record(self, env: str, tuner: str, key: str, choice: str, timings: Sequence[tuple[str, float]]) -> None:
-        """Store one class's choice: merged into the file as it is now, written atomically."""
-        entry = {"choice": choice, "timings": [[c, float(ms)] for c, ms in timings]}
+    def record(self, env: str, tuner: str, key: str, choice: str, timings: Sequence[tuple[str, float]],
+               failed: Sequence[str] = ()) -> None:
+        """Store one class's choice: merged into the file as it is now, written atomically. ``failed``: the
+        candidates that did not build or run here (so that :func:`untimed` counts them as measured)."""
+        entry: dict[str, Any] = {"choice": choice, "timings": [[c, float(ms)] for c, ms in timings]}
+        if failed:
+            entry["failed"] = list(failed)
         with self._lock:
             self._load()
             self.entries.setdefault(env, {}).setdefault(tuner, {})[key] = entry
@@ -208,6 +212,18 @@ def restore(entry: dict[str, Any], candidates: Sequence[Any]) -> tuple[Any, list
             except (TypeError, ValueError):
                 continue
     return choice, timings
+
+
+def untimed(entry: dict[str, Any], candidates: Sequence[Any]) -> list[str]:
+    """The candidates (described) that a stored entry neither timed nor saw fail: candidates added to a tuner
+    after the entry was measured. Empty when every candidate was measured, when a candidate has no stable
+    description (nothing to compare), or when the entry has no timings at all (a choice pinned by hand)."""
+    texts = [describe(c) for c in candidates]
+    if any(t is None for t in texts) or not entry.get("timings"):
+        return []
+    seen = {row[0] for row in entry.get("timings") or [] if isinstance(row, (list, tuple)) and row}
+    seen.update(t for t in entry.get("failed") or [] if isinstance(t, str))
+    return [t for t in texts if t not in seen]
 
 
 # ----------------------------------------------------------------------------------------- the seed

@@ -234,7 +234,11 @@ class ConfigTuner:
         env = tuning_cache.environment(device) if wanted else None
         entry, source = tuning_cache.lookup(env, self.name, key_text) if env is not None else (None, None)
         stored = tuning_cache.restore(entry, self.candidates) if entry is not None else None
-        if stored is not None:
+        new = tuning_cache.untimed(entry, self.candidates) if stored is not None else []
+        if new:   # candidates added since the entry was measured: the class is compared again, all of them
+            log.info("%s %s: %s choice %s predates candidates %s; tuning again", self.name, key, source,
+                     stored[0], ", ".join(new))
+        elif stored is not None:
             try:
                 run(stored[0])  # the first-use guard: a stored choice that no longer builds or runs is re-tuned
             except Exception as exc:
@@ -251,8 +255,9 @@ class ConfigTuner:
         if env is not None and store is not None:
             texts = [(tuning_cache.describe(c), ms) for c, ms in self.timings[key]]
             choice = tuning_cache.describe(best)
-            if choice is not None and all(t is not None for t, _ in texts):
-                store.record(env, self.name, key_text, choice, texts)
+            failed = [tuning_cache.describe(c) for c, _ in self.failures.get(key, [])]
+            if choice is not None and all(t is not None for t, _ in texts) and None not in failed:
+                store.record(env, self.name, key_text, choice, texts, failed)
         return best
 
     def _tune(self, key: Hashable, run: Callable[[Any], Any]) -> Any:

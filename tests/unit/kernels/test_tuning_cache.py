@@ -152,6 +152,38 @@ def test_a_stored_choice_that_fails_its_first_use_is_tuned_again(cache, monkeypa
     assert bench.calls == 6
 
 
+def test_a_candidate_added_after_the_measurement_is_compared(cache, monkeypatch):
+    """A stored choice predating a candidate does not hide it: the class is timed again (all candidates), and
+    the new entry then serves the next process untimed."""
+    bench = Bench(monkeypatch)
+    ConfigTuner("toy", ["a", "b", "c"])._measure(("k",), _run, CPU)
+    assert bench.calls == 3
+    times = {**TIMES, "d": 0.5}
+    for _ in range(2):
+        tuning_cache.reset()
+        tuning_cache.set_path(str(cache))
+        assert ConfigTuner("toy", ["a", "b", "c", "d"])._measure(("k",), lambda cfg: times[cfg], CPU) == "d"
+    assert bench.calls == 3 + 4
+    entry = json.loads(cache.read_text())["entries"].popitem()[1]["toy"]["('k',)"]
+    assert entry["choice"] == "'d'" and len(entry["timings"]) == 4
+
+
+def test_a_candidate_that_failed_counts_as_measured(cache, monkeypatch):
+    """A candidate that did not run is stored as failed, so the next process does not take it for a new one."""
+    bench = Bench(monkeypatch)
+
+    def run(cfg):
+        if cfg == "c":
+            raise RuntimeError("out of resources")
+        return TIMES[cfg]
+    assert ConfigTuner("toy", ["a", "b", "c"])._measure(("k",), run, CPU) == "b"
+    entry = json.loads(cache.read_text())["entries"].popitem()[1]["toy"]["('k',)"]
+    assert entry["failed"] == ["'c'"] and bench.calls == 3
+    assert _fresh_process()._measure(("k",), run, CPU) == "b"
+    assert bench.calls == 3
+    assert tuning_cache.untimed({"choice": "'b'", "timings": [["'a'", 3.0], ["'b'", 1.0]]}, ["a", "b", "c"]) == ["'c'"]
+
+
 def test_parallel_writers_merge(cache):
     one, two = tuning_cache.TuningStore(str(cache)), tuning_cache.TuningStore(str(cache))
     one.lookup("env", "toy", "k0")

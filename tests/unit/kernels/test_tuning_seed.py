@@ -47,8 +47,10 @@ def env(tmp_path, monkeypatch):
 
 
 def write_seed(path, env=ENV, choice="'c'", key=KEY, tuner="toy"):
+    """A seed entry choosing ``choice`` with every candidate timed (the others slower), as the export writes."""
+    timings = [[c, 0.5 if c == choice else 3.0] for c in ("'a'", "'b'", "'c'")]
     path.write_text(json.dumps({"format": tuning_cache.FORMAT, "entries": {env: {tuner: {repr(key): {
-        "choice": choice, "timings": [["'a'", 3.0], [choice, 0.5]]}}}}}))
+        "choice": choice, "timings": timings}}}}}))
 
 
 def measure(key=KEY, run=None):
@@ -238,3 +240,14 @@ def test_on_cuda_an_exported_seed_spares_a_fresh_process_the_timing(tmp_path):
     assert tuning_cache.main(["export", str(store), str(seed), "--gpu", torch.cuda.get_device_name()]) == 0
     second = run(**{tuning_cache.ENV_VAR: "off", tuning_cache.SEED_ENV_VAR: str(seed)})
     assert second == {"choice": first["choice"], "timed": 0, "as": None}
+
+
+def test_a_seed_entry_predating_a_candidate_is_measured_again(env, monkeypatch):
+    """A seed measured before a candidate was added does not hide it: the class is timed here and stored."""
+    store, seeds = env
+    bench = Bench(monkeypatch)
+    write_seed(seeds / "h200.json")
+    times = {**TIMES, "d": 0.25}
+    got = ConfigTuner("toy", ["a", "b", "c", "d"])._measure(KEY, times.__getitem__, torch.device("cpu"))
+    assert got == "d" and bench.calls == 4
+    assert json.loads(store.read_text())["entries"][ENV]["toy"][repr(KEY)]["choice"] == "'d'"
