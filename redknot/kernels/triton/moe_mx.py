@@ -126,6 +126,13 @@ DECODE_TUNER = ConfigTuner("moe_mx_decode", [
     # times fp8h 128 / W2 at 128 and the s4 shapes.
     StreamPlan("fp8hd", 64, 128, 4, 3), StreamPlan("fp8hd", 128, 128, 4, 3), StreamPlan("fp8hd4", 64, 128, 4, 3),
     StreamPlan("fp8hd4", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8hd4", 128, 128, 4, 3),
+    # ``fp8hd4`` with block_k 256 / 512: 2 / up to 4 four-group steps per loop iteration (``diag_unroll``: W1 | W3
+    # K = 5120 by 2 / 4, W2 K = 2304 by 2 / 3), so each weight row gives 128 / 256 contiguous bytes per pipeline
+    # stage instead of 64 (the H200 bytes-only ladder: 60.5 % of the floor at 64 bytes a row and step, 85.4 % at
+    # 128), and 2-4x the bytes in flight per program (the 128 plans keep one 8 KB W1 | W3 stage in flight). sm_90a,
+    # W1 | W3 / W2, no spills: 256 s3 108 / 74 registers, 45 / 28 KB shared; 256 s4 108 / 78, 64 / 40 KB; 512 s2
+    # 106 / 80, 48 / 24 KB (128 s3: 96 / 72, 22 / 14 KB). Same bits as block_k 128. Not measured on a GPU yet.
+    StreamPlan("fp8hd4", 64, 256, 4, 3), StreamPlan("fp8hd4", 64, 256, 4, 4), StreamPlan("fp8hd4", 64, 512, 4, 2),
 ])
 
 

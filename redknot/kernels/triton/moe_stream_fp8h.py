@@ -330,10 +330,12 @@ def _stream_fp8hd_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
                      stride_am, stride_sam, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
                      stride_psm, GATHER: tl.constexpr, DUAL: tl.constexpr, EPI: tl.constexpr,
                      USE_ASM: tl.constexpr, TILE_INLINE: tl.constexpr, G_POW2: tl.constexpr,
-                     EVEN_N: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``_stream_fp8h_mm`` with R-row tiles and one MMA per loop step (4 groups) against block-diagonal
-    activations (``_diag_step``): the MMA's 4R columns carry 4 groups x R rows instead of 16 rows of one
-    group, so a step costs one MMA wait and R/2 scale multiply-adds per thread and group instead of 8."""
+                     EVEN_N: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, U: tl.constexpr = 1):
+    """``_stream_fp8h_mm`` with R-row tiles and one MMA per 4 groups against block-diagonal activations
+    (``_diag_step``): the MMA's 4R columns carry 4 groups x R rows instead of 16 rows of one group, so 4 groups
+    cost one MMA wait and R/2 scale multiply-adds per thread and group instead of 8. U: 4-group steps per loop
+    iteration (the loop body unrolled U times, in K order: the same operations on the accumulators as U = 1), so
+    one pipeline stage holds U x 64 contiguous bytes of each weight row."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -369,30 +371,42 @@ def _stream_fp8hd_mm(a_ptr, sa_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p
         sw3_next = sw_next
         if DUAL:
             sw3_next = _words(s3row, k_lo // 128, cmask, EVEN_N)
-        for k_step in range(k_lo, k_hi, 128):
-            kq = tl.multiple_of(k_step, 128)
-            k_ahead = tl.minimum(kq + 128, k_hi - 128) // 128  # the last step reloads its own words
-            sa = sa_next
-            sa_next = tl.load(sarow + k_ahead * 4)
-            fsa4 = _columns4(sa, R)
-            sw = sw_next
-            sw_next = _words(srow, k_ahead, cmask, EVEN_N)
-            at = tl.trans(tl.load(bptr + kq, mask=bmask, other=0.0))  # [128, 4R], shared by W1 and W3
-            acc = _diag_step(acc, _bytes(wrow, kq // 2, cmask, EVEN_N), at, sw, fsa4, BLOCK_N, R, USE_ASM)
-            if DUAL:
-                sw3 = sw3_next
-                sw3_next = _words(s3row, k_ahead, cmask, EVEN_N)
-                acc3 = _diag_step(acc3, _bytes(w3row, kq // 2, cmask, EVEN_N), at, sw3, fsa4, BLOCK_N, R, USE_ASM)
+        for k_iter in range(k_lo, k_hi, 128 * U):  # (k_hi - k_lo) % (128 U) == 0 (``diag_unroll``)
+            for u in tl.static_range(U):
+                kq = tl.multiple_of(k_iter + 128 * u, 128)
+                k_ahead = tl.minimum(kq + 128, k_hi - 128) // 128  # the last step reloads its own words
+                sa = sa_next
+                sa_next = tl.load(sarow + k_ahead * 4)
+                fsa4 = _columns4(sa, R)
+                sw = sw_next
+                sw_next = _words(srow, k_ahead, cmask, EVEN_N)
+                at = tl.trans(tl.load(bptr + kq, mask=bmask, other=0.0))  # [128, 4R], shared by W1 and W3
+                acc = _diag_step(acc, _bytes(wrow, kq // 2, cmask, EVEN_N), at, sw, fsa4, BLOCK_N, R, USE_ASM)
+                if DUAL:
+                    sw3 = sw3_next
+                    sw3_next = _words(s3row, k_ahead, cmask, EVEN_N)
+                    acc3 = _diag_step(acc3, _bytes(w3row, kq // 2, cmask, EVEN_N), at, sw3, fsa4, BLOCK_N, R,
+                                      USE_ASM)
         _epilogue(acc, acc3, rows, rmask, cols, cmask, pid_s, N, limit, p_ptr, p3_ptr, ps_ptr, wt_ptr, stride_ps,
                   stride_pm, stride_psm, DUAL, EPI, R, BLOCK_N)
+
+
+def diag_unroll(K: int, ksplit: int, block_k: int) -> int:
+    """4-group steps per loop iteration of ``_stream_fp8hd_mm`` for ``StreamPlan.block_k``: the largest
+    u <= block_k / 128 that divides the step count of every K slice (``ksplit`` each, the last one the rest of
+    K), so a slice's loop never runs past its end (V4.1: W1 | W3 K = 5120, 40 steps: block_k 512 -> 4; W2
+    K = 2304, 18 steps: 512 -> 3, 256 -> 2). A function of the weight shape and the plan only."""
+    steps = ksplit // 128
+    last = (K - (cdiv(K, ksplit) - 1) * ksplit) // 128
+    return max(u for u in range(1, max(1, block_k // 128) + 1) if steps % u == 0 and last % u == 0)
 
 
 def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None, w3=None, ws3=None, wt=None,
                      limit: float = 0.0, epi: int = 0):
     """``moe_stream_fp8.stream_gemm_fp8`` with ``aq`` (e4m3 [R, K]) in halves order (``halves_order``) and its
     scales as fp32 powers of two ``sa`` [R, K/32] (``scales_f32``); epi 1 writes the W2 input in that form
-    (e4m3 [rows, N] in halves order, fp32 [rows, N/32]). 4 groups per loop step (``plan.block_k`` is
-    not used). K, the scale rows' strides and the K slices must be multiples of 128 / 4 / 128."""
+    (e4m3 [rows, N] in halves order, fp32 [rows, N/32]). 4 groups per loop step; ``plan.block_k`` above 128
+    (``fp8hd`` / ``fp8hd4`` only): up to block_k / 128 such steps per loop iteration (``diag_unroll``). K, the scale rows' strides and the K slices must be multiples of 128 / 4 / 128."""
     from redknot.kernels.triton.moe_stream import ROW_TILE, slices
     w, ws = as_bytes(w), as_bytes(ws)
     N, K = w.shape[1], w.shape[2] * 2
@@ -411,6 +425,8 @@ def stream_gemm_fp8h(aq, sa, w, ws, rows: int, plan, *, offs, tiles, rowid=None,
     S = cdiv(K, ksplit)
     kernel = _stream_fp8hd_mm if diag else _stream_fp8h_mm
     shape = {"R": bm, "BLOCK_N": bn} if diag else {"BLOCK_M": bm, "SUB_N": sub, "SUBS": bn // sub}
+    if diag and plan.block_k > 128:
+        shape["U"] = diag_unroll(K, ksplit, plan.block_k)
     return launch_stream(kernel, aq, sa, w, ws, rows, plan, offs=offs, tiles=tiles, rowid=rowid, w3=w3, ws3=ws3,
                          wt=wt, limit=limit, epi=epi, slices=S, ksplit=ksplit, block_m=bm,
                          scale_dtype=torch.float32, EVEN_N=N % bn == 0, **shape)
