@@ -128,6 +128,8 @@ def _speed_up_lang_patching(interpreter, tl) -> None:
     """
     import inspect
 
+    import numpy as np
+
     needed = ("_patch_builtin", "_patch_attr", "_patch_lang", "_LangPatchScope", "GridExecutor")
     if not all(hasattr(interpreter, name) for name in needed):
         return
@@ -161,6 +163,9 @@ def _speed_up_lang_patching(interpreter, tl) -> None:
             state["launching"] = False
             scope = original_patch_lang(fn)
             state["patched"] = langs(fn)
+            if callable(getattr(tl, "topk", None)) and callable(getattr(tl, "sort", None)):
+                scope.set_attr(tl, "topk", topk)
+                scope.set_attr(tl, "sort", sort)
             return scope
         if state["patched"] is None:  # outside a launch
             return original_patch_lang(fn)
@@ -169,6 +174,39 @@ def _speed_up_lang_patching(interpreter, tl) -> None:
         scope = original_patch_lang(fn)  # e.g. tl.sum's module also names tl.core; in place till the launch ends
         state["patched"] = state["patched"] | langs(fn)
         return scope
+
+    original_topk, original_sort = getattr(tl, "topk", None), getattr(tl, "sort", None)
+
+    def sorted_ints(x, k, dim, descending):
+        """``tl.topk`` / ``tl.sort`` of an integer block along its last dimension, by one numpy sort: the
+        bitonic network's result, as integers have one sorted order (ties are equal bits). None (the
+        interpreter's own network, and its errors) for other operands."""
+        k, dim, descending = (tl.core._unwrap_if_constexpr(v) for v in (k, dim, descending))
+        if not isinstance(x, tl.tensor) or not x.type.is_block() or not x.dtype.is_int():
+            return None
+        shape = [int(tl.core._unwrap_if_constexpr(n)) for n in x.shape]
+        n, numel = shape[-1], int(np.prod(shape))
+        data = x.handle.data
+        k = n if k is None else k
+        if (dim not in (None, len(shape) - 1) or not isinstance(k, int) or k <= 0 or k & (k - 1) or k > n
+                or numel & (numel - 1) or list(data.shape) != shape):
+            return None
+        data = np.sort(data, axis=-1)
+        data = data[..., ::-1][..., :k] if descending else data[..., :k]
+        return tl.tensor(interpreter.TensorHandle(np.ascontiguousarray(data), x.dtype.scalar),
+                         tl.block_type(x.dtype.scalar, shape[:-1] + [k]))
+
+    def topk(x, k, *args, **kwargs):  # (x, k, dim=None, descending=True); Triton 3.6 has no descending
+        dim, descending = (kwargs.get(name, args[i] if len(args) > i else default)
+                           for i, (name, default) in enumerate((("dim", None), ("descending", True))))
+        out = sorted_ints(x, k, dim, descending)
+        return original_topk(x, k, *args, **kwargs) if out is None else out
+
+    def sort(x, *args, **kwargs):  # (x, dim=None, descending=False)
+        dim, descending = (kwargs.get(name, args[i] if len(args) > i else default)
+                           for i, (name, default) in enumerate((("dim", None), ("descending", False))))
+        out = sorted_ints(x, None, dim, descending)
+        return original_sort(x, *args, **kwargs) if out is None else out
 
     def launch(self, *args, **kwargs):
         outer = state["patched"]
