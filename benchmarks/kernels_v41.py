@@ -188,13 +188,15 @@ def main(argv=None) -> int:
                          "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes); "
                          "attention: only sparse_attention_mx (the --contexts cases, then the prefill launch shapes "
                          "of the earlier and the transposed kernel at the first context), no phase-1 checks")
-    ap.add_argument("--stream-variants", choices=("core", "all", "moe", "gemv", "moe_gemv"), default="core",
+    ap.add_argument("--stream-variants", choices=("core", "all", "moe", "gemv", "moe_gemv", "moe_unroll"),
+                    default="core",
                     help="the fused MoE stream plans timed by --only stream / gemm: core, or all (launch-shape "
                          "neighbours too), or moe (only the MoE rows of split-K scaled, the FP8 fused plans of "
                          "at least 64 columns in one K slice and the tuned choice, at T=1 / 32 / 128), or gemv "
                          "(only batches of 1 and 4: the gemv_mx CUDA-core streams next to the tensor-core "
                          "streams and both tuned choices, MoE and the dense wo_b / wq_b), or moe_gemv (gemv's "
-                         "MoE rows only: the routed experts at 1 and 4 tokens)")
+                         "MoE rows only: the routed experts at 1 and 4 tokens), or moe_unroll (moe's rows with "
+                         "only fp8hd4 64x128 and its block_k 256 / 512 forms of the fused plans)")
     ap.add_argument("--prefill-decodes", default="",
                     help="with --only prefill: only the FP8 plans of these decodes (comma-separated, e.g. "
                          "fp8ht,fp8f), whole and by part, next to the grouped plan, the routing and the combine "
@@ -235,8 +237,10 @@ def main(argv=None) -> int:
     if args.only in ("gemm", "stream"):
         from kernels_v41_stream_cases import stream_cases
         cases = list(stream_cases(dims, device, args.smoke, args.stream_variants == "all",
-                                  args.stream_variants == "moe", args.stream_variants in ("gemv", "moe_gemv"),
-                                  dense=args.stream_variants != "moe_gemv"))
+                                  args.stream_variants in ("moe", "moe_unroll"),
+                                  args.stream_variants in ("gemv", "moe_gemv"),
+                                  dense=args.stream_variants != "moe_gemv",
+                                  unroll_only=args.stream_variants == "moe_unroll"))
         if args.only == "gemm":
             cases = list(decode_compare_cases(dims, device, args.smoke)) + cases + list(
                 stream_variant_cases(dims, device, args.smoke))

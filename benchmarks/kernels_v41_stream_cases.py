@@ -23,6 +23,17 @@ from kernels_v41_cases import _case, _checked, _graph_or_eager, _moe_bytes, _moe
 STREAM_KEY = "stream"  # Case.key prefix of these rows (the report's table picks them up)
 
 
+def _unrolled():
+    from redknot.kernels.triton.moe_stream import StreamPlan
+    # the three ``DECODE_TUNER`` holds, then 512 s3 (bench only: 90 KB of shared memory, 2 programs per SM, one
+    # 32 KB W1 | W3 iteration in flight each; s2 keeps one weight buffer, its loads waited in their iteration)
+    return [StreamPlan("fp8hd4", 64, 256, 4, 3), StreamPlan("fp8hd4", 64, 256, 4, 4), StreamPlan("fp8hd4", 64, 512, 4, 2),
+            StreamPlan("fp8hd4", 64, 512, 4, 3)]
+
+
+UNROLLED = _unrolled()
+
+
 def _plans(smoke: bool, extra: bool = False):
     from redknot.kernels.triton.moe_stream import StreamPlan
     if smoke:
@@ -37,8 +48,11 @@ def _plans(smoke: bool, extra: bool = False):
     # / 769.
     # fp8hd / fp8hd4: 8- / 4-row tiles, one MMA per 4 groups against block-diagonal activations (W1 | W3 332 /
     # 293, W2 209 / 189).
+    # fp8hd4 with block_k 256 / 512 (``diag_unroll``: 2 / up to 4 four-group steps per loop iteration, 128 / 256
+    # contiguous bytes of each weight row per pipeline stage; not yet timed when added): right after the 64x128
+    # plan they extend.
     plans = [StreamPlan("fp8", 64, 128, 4, 3), StreamPlan("fp8hd4", 64, 128, 4, 3),
-             StreamPlan("fp8hd4", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8hd4", 128, 128, 4, 3),
+             *UNROLLED, StreamPlan("fp8hd4", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8hd4", 128, 128, 4, 3),
              StreamPlan("fp8hd", 64, 128, 4, 3), StreamPlan("fp8hd", 128, 128, 4, 3),
              StreamPlan("fp8hd4", 64, 128, 4, 4), StreamPlan("fp8hd", 64, 128, 4, 4), StreamPlan("fp8h", 64, 128, 4, 3),
              StreamPlan("fp8h", 64, 128, 4, 3, w2_block_n=128), StreamPlan("fp8h", 128, 128, 4, 3),
@@ -69,14 +83,16 @@ LINEAR_GEMV = ["gemv", "gemv_n16", "gemv_k128"]
 
 
 def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
-                 moe_only: bool = False, gemv_only: bool = False, dense: bool = True) -> Iterator[Tuple[str, Callable]]:
+                 moe_only: bool = False, gemv_only: bool = False, dense: bool = True,
+                 unroll_only: bool = False) -> Iterator[Tuple[str, Callable]]:
     """MoE decode batches (T=1, 32): the split-K ``scaled`` / ``registers`` streams and every fused plan; the
     ladder; the dense linears by decode; MoE at T=128 (ordered so that a budget cut loses the least).
     ``moe_only``: the MoE rows of split-K ``scaled``, the FP8 fused plans and the tuned choice at T=32 / 128 / 1,
     nothing else. ``gemv_only``: batches of 1 and 4 only: MoE (split-K ``scaled``, the FP8 fused plans the
     tuner holds, the GEMV streams, ``DECODE_TUNER``'s choice, then the small-token class's) and the dense
     linears (tensor-core decodes, GEMV streams, both tuned choices); ``dense`` False: without the dense linears.
-    Graph replays where there is a GPU."""
+    ``unroll_only`` (with ``moe_only``): of the fused plans only fp8hd4 64x128 and its block_k 256 / 512 forms
+    (``UNROLLED``). Graph replays where there is a GPU."""
     from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
     _, decode = _sizes(dims, smoke)
     graph = device.type == "cuda"
@@ -97,6 +113,9 @@ def stream_cases(dims: V41Dims, device, smoke: bool, extra: bool = False,
     if moe_only:
         variants = [(n, p) for n, p in variants if p in ("scaled", None) or isinstance(p, StreamPlan)
                     and p.decode.startswith("fp8") and not p.min_steps and p.block_n >= 64]
+        if unroll_only:
+            base = StreamPlan("fp8hd4", 64, 128, 4, 3)
+            variants = [(n, p) for n, p in variants if not isinstance(p, StreamPlan) or p == base or p in UNROLLED]
         yield from _moe_rows(decode[1:] + decode[:1], variants, dims, device, graph, weights, want)  # T=1 last
         return
     yield from _moe_rows(decode[:2], variants, dims, device, graph, weights, want)
