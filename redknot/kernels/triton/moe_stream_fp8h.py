@@ -37,6 +37,11 @@ W2 143 (``fp8hd4``), 282 / 163 (``fp8hd``); 164 / 115 and 226 / 146 registers. A
 only on that column's operand (the other groups' zero columns add exact zeros), so a row's result does not
 depend on the other rows (batch invariance).
 
+``StreamPlan.block_k`` 256 / 512 (``fp8hd`` / ``fp8hd4``): U = 2 / up to 4 four-group steps per loop iteration
+(``diag_unroll``), the body unrolled in K order (the bits of block_k 128), so a pipeline stage reads U x 64
+contiguous bytes of each weight row instead of 64 (sm_90a at V4.1, W1 | W3: 258 / 248 SASS per 4-group step
+against 293; not measured on a GPU when added).
+
 Row tiles of 16 (``fp8h``; 8 / 4 for ``fp8hd`` / ``fp8hd4``) and the K slicing depend on the weight shape only
 (batch invariance). The speed of these plans was not measured on the H200 when they were added.
 """
