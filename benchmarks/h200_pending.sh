@@ -22,8 +22,8 @@ mkdir -p "$(dirname "$REDKNOT_TUNING_CACHE")"
 TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill attention gemv moe_stream moe_prefill moe_fold indexer v4_indexer
-                                    v4_attention v4_cut)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv select_b1 rope attention gemv moe_stream
+                                    moe_prefill moe_fold indexer v4_indexer v4_attention v4_cut)
 
 GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
   tests/unit/model/v41_forward/test_v41_tensor_step_kernels.py tests/kernels/test_step_moe_v41_gpu.py
@@ -31,7 +31,7 @@ GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_
   tests/unit/kernels/test_v41_attention_prefill.py tests/unit/kernels/test_v4_attention_prefill.py
   tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
-  tests/unit/kernels/test_v4_indexer_stream.py)
+  tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py tests/unit/kernels/test_moe_stream_unroll.py)
 
 stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
   local name=$1 limit=$2; shift 2
@@ -57,6 +57,16 @@ for s in "${STAGES[@]}"; do
     prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
       stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
         --decode-batch '' --skip-parity --budget-s B ;;
+    moe_unroll)  # b32 / b128 routed-expert stream: fp8hd4 with 128 / 256 / 512 bytes of each weight row per stage
+      stage moe_unroll 220 python3 benchmarks/kernels_v41.py --only stream --stream-variants moe_unroll \
+        --out "$OUT/moe_unroll" --budget-s B ;;
+    moe_gemv)  # b1 routed experts: the direct-load and fused MoE GEMV plans against the current choice
+      stage moe_gemv 180 python3 benchmarks/kernels_v41.py --only stream --stream-variants moe_gemv \
+        --out "$OUT/moe_gemv" --budget-s B ;;
+    select_b1)  # the b1 step's four top-k selections under every radix_select candidate (counting forms)
+      stage select_b1 120 python3 benchmarks/select_topk_v41.py --b1 --out "$OUT/select_b1" ;;
+    rope)  # prefill RoPE of the rotated columns in place: contiguous rows against the stride-2 form and rope_rows
+      stage rope 60 python3 benchmarks/rope_cols_v41.py --out "$OUT/rope" ;;
     attention)  # V4.1 sparse attention prefill: the transposed-score shapes next to the earlier ones
       stage attention 120 python3 benchmarks/kernels_v41.py --only attention --contexts 8192 --out "$OUT/attention" \
         --budget-s B ;;
@@ -81,7 +91,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests prefill attention gemv moe_stream moe_prefill moe_fold indexer"\
+    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv select_b1 rope attention gemv moe_stream moe_prefill moe_fold indexer"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac
