@@ -240,12 +240,88 @@ def _gemv2(x_ptr, KW, stride_x, xs_ptr, stride_xs,
                        stride_xs)
 
 
+
+@triton.jit
+def _gemv2f(x_ptr, KW, stride_x, xs_ptr, stride_xs,
+            w0_ptr, s0_ptr, p0_ptr, N0, KS0, S0, P0, stride_w0, stride_s0, stride_p0s, stride_p0m,
+            w1_ptr, s1_ptr, p1_ptr, N1, KS1, S1, stride_w1, stride_s1, stride_p1s, stride_p1m,
+            WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            USE_ASM: tl.constexpr, QX: tl.constexpr):
+    """``_gemv2`` on a flat grid of exactly P0 + nb1·S1 programs (no program that exits at once): program p < P0
+    (= nb0·S0) is weight 0's column block p // S0, slice p % S0 (a block's slices adjacent: they read one
+    contiguous run of the weight), the rest weight 1's likewise. Each program is ``_gemv_tile``: the bits of
+    ``_gemv2`` at the same slices."""
+    pid = tl.program_id(0)
+    one = pid >= P0
+    q = tl.where(one, pid - P0, pid)
+    S = tl.where(one, S1, S0)
+    _gemv_tile(x_ptr, tl.where(one, w1_ptr, w0_ptr), tl.where(one, s1_ptr, s0_ptr), tl.where(one, p1_ptr, p0_ptr),
+               q // S, q % S, tl.where(one, N1, N0), KW, tl.where(one, KS1, KS0), stride_x,
+               tl.where(one, stride_w1, stride_w0), tl.where(one, stride_s1, stride_s0),
+               tl.where(one, stride_p1s, stride_p0s), tl.where(one, stride_p1m, stride_p0m), WB, ROWS, BLOCK_N,
+               BLOCK_K, USE_ASM, QX, xs_ptr, stride_xs)
+
+# The flat-grid forms of the step GEMV shapes (``_gemv2f``: one program index over (weight, column block, slice),
+# so a launch has exactly nb0·S0 + nb1·S1 programs): ``*_flat`` with ``gemv_mx.slices``' K slices (the bits of the
+# shape it names), ``*_wave`` with the K slices :func:`wave_slices` chooses against the resident programs.
+FLAT, WAVE = "_flat", "_wave"
+# SMs of the device the wave plans are cut for (H100 / H200: 132). A constant, not the device's count: a weight
+# shape's K slices, hence a token's bits, are then the same on every device.
+SMS = 132
+# Programs of ``_gemv2f`` resident on an SM, per (``gemv_mx.PLANS`` shape, QX, K step in bytes): from the
+# registers of its sm_90a compile at one row (Triton 3.6 ptxas; 4 warps a program, 64K registers an SM, no spills;
+# shared memory <= 512 B a program does not bind), e.g. qgemv_n16 at K step 512 100 registers -> 4, qgemv_k128 42
+# -> 10. A table, not the compiled kernel's count: the registers differ from 1 to 4 rows, and a weight shape's K
+# slices (a token's bits) must not. A K step not listed takes the shape's and QX's smallest count.
+RESIDENT = {("gemv", 0, 256): 3, ("gemv", 1, 256): 5, ("gemv", 2, 256): 5,
+            ("gemv_n16", 0, 512): 3, ("gemv_n16", 0, 256): 6, ("gemv_n16", 1, 512): 4, ("gemv_n16", 1, 256): 8,
+            ("gemv_n16", 2, 512): 4, ("gemv_n16", 2, 256): 8,
+            ("gemv_k128", 0, 128): 4, ("gemv_k128", 1, 128): 10, ("gemv_k128", 2, 128): 12}
+
+
+def resident(shape: str, qx: int, bk: int) -> int:
+    """``RESIDENT``'s programs an SM for the shape, QX and K step (the smallest of the shape's and QX's where the
+    K step is not listed)."""
+    got = RESIDENT.get((shape, qx, bk))
+    return got if got is not None else min(v for (n, q, _), v in RESIDENT.items() if (n, q) == (shape, qx))
+
+
+def grid_form(name: str) -> str:
+    """"" (``_gemv2``'s (column block, slice) grid), ``_flat`` or ``_wave`` (``_gemv2f``'s flat grid)."""
+    return next((f for f in (FLAT, WAVE) if name.endswith(f)), "")
+
+
 def plan_name(name: str) -> str:
     """The ``gemv_mx.PLANS`` shape of a step GEMV candidate (``qgemv*`` / ``pgemv*`` / ``fpgemv*``: ``gemv*`` on rows
-    quantised once before the stream / at the start of each program / the same with the epilogue in the launch)."""
+    quantised once before the stream / at the start of each program / the same with the epilogue in the launch;
+    ``*_flat`` / ``*_wave``: the same shape on the flat grid)."""
+    form = grid_form(name)
+    if form:
+        name = name[:-len(form)]
     if name.startswith("fpgemv"):
         return name[2:]
     return name[1:] if name.startswith(("qgemv", "pgemv", "fgemv")) else name
+
+
+def wave_slices(Ns: Sequence[int], K: int, plan, resident: int) -> tuple[int, int]:
+    """(slice count, slice width) of every weight [N_i, K] of a ``*_wave`` launch: the slice count S (programs of
+    L = ceil(steps / S) K steps, L at least ``plan.min_steps`` where K has that many) that minimises
+    waves · (L + 1), waves = ceil(Σ_i nb_i · S / (``SMS`` · resident)), the + 1 a program's first load that
+    nothing overlaps; on a tie the fewer slices (fewer partials). One S for all the launch's weights (equal
+    program lengths); a function of the launch's weight shapes and the plan only, never of the rows (a token's
+    bits do not depend on how many tokens share the call)."""
+    from redknot.kernels.triton import gemv_mx
+    bk = gemv_mx._block_k(K, plan.block_k)
+    steps = K // bk
+    blocks = sum(cdiv(n, plan.block_n) for n in Ns)
+    best = None
+    for length in range(steps, min(plan.min_steps, steps) - 1, -1):
+        S = cdiv(steps, length)
+        cost = cdiv(blocks * S, SMS * resident) * (cdiv(steps, S) + 1)
+        if best is None or cost < best[0]:
+            best = (cost, S)
+    ksplit = cdiv(steps, best[1]) * bk
+    return cdiv(K, ksplit), ksplit
 
 
 def quantise_mode(name: str) -> int:
@@ -262,10 +338,15 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
     ``gemv_mx.gemv_fp8(x, W_i)``'s output bit for bit. ``name`` ``qgemv*``: the rows quantised once first
     (``xq``, the bf16 ``qdq_bf16(x)``, when the caller has it; else one ``qdq_bf16`` launch) and the stream reads
     them as ``gemv_fp8`` does (no quantisation inside); ``pgemv*``: each program quantises its K slice of the rows
-    first into scratch rows, then the same loop (one launch). The same bits every way."""
+    first into scratch rows, then the same loop (one launch). The same bits every way. ``*_flat``: the same
+    slices on ``_gemv2f``'s flat grid (nb0·S0 + nb1·S1 programs; the same bits); ``*_wave``: ``_gemv2f`` with the
+    slices of :func:`wave_slices` (one count for both weights, from ``RESIDENT``): the same exact products summed
+    in another slice order where the count differs from ``gemv_mx.slices``' (within the op tolerance; rows
+    independent, so a row's bits are the same at 1-4 rows)."""
     from redknot.kernels.triton import gemv_mx
     from redknot.kernels.triton.dequant_mx import as_bytes, qdq_bf16
     mode = quantise_mode(name)
+    form = grid_form(name)
     plan = gemv_mx.PLANS[plan_name(name)]
     T, K = x.shape
     if (T > gemv_mx.MAX_ROWS or x.dtype != torch.bfloat16 or block % plan.block_n or block % 32
@@ -274,7 +355,11 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
                          f"weights (1 or 2), block {block} (a multiple of 32 and of {plan.block_n})")
     x = x if x.stride(-1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
     bk = gemv_mx._block_k(K, plan.block_k)
-    cuts = [gemv_mx.slices(w.shape[0], K, plan) for w, _ in weights]
+    if form == WAVE:
+        cut = wave_slices([w.shape[0] for w, _ in weights], K, plan, resident(plan_name(name), mode, bk))
+        cuts = [cut for _ in weights]
+    else:
+        cuts = [gemv_mx.slices(w.shape[0], K, plan) for w, _ in weights]
     parts = [torch.empty(c[0], T, w.shape[0], dtype=torch.float32, device=x.device) for c, (w, _) in zip(cuts, weights)]
     if T == 0:
         return parts
@@ -289,11 +374,18 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
         two.append(two[0])
     ((w0, s0), c0, p0), ((w1, s1), c1, p1) = two
     nb0 = cdiv(w0.shape[0], plan.block_n)
-    nb = nb0 + (cdiv(w1.shape[0], plan.block_n) if len(weights) > 1 else 0)
-    _gemv2[(nb, max(c0[0], c1[0]))](
+    nb1 = cdiv(w1.shape[0], plan.block_n) if len(weights) > 1 else 0
+    common = {"WB": block, "ROWS": T, "BLOCK_N": plan.block_n, "BLOCK_K": bk, "USE_ASM": gemv_mx._use_asm(),
+              "QX": mode, "num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    if form:
+        _gemv2f[(nb0 * c0[0] + nb1 * c1[0],)](
+            x.view(torch.int32), K // 4, x.stride(0) // 2, xs.view(torch.int32), xs.stride(0) // 2,
+            w0, s0, p0, w0.shape[0], c0[1], c0[0], nb0 * c0[0], w0.stride(0), s0.stride(0), p0.stride(0),
+            p0.stride(1), w1, s1, p1, w1.shape[0], c1[1], c1[0], w1.stride(0), s1.stride(0), p1.stride(0),
+            p1.stride(1), **common)
+        return parts
+    _gemv2[(nb0 + nb1, max(c0[0], c1[0]))](
         x.view(torch.int32), K // 4, x.stride(0) // 2, xs.view(torch.int32), xs.stride(0) // 2,
         w0, s0, p0, w0.shape[0], c0[1], c0[0], nb0, w0.stride(0), s0.stride(0), p0.stride(0), p0.stride(1),
-        w1, s1, p1, w1.shape[0], c1[1], c1[0], w1.stride(0), s1.stride(0), p1.stride(0), p1.stride(1),
-        WB=block, ROWS=T, BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=gemv_mx._use_asm(), QX=mode,
-        num_warps=plan.num_warps, num_stages=plan.num_stages)
+        w1, s1, p1, w1.shape[0], c1[1], c1[0], w1.stride(0), s1.stride(0), p1.stride(0), p1.stride(1), **common)
     return parts

@@ -60,6 +60,7 @@ from redknot.kernels.triton.step_proj_stream_v41 import (  # noqa: F401
     _fma_rows,
     _fp8_tile,
     _gemv2,
+    _gemv2f,
     _gemv_tile,
     _qdq_slice,
     _qdq_words,
@@ -67,9 +68,11 @@ from redknot.kernels.triton.step_proj_stream_v41 import (  # noqa: F401
     _stream2,
     _stream_partials,
     gemv_partials,
+    grid_form,
     plan_name,
     quantise_mode,
     slices,
+    wave_slices,
 )
 
 # Rows up to which the step runs these kernels (decode and speculative verify), as the MoE's step kernels.
@@ -79,9 +82,14 @@ MAX_ROWS = 16
 # program, or the same shape with a ``q`` in front: the rows quantised once (``qdq_bf16``, one small launch before
 # the stream) and read as ``gemv_mx._gemv_fp8`` reads them, or with a ``p``: each program quantises its K slice of
 # the rows first (no launch more), then ``_gemv_fp8``'s loop (module docstring).
+# Last, the same shapes on the flat grid with K slices cut against the resident programs (``*_wave``:
+# ``step_proj_stream_v41._gemv2f`` / ``wave_slices``; new, not measured on the H200: the tuner keeps them only where
+# the device times them faster). ``_route_gate_up_gemv`` (the ``gate_up`` launch) runs a ``*_wave`` name as its shape
+# on its own grid.
 GEMV_NAMES = ("gemv", "gemv_n16", "gemv_k128")
+WAVE_NAMES = tuple(p + n + "_wave" for p in ("", "q", "p") for n in GEMV_NAMES)
 STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", *GEMV_NAMES, *("q" + n for n in GEMV_NAMES),
-                                                   *("p" + n for n in GEMV_NAMES)])
+                                                   *("p" + n for n in GEMV_NAMES), *WAVE_NAMES])
 # The shared expert's W2 stream at up to ``gemv_mx.MAX_ROWS`` rows (``step_moe_v41.shared_expert_finish``; key:
 # W2's shape): ``fp8`` (first), a ``gemv_mx.PLANS`` dense shape on the quantised SwiGLU rows (a launch before),
 # that shape with a ``p``: the W2 launch forms its input itself, or with ``fp``: and runs the finish too (the last

@@ -231,3 +231,104 @@ def test_post_choice_and_check(kernel_device, monkeypatch):
 def test_first_use_check_passes(name, kernel_device):
     """The step GEMV's first-use check passes for a right kernel (the in-loop ``gemv``, and ``fpgemv_k128``)."""
     assert sp.self_check(name, torch.device(kernel_device)) is None
+
+
+# The flat-grid forms (``step_proj_stream_v41._gemv2f``): ``*_flat`` the same slices as the shape, ``*_wave`` the
+# slices ``wave_slices`` cuts against ``RESIDENT``'s programs an SM.
+WAVE = list(sp.WAVE_NAMES)
+
+
+@pytest.mark.parametrize("name", ["qgemv_k128", "pgemv_n16"])
+def test_flat_grid_equals_the_block_slice_grid(name, kernel_device, monkeypatch):
+    """``*_flat``: exactly nb0·S0 + nb1·S1 programs (``gemv_mx.TARGET_PROGRAMS`` 6 here, so the two weights get
+    different K slice counts, as wq_b and the indexer's wq_b do at V4.1) with the partials of the (column block,
+    slice) grid, bit for bit."""
+    from redknot.kernels.triton import step_proj_stream_v41 as st
+    monkeypatch.setattr(gemv_mx, "TARGET_PROGRAMS", 6)
+    k = 2048
+    x, _, g = case_inputs(2, k, 111, kernel_device)
+    weights = [fp8_weight(n, k, g, kernel_device) for n in (96, 48)]
+    grid = gemv_partials(x, weights, 32, name)
+    flat = gemv_partials(x, weights, 32, name + "_flat")
+    assert st.grid_form(name + "_flat") == "_flat" and sp.plan_name(name + "_flat") == name[1:]
+    assert grid[0].shape[0] != grid[1].shape[0]
+    for a, b in zip(grid, flat):
+        assert torch.equal(a, b)
+
+
+def test_wave_slices_at_v41_launches():
+    """``wave_slices``' counts for the V4.1 step launches (the arithmetic the NOTES table reads: programs and steps
+    of each launch), one count for both weights, and independent of anything but the shapes."""
+    from redknot.kernels.triton import step_proj_stream_v41 as st
+
+    def cut(name, ns, k):
+        plan = gemv_mx.PLANS[sp.plan_name(name)]
+        bk = gemv_mx._block_k(k, plan.block_k)
+        S, ks = st.wave_slices(ns, k, plan, st.resident(sp.plan_name(name), sp.quantise_mode(name), bk))
+        return S, ks // bk, S * sum(-(-n // plan.block_n) for n in ns)
+    assert cut("gemv_n16_wave", (1280, 512), 5120) == (3, 4, 336)       # wq_a | wkv: one wave at 3 an SM
+    assert cut("qgemv_n16_wave", (1280, 512), 5120) == (4, 3, 448)
+    assert cut("qgemv_k128_wave", (32768, 4096), 1280) == (1, 10, 1152)  # wq_b + indexer: no empty programs
+    assert cut("qgemv_n16_wave", (5120,), 8192) == (3, 6, 960)           # wo_b
+    assert cut("qgemv_n16_wave", (25600,), 6144) == (2, 6, 3200)         # Engram wkv
+    assert st.resident("gemv_n16", 1, 64) == 4                            # a K step not listed: the smallest
+
+
+@pytest.mark.parametrize("name", ["qgemv_k128_wave", "pgemv_k128_wave"])
+def test_wave_plan_within_tolerance_and_row_invariant(name, kernel_device, monkeypatch):
+    """``*_wave`` with slices other than ``gemv_mx.slices``' (``SMS`` 1: few resident programs, so 2 slices of
+    4 steps where the shape cuts 4 / 8): the slice sums within the op tolerance of the PyTorch reference, a row's
+    partials the same bits alone and among four (the slices depend on the shapes only), and through
+    ``proj_rows``' epilogue the bits of the slice sums."""
+    from redknot.kernels.triton import step_proj_stream_v41 as st
+    monkeypatch.setattr(st, "SMS", 1)
+    k = 1024
+    x, _, g = case_inputs(4, k, 121, kernel_device)
+    weights = [fp8_weight(n, k, g, kernel_device) for n in (96, 64)]
+    parts = gemv_partials(x, weights, 32, name)
+    base = sp.plan_name(name)
+    for p, (w, s) in zip(parts, weights):
+        assert p.shape[0] == 2 != gemv_mx.slices(w.shape[0], k, gemv_mx.PLANS[base])[0]
+        ref = ref_v41.linear_mx(x, w, s, 32).float()
+        got = p.sum(0)
+        assert ((got - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
+    for r in (0, 3):
+        alone = gemv_partials(x[r:r + 1], weights, 32, name)
+        assert all(torch.equal(a[:, 0], p[:, r]) for a, p in zip(alone, parts))
+    cos, sin = rope_table(torch.arange(4, device=kernel_device), rope_inv_freq(16, 10000.0, None).to(kernel_device))
+    y = proj_rows(x, [Proj(*weights[0], 32)], cos, sin, stream=name)[0]
+    p0 = gemv_partials(x, weights[:1], 32, name)[0]      # one weight: its own count (3 here)
+    want = p0[0].clone()
+    for i in range(1, p0.shape[0]):  # slice order, as the epilogue sums them
+        want += p0[i]
+    assert p0.shape[0] > 1 and torch.equal(y.view(4, 96), want.to(torch.bfloat16))
+
+
+def test_wave_names_are_candidates_and_checked(kernel_device):
+    """Every ``*_wave`` name is a ``STEP_SMALL_TUNER`` and ``STEP_POST_TUNER`` candidate after the existing ones
+    (``fp8`` stays first), and the first-use check passes for one."""
+    assert len(WAVE) == 9 and sp.STEP_SMALL_TUNER.candidates[0] == "fp8"
+    assert sp.STEP_SMALL_TUNER.candidates[-len(WAVE):] == WAVE and set(WAVE) <= set(sp.STEP_POST_TUNER.candidates)
+    assert sp.self_check("qgemv_k128_wave", torch.device(kernel_device)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", WAVE)
+@pytest.mark.parametrize("t", [1, 4])
+def test_wave_plans_linear_post_and_rows(name, t, kernel_device, monkeypatch):
+    """Every ``*_wave`` plan through ``linear_post`` (2 slices under ``SMS`` 1) within the op tolerance of
+    ``mhc_post`` on the PyTorch reference linear, and a row alone the bits it has among ``t``."""
+    from redknot.kernels.triton import step_proj_stream_v41 as st
+    from redknot.kernels.triton.mhc import mhc_post
+    monkeypatch.setattr(st, "SMS", 1)
+    k, d, n = 1024, 256, 4
+    x, _, g = case_inputs(t, k, 131 + t, kernel_device)
+    w, s = fp8_weight(d, k, g, kernel_device)
+    h = torch.randn(t, n, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    post = torch.rand(t, n, generator=g).to(kernel_device) * 2
+    comb = torch.rand(t, n, n, generator=g).to(kernel_device)
+    got = linear_post(x, w, s, h, post, comb, stream=name)
+    ref = mhc_post(ref_v41.linear_mx(x, w, s, 32), h, post, comb).float()
+    assert ((got.float() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-2 * ref.abs().max()).all()
+    alone = linear_post(x[-1:], w, s, h[-1:], post[-1:], comb[-1:], stream=name)
+    assert torch.equal(alone[0], got[-1])
