@@ -188,7 +188,8 @@ def main(argv=None) -> int:
                          "stream: only the decode streams by variant (fused MoE streams, split-K, dense decodes); "
                          "attention: only sparse_attention_mx (the --contexts cases, then the prefill launch shapes "
                          "of the earlier and the transposed kernel at the first context), no phase-1 checks")
-    ap.add_argument("--stream-variants", choices=("core", "all", "moe", "gemv", "moe_gemv", "moe_unroll"),
+    ap.add_argument("--stream-variants", choices=("core", "all", "moe", "gemv", "moe_gemv", "moe_unroll",
+                                                  "step_gemv"),
                     default="core",
                     help="the fused MoE stream plans timed by --only stream / gemm: core, or all (launch-shape "
                          "neighbours too), or moe (only the MoE rows of split-K scaled, the FP8 fused plans of "
@@ -196,7 +197,9 @@ def main(argv=None) -> int:
                          "(only batches of 1 and 4: the gemv_mx CUDA-core streams next to the tensor-core "
                          "streams and both tuned choices, MoE and the dense wo_b / wq_b), or moe_gemv (gemv's "
                          "MoE rows only: the routed experts at 1 and 4 tokens), or moe_unroll (moe's rows with "
-                         "only fp8hd4 64x128 and its block_k 256 / 512 forms of the fused plans)")
+                         "only fp8hd4 64x128 and its block_k 256 / 512 forms of the fused plans), or step_gemv "
+                         "(only the decode step's GEMV launches at one row by step_proj_v41 name, also after "
+                         "gemv's rows)")
     ap.add_argument("--prefill-decodes", default="",
                     help="with --only prefill: only the FP8 plans of these decodes (comma-separated, e.g. "
                          "fp8ht,fp8f), whole and by part, next to the grouped plan, the routing and the combine "
@@ -235,12 +238,13 @@ def main(argv=None) -> int:
             timed(run, build, desc)
         return write_results(run)
     if args.only in ("gemm", "stream"):
-        from kernels_v41_stream_cases import stream_cases
-        cases = list(stream_cases(dims, device, args.smoke, args.stream_variants == "all",
-                                  args.stream_variants in ("moe", "moe_unroll"),
-                                  args.stream_variants in ("gemv", "moe_gemv"),
-                                  dense=args.stream_variants != "moe_gemv",
-                                  unroll_only=args.stream_variants == "moe_unroll"))
+        from kernels_v41_stream_cases import step_gemv_rows, stream_cases
+        cases = [] if args.stream_variants == "step_gemv" else list(stream_cases(
+            dims, device, args.smoke, args.stream_variants == "all", args.stream_variants in ("moe", "moe_unroll"),
+            args.stream_variants in ("gemv", "moe_gemv"), dense=args.stream_variants != "moe_gemv",
+            unroll_only=args.stream_variants == "moe_unroll"))
+        if args.stream_variants in ("gemv", "step_gemv"):  # the step GEMV launches by name (step_proj_v41)
+            cases += list(step_gemv_rows(device, args.smoke))
         if args.only == "gemm":
             cases = list(decode_compare_cases(dims, device, args.smoke)) + cases + list(
                 stream_variant_cases(dims, device, args.smoke))

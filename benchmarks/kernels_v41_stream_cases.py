@@ -231,3 +231,44 @@ def stream_lines(rows) -> List[str]:
             up = f"{base / r.ms:.2f}x" if base and r.ms else ""
             lines.append(f"| {key} | {r.variant} | {r.ms:.4f} | {100 * r.roof:.1f} | {up} | {r.note} |")
     return lines
+
+
+# The decode step's GEMV launches (``step_proj_v41.gemv_partials``: one launch over one or two FP8 weights that
+# read the same rows) at V4.1 sizes: (label, the weights' N, K).
+STEP_GEMV_LAUNCHES = [("wq_a | wkv", (1280, 512), 5120), ("wq_b + indexer wq_b", (32768, 4096), 1280),
+                      ("wq_b", (32768,), 1280), ("wo_b", (5120,), 8192), ("Engram wkv", (25600,), 6144)]
+# The step GEMV shapes by name (``STEP_SMALL_TUNER``'s): each on the (column block, slice) grid, on the flat grid
+# with the same slices (``_flat``, the same bits) and with the slices cut against the resident programs (``_wave``).
+STEP_GEMV_NAMES = [n + f for n in ("gemv_n16", "qgemv_n16", "qgemv_k128", "pgemv_k128") for f in ("", "_flat", "_wave")]
+
+
+def step_gemv_rows(device, smoke: bool, rows: int = 1) -> Iterator[Tuple[str, Callable]]:
+    """The step GEMV launches at ``rows`` rows by name, each the launch alone (its partials, plus the ``qdq_bf16``
+    launch of a ``qgemv*`` name) replayed in a CUDA graph, its slice sums checked against ``ref_v41.linear_mx``
+    first; the programs and K slices of each in the note."""
+    from redknot.kernels.triton import gemv_mx
+    from redknot.kernels.triton import step_proj_v41 as sp
+    launches = [("toy", (96, 64), 1024)] if smoke else STEP_GEMV_LAUNCHES
+    graph = device.type == "cuda"
+    for label, ns, k in launches:
+        for name in STEP_GEMV_NAMES:
+            def build(label=label, ns=ns, k=k, name=name):
+                g = torch.Generator(device=device).manual_seed(k + ns[0])
+                ws = [mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32) for n in ns]
+                ws = [(w, s.view(torch.uint8)) for w, s in ws]
+                x = torch.randn(rows, k, generator=g, device=device).to(torch.bfloat16)
+                note = _checked("step gemv", f"{label} {name}",
+                                lambda: torch.cat([p.sum(0) for p in sp.gemv_partials(x, ws, 32, name)], 1),
+                                lambda: torch.cat([ref.linear_mx(x, w, s, 32).float() for w, s in ws], 1), 1e-2)
+                run, _, how = _graph_or_eager(lambda: sp.gemv_partials(x, ws, 32, name)[0], device, graph)
+                plan = gemv_mx.PLANS[sp.plan_name(name)]
+                parts = sp.gemv_partials(x, ws, 32, name)
+                nbs = [-(-n // plan.block_n) for n in ns]
+                real = sum(nb * p.shape[0] for nb, p in zip(nbs, parts))
+                grid = real if sp.grid_form(name) else sum(nbs) * max(p.shape[0] for p in parts)
+                note = f"slices {[p.shape[0] for p in parts]}, {grid} programs ({real} working); {how}; {note}"
+                nk = sum(n * k for n in ns)
+                return _case("step gemv", f"{label} M={rows} {'graph' if graph else 'eager'} {name}", run,
+                             2 * rows * nk, nk + nk // 1024 + rows * k * 2 + rows * sum(ns) * 4, note=note,
+                             key=f"{STREAM_KEY} step gemv {label} M={rows}", variant=name)
+            yield f"step gemv {label} M={rows} {name}", build
