@@ -203,3 +203,36 @@ def test_shared_expert_w2_gemv_at_v41_size(name, rows):
         assert torch.equal(again[0], out) and torch.equal(again[1], mixed)
     if name.startswith("f"):
         assert torch.equal(out, sm.shared_expert_finish(p1, w2, s2, 10.0, routed, stream=name[1:]))
+
+
+@pytest.mark.parametrize("name", [n + "_wave" for n in NAMES + ["q" + n for n in NAMES] + ["p" + n for n in NAMES]])
+def test_wave_forms_at_v41_sizes(name):
+    """``*_wave`` (``_gemv2f``: the flat grid with ``wave_slices``' K slices) at the V4.1 step launches: the slice
+    sums within the op tolerance of ``ref_v41.linear_mx``, each row the same bits alone and among four (the
+    slices depend on the weight shapes only), the ``*_flat`` form the bits of the (block, slice) grid, the whole
+    step's launches with no first-use failure and a graph replay equal to the eager call."""
+    from redknot.kernels import ref_v41
+    from redknot.kernels.triton.step_proj_v41 import gemv_partials
+    u, cos, sin, first, second, z, wo, mix = problem(4, 77)
+    qr = torch.randn(4, 1280, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEV)
+    for x, ws in ((u, [(s.weight, s.scale) for s in first]), (qr, [(s.weight, s.scale) for s in second]),
+                  (z, [wo])):
+        parts = gemv_partials(x, ws, 32, name)
+        for p, (w, s) in zip(parts, ws):
+            ref = ref_v41.linear_mx(x, w, s, 32).float()
+            assert ((p.sum(0) - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
+        for r in (0, 3):
+            alone = gemv_partials(x[r:r + 1], ws, 32, name)
+            assert all(torch.equal(a[:, 0], p[:, r]) for a, p in zip(alone, parts))
+        base = name[:-len("_wave")]
+        assert all(torch.equal(a, b) for a, b in zip(gemv_partials(x, ws, 32, base + "_flat"),
+                                                     gemv_partials(x, ws, 32, base)))
+    out = step(u, cos, sin, first, second, z, wo, mix, name)
+    assert not [k for k in stream_guard.DECODE_ERRORS if k == ("step_proj", name)], stream_guard.DECODE_ERRORS
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(u, cos, sin, first, second, z, wo, mix, name)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, out))
