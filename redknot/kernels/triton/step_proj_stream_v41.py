@@ -261,6 +261,7 @@ def _gemv2f(x_ptr, KW, stride_x, xs_ptr, stride_xs,
                tl.where(one, stride_p1s, stride_p0s), tl.where(one, stride_p1m, stride_p0m), WB, ROWS, BLOCK_N,
                BLOCK_K, USE_ASM, QX, xs_ptr, stride_xs)
 
+
 # The flat-grid forms of the step GEMV shapes (``_gemv2f``: one program index over (weight, column block, slice),
 # so a launch has exactly nb0·S0 + nb1·S1 programs): ``*_flat`` with ``gemv_mx.slices``' K slices (the bits of the
 # shape it names), ``*_wave`` with the K slices :func:`wave_slices` chooses against the resident programs.
@@ -268,22 +269,29 @@ FLAT, WAVE = "_flat", "_wave"
 # SMs of the device the wave plans are cut for (H100 / H200: 132). A constant, not the device's count: a weight
 # shape's K slices, hence a token's bits, are then the same on every device.
 SMS = 132
-# Programs of ``_gemv2f`` resident on an SM, per (``gemv_mx.PLANS`` shape, QX, K step in bytes): from the
-# registers of its sm_90a compile at one row (Triton 3.6 ptxas; 4 warps a program, 64K registers an SM, no spills;
-# shared memory <= 512 B a program does not bind), e.g. qgemv_n16 at K step 512 100 registers -> 4, qgemv_k128 42
-# -> 10. A table, not the compiled kernel's count: the registers differ from 1 to 4 rows, and a weight shape's K
-# slices (a token's bits) must not. A K step not listed takes the shape's and QX's smallest count.
-RESIDENT = {("gemv", 0, 256): 3, ("gemv", 1, 256): 5, ("gemv", 2, 256): 5,
-            ("gemv_n16", 0, 512): 3, ("gemv_n16", 0, 256): 6, ("gemv_n16", 1, 512): 4, ("gemv_n16", 1, 256): 8,
-            ("gemv_n16", 2, 512): 4, ("gemv_n16", 2, 256): 8,
-            ("gemv_k128", 0, 128): 4, ("gemv_k128", 1, 128): 10, ("gemv_k128", 2, 128): 12}
+# Programs resident on an SM, per (``gemv_mx.PLANS`` shape, QX, K step in bytes, weights): from the registers of
+# the sm_90a compile at one row (Triton 3.6 ptxas; 4 warps a program, 64K registers an SM, no spills; shared memory
+# <= 512 B a program does not bind) of the kernel a ``*_wave`` launch runs: ``_gemv2f`` for two weights, ``_gemv2``
+# for one (its (column block, slice) grid has no empty program then, and its pointers stay parameters: qgemv_n16
+# at K step 512 96 registers -> 5, ``_gemv2f`` 100 -> 4). A table, not the compiled kernel's count: the registers
+# differ from 1 to 4 rows, and a weight shape's K slices (a token's bits) must not. A K step not listed takes the
+# smallest count of its shape, QX and weights.
+RESIDENT = {("gemv", 0, 256, 2): 3, ("gemv", 1, 256, 2): 5, ("gemv", 2, 256, 2): 5,
+            ("gemv_n16", 0, 512, 2): 3, ("gemv_n16", 0, 256, 2): 6, ("gemv_n16", 1, 512, 2): 4,
+            ("gemv_n16", 1, 256, 2): 8, ("gemv_n16", 2, 512, 2): 4, ("gemv_n16", 2, 256, 2): 8,
+            ("gemv_k128", 0, 128, 2): 4, ("gemv_k128", 1, 128, 2): 10, ("gemv_k128", 2, 128, 2): 12,
+            ("gemv", 0, 256, 1): 3, ("gemv", 1, 256, 1): 4, ("gemv", 2, 256, 1): 4,
+            ("gemv_n16", 0, 512, 1): 3, ("gemv_n16", 0, 256, 1): 5, ("gemv_n16", 1, 512, 1): 5,
+            ("gemv_n16", 1, 256, 1): 8, ("gemv_n16", 2, 512, 1): 5, ("gemv_n16", 2, 256, 1): 8,
+            ("gemv_k128", 0, 128, 1): 4, ("gemv_k128", 1, 128, 1): 10, ("gemv_k128", 2, 128, 1): 12}
 
 
-def resident(shape: str, qx: int, bk: int) -> int:
-    """``RESIDENT``'s programs an SM for the shape, QX and K step (the smallest of the shape's and QX's where the
-    K step is not listed)."""
-    got = RESIDENT.get((shape, qx, bk))
-    return got if got is not None else min(v for (n, q, _), v in RESIDENT.items() if (n, q) == (shape, qx))
+def resident(shape: str, qx: int, bk: int, weights: int = 2) -> int:
+    """``RESIDENT``'s programs an SM for the shape, QX, K step and weight count (the smallest of the shape's, QX's
+    and weight count's where the K step is not listed)."""
+    got = RESIDENT.get((shape, qx, bk, weights))
+    return got if got is not None else min(v for (n, q, _, c), v in RESIDENT.items()
+                                           if (n, q, c) == (shape, qx, weights))
 
 
 def grid_form(name: str) -> str:
@@ -356,7 +364,8 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
     x = x if x.stride(-1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
     bk = gemv_mx._block_k(K, plan.block_k)
     if form == WAVE:
-        cut = wave_slices([w.shape[0] for w, _ in weights], K, plan, resident(plan_name(name), mode, bk))
+        here = resident(plan_name(name), mode, bk, len(weights))
+        cut = wave_slices([w.shape[0] for w, _ in weights], K, plan, here)
         cuts = [cut for _ in weights]
     else:
         cuts = [gemv_mx.slices(w.shape[0], K, plan) for w, _ in weights]
@@ -377,7 +386,7 @@ def gemv_partials(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.T
     nb1 = cdiv(w1.shape[0], plan.block_n) if len(weights) > 1 else 0
     common = {"WB": block, "ROWS": T, "BLOCK_N": plan.block_n, "BLOCK_K": bk, "USE_ASM": gemv_mx._use_asm(),
               "QX": mode, "num_warps": plan.num_warps, "num_stages": plan.num_stages}
-    if form:
+    if form and len(weights) > 1:  # one weight: (block, slice) is already exactly nb0·S0 programs
         _gemv2f[(nb0 * c0[0] + nb1 * c1[0],)](
             x.view(torch.int32), K // 4, x.stride(0) // 2, xs.view(torch.int32), xs.stride(0) // 2,
             w0, s0, p0, w0.shape[0], c0[1], c0[0], nb0 * c0[0], w0.stride(0), s0.stride(0), p0.stride(0),

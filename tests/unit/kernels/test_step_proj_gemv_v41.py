@@ -258,18 +258,19 @@ def test_flat_grid_equals_the_block_slice_grid(name, kernel_device, monkeypatch)
 
 def test_wave_slices_at_v41_launches():
     """``wave_slices``' counts for the V4.1 step launches (the arithmetic the NOTES table reads: programs and steps
-    of each launch), one count for both weights, and independent of anything but the shapes."""
+    of each launch), one count for both weights, and independent of anything but the shapes; one weight reads the
+    resident count of ``_gemv2`` (the kernel a one-weight ``*_wave`` launch runs)."""
     from redknot.kernels.triton import step_proj_stream_v41 as st
 
     def cut(name, ns, k):
         plan = gemv_mx.PLANS[sp.plan_name(name)]
         bk = gemv_mx._block_k(k, plan.block_k)
-        S, ks = st.wave_slices(ns, k, plan, st.resident(sp.plan_name(name), sp.quantise_mode(name), bk))
+        S, ks = st.wave_slices(ns, k, plan, st.resident(sp.plan_name(name), sp.quantise_mode(name), bk, len(ns)))
         return S, ks // bk, S * sum(-(-n // plan.block_n) for n in ns)
     assert cut("gemv_n16_wave", (1280, 512), 5120) == (3, 4, 336)       # wq_a | wkv: one wave at 3 an SM
     assert cut("qgemv_n16_wave", (1280, 512), 5120) == (4, 3, 448)
     assert cut("qgemv_k128_wave", (32768, 4096), 1280) == (1, 10, 1152)  # wq_b + indexer: no empty programs
-    assert cut("qgemv_n16_wave", (5120,), 8192) == (3, 6, 960)           # wo_b
+    assert cut("qgemv_n16_wave", (5120,), 8192) == (2, 8, 640)           # wo_b: one wave at 5 an SM
     assert cut("qgemv_n16_wave", (25600,), 6144) == (2, 6, 3200)         # Engram wkv
     assert st.resident("gemv_n16", 1, 64) == 4                            # a K step not listed: the smallest
 
