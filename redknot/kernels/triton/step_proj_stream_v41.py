@@ -3,7 +3,9 @@ the same rows, writing each weight's fp32 partials [S, T, N]: the ``fp8`` tensor
 :func:`_stream_partials`: the K slices ``splitk_mx.splitk_mm`` cuts with ``decode="fp8"``) or the CUDA-core GEMV
 (``_gemv2``, :func:`gemv_partials`: ``gemv_mx``'s word-wise FP8 decode; its program ``_gemv_tile`` also streams
 ``step_moe_v41``'s shared expert). The arithmetic and the choice between them: ``step_proj_v41``'s module
-docstring."""
+docstring. ``_gemv2f``: the GEMV of two weights on a flat grid of exactly nb0·S0 + nb1·S1 programs (``*_flat``
+names: the shape's own slices, the same bits; ``*_wave``: the slices :func:`wave_slices` cuts against the
+programs resident on an SM, ``RESIDENT``); not measured on the H200."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -30,7 +30,11 @@ through ``stream_guard.first_use``); a launch first met under capture keeps ``fp
 and graph steps compute the same bits. :func:`linear_post` (``STEP_POST_TUNER``) also has ``fpgemv*``: ``pgemv*``
 with its epilogue in the stream launch (``_gemv_post``: the last program of each column block, found by an
 acquire-release counter, sums the block's slices in slice order and mixes it; one launch, the same bits).
-``tuning_cache.small_rows_class()`` False or ``gemm_mx.SMALL_ROWS_CLASS`` False: ``fp8`` always (the bits of
+Both tuners also hold the ``*_wave`` names (``WAVE_NAMES``): the same shapes with both weights on one flat
+program index (no program that exits at once) and K slices cut against the programs resident on an SM (the wave
+shape and program length of each launch; a function of the weight shapes only, so a token's bits do not depend
+on the call's rows; the bits of the shape where the slice counts agree). ``tuning_cache.small_rows_class()``
+False or ``gemm_mx.SMALL_ROWS_CLASS`` False: ``fp8`` always (the bits of
 the tensor-core stream at every row count). Not measured on the H200.
 
 The kernels and their host helpers live by launch in ``step_proj_stream_v41`` (the weight streams) and
