@@ -126,7 +126,7 @@ def timed(run: Run, build: Callable[[], Case], desc: str) -> None:
         return
     try:
         case = build()
-        ms = time_ms(case.run, run.device, run.args.reps, warmup=1 if run.args.smoke else 3)
+        ms = time_ms(case.run, run.device, run.args.reps, warmup=0 if run.args.smoke else 3)  # smoke: one run
         row = Row(case.op, case.label, "ok", ms, case.flops / ms / 1e9, case.nbytes / ms / 1e9,
                   roofline_fraction(case.flops, case.nbytes, ms / 1e3, case.peak), case.peak, case.note, case.key,
                   case.variant)
