@@ -96,7 +96,8 @@ def _gate_up_launch(u, w1, s1, w3, s3, block: int, route=None, stream: str | Non
     inter = w1.shape[0]
     if stream is None:
         stream = sp.small_choice("gate_up", u, [w1, w3], block,
-                                 lambda c: _gate_up_launch(u[:1], w1, s1, w3, s3, block, stream=c)) or "fp8"
+                                 lambda c: _gate_up_launch(u[:1], w1, s1, w3, s3, block, stream=c),
+                                 tuner=sp.STEP_GATE_UP_TUNER) or "fp8"
     if stream != "fp8":
         return sp._with_check(u.device, stream, lambda: _gate_up_gemv(u, w1, s1, w3, s3, block, route, stream),
                               lambda: _gate_up_launch(u, w1, s1, w3, s3, block, route, "fp8"))

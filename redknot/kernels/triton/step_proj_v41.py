@@ -94,6 +94,10 @@ GEMV_NAMES = ("gemv", "gemv_n16", "gemv_k128")
 WAVE_NAMES = tuple(p + n + "_wave" for p in ("", "q", "p") for n in GEMV_NAMES)
 STEP_SMALL_TUNER = ConfigTuner("step_proj_small", ["fp8", *GEMV_NAMES, *("q" + n for n in GEMV_NAMES),
                                                    *("p" + n for n in GEMV_NAMES), *WAVE_NAMES])
+# The shared expert's W1 | W3 launch with the router (``step_moe_v41.route_and_gate_up``, kind ``gate_up``):
+# ``STEP_SMALL_TUNER``'s names less the ``*_wave`` ones, which that launch would run as their base shapes on its own
+# grid (the same launch timed twice).
+STEP_GATE_UP_TUNER = ConfigTuner("step_gate_up_small", [c for c in STEP_SMALL_TUNER.candidates if c not in WAVE_NAMES])
 # The shared expert's W2 stream at up to ``gemv_mx.MAX_ROWS`` rows (``step_moe_v41.shared_expert_finish``; key:
 # W2's shape): ``fp8`` (first), a ``gemv_mx.PLANS`` dense shape on the quantised SwiGLU rows (a launch before),
 # that shape with a ``p``: the W2 launch forms its input itself, or with ``fp``: and runs the finish too (the last

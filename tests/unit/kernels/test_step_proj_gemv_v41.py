@@ -313,6 +313,24 @@ def test_wave_names_are_candidates_and_checked(kernel_device):
     assert sp.self_check("qgemv_k128_wave", torch.device(kernel_device)) is None
 
 
+def test_the_gate_up_launch_times_no_wave_name(monkeypatch):
+    """The shared expert's W1 | W3 launch would run a ``*_wave`` name as its base shape: its tuner leaves them out,
+    and the launch (``_gate_up_launch``, under ``route_and_gate_up``) asks that tuner."""
+    from redknot.kernels.triton import step_moe_v41 as sm
+    assert sp.STEP_GATE_UP_TUNER.candidates == [c for c in sp.STEP_SMALL_TUNER.candidates if c not in WAVE]
+    asked = []
+
+    def small_choice(kind, x, weights, block, run, tuner=None):
+        asked.append((kind, tuner))
+        raise RuntimeError("stop after the choice")
+    monkeypatch.setattr(sp, "small_choice", small_choice)
+    x, w = torch.randn(1, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(1, 2)
+    with pytest.raises(RuntimeError, match="stop after the choice"):
+        sm._gate_up_launch(x, w, s, w, s, 32)
+    assert asked == [("gate_up", sp.STEP_GATE_UP_TUNER)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", WAVE)
 @pytest.mark.parametrize("t", [1, 4])
