@@ -438,6 +438,19 @@ def _fp4_acc2(acc, wd, sc, x0, x1, x2, x3, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _ld_step(wrow, srow, w3row, s3row, k, DUAL: tl.constexpr, USE_ASM: tl.constexpr):
+    """``_gemv_fp4d``'s loads of step ``k``: the weight words and scales (W3's with ``DUAL``, else W1's again)."""
+    w = tl.load(wrow + k)
+    sc = _ld_scale64(srow + k // 4, USE_ASM)
+    w3 = w
+    sc3 = sc
+    if DUAL:
+        w3 = tl.load(w3row + k)
+        sc3 = _ld_scale64(s3row + k // 4, USE_ASM)
+    return w, sc, w3, sc3
+
+
+@triton.jit
 def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N, KW, KSPLIT, stride_x, stride_be,
                stride_bn, stride_sbe, stride_sbn, stride_ps, stride_pm, TOPK: tl.constexpr, DUAL: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr, wt_ptr=None, act_ptr=None,
@@ -478,13 +491,7 @@ def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N,
     acc = tl.zeros([BLOCK_N, W], tl.float32)
     acc3 = tl.zeros([BLOCK_N, W], tl.float32)
     k0 = tl.multiple_of(k_lo, W)
-    w = tl.load(wrow + k0)
-    sc = _ld_scale64(srow + k0 // 4, USE_ASM)
-    w3 = w
-    sc3 = sc
-    if DUAL:
-        w3 = tl.load(w3row + k0)
-        sc3 = _ld_scale64(s3row + k0 // 4, USE_ASM)
+    w, sc, w3, sc3 = _ld_step(wrow, srow, w3row, s3row, k0, DUAL, USE_ASM)
     # DEPTH 2: the step after the next one also in flight (its words and scales in registers one step early)
     kb = tl.multiple_of(tl.minimum(k0 + W, k_hi - W), W)
     wb = w
@@ -492,23 +499,11 @@ def _gemv_fp4d(x_ptr, ids_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr, N,
     w3b = w
     sc3b = sc
     if DEPTH == 2:
-        wb = tl.load(wrow + kb)
-        scb = _ld_scale64(srow + kb // 4, USE_ASM)
-        w3b = wb
-        sc3b = scb
-        if DUAL:
-            w3b = tl.load(w3row + kb)
-            sc3b = _ld_scale64(s3row + kb // 4, USE_ASM)
+        wb, scb, w3b, sc3b = _ld_step(wrow, srow, w3row, s3row, kb, DUAL, USE_ASM)
     for k_step in range(k_lo, k_hi, W):
         # the next step (DEPTH 1) or the one after it (2); past the slice's end its last step again (an L2 hit)
         k1 = tl.multiple_of(tl.minimum(k_step + DEPTH * W, k_hi - W), W)
-        w_n = tl.load(wrow + k1)
-        sc_n = _ld_scale64(srow + k1 // 4, USE_ASM)
-        w3_n = w_n
-        sc3_n = sc_n
-        if DUAL:
-            w3_n = tl.load(w3row + k1)
-            sc3_n = _ld_scale64(s3row + k1 // 4, USE_ASM)
+        w_n, sc_n, w3_n, sc3_n = _ld_step(wrow, srow, w3row, s3row, k1, DUAL, USE_ASM)
         x0, x1, x2, x3 = _ld_x4(xw + 4 * k_step, USE_ASM)
         acc = _fp4_acc2(acc, w, sc, x0, x1, x2, x3, USE_ASM)
         if DUAL:
