@@ -157,7 +157,7 @@ def _moe_rows(tokens, variants, dims, device, graph, weights, want):
                 key = (tuple(weights()[0].shape), tuple(weights()[4].shape))
                 run_dec = None if small else dec
                 if dec is None:  # DECODE_TUNER's choice itself (at <= MAX_ROWS tokens a call asks the small class)
-                    run_dec = fast_moe.DECODE_TUNER.pick(key, fast_moe._tuning_run(x, idx.shape[1], weights()),
+                    run_dec = fast_moe.DECODE_TUNER.pick(key, fast_moe._tuning_run(x, idx.shape[1], (*weights(), 10.0)),
                                                          x.device)
                 fn = lambda: fast_moe.moe_splitk(x, idx, wt, *weights(), 10.0, decode=run_dec)  # noqa: E731
                 note = _checked("moe_mx", f"T={t}", fn, lambda: want(t, x, idx, wt), 3e-2)
