@@ -23,11 +23,13 @@ FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 _FAILED = []   # a row kernel that failed to build: the PyTorch math from then on (logged once)
 # The prefill row fusions (``prefill_rows_v41``) by name, each on where the row kernels run; a test or a benchmark
-# switches one off to compare against the path without it. "rope_cols" is off: on an H100 (2026-12-06, V4.1 cut,
-# 8192-row prefill chunk) the stride-2 in-place kernel took 0.57 ms a call and the chunk ran 1.9-2.5 ms faster
-# without it (three measurements). Its contiguous-row form (prefill_rows_v41.rope_cols_) is not measured on a
-# GPU yet; e2e_v41's prefill row-fusion on/off comparison measures it.
-PREFILL_ROWS = {"rope_cols": False, "swiglu": True, "add_post": True, "collapse": True, "route": True,
+# switches one off to compare against the path without it. "rope_cols" (the q rows' RoPE and the attention output's
+# inverse RoPE in place, contiguous rows: ``prefill_rows_v41.rope_cols_``) is on: on an H100 (2026-12-06, V4.1
+# cut) ``benchmarks/rope_cols_v41.py`` measured 0.0573 ms a call against 0.3992 ms for ``rope_rows`` at 8192 rows
+# of 64 heads x 512 (same bits), and the 8192-row chunk after 8K ran 3.65 ms faster with it (10 calls); after 32K
+# the chunk measured 1.45 ms slower, within that run's chunk-to-chunk noise (1-2 ms; the kernel's bytes do not
+# depend on the context). The earlier stride-2 in-place form (0.57 ms a call) lives in the benchmark only.
+PREFILL_ROWS = {"rope_cols": True, "swiglu": True, "add_post": True, "collapse": True, "route": True,
                 "page_entries": True, "mhc_one_pass": True}
 
 
