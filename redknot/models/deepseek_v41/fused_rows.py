@@ -29,16 +29,24 @@ _FAILED = []   # a row kernel that failed to build: the PyTorch math from then o
 # of 64 heads x 512 (same bits), and the 8192-row chunk after 8K ran 3.65 ms faster with it (10 calls); after 32K
 # the chunk measured 1.45 ms slower, within that run's chunk-to-chunk noise (1-2 ms; the kernel's bytes do not
 # depend on the context). The earlier stride-2 in-place form (0.57 ms a call) lives in the benchmark only.
+# "hashes": the Engram hashes of a prefill step in two launches (``prefill_hash_v41``; the same integers) instead
+# of ~60 small PyTorch launches (2.4 ms of host time per 8192-row chunk on the H100); not measured on a GPU yet.
 PREFILL_ROWS = {"rope_cols": True, "swiglu": True, "add_post": True, "collapse": True, "route": True,
-                "page_entries": True, "mhc_one_pass": True}
+                "page_entries": True, "mhc_one_pass": True, "hashes": True}
+
+
+def fused_ops(w) -> bool:
+    """The attention ops resolve to Triton (and no row kernel failed to build): the row kernels' condition
+    without the rows' dtype (the Engram hashes' integer rows)."""
+    ops = ops_of(w)
+    return (not _FAILED and ops is not None and ops.attention
+            and all(ops.choice.get(op) == "triton" for op in ("sparse_attention_mx", "indexer_topk_mx",
+                                                               "cache_insert_mx")))
 
 
 def fused(w, x: torch.Tensor) -> bool:
     """The row kernels run where the attention ops resolve to Triton and the rows are 16-bit."""
-    ops = ops_of(w)
-    return (not _FAILED and x.dtype in FAST_DTYPES and ops is not None and ops.attention
-            and all(ops.choice.get(op) == "triton" for op in ("sparse_attention_mx", "indexer_topk_mx",
-                                                               "cache_insert_mx")))
+    return x.dtype in FAST_DTYPES and fused_ops(w)
 
 
 def _table(tables: Optional[Dict], pos: torch.Tensor, inv: torch.Tensor):

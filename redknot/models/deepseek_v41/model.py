@@ -24,6 +24,7 @@ from redknot.models.deepseek_v41.attention import AttentionLayer, Slots, Span
 from redknot.models.deepseek_v41.engram import engram_forward
 from redknot.models.deepseek_v41.engram_hash import EngramHasher, EngramLayout
 from redknot.models.deepseek_v41.kernel_ops import V41Ops, host_ints, segments, span_rows
+from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.fused_rows import collapse
 from redknot.models.deepseek_v41.mhc import one_hot_pre
 from redknot.models.deepseek_v41.moe import moe_forward, moe_post
@@ -164,11 +165,22 @@ class DeepseekV41:
         for sp in spans:
             row0.append(at)
             at += sp.n
+        rows = span_rows(spans)
+        if (fused_rows.PREFILL_ROWS["hashes"] and isinstance(rows, slice) and state.engram_ids.is_contiguous()
+                and fused_rows.fused_ops(self.w)):   # look-back, hash and ring write: two launches, the same ints
+            from redknot.kernels.triton.prefill_hash_v41 import prefill_hashes
+
+            hs = self.hasher
+            table = host_ints([(r, sp.n, sp.ctx, sp.slot) for r, sp in zip(row0, spans)], dev)
+            got = fused_rows._guarded(prefill_hashes, ids[rows], self.token_map, state.engram_ids, table,
+                                      hs.multipliers, hs.primes, hs.offsets, hs.layout.pad_c)
+            if got is not None:
+                return got
         keep = [min(sp.n, ring) for sp in spans]
         ctx, slot, n, row0_, keep_ = host_ints(
             list(zip([sp.ctx for sp in spans], [sp.slot for sp in spans], [sp.n for sp in spans], row0, keep)),
             dev).unbind(1)
-        comp = self.token_map[ids[span_rows(spans)]]                          # [T] in span order
+        comp = self.token_map[ids[rows]]                                      # [T] in span order
         seg, i = segments(n, at)
         pos = ctx[seg] + i
         hist_pos = pos[:, None] - lb + torch.arange(lb + 1, device=dev)       # [T, lb+1], oldest first
