@@ -292,7 +292,12 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 # in the same K order at every row count.
 # ``fp8_n32``: the ``fp8`` stream with 32 weight columns per program (below the 64 rows of a Hopper
 # warpgroup MMA: synchronous MMAs whose per-group rescales overlap the next group's MMA).
-LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide", "fp8_n32"])
+# ``*_f`` (``FUSED_DECODES``): the same stream with the slice sum in the stream launch (``slice_sum``: the last
+# program of each output tile adds the tile's partials in slice order; the bits of the two launches, one launch
+# fewer per linear; not measured on the H200: the tuner keeps them only where the device times them faster).
+FUSED_DECODES = ("registers_f", "registers_wide_f", "fp8_f", "fp8_n32_f")
+LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide", "fp8_n32",
+                                                       *FUSED_DECODES])
 # Rows on which ``LINEAR_DECODE_TUNER`` times its candidates, whatever the size of the call that triggers
 # the tuning: the choice is per weight shape, measured at the decode batch the step targets.
 LINEAR_TUNE_ROWS = 32
@@ -306,6 +311,27 @@ LINEAR_TUNE_ROWS = 32
 LINEAR_SMALL_TUNER = ConfigTuner("linear_mx_decode_small", ["stream", "gemv", "gemv_n16", "gemv_k128"])
 LINEAR_SMALL_TUNE_ROWS = 1
 SMALL_ROWS_CLASS = True
+
+
+def fused_check(decode: str, device: torch.device, seed: int = 1234) -> str | None:
+    """None when the ``FUSED_DECODES`` name ``decode`` gives, on fresh random operands, the bits of its base
+    decode's two launches (the stream, then ``reduce_rows``): several K slices (the last-program slice sum) and
+    one (the direct store), at a few row counts; else what differs (``stream_guard.self_check`` asks it)."""
+    from redknot.kernels import mx_formats as mx
+    if decode not in FUSED_DECODES:
+        return f"{decode!r} is not one of {FUSED_DECODES}"
+    g = torch.Generator(device=device).manual_seed(seed)
+    for n, k, rows in ((128, 4096, 5), (96, 4096, 33), (64, 256, 3)):
+        w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
+        x = torch.randn(rows, k, generator=g, device=device).to(torch.bfloat16)
+        got = _linear_splitk(x, w, ws.view(torch.uint8), 32, torch.empty(rows, n, dtype=x.dtype, device=device),
+                             decode)
+        want = _linear_splitk(x, w, ws.view(torch.uint8), 32, torch.empty(rows, n, dtype=x.dtype, device=device),
+                              decode[:-2])
+        if not torch.equal(got, want):
+            diff = int((got != want).sum())
+            return f"differs from decode={decode[:-2]!r} in {diff} of {got.numel()} values at [{rows}, {n}] K={k}"
+    return None
 
 
 def _stream_decode(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int, out: torch.Tensor) -> str:
@@ -363,6 +389,8 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
 
     def run(dec: str) -> torch.Tensor:
         warps, swap, bn = 4, False, 0
+        fused = dec in FUSED_DECODES
+        dec = dec[:-2] if fused else dec
         if dec == "fp8_n32":
             dec, bn = "fp8", 32
         if dec == "registers":
@@ -373,8 +401,9 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
         else:
             raw, bm = dec == "fp8" or rows <= splitk_mx.SCALED_RAW_MAX_ROWS, splitk_mx.dense_row_tile(rows)
         p = splitk_mx.splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, rows, w_fp4=False, wb=block, raw=raw,
-                                decode=dec, block_m=bm, num_warps=warps, swap=swap, block_n=bn)
-        return splitk_mx.reduce_rows(p, out)
+                                decode=dec, block_m=bm, num_warps=warps, swap=swap, block_n=bn,
+                                out=out if fused else None)
+        return p if fused else splitk_mx.reduce_rows(p, out)
 
     if decode != "registers":
         return stream_guard.with_fallback(x2.device, decode, lambda: run(decode), lambda: run("registers"))

@@ -49,6 +49,7 @@ import triton.language as tl
 from redknot.kernels.triton._common import cdiv, next_pow2
 from redknot.kernels.triton.dequant_mx import as_bytes, chunk_bounds, e2m1_scaled, fp8_qdq_groups, store_split
 from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
+from redknot.kernels.triton.slice_sum import _slice_sum_tail, counters
 from redknot.kernels.triton.stream_scaled import _scaled_mm, tile_of  # noqa: F401 (tile_of: public helper)
 
 # Programs a split-K launch aims for (an H200 has 132 SMs; a few waves hide the load latency).
@@ -123,11 +124,13 @@ def _mma(a, w, acc, SWAP: tl.constexpr):
 def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
                tile_group_ptr, tile_row_ptr, tile_end_ptr, M, N, K, KSPLIT,
                stride_am, stride_ah, stride_bg, stride_bn, stride_sbg, stride_sbn, stride_ps, stride_pm,
+               out_ptr, cnt_ptr, stride_om,
                W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
                DUAL: tl.constexpr, SWAP: tl.constexpr, A_RAW: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE: tl.constexpr = 0):
     """K and KSPLIT are multiples of BLOCK_K (the host picks BLOCK_K so): no K masks in the loop, so the
-    weight rows load as full 16-byte vectors."""
+    weight rows load as full 16-byte vectors. FUSE (a dense stream, no W3): the slice sum into ``out`` in this
+    launch (``slice_sum``; 0: partials only)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -200,9 +203,13 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
             acc3 = tl.trans(acc3)
         out = pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
         omask = rmask[:, None] & cmask[None, :]
-        tl.store(p_ptr + out, acc, mask=omask)
+        if FUSE != 2:
+            tl.store(p_ptr + out, acc, mask=omask)
         if DUAL:
             tl.store(p3_ptr + out, acc3, mask=omask)
+        if FUSE != 0:
+            _slice_sum_tail(acc, p_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(1) + pid_n, rows, cols, omask,
+                            stride_ps, stride_pm, stride_om, FUSE)
 
 
 def dense_row_tile(rows: int) -> int:
@@ -271,7 +278,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
               w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_m: int = ROW_TILE,
               block_n: int = 0, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
               tiles=None, swap: bool = False, raw: bool = False, decode: Optional[str] = None,
-              num_stages: int = 3):
+              num_stages: int = 3, out: torch.Tensor | None = None):
     """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
 
     a: bf16 QDQ'd activations [R, K] (with ``decode="registers"`` and an MXFP4 weight: de-interleaved
@@ -281,7 +288,9 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     ends; ``tiles``: its ``tile_map`` for ``block_m``, when the caller shares one between launches).
     ``decode``: ``scaled`` / ``registers`` / ``fp8`` (module docstring; None: ``DECODE``; ``fp8`` takes
     bf16 rows and quantises them to e4m3 first, and runs ``scaled`` for MXFP4 weights); ``swap``
-    applies to ``registers`` (``scaled`` always holds the weight as the first operand)."""
+    applies to ``registers`` (``scaled`` always holds the weight as the first operand). ``out`` [rows, N] (a
+    dense weight, ``registers`` or ``fp8``): the slice sum too, in the stream launch (``slice_sum``: the bits of
+    ``reduce_rows(partials, out)``), and ``out`` is returned instead of the partials."""
     decode = decode or DECODE
     if decode not in DECODES:
         raise ValueError(f"splitk_mm: decode={decode!r}: must be one of {DECODES}")
@@ -303,17 +312,21 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     ksplit = cdiv(cdiv(K, S), bk) * bk
     S = cdiv(K, ksplit)
     dual = w3 is not None
+    if out is not None and (grouped or dual or w_fp4 or decode == "scaled" or out.shape != (rows, N)
+                            or out.stride(-1) != 1):
+        raise ValueError("splitk_mm: out (the slice sum in the stream launch) is for a dense FP8 weight with the "
+                         f"registers / fp8 decodes and an [rows, N] output; got decode={decode!r}")
     p = torch.empty(S, rows, N, dtype=torch.float32, device=a.device)
     p3 = torch.empty_like(p) if dual else p
     if rows == 0:
-        return (p, p3) if dual else p
+        return (p, p3) if dual else (p if out is None else out)
     bm = block_m
     if decode == "fp8":  # FP8 MMA per 32-wide K group (``stream_fp8``)
         from redknot.kernels.triton.quant_mx import act_quant_mx
         from redknot.kernels.triton.stream_fp8 import fp8_stream
         inside = rows <= FP8_INKERNEL_QUANT_MAX_ROWS
         aq, sa = (a, None) if inside else act_quant_mx(a)
-        return fp8_stream(aq, sa, w, ws, p, ksplit, wb, bm, block_n, num_warps=num_warps)
+        return fp8_stream(aq, sa, w, ws, p, ksplit, wb, bm, block_n, num_warps=num_warps, out=out)
     inline = grouped and tiles is None and decode == "scaled"
     if inline:  # each program finds its tile (``tile_of``)
         n_tiles = cdiv(rows, bm) + min(offs.numel(), rows)
@@ -340,13 +353,16 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
             num_stages=num_stages)
         return (p, p3) if dual else p
     a_h = a.stride(0) if w_fp4 and not raw else 0
+    fuse = 0 if out is None else (2 if S == 1 else 1)
+    cnt = counters(p.device, grid[0] * grid[1]) if fuse == 1 else p
     _splitk_mm[grid](
         a, rowid if rowid is not None else p, w3d, s3d, w3g, s3g, p, p3, tg, tr, te, rows, N, K, ksplit,
         a_m, a_h, w3d.stride(0), w3d.stride(1), s3d.stride(0), s3d.stride(1), p.stride(0), p.stride(1),
+        out if out is not None else p, cnt, out.stride(0) if out is not None else 0,
         W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, SWAP=swap, A_RAW=raw, BLOCK_M=bm,
         BLOCK_N=block_n,
-        BLOCK_K=bk, num_warps=num_warps, num_stages=num_stages)
-    return (p, p3) if dual else p
+        BLOCK_K=bk, FUSE=fuse, num_warps=num_warps, num_stages=num_stages)
+    return (p, p3) if dual else (p if out is None else out)
 
 
 @triton.jit

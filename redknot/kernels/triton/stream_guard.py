@@ -49,6 +49,9 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
         return gemv_check(decode, device, seed)
     if decode in ("registers", "registers_wide"):
         return None
+    if isinstance(decode, str) and decode.endswith("_f"):   # gemm_mx.FUSED_DECODES: the base decode's bits
+        from redknot.kernels.triton.gemm_mx import fused_check
+        return fused_check(decode, device, seed)
     launch = dict(LINEAR_ALIASES.get(decode, (decode, {}))[1])
     decode = LINEAR_ALIASES.get(decode, (decode, {}))[0]
     g = torch.Generator(device=device).manual_seed(seed)
