@@ -21,6 +21,8 @@ counts. Scratch: the bf16 weights of one chunk plus row buffers of ``T·k`` rows
 (``moe_prefill_fp8``): grouped GEMMs on FP8 tensor cores, FP4 turned into e4m3 in registers, one MMA per
 32-wide K group scaled in fp32 (the reference's block order), the SwiGLU epilogue writing the W2 input as
 e4m3 + E8M0; each such plan passes a first-use check against ``grouped`` on the device before it runs.
+``scaled`` (``moe_prefill_scaled``): the experts expanded to e4m3 with per-column fp32 scales, rows quantised
+with one scale each, ``torch._scaled_grouped_mm`` (library FP8 grouped GEMM), gated the same way.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ class MoePlan:
     kernel as a plain grouped GEMM: one K slice, ``block_m`` rows per tile, FP4 decoded in registers) or
     ``fp8`` (``moe_prefill_fp8``: FP4 -> e4m3 in registers, one FP8 MMA per 32-wide K group, ``block_k`` =
     32 x the groups per loop step, the weight tile as the MMA's first operand; ``decode`` ``fp8`` or
-    ``fp8_prefetch``)."""
+    ``fp8_prefetch``); ``scaled`` (``moe_prefill_scaled``: ``decode`` ``e4m3_c<C>`` experts per chunk, or
+    ``e4m3_all``; ``e4m3f_...`` the library's fast FP8 accumulation; the other fields unused)."""
     path: str
     block_m: int = 64
     block_n: int = 128
@@ -95,6 +98,11 @@ PREFILL_TUNER = ConfigTuner("moe_mx_prefill", [
     # 255 / 185, 195 / 101; no spills in the K loops but the 4-warp W2's (2 LDL per 4-group step).
     MoePlan("fp8", 128, 64, 128, 8, True, "fp8f", 3), MoePlan("fp8", 128, 64, 128, 4, True, "fp8f", 4),
     MoePlan("fp8", 128, 128, 128, 8, True, "fp8f", 3), MoePlan("fp8", 64, 128, 128, 8, True, "fp8f", 3),
+    # ``scaled`` (``moe_prefill_scaled``): the experts expanded to e4m3 with one fp32 scale per column (exact where a
+    # column's scale bytes span <= 14) in chunks of 64 / 128 experts (1.5 / 3.0 GB of scratch at V4.1 sizes), rows
+    # quantised with one power-of-two scale each, ``torch._scaled_grouped_mm`` (CUTLASS) for W1 | W3 and W2; gated
+    # by its first-use check against ``grouped``. Not measured on the H200.
+    MoePlan("scaled", decode="e4m3_c64"), MoePlan("scaled", decode="e4m3_c128"),
 ])
 # (Two fp32 accumulators of [BN, BM] and two decoded [BN, BK] weight tiles per program: these stay near
 # 128 registers per thread; 128 x 128 tiles with 8 warps would spill.)
@@ -362,6 +370,10 @@ def moe_prefill(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_sca
     if plan.path == "fp8":
         from redknot.kernels.triton import moe_prefill_fp8 as fp8
         return fp8.guarded(plan, x.device, lambda: fp8.moe_prefill_fp8(*args, plan), lambda: moe_grouped(*args))
+    if plan.path == "scaled":
+        from redknot.kernels.triton import moe_prefill_scaled as scaled
+        return scaled.guarded(plan, x.device, lambda: scaled.moe_prefill_scaled(*args, plan),
+                              lambda: moe_grouped(*args))
     return moe_splitk(*args, plan=plan)
 
 
