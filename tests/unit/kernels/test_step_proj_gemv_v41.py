@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from step_proj_cases import fp8_weight, reference
 
 from redknot.kernels import ref_v41, tuning_cache
-from redknot.kernels.triton import gemm_mx, gemv_mx
+from redknot.kernels.triton import gemm_mx, gemv_mx, gemv_plan
 from redknot.kernels.triton import step_proj_v41 as sp
 from redknot.kernels.triton.step_proj_v41 import (
     Proj,
@@ -240,11 +240,11 @@ WAVE = list(sp.WAVE_NAMES)
 
 @pytest.mark.parametrize("name", ["qgemv_k128", "pgemv_n16"])
 def test_flat_grid_equals_the_block_slice_grid(name, kernel_device, monkeypatch):
-    """``*_flat``: exactly nb0·S0 + nb1·S1 programs (``gemv_mx.TARGET_PROGRAMS`` 6 here, so the two weights get
+    """``*_flat``: exactly nb0·S0 + nb1·S1 programs (``gemv_plan.TARGET_PROGRAMS`` 6 here, so the two weights get
     different K slice counts, as wq_b and the indexer's wq_b do at V4.1) with the partials of the (column block,
     slice) grid, bit for bit."""
     from redknot.kernels.triton import step_proj_stream_v41 as st
-    monkeypatch.setattr(gemv_mx, "TARGET_PROGRAMS", 6)
+    monkeypatch.setattr(gemv_plan, "TARGET_PROGRAMS", 6)  # where gemv_mx.slices reads it
     k = 2048
     x, _, g = case_inputs(2, k, 111, kernel_device)
     weights = [fp8_weight(n, k, g, kernel_device) for n in (96, 48)]
