@@ -26,6 +26,15 @@ def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
               act_group: int = 32) -> torch.Tensor:
     if act_group != 32 or block % 32:
         return ref_v41.linear_mx(x, weight, weight_scale, block, act_group)
+    k, n = x.shape[-1], weight.shape[0]
+    if x.dtype == torch.bfloat16 and k and x.numel() // k > gemm_mx.SPLITK_MAX_ROWS:
+        # prefill rows: the bf16 library GEMM on decoded operands or the rowwise FP8 one, measured per class
+        from redknot.kernels.triton.linear_prefill_mx import linear_prefill
+
+        x2 = x.reshape(-1, k)
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+        return linear_prefill(x2, weight, weight_scale.view(torch.uint8), block, out).view(*x.shape[:-1], n)
     return gemm_mx.linear_mx(x, weight, weight_scale, block, act_group)
 
 

@@ -1,13 +1,13 @@
-"""The eager prefill forward with the prefill row fusions (``prefill_rows_v41`` through ``fused_rows.PREFILL_ROWS``:
-q and attention-output RoPE in place, the shared expert's SwiGLU, the MoE combine with the ffn site's post mix,
-the final collapse, the router's tail in one launch, the selected entries' page rows in one launch, the mHC sites'
-collapse in their mixing pass; and the attention output taken without a copy) against the same forward without
-them, on the e2e_v41 toy cut: attention, cache inserts and indexer on their Triton kernels (interpreter), the FP8
-linears and MXFP4 experts on the registry's reference ops (fast on a CPU; the fusions do not depend on them). A
-20-row chunk, above the step kernels' 16, so the prefill paths run. The exact fusions (RoPE, combine + post, page
-rows, no copy) give the same output rows and cache bytes bit for bit; with the SwiGLU, the final collapse and the
-router too (another ``exp`` and summation orders) the rows stay within a bf16 ulp of their scale; the one-pass
-sites' ulps are amplified by the toy model (see ``_check_all``)."""
+"""The eager prefill forward with the prefill row fusions (``prefill_rows_v41`` through ``fused_rows.PREFILL_ROWS``: q
+and attention-output RoPE in place, the shared expert's SwiGLU, the MoE combine with the ffn site's post mix, the
+final collapse, the router's tail in one launch, the selected entries' page rows in one launch, the mHC sites'
+collapse in their mixing pass, the Engram hashes in two launches; and the attention output taken without a copy)
+against the same forward without them, on the e2e_v41 toy cut: attention, cache inserts and indexer on their Triton
+kernels (interpreter), the FP8 linears and MXFP4 experts on the registry's reference ops (fast on a CPU; the fusions
+do not depend on them). A 20-row chunk, above the step kernels' 16, so the prefill paths run. The exact fusions
+(RoPE, combine + post, page rows, hashes, no copy) give the same output rows and cache bytes bit for bit; with the
+SwiGLU, the final collapse and the router too (another ``exp`` and summation orders) the rows stay within a bf16 ulp
+of their scale; the one-pass sites' ulps are amplified by the toy model (see ``_check_all``)."""
 import sys
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from redknot.models.deepseek_v41 import fused_rows
 
 # Four interpreted toy prefill forwards (~170 s on 2 cores): -m slow; on a GPU the same at 200 rows, -m gpu. Each
 # kernel is held against its PyTorch math in tests/unit/kernels/test_prefill_rows_v41.py (default run) and on the GPU.
-EXACT = ("rope_cols", "add_post", "page_entries")
+EXACT = ("rope_cols", "add_post", "page_entries", "hashes")
 
 
 def _model(dev: torch.device):
@@ -45,11 +45,12 @@ def _runs(dev: torch.device, rows: int):
     ids = e2e_v41.tokens(rows, cfg.vocab_size, 1)
     out, calls = {}, {}
     saved = dict(fused_rows.PREFILL_ROWS)
+    import redknot.kernels.triton.prefill_hash_v41 as ph
     import redknot.kernels.triton.step_mhc_v41 as mh
     import redknot.kernels.triton.step_moe_v41 as sm
 
     mods = {"rope_cols_": pr, "swiglu_rows": pr, "add_post": pr, "collapse_rows": pr, "route_topk": sm,
-            "page_entries": pr, "_site_pre_one_pass": mh}
+            "page_entries": pr, "_site_pre_one_pass": mh, "prefill_hashes": ph}
     real = {n: getattr(m, n) for n, m in mods.items()}
     try:
         for name, on in (("off", ()), ("exact", EXACT), ("ulp", tuple(k for k in saved if k != "mhc_one_pass")),
@@ -84,6 +85,7 @@ def _check_exact(runs):
     n = cfg.n_layers
     c = calls["exact"]
     assert c["rope_cols_"] == 2 * n and c["add_post"] == c["page_entries"] == n, c   # every toy layer reads entries
+    assert c["prefill_hashes"] == 1, c                                               # the step's Engram hashes
     (x, sx), (y, sy) = out["exact"], out["off"]
     assert torch.equal(x, y)
     for a, b in zip(sx, sy):
