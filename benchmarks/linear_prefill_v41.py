@@ -9,7 +9,8 @@ weight decoded to bf16 + ``torch.mm``; ``fp8_rowwise``: rowwise operands + ``tor
 TFLOP/s, the share of the FP8 (1451 TFLOP/s) and bf16 (796) peaks, and the norm-wise error against the reference
 ``linear_mx`` (fp32 on the decoded operands); the ``fp8_rowwise`` parts (activations, weight, GEMM) timed alone;
 then the chunk's sum over its 39 calls per candidate and for the faster per shape, and what the tuner picks
-through the registry op. Results: ``DIR/linear_prefill_v41.md``.
+through the registry op; then the attention's grouped ``wo_a`` (``GROUPED_TUNER``: einsum, bmm_out, mm_cols).
+Results: ``DIR/linear_prefill_v41.md``.
 """
 from __future__ import annotations
 
@@ -107,6 +108,20 @@ def main(argv=None) -> int:
         best, pick = _shape(name, n, k, calls, rows, device, g, lines, parts, total)
         best_total += best
         picked.append(pick)
+    g8, r, k = (2, 48, 96) if a.smoke else (8, 1024, 4096)     # the grouped wo_a: 8 groups of 1024 x 4096
+    o3 = torch.randn(rows, g8, k, generator=g, device=device).to(torch.bfloat16)
+    wo_a = (torch.randn(g8, r, k, generator=g, device=device) * k ** -0.5).to(torch.bfloat16)
+    want = lp.grouped_wo_a(o3, wo_a, "einsum")
+    grouped = []
+    for c in lp.GROUPED_TUNER.candidates:
+        got = lp.grouped_wo_a(o3, wo_a, c)
+        ms = _bench(lambda c=c: lp.grouped_wo_a(o3, wo_a, c), device)
+        tf = 2.0 * rows * g8 * r * k / (ms * 1e-3) if ms > 0 else float("nan")
+        grouped.append(f"{c} {ms:.4f} ms ({tf / 1e12:.0f} TFLOP/s, {100 * tf / BF16_PEAK:.1f} % bf16 peak, "
+                       f"max diff to einsum {float((got.float() - want.float()).abs().max()):.3g})")
+    lp.grouped_wo_a(o3, wo_a)                # the tuner's first use
+    chosen = lp.GROUPED_TUNER.choices.get(((g8, r, k), o3.dtype, lp.row_class(rows)), "einsum (untimed)")
+    lines += ["", f"Grouped wo_a ({g8} x [{r}, {k}], 5 calls a chunk): " + "; ".join(grouped) + f"; tuner: {chosen}"]
     lines += ["", "fp8_rowwise parts (ms): activations, weight, the GEMM alone (TFLOP/s, % FP8 peak)", "",
               "| linear | act_rowwise | weight_rowwise | _scaled_mm | TFLOP/s | % FP8 peak |",
               "|---|---|---|---|---|---|", *parts, "",

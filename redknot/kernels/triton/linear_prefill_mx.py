@@ -170,3 +170,37 @@ def linear_prefill(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
         return run(c)
 
     return run(PREFILL_TUNER.pick(key, tuning_run, x2.device))
+
+
+# The attention's grouped output projection at prefill rows (``attention.grouped_output``: o [T, g, k] bf16 times
+# each group's bf16 ``wo_a`` [r, k], the reference's bf16 GEMM): ``einsum`` (one batched GEMM over the groups, its
+# [g, T, r] result copied to [T, g·r]: 134 MB written and read again at 8192 rows of the cut), ``bmm_out`` (the
+# same batched GEMM written into the [T, g·r] layout: ldc g·r, batch stride r, where the library takes it), and
+# ``mm_cols`` (one GEMM per group into its columns). Products and fp32 sums of one bf16 GEMM each; the library's
+# kernel (and so the summation order) may differ between them. Measured per shape and row class on the first use;
+# not measured on the H200 (the H100 ran the einsum at ~0.84 ms a call at 8192 rows, ~650 TFLOP/s).
+GROUPED_TUNER = ConfigTuner("v41_grouped_wo_a", ["einsum", "bmm_out", "mm_cols"])
+
+
+def grouped_wo_a(o3: torch.Tensor, wo_a: torch.Tensor, choice: str = "") -> torch.Tensor:
+    """o3 [T, g, k] · wo_a [g, r, k]ᵀ per group -> [T, g·r] (``torch.einsum("ngk,grk->ngr")`` reshaped);
+    ``choice`` a ``GROUPED_TUNER`` name, else the tuner's for (shape, row class)."""
+    t, g, k = o3.shape
+    r = wo_a.shape[1]
+
+    def run(c: str) -> torch.Tensor:
+        if c == "einsum":
+            return torch.einsum("ngk,grk->ngr", o3, wo_a).reshape(t, g * r)
+        z = torch.empty(t, g * r, dtype=o3.dtype, device=o3.device)
+        if c == "bmm_out":
+            torch.bmm(o3.transpose(0, 1), wo_a.transpose(1, 2), out=z.view(t, g, r).transpose(0, 1))
+        elif c == "mm_cols":
+            for j in range(g):
+                torch.mm(o3[:, j], wo_a[j].t(), out=z[:, j * r:(j + 1) * r])
+        else:
+            raise ValueError(f"grouped_wo_a: {c!r} is not one of {GROUPED_TUNER.candidates}")
+        return z
+
+    if choice:
+        return run(choice)
+    return run(GROUPED_TUNER.pick(((g, r, k), o3.dtype, row_class(t)), run, o3.device))

@@ -28,6 +28,7 @@ from redknot.models.deepseek_v41.ref_math import (
 from redknot.models.deepseek_v41.state import V41State
 
 ROW_CHUNK = 256  # query rows scored / attended at once (bounds [rows, candidates, dim] temporaries)
+PREFILL_ROWS = 128  # above this many rows the grouped output's layout is chosen by measurement (linear_prefill_mx)
 
 
 @dataclass
@@ -113,7 +114,12 @@ def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w
     ops = ops_of(w)
     wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None
             else w.dense(f"{p}.wo_a.weight", num.dtype)).view(g, cfg.o_lora_rank, -1)
-    z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
+    if o.is_cuda and t > PREFILL_ROWS:   # prefill rows: the batched GEMM's layout measured (same products)
+        from redknot.kernels.triton.linear_prefill_mx import grouped_wo_a
+
+        z = grouped_wo_a(o.reshape(t, g, -1), wo_a)
+    else:
+        z = torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
     if mix is not None:
         hp = fused_rows.linear_post_rows(z, w, f"{p}.wo_b.weight", num, *mix)
         if hp is not None:

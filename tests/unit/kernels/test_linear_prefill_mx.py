@@ -146,3 +146,18 @@ def test_benchmark_smoke_runs(tmp_path):
     assert mod.main(["--smoke", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "linear_prefill_v41.md").read_text()
     assert "failed" not in text and text.count("fp8_rowwise |") == len(mod.SMOKE)
+
+
+@pytest.mark.parametrize("choice", ["einsum", "bmm_out", "mm_cols"])
+def test_grouped_wo_a_layouts_are_the_grouped_gemm(choice, kernel_device):
+    """Each ``GROUPED_TUNER`` layout against the fp32 per-group product (bf16 output rounding apart)."""
+    g = torch.Generator().manual_seed(11)
+    o = torch.randn(150, 4, 96, generator=g).to(torch.bfloat16)
+    w = (torch.randn(4, 48, 96, generator=g) / 10).to(torch.bfloat16)
+    want = torch.einsum("ngk,grk->ngr", o.float(), w.float()).reshape(150, -1)
+    got = lp.grouped_wo_a(o.to(kernel_device), w.to(kernel_device), choice).cpu()
+    assert got.shape == (150, 4 * 48) and got.is_contiguous()
+    assert lp._rel(got, want) <= 4e-3
+    assert lp._rel(got[:, 48:96], want[:, :48]) > 0.5          # the groups land in their own columns
+    with pytest.raises(ValueError, match="not one of"):
+        lp.grouped_wo_a(o, w, "nope")
