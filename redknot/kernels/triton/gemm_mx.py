@@ -294,8 +294,12 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 # warpgroup MMA: synchronous MMAs whose per-group rescales overlap the next group's MMA).
 # ``*_f`` (``FUSED_DECODES``): the same stream with the slice sum in the stream launch (``slice_sum``: the last
 # program of each output tile adds the tile's partials in slice order; the bits of the two launches, one launch
-# fewer per linear; not measured on the H200: the tuner keeps them only where the device times them faster).
-FUSED_DECODES = ("registers_f", "registers_wide_f", "fp8_f", "fp8_n32_f")
+# fewer per linear). ``*_f16``: and K slices of at least 16 K steps (``split_count``'s ``min_steps``; 4 for
+# ``registers``, 8 for ``fp8``): fewer slices, so fewer fp32 partials (S·rows·N·4 bytes written and read again:
+# at 32 rows ~28 % of the V4.1 step's dense weight bytes with the default slices, ~110 % at 128 rows), a grid of
+# fewer programs; one slice: no partial at all. Both a function of the weight shape only (batch-invariant). Not
+# measured on the H200: the tuner keeps them only where the device times them faster.
+FUSED_DECODES = ("registers_f", "registers_wide_f", "fp8_f", "fp8_n32_f", "registers_wide_f16", "fp8_f16")
 LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide", "fp8_n32",
                                                        *FUSED_DECODES])
 # Rows on which ``LINEAR_DECODE_TUNER`` times its candidates, whatever the size of the call that triggers
@@ -313,6 +317,45 @@ LINEAR_SMALL_TUNE_ROWS = 1
 SMALL_ROWS_CLASS = True
 
 
+def fused_name(name: str) -> tuple[str, bool, int]:
+    """(base decode, fused, min K steps per slice or 0 for the decode's default) of a dense decode name."""
+    if name not in FUSED_DECODES:
+        return name, False, 0
+    base, _, steps = name.rpartition("_f")
+    return base, True, int(steps or 0)
+
+
+def _dense_stream(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int, out: torch.Tensor,
+                  name: str, unfused: bool = False) -> torch.Tensor:
+    """The dense stream ``name`` (``LINEAR_DECODE_TUNER``'s names less the GEMV ones) into ``out``; ``unfused``:
+    a ``FUSED_DECODES`` name's launch shape and slices, its slice sum by ``reduce_rows`` (the first-use check's
+    comparison)."""
+    from redknot.kernels.triton import splitk_mx
+    from redknot.kernels.triton.dequant_mx import qdq_bf16
+    rows = x2.shape[0]
+    dec, fused, min_steps = fused_name(name)
+    fused = fused and not unfused
+    warps, swap, bn = 4, False, 0
+    if dec == "fp8_n32":
+        dec, bn = "fp8", 32
+    if dec == "registers":
+        raw, bm = rows <= splitk_mx.RAW_MAX_ROWS, splitk_mx.ROW_TILE
+    elif dec == "registers_wide":
+        bm = splitk_mx.dense_row_tile(rows)
+        raw, warps, dec, swap = bm == splitk_mx.ROW_TILE, 8 if bm >= 64 else 4, "registers", True
+    else:
+        raw, bm = dec == "fp8" or rows <= splitk_mx.SCALED_RAW_MAX_ROWS, splitk_mx.dense_row_tile(rows)
+    splits = None
+    if min_steps:   # the stream's own K step (128 for every decode at K a multiple of 128) and column block
+        N, K = weight.shape
+        splits = splitk_mx.split_count(N, K, bn or (splitk_mx.SCALED_BLOCK_N if dec != "registers" else 64),
+                                       splitk_mx.block_k_for(K, False, 0), min_steps)
+    p = splitk_mx.splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, rows, w_fp4=False, wb=block, raw=raw,
+                            decode=dec, block_m=bm, num_warps=warps, swap=swap, block_n=bn, splits=splits,
+                            out=out if fused else None)
+    return p if fused else splitk_mx.reduce_rows(p, out)
+
+
 def fused_check(decode: str, device: torch.device, seed: int = 1234) -> str | None:
     """None when the ``FUSED_DECODES`` name ``decode`` gives, on fresh random operands, the bits of its base
     decode's two launches (the stream, then ``reduce_rows``): several K slices (the last-program slice sum) and
@@ -324,13 +367,14 @@ def fused_check(decode: str, device: torch.device, seed: int = 1234) -> str | No
     for n, k, rows in ((128, 4096, 5), (96, 4096, 33), (64, 256, 3)):
         w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
         x = torch.randn(rows, k, generator=g, device=device).to(torch.bfloat16)
-        got = _linear_splitk(x, w, ws.view(torch.uint8), 32, torch.empty(rows, n, dtype=x.dtype, device=device),
-                             decode)
-        want = _linear_splitk(x, w, ws.view(torch.uint8), 32, torch.empty(rows, n, dtype=x.dtype, device=device),
-                              decode[:-2])
+        got = _dense_stream(x, w, ws.view(torch.uint8), 32, torch.empty(rows, n, dtype=x.dtype, device=device),
+                            decode)
+        want = _dense_stream(x, w, ws.view(torch.uint8), 32, torch.empty(rows, n, dtype=x.dtype, device=device),
+                             decode, unfused=True)
         if not torch.equal(got, want):
             diff = int((got != want).sum())
-            return f"differs from decode={decode[:-2]!r} in {diff} of {got.numel()} values at [{rows}, {n}] K={k}"
+            return (f"differs from its two launches (decode={fused_name(decode)[0]!r} and reduce_rows) in {diff} of "
+                    f"{got.numel()} values at [{rows}, {n}] K={k}")
     return None
 
 
@@ -357,8 +401,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
     ``fp8``: activations quantised by a separate pass (each program would otherwise repeat the amax work
     for 16+ padded rows per weight tile), one row tile of up to 128 rows (each row tile reads the whole
     weight)."""
-    from redknot.kernels.triton import gemv_mx, splitk_mx, stream_guard
-    from redknot.kernels.triton.dequant_mx import qdq_bf16
+    from redknot.kernels.triton import gemv_mx, stream_guard
     rows = x2.shape[0]
     if decode is None and SMALL_ROWS_CLASS and tuning_cache.small_rows_class() and rows <= gemv_mx.MAX_ROWS:
         made_small = {}
@@ -388,22 +431,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
         decode = _stream_decode(x2, weight, ws, block, out)
 
     def run(dec: str) -> torch.Tensor:
-        warps, swap, bn = 4, False, 0
-        fused = dec in FUSED_DECODES
-        dec = dec[:-2] if fused else dec
-        if dec == "fp8_n32":
-            dec, bn = "fp8", 32
-        if dec == "registers":
-            raw, bm = rows <= splitk_mx.RAW_MAX_ROWS, splitk_mx.ROW_TILE
-        elif dec == "registers_wide":
-            bm = splitk_mx.dense_row_tile(rows)
-            raw, warps, dec, swap = bm == splitk_mx.ROW_TILE, 8 if bm >= 64 else 4, "registers", True
-        else:
-            raw, bm = dec == "fp8" or rows <= splitk_mx.SCALED_RAW_MAX_ROWS, splitk_mx.dense_row_tile(rows)
-        p = splitk_mx.splitk_mm(x2 if raw else qdq_bf16(x2), weight, ws, rows, w_fp4=False, wb=block, raw=raw,
-                                decode=dec, block_m=bm, num_warps=warps, swap=swap, block_n=bn,
-                                out=out if fused else None)
-        return p if fused else splitk_mx.reduce_rows(p, out)
+        return _dense_stream(x2, weight, ws, block, out, dec)
 
     if decode != "registers":
         return stream_guard.with_fallback(x2.device, decode, lambda: run(decode), lambda: run("registers"))

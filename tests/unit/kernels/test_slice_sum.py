@@ -24,31 +24,38 @@ def _inputs(device, n, k, rows, seed):
 
 
 def _slices(decode, n, k):
-    """The K slices the stream cuts for an [n, k] weight with ``decode`` (its base name)."""
-    base = decode[:-2]
-    scaled = base != "registers" and base != "registers_wide"
+    """The K slices the stream cuts for an [n, k] weight with the fused name ``decode``."""
+    base, fused, steps = gemm_mx.fused_name(decode)
+    assert fused
+    scaled = base not in ("registers", "registers_wide")
     bn = 32 if base == "fp8_n32" else 64
     bk = splitk_mx.block_k_for(k, False, splitk_mx.SCALED_BLOCK_K if scaled else 0)
-    return splitk_mx.split_count(n, k, bn, bk, splitk_mx.SCALED_MIN_STEPS if scaled else 4)
+    return splitk_mx.split_count(n, k, bn, bk, steps or (splitk_mx.SCALED_MIN_STEPS if scaled else 4))
 
 
 @pytest.mark.parametrize("decode", gemm_mx.FUSED_DECODES)
-@pytest.mark.parametrize("n,k,rows", [(96, 2048, 5), (160, 1024, 33), (64, 256, 20)])
+@pytest.mark.parametrize("n,k,rows", [(96, 4096, 5), (160, 2048, 33), (64, 256, 20)])
 def test_fused_slice_sum_is_the_two_launches_bits(decode, n, k, rows, kernel_device):
-    """Several K slices (last-program sum) and one slice (direct store): the same bits as the stream and then
-    ``reduce_rows``, and within the op's tolerance of the reference."""
+    """Several K slices (last-program sum) and one slice (direct store): the same bits as the same launch shape's
+    partials summed by ``reduce_rows`` (and, with the default slices, as the unfused name), and within the op's
+    tolerance of the reference."""
     x, w, ws = _inputs(kernel_device, n, k, rows, seed=n + k + rows)
     got = gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=decode)
-    want = gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=decode[:-2])
+    base, _, steps = gemm_mx.fused_name(decode)
+    out = torch.empty(rows, n, dtype=x.dtype, device=kernel_device)
+    want = gemm_mx._dense_stream(x, w, ws.view(torch.uint8), 32, out, decode, unfused=True)   # partials + reduce_rows
     assert torch.equal(got, want)
+    if not steps:   # the default slices: the bits of the tuner's unfused name too
+        assert torch.equal(got, gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=base))
     assert _rel(got, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
 
 
 def test_the_cases_cover_both_tails():
     """The shapes above run the last-program sum (S > 1) and the direct store (S == 1) for every decode."""
     for decode in gemm_mx.FUSED_DECODES:
-        assert _slices(decode, 96, 2048) > 1
+        assert _slices(decode, 96, 4096) > 1
         assert _slices(decode, 64, 256) == 1
+    assert _slices("registers_wide_f16", 96, 4096) == 2 < _slices("registers_wide_f", 96, 4096)
 
 
 def test_counters_are_left_zero_for_the_next_launch(kernel_device):
@@ -96,7 +103,7 @@ def test_first_use_check_passes_and_catches_a_wrong_sum(kernel_device, monkeypat
         return splitk_mx.reduce_rows(p[:-1] if p.shape[0] > 1 else p * 0.5, torch.empty_like(
             torch.empty(rows, w.shape[0], dtype=torch.bfloat16, device=a.device)))
     monkeypatch.setattr(splitk_mx, "splitk_mm", drop_last_slice)
-    assert "differs from decode='registers'" in stream_guard.self_check("registers_f", device)
+    assert "differs from its two launches" in stream_guard.self_check("registers_f", device)
 
 
 def test_the_tuner_holds_the_fused_names_after_the_earlier_ones():
@@ -104,3 +111,6 @@ def test_the_tuner_holds_the_fused_names_after_the_earlier_ones():
     c = gemm_mx.LINEAR_DECODE_TUNER.candidates
     assert c[:5] == ["fp8", "scaled", "registers", "registers_wide", "fp8_n32"]
     assert c[5:] == list(gemm_mx.FUSED_DECODES)
+    assert gemm_mx.fused_name("registers_wide_f16") == ("registers_wide", True, 16)
+    assert gemm_mx.fused_name("fp8_n32_f") == ("fp8_n32", True, 0)
+    assert gemm_mx.fused_name("fp8_n32") == ("fp8_n32", False, 0)
