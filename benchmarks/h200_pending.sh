@@ -2,7 +2,8 @@
 # The H200 measurements the CPU-side kernels of benchmarks/NOTES.md are waiting for, in priority order.
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
-#   STAGE: decode tests prefill attention gemv moe_stream moe_prefill moe_fold indexer v4_indexer v4_attention v4_cut
+#   STAGE: decode tests prefill attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
+#          v4_indexer v4_attention v4_cut
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
 # `decode` did not finish in 330 s cold and took 83 s warm), so give a cold store's first call 540 s for `decode`
@@ -23,7 +24,7 @@ TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv step_gemv select_b1 rope attention gemv moe_stream
-                                    moe_prefill moe_fold indexer v4_indexer v4_attention v4_cut)
+                                    moe_prefill moe_fold moe_scaled moe_scaled_tests indexer v4_indexer v4_attention v4_cut)
 
 GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
   tests/unit/model/v41_forward/test_v41_tensor_step_kernels.py tests/kernels/test_step_moe_v41_gpu.py
@@ -84,6 +85,13 @@ for s in "${STAGES[@]}"; do
     moe_fold)  # MoE prefill with the weight scale folded into the FP4 decode, next to the halves order
       stage moe_fold 200 python3 benchmarks/kernels_v41.py --only prefill --prefill-decodes fp8ht,fp8f \
         --out "$OUT/moe_fold" --budget-s B ;;
+    moe_scaled)  # MoE prefill through e4m3 experts + torch._scaled_grouped_mm (moe_prefill_scaled) at 8K / 32K tokens:
+      # each plan whole (err vs ref_v41, inexact weight columns) and the one-chunk plan by part, next to the grouped plan
+      stage moe_scaled 200 python3 benchmarks/kernels_v41.py --only prefill --prefill-decodes scaled --reps 10 \
+        --out "$OUT/moe_scaled" --budget-s B ;;
+    moe_scaled_tests)  # its GPU tests at V4.1 shapes (the library GEMM, the expansion, every plan against ref_v41)
+      stage moe_scaled_tests 240 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider \
+        tests/kernels/test_moe_prefill_scaled_gpu.py ;;
     v4_indexer)  # V4 indexer prefill: the gathered-key pipelined stream next to the paged kernel
       stage v4_indexer 180 python3 benchmarks/kernels.py --skip-checks --only indexer_topk --contexts 32768 450560 \
         --budget-s B --out "$OUT/v4_indexer" ;;
@@ -94,7 +102,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv step_gemv select_b1 rope attention gemv moe_stream moe_prefill moe_fold indexer"\
+    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv step_gemv select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac

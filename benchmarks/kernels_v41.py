@@ -164,6 +164,8 @@ def _prefill_case_kept(desc: str, decodes) -> bool:
     routing and the combine always; an FP8 plan's rows (whole, W1+W3, W2) when its decode is listed; the measured
     choice never."""
     words = desc.split()
+    if "scaled" in words:  # the library-GEMM plans (``kernels_v41_scaled_cases``): whole and by part
+        return "scaled" in decodes
     if "plan" in words:
         return words[words.index("plan") + 1] in decodes
     if words[:3] in (["prefill", "part", "W1+W3"], ["prefill", "part", "W2"]):
@@ -203,7 +205,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-decodes", default="",
                     help="with --only prefill: only the FP8 plans of these decodes (comma-separated, e.g. "
                          "fp8ht,fp8f), whole and by part, next to the grouped plan, the routing and the combine "
-                         "(the measured-choice row, which tunes every candidate, is left out)")
+                         "(the measured-choice row, which tunes every candidate, is left out); 'scaled': the "
+                         "library-GEMM plans (moe_prefill_scaled) whole and by part at --scaled-tokens")
+    ap.add_argument("--scaled-tokens", default="8192,32768",
+                    help="with --only prefill: token counts of the library-GEMM plan rows (comma-separated)")
     args = ap.parse_args(argv)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -222,9 +227,14 @@ def main(argv=None) -> int:
     run.log(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (interpreter)'}; "
             f"dims {'toy' if args.smoke else 'V4.1'}")
     if args.only == "prefill":
+        from kernels_v41_cases import moe_memo
+        from kernels_v41_scaled_cases import scaled_cases
         decodes = {d for d in args.prefill_decodes.split(",") if d}
-        for desc, build in list(prefill_compare_cases(dims, device, args.smoke)) + list(
-                prefill_part_cases(dims, device, args.smoke)):
+        memo = moe_memo(dims, device)  # one set of expert weights for every case
+        tokens = [16, 32] if args.smoke else [int(t) for t in args.scaled_tokens.split(",") if t]
+        for desc, build in list(prefill_compare_cases(dims, device, args.smoke, *memo)) + list(
+                prefill_part_cases(dims, device, args.smoke, memo[0])) + list(
+                scaled_cases(dims, device, args.smoke, tokens, *memo)):
             if decodes and not _prefill_case_kept(desc, decodes):
                 continue
             timed(run, build, desc)

@@ -192,3 +192,19 @@ def test_plan_names():
         sc.chunk_experts(moe_mx.MoePlan("scaled", decode="e4m3_x"), 8)
     scaled = [p for p in moe_mx.PREFILL_TUNER.candidates if p.path == "scaled"]
     assert [p.decode for p in scaled] == ["e4m3_c64", "e4m3_c128"]
+
+
+@pytest.mark.slow
+def test_kernel_bench_scaled_rows_smoke(tmp_path, kernels_v41_main):
+    """``kernels_v41.py --only prefill --prefill-decodes scaled`` (CPU interpreter, toy sizes): every library-GEMM plan
+    at both token counts checked against the reference, the parts, the grouped pair; no FP8 plan row."""
+    assert kernels_v41_main(["--smoke", "--only", "prefill", "--prefill-decodes", "scaled", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "kernels_v41.md").read_text()
+    for t in (16, 32):
+        rows = [line for line in text.splitlines() if line.startswith(f"| moe_mx prefill | T={t} scaled ")]
+        assert len(rows) == 4 and all("err vs ref" in r for r in rows)
+        for part in ("scaled rows e4m3", "W1+W3 scaled e4m3_all", "scaled swiglu + rows e4m3", "W2 scaled e4m3_all"):
+            assert f"| moe_mx prefill part | T={t} {part} |" in text
+    assert "| moe_mx prefill part | scaled expand" in text
+    assert "| moe_mx prefill | T=16 |" in text  # the grouped plan (before)
+    assert " plan fp8" not in text and "FAIL" not in text
