@@ -161,3 +161,36 @@ def test_grouped_wo_a_layouts_are_the_grouped_gemm(choice, kernel_device):
     assert lp._rel(got[:, 48:96], want[:, :48]) > 0.5          # the groups land in their own columns
     with pytest.raises(ValueError, match="not one of"):
         lp.grouped_wo_a(o, w, "nope")
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_candidates_real_sizes():
+    """V4.1 cut shapes on the GPU: the rowwise operands' bits, both candidates against the reference, the registry
+    op through the tuner (its first use times both and gates fp8_rowwise), the grouped wo_a layouts."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev, rows = "cuda", 2048
+    g = torch.Generator(device=dev).manual_seed(0)
+    from redknot.kernels.triton import ops_mx
+
+    for n, k in ((5120, 8192), (32768, 1280), (512, 5120)):
+        w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=dev) * k ** -0.5, 32)
+        x = torch.randn(rows, k, generator=g, device=dev).to(torch.bfloat16)
+        want = ref_v41.linear_mx(x, w, ws, 32)
+        for c in lp.PREFILL_TUNER.candidates:
+            got = lp.linear_prefill(x, w, ws, 32, torch.empty(rows, n, dtype=torch.bfloat16, device=dev), c)
+            assert lp._rel(got, want) <= 4e-3, (n, k, c, lp._rel(got, want))
+        q, s = lp.act_rowwise(x[:256])
+        rq, rs = _act_ref(x[:256].cpu())
+        assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+        q, s = lp.weight_rowwise(w, ws, 32)
+        rq, rs = _weight_ref(w.cpu(), ws.cpu(), 32)
+        assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
+        assert lp._rel(ops_mx.linear_mx(x, w, ws), want) <= 1e-2
+        assert lp.PREFILL_TUNER.choices[((n, k), 32, rows)] in lp.PREFILL_TUNER.candidates
+    o = torch.randn(rows, 8, 4096, generator=g, device=dev).to(torch.bfloat16)
+    wo = (torch.randn(8, 1024, 4096, generator=g, device=dev) / 64).to(torch.bfloat16)
+    want = torch.einsum("ngk,grk->ngr", o.float(), wo.float()).reshape(rows, -1)
+    for c in lp.GROUPED_TUNER.candidates:
+        assert lp._rel(lp.grouped_wo_a(o, wo, c), want) <= 4e-3, c
+    assert lp._rel(lp.grouped_wo_a(o, wo), want) <= 4e-3

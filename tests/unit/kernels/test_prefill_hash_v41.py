@@ -95,3 +95,29 @@ def test_prefill_hashes_refuses_bad_tables():
         prefill_hashes(z, z, torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
                        torch.ones(1, 3, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
                        torch.zeros(1, 4, dtype=torch.long), 0)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_hashes_real_sizes():
+    """Two spans of 8000 and 192 rows (8192 in all) with the V4.1 Engram layout (n-grams up to 4, 8 heads)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = "cuda"
+    g = torch.Generator().manual_seed(1)
+    cfg = SimpleNamespace(engram_layer_ids=[1, 14], engram_max_ngram_size=4, engram_n_heads=8,
+                          engram_vocab_size=100000, engram_compressed_vocab_size=99092)
+    token_map = torch.randint(0, 99092, (129280,), generator=g)
+    token_map[torch.randint(0, 129280, (500,), generator=g)] = DEAD
+    spans = [Span(0, 8000, 0, 3, torch.zeros(4, dtype=torch.long, device=dev)),
+             Span(8000, 192, 16384, 5, torch.zeros(4, dtype=torch.long, device=dev))]
+    ids = torch.randint(0, 129280, (8192,), generator=g).to(dev)
+    ring = torch.randint(0, 99092, (8, 4), generator=g)
+    results = []
+    for triton in (False, True):
+        model = SimpleNamespace(hasher=EngramHasher(EngramLayout.create(cfg, pad_c=7), device=dev),
+                                token_map=token_map.to(dev), w=_fake_ops(triton))
+        state = SimpleNamespace(engram_ids=ring.clone().to(dev))
+        results.append((DeepseekV41._hashes(model, ids, spans, state), state.engram_ids.clone()))
+    (want, want_ring), (got, got_ring) = results
+    assert not fused_rows._FAILED
+    assert got.shape == (8192, 2, 24) and torch.equal(got, want) and torch.equal(got_ring, want_ring)
