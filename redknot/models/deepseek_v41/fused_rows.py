@@ -197,6 +197,23 @@ def linear_rows(x: torch.Tensor, w, name: str, num) -> Optional[torch.Tensor]:
     return None if y is None else y[0].view(x.shape[0], n)
 
 
+def wo_a_rows(o: torch.Tensor, wo_a: torch.Tensor, w, name: str, num) -> Optional[torch.Tensor]:
+    """The grouped ``wo_a`` z [T, g·r] of few bf16 rows o [T, g, K] (``wo_a`` the dequantised [g, r, K]) through
+    ``step_wo_a_v41.wo_a_rows`` (the einsum, or a GEMV on the stored FP8 weight where its tuner measured it faster;
+    the same exact products); None where it does not apply (the caller's einsum)."""
+    if not (o.dim() == 3 and o.dtype == num.dtype == wo_a.dtype == torch.bfloat16 and fused(w, o)):
+        return None
+    from redknot.kernels.triton.gemv_plan import MAX_ROWS
+    from redknot.kernels.triton.step_wo_a_v41 import wo_a_rows as rows
+    from redknot.models.deepseek_v41.moe import _fp8_linear_weights
+
+    got = _fp8_linear_weights(ops_of(w), w, name, num)
+    if o.shape[0] > MAX_ROWS or got is None or got[0].shape != (wo_a.shape[0] * wo_a.shape[1], o.shape[2]):
+        return None
+    # no _guarded: a GEMV that fails to build or check falls back to the einsum inside (stream_guard.first_use)
+    return rows(o, got[0], got[1], wo_a, 32)
+
+
 def linear_post_rows(x: torch.Tensor, w, name: str, num, h: torch.Tensor, post: torch.Tensor,
                      comb: torch.Tensor) -> Optional[torch.Tensor]:
     """``mhc_post(linear(x, w, name, num), h, post, comb)`` (the fused mHC site's post after the attention's output
