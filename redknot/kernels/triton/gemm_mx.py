@@ -299,7 +299,12 @@ def _linear_dequant(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bl
 # at 32 rows ~28 % of the V4.1 step's dense weight bytes with the default slices, ~110 % at 128 rows), a grid of
 # fewer programs; one slice: no partial at all. Both a function of the weight shape only (batch-invariant). Not
 # measured on the H200: the tuner keeps them only where the device times them faster.
-FUSED_DECODES = ("registers_f", "registers_wide_f", "fp8_f", "fp8_n32_f", "registers_wide_f16", "fp8_f16")
+# ``registers_w64_f*``: ``registers_wide`` with a 64-row tile and 4 warps at every row count (two tiles at 128
+# rows): ptxas (sm_90a, triton 3.6) serialises the wgmmas of the swapped ``registers`` kernel with 32-row tiles and
+# with 128-row tiles on 8 warps (C7515: non-wgmma instructions define accumulator registers inside the pipeline
+# stage), not with 64-row tiles on 4 warps; padded rows cost tensor-core work only.
+FUSED_DECODES = ("registers_f", "registers_wide_f", "fp8_f", "fp8_n32_f", "registers_wide_f16", "fp8_f16",
+                 "registers_w64_f", "registers_w64_f16")
 LINEAR_DECODE_TUNER = ConfigTuner("linear_mx_decode", ["fp8", "scaled", "registers", "registers_wide", "fp8_n32",
                                                        *FUSED_DECODES])
 # Rows on which ``LINEAR_DECODE_TUNER`` times its candidates, whatever the size of the call that triggers
@@ -343,6 +348,8 @@ def _dense_stream(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, bloc
     elif dec == "registers_wide":
         bm = splitk_mx.dense_row_tile(rows)
         raw, warps, dec, swap = bm == splitk_mx.ROW_TILE, 8 if bm >= 64 else 4, "registers", True
+    elif dec == "registers_w64":
+        raw, bm, dec, swap = False, 64, "registers", True
     else:
         raw, bm = dec == "fp8" or rows <= splitk_mx.SCALED_RAW_MAX_ROWS, splitk_mx.dense_row_tile(rows)
     splits = None
