@@ -118,13 +118,13 @@ def weight_rowwise(w: torch.Tensor, ws: torch.Tensor, block: int):
 
 
 def linear_fp8_rowwise(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
-                       out: torch.Tensor) -> torch.Tensor:
-    """``out`` [M, N] bf16 = the rowwise FP8 GEMM of :func:`act_rowwise` (x2) and :func:`weight_rowwise`."""
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[M, N] ``out_dtype``: the rowwise FP8 GEMM of :func:`act_rowwise` (x2) and :func:`weight_rowwise` (the
+    library writes a tensor of its own: copying it into a given one would move 2·M·N bytes twice more)."""
     a, sa = act_rowwise(x2)
     b, sb = weight_rowwise(weight, ws, block)
-    out.copy_(torch._scaled_mm(a, b.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out.dtype,
-                               use_fast_accum=False))
-    return out
+    return torch._scaled_mm(a, b.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=out_dtype,
+                            use_fast_accum=False)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -137,22 +137,26 @@ def row_class(rows: int) -> int:
     return min(next_pow2(max(rows, 1)), 16384)
 
 
-def linear_prefill(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int, out: torch.Tensor,
-                   choice: str = "") -> torch.Tensor:
-    """``linear_mx`` of x2 [M, K] bf16 (M above the split-K rows) into ``out`` [M, N]: ``choice`` (a
-    ``PREFILL_TUNER`` name), else the tuner's choice for (weight shape, block, row class)."""
+def linear_prefill(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
+                   out: torch.Tensor | None = None, choice: str = "") -> torch.Tensor:
+    """``linear_mx`` of x2 [M, K] bf16 (M above the split-K rows) -> [M, N]: ``out`` (allocated when None) for
+    ``dequant``, a tensor of the library's for ``fp8_rowwise``. ``choice``: a ``PREFILL_TUNER`` name, else the
+    tuner's choice for (weight shape, block, row class)."""
     from redknot.kernels.triton.gemm_mx import _linear_dequant
 
     N, K = weight.shape
 
+    def buffer() -> torch.Tensor:
+        return out if out is not None else torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+
     def run(c: str) -> torch.Tensor:
         if c == "dequant":
-            return _linear_dequant(x2, weight, ws, block, out)
+            return _linear_dequant(x2, weight, ws, block, buffer())
         if c != "fp8_rowwise":
             raise ValueError(f"linear_prefill: {c!r} is not one of {PREFILL_TUNER.candidates}")
         if K % 16 or N % 16:
             raise ValueError(f"linear_prefill: fp8_rowwise needs N and K multiples of 16, got [{N}, {K}]")
-        return linear_fp8_rowwise(x2, weight, ws, block, out)
+        return linear_fp8_rowwise(x2, weight, ws, block, x2.dtype)
 
     if choice:
         return run(choice)
@@ -160,11 +164,12 @@ def linear_prefill(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
 
     def tuning_run(c: str) -> torch.Tensor:
         if c == "fp8_rowwise" and key not in _GATED:   # the first use's gate, on this call's rows
-            want = _linear_dequant(x2, weight, ws, block, torch.empty_like(out))
-            err = _GATED[key] = _rel(run(c), want)
+            want = run("dequant")                      # out (or a new tensor); fp8_rowwise writes its own
+            got = run(c)
+            err = _GATED[key] = _rel(got, want)
             if not err <= GATE_TOL:
                 raise RuntimeError(f"fp8_rowwise: relative error {err:.3g} against dequant above {GATE_TOL}")
-            return out
+            return got
         if c == "fp8_rowwise" and not _GATED[key] <= GATE_TOL:
             raise RuntimeError(f"fp8_rowwise: relative error {_GATED[key]:.3g} against dequant above {GATE_TOL}")
         return run(c)

@@ -33,8 +33,7 @@ def linear_mx(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
         x2 = x.reshape(-1, k)
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-        return linear_prefill(x2, weight, weight_scale.view(torch.uint8), block, out).view(*x.shape[:-1], n)
+        return linear_prefill(x2, weight, weight_scale.view(torch.uint8), block).view(*x.shape[:-1], n)
     return gemm_mx.linear_mx(x, weight, weight_scale, block, act_group)
 
 
