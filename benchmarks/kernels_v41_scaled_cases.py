@@ -56,18 +56,20 @@ def scaled_cases(dims: V41Dims, device, smoke: bool, tokens: Sequence[int], weig
             st["parts"] = got
         return st["parts"]
 
-    def build_expand(t):
+    def build_expand(t, launch=()):
         w = weights()
         p = parts(t)
         w13, cs13, w2e, cs2 = p["w13"], p["cs13"], p["w2e"], p["cs2"]
+        kw = dict(zip(("block_n", "block_k", "num_warps"), launch))
 
         def run():
-            sc.expand_e4m3(w[0], w[1], 0, E, w13, cs13, 0)
-            sc.expand_e4m3(w[2], w[3], 0, E, w13, cs13, i)
-            sc.expand_e4m3(w[4], w[5], 0, E, w2e, cs2, 0)
+            sc.expand_e4m3(w[0], w[1], 0, E, w13, cs13, 0, **kw)
+            sc.expand_e4m3(w[2], w[3], 0, E, w13, cs13, i, **kw)
+            sc.expand_e4m3(w[4], w[5], 0, E, w2e, cs2, 0, **kw)
         packed = sum(t_.numel() for t_ in w)
-        return _case("moe_mx prefill part", f"scaled expand {E} experts W1+W3+W2", run, 0,
-                     packed + 3 * E * i * d + 4 * E * (2 * i + d), "hbm",
+        shape = launch or (sc.EXPAND_BLOCK_N, sc.EXPAND_BLOCK_K, sc.EXPAND_WARPS)
+        return _case("moe_mx prefill part", f"scaled expand {E} experts W1+W3+W2 {shape[0]}x{shape[1]} w{shape[2]}",
+                     run, 0, packed + 3 * E * i * d + 4 * E * (2 * i + d), "hbm",
                      note="e4m3 copy of every expert (each has rows here); independent of T")
 
     def build_rows(t):
@@ -104,8 +106,9 @@ def scaled_cases(dims: V41Dims, device, smoke: bool, tokens: Sequence[int], weig
                 return _case("moe_mx prefill", f"T={t} scaled {plan.decode}", fn, t * flops_per_token,
                              _moe_bytes(dims, idx), note=f"plan scaled {plan.decode}; scratch {scratch:.2f} GiB; {note}")
             yield f"compare moe prefill plan scaled {plan.decode} T={t}", build
-        if n == 0:
-            yield "prefill part scaled expand", lambda t=t: build_expand(t)
+        if n == 0:  # the plan's launch shape, then neighbours (columns per program, K per step, warps)
+            for launch in ((), (64, 256, 8), (16, 512, 4), (32, 512, 8)):
+                yield f"prefill part scaled expand {launch}", lambda t=t, launch=launch: build_expand(t, launch)
         yield f"prefill part scaled rows T={t}", lambda t=t: build_rows(t)
         yield f"prefill part W1+W3 scaled T={t}", lambda t=t: build_w13(t)
         yield f"prefill part scaled swiglu T={t}", lambda t=t: build_swiglu(t)

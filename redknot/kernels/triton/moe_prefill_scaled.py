@@ -75,6 +75,10 @@ EXACT_SPAN = 14
 MIN_BASE = 7
 E4M3_MAX = 448.0
 ACT_FLOOR = 1e-4  # the reference's amax floor of FP8 activation scales (``mx_formats.FP8_ACT_AMAX_FLOOR``)
+# The expansion's launch shape: weight columns per program, K per loop step, warps (the benchmark times neighbours).
+EXPAND_BLOCK_N = 32
+EXPAND_BLOCK_K = 256
+EXPAND_WARPS = 4
 # Programs per SM of the row kernels (each walks rows with a stride of the grid: the chunk's count stays on the device).
 ROW_PROGRAMS_PER_SM = 16
 
@@ -153,11 +157,12 @@ def _expand_e4m3(w_ptr, s_ptr, q_ptr, cs_ptr, bad_ptr, ends_ptr, e0, N, K, col0,
 
 def expand_e4m3(w: torch.Tensor, ws: torch.Tensor, e0: int, e1: int, q: torch.Tensor, cs: torch.Tensor,
                 col0: int = 0, ends: torch.Tensor | None = None, bad: torch.Tensor | None = None,
-                block_n: int = 32, block_k: int = 256) -> None:
+                block_n: int = 0, block_k: int = 0, num_warps: int = 0) -> None:
     """Experts e0..e1-1 of packed MXFP4 ``w`` [E, N, K/2] (E8M0 ``ws`` [E, N, K/32]) -> ``q[:e1-e0, col0:col0+N]``
     e4m3 [.., N, K] and ``cs[:e1-e0, col0:col0+N]`` fp32 column scales (``q · cs`` is the stored weight where the
     column is exact, module docstring). ``ends``: int32 per-expert row ends; experts without rows are skipped.
-    ``bad``: int32 [1] counter of inexact columns (default ``inexact_columns(device)``)."""
+    ``bad``: int32 [1] counter of inexact columns (default ``inexact_columns(device)``). Launch shape: the
+    ``EXPAND_*`` constants unless given."""
     _E, N, KH = w.shape
     K = 2 * KH
     if K % 32:
@@ -166,11 +171,12 @@ def expand_e4m3(w: torch.Tensor, ws: torch.Tensor, e0: int, e1: int, q: torch.Te
         return
     w, ws = as_bytes(w), as_bytes(ws)
     bad = bad if bad is not None else inexact_columns(w.device)
+    block_n, block_k = block_n or EXPAND_BLOCK_N, block_k or EXPAND_BLOCK_K
     _expand_e4m3[(cdiv(N, block_n), e1 - e0)](
         w, ws, q, cs, bad, ends if ends is not None else bad, e0, N, K, col0, w.stride(0), w.stride(1), ws.stride(0),
         ws.stride(1), q.stride(0), q.stride(1), cs.stride(0), SKIP=ends is not None, BLOCK_N=block_n,
         BLOCK_K=min(block_k, next_pow2(K)), KG_POW2=next_pow2(K // 32), SPAN=EXACT_SPAN, BASE_MIN=MIN_BASE,
-        num_warps=4)
+        num_warps=num_warps or EXPAND_WARPS)
 
 
 def expand_e4m3_ref(w: torch.Tensor, ws: torch.Tensor):

@@ -39,14 +39,16 @@ def _weights(E, N, K, device, seed):
     return w, s
 
 
-@pytest.mark.parametrize("N,K", [(48, 192), (40, 256)])
-def test_expand_matches_reference_bit_for_bit(N, K, kernel_device):
+@pytest.mark.parametrize("N,K,launch", [(48, 192, {}), (40, 256, {}),
+                                         (40, 256, {"block_n": 64, "block_k": 256, "num_warps": 8}),
+                                         (48, 1024, {"block_n": 16, "block_k": 512, "num_warps": 4})])
+def test_expand_matches_reference_bit_for_bit(N, K, launch, kernel_device):
     E = 3
     w, s = _weights(E, N, K, kernel_device, seed=N + K)
     q = torch.full((E, N + 8, K), 0.0, dtype=torch.float8_e4m3fn, device=kernel_device)
     cs = torch.zeros(E, N + 8, dtype=torch.float32, device=kernel_device)
     bad = torch.zeros(1, dtype=torch.int32, device=kernel_device)
-    sc.expand_e4m3(w, s, 0, E, q, cs, col0=8, bad=bad)  # at a column offset (the W3 half of W1 | W3)
+    sc.expand_e4m3(w, s, 0, E, q, cs, col0=8, bad=bad, **launch)  # at a column offset (the W3 half of W1 | W3)
     want_q, want_cs, want_bad = sc.expand_e4m3_ref(w, s)
     assert torch.equal(q[:, 8:].view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(cs[:, 8:], want_cs)
