@@ -2,7 +2,10 @@
 whole at each token count (checked against ``ref_v41.moe_mx`` first, through ``moe_mx.moe_prefill`` and its first-use
 check), then the one-chunk plan by part: the expansion of all experts to e4m3 (HBM floor: the packed experts read,
 the e4m3 copy written), the rows' e4m3 quantisation, the W1 | W3 and W2 library GEMMs (FP8 floor), the SwiGLU + row
-quantisation. Selected with ``--prefill-decodes scaled`` (the descriptions carry the word ``scaled``)."""
+quantisation; next to them, at each token count, the bf16 tensor-core plan (``decode="bf16"`` 128 x 128; on the H100 (run 3) the
+tuner chose a ``_prefill_bf16_mm`` plan at 8192 tokens) and the grouped plan (beyond the first token count: the
+``before`` row has it there). Selected with ``--prefill-decodes scaled`` (the descriptions carry the
+word ``scaled``)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
@@ -92,7 +95,21 @@ def scaled_cases(dims: V41Dims, device, smoke: bool, tokens: Sequence[int], weig
         return _case("moe_mx prefill part", f"T={t} W2 scaled e4m3_all", lambda: sc.scaled_grouped_mm(
             p["act"], p["sact"], p["w2e"], p["cs2"], p["offs_c"]), 2 * m * i * d, m * i + E * i * d + m * d * 2)
 
+    # same-run baselines: the bf16 tensor-core plan (H100 run 3's tuner chose ``_prefill_bf16_mm``) and grouped
+    baselines = [moe_mx.MoePlan("fp8", 128, 128, 64, 8, True, "bf16", 3), moe_mx.MoePlan("grouped")]
     for n, t in enumerate(tokens):
+        for plan in baselines if n else baselines[:1]:
+            def build_base(plan=plan, t=t):
+                x, idx, wt = inputs(t)
+                fn = lambda: moe_mx.moe_prefill(x, idx, wt, *weights(), 10.0, plan=plan)
+                note = _checked("moe_mx", f"T={t}", fn, lambda: want_moe(t, x, idx, wt), 3e-2)
+                if plan in stream_guard.DECODE_ERRORS:
+                    note += f"; refused, grouped ran instead: {stream_guard.DECODE_ERRORS[plan]}"
+                name = plan.path if plan.path == "grouped" else f"{plan.decode} {plan.block_m}x{plan.block_n}"
+                return _case("moe_mx prefill", f"T={t} baseline {name}", fn, t * flops_per_token,
+                             _moe_bytes(dims, idx), note=note)
+            name = plan.path if plan.path == "grouped" else plan.decode
+            yield f"compare moe prefill scaled baseline {name} T={t}", build_base
         for plan in scaled_plans():
             def build(plan=plan, t=t):
                 x, idx, wt = inputs(t)
