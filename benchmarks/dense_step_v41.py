@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Time the V4.1 decode step's dense FP8 linears at batch 32 / 128 by ``linear_mx`` decode, and ``wo_a``.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/dense_step_v41.py --out DIR          # on a GPU, about 1-2 minutes
+    python3 benchmarks/dense_step_v41.py --smoke --out DIR                     # CPU: Triton interpreter, toy sizes
+
+Per weight shape of the step (``wq_a``, ``wkv``, ``wq_b``, ``wo_b``, the shared expert's ``w1`` / ``w3`` and ``w2``,
+the indexer's ``wq_b``, Engram's ``wkv``) and row count, every ``gemm_mx.LINEAR_DECODE_TUNER`` candidate (the
+earlier ones and the ``FUSED_DECODES``: the slice sum in the stream launch, fewer slices, 64-row tiles) as a
+CUDA-graph replay of one ``linear_mx`` call (median of ``--reps``), each checked once against ``ref_v41.linear_mx``
+(relative error) and, for a fused name, against its own launch shape's two launches (bit for bit), with the
+fraction of the bandwidth floor (weight + activation + output bytes at ``--hbm-tbs``). Then per row count the step's
+sum (each shape times its launches per step in the 5-layer cut) with each shape's fastest earlier candidate, its
+fastest candidate of all, and the tuner's own choice for the shape (``_stream_decode``: timed at 32 rows, one choice
+per weight shape at every row count).
+
+``wo_a`` (8 groups of [1024, 4096], the attention output's per-group projection; the model runs it as a bf16
+einsum on the weight decoded once) is timed as that einsum and, for its cost in the stored format, as a dense FP8
+stream over the same bytes and FLOPs ([8192, 4096] against [rows, 4096]: the grouped stream would read each group's
+own 4096 columns of the rows instead): the gap says what a grouped FP8 stream of ``wo_a`` could save.
+
+Results: ``DIR/dense_step_v41.md`` and ``.json``. Not a test: numbers only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+# (name, N, K, launches per step of the 5-layer V4.1 cut: 5 layers, 3 index sources, 1 Engram layer)
+SHAPES = [("wq_a", 1280, 5120, 5), ("wkv", 512, 5120, 5), ("wq_b", 32768, 1280, 5), ("wo_b", 5120, 8192, 5),
+          ("shared w1 | w3", 2304, 5120, 10), ("shared w2", 5120, 2304, 5), ("indexer wq_b", 4096, 1280, 3),
+          ("Engram wkv", 25600, 6144, 1)]
+SMOKE_SHAPES = [("toy a", 96, 2048, 2), ("toy b", 160, 1024, 1)]
+WO_A = (8, 1024, 4096, 5)   # groups, rank, group width, launches per step
+SMOKE_WO_A = (2, 64, 256, 1)
+
+
+def _time_ms(fn, device, reps: int) -> float:
+    import torch
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadline: float):
+    import torch
+
+    from redknot.kernels import mx_formats as mx
+    from redknot.kernels import ref_v41
+    from redknot.kernels.triton import gemm_mx, stream_guard
+
+    out = []
+    for name, n, k, per_step in shapes:
+        g = torch.Generator(device=device).manual_seed(n + k)
+        w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
+        for rows in rows_list:
+            x = torch.randn(rows, k, generator=g, device=device).to(torch.bfloat16)
+            want = ref_v41.linear_mx(x, w, ws, 32)
+            nbytes = n * k + ws.numel() + rows * k * 2 + rows * n * 2
+            for dec in decodes:
+                row = {"shape": name, "N": n, "K": k, "rows": rows, "decode": dec, "per_step": per_step}
+                if time.monotonic() > deadline:
+                    row["status"] = "skipped (budget)"
+                    out.append(row)
+                    continue
+                try:
+                    def fn(x=x, w=w, ws=ws, dec=dec):
+                        return gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode=dec)
+                    got = fn()
+                    row["rel_err"] = _rel(got, want)
+                    fused = gemm_mx.fused_name(dec)[1]
+                    if fused:
+                        two = gemm_mx._dense_stream(x, w, ws.view(torch.uint8), 32, torch.empty_like(got), dec,
+                                                    unfused=True)
+                        row["same_bits_as_two_launches"] = bool(torch.equal(got, two))
+                    ms = _time_ms(fn, device, reps)
+                    row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")
+                except Exception as exc:   # noqa: BLE001  (a candidate that does not build here: reported)
+                    row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                out.append(row)
+                print(json.dumps(row), flush=True)
+        row = {"shape": name, "N": n, "K": k, "rows": "tuner", "per_step": per_step, "decode_errors":
+               {str(a): b for a, b in stream_guard.DECODE_ERRORS.items()}}
+        try:
+            x = torch.randn(32, k, generator=g, device=device).to(torch.bfloat16)
+            row["choice"] = gemm_mx._stream_decode(x, w, ws.view(torch.uint8), 32,
+                                                   torch.empty(32, n, dtype=x.dtype, device=device))
+            key = (tuple(w.shape), 32)
+            row["tuner_timings"] = [(str(c), t) for c, t in gemm_mx.LINEAR_DECODE_TUNER.timings.get(key, [])]
+        except Exception as exc:   # noqa: BLE001
+            row["choice"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        out.append(row)
+        print(json.dumps(row), flush=True)
+        del w, ws
+    return out
+
+
+def wo_a_rows(dims, rows_list, device, reps: int, hbm: float):
+    """``wo_a``: the model's bf16 einsum and the same bytes as one dense FP8 stream (tuner-free: the decodes
+    ``registers_wide_f`` / ``registers_w64_f`` / ``fp8_f``)."""
+    import torch
+
+    from redknot.kernels import mx_formats as mx
+    from redknot.kernels.triton import gemm_mx
+
+    groups, rank, width, per_step = dims
+    g = torch.Generator(device=device).manual_seed(7)
+    w, ws = mx.quant_fp8_blocks(torch.randn(groups * rank, width, generator=g, device=device) * 0.02, 32)
+    wb = mx.dequant_fp8_blocks(w, ws, 32).to(torch.bfloat16).view(groups, rank, width)
+    out = []
+    for rows in rows_list:
+        o = torch.randn(rows, groups * width, generator=g, device=device).to(torch.bfloat16)
+        cases = [("einsum bf16 (model)", groups * rank * width * 2,
+                  lambda o=o, rows=rows: torch.einsum("ngk,grk->ngr", o.view(rows, groups, width), wb).reshape(rows, -1))]
+        for dec in ("registers_wide_f", "registers_w64_f", "fp8_f"):
+            xo = o[:, :width].contiguous()
+            cases.append((f"FP8 stream {dec} (same bytes, dense)", groups * rank * width,
+                          lambda xo=xo, dec=dec: gemm_mx.linear_mx(xo, w, ws, 32, path="splitk", decode=dec)))
+        for label, wbytes, fn in cases:
+            row = {"shape": "wo_a", "rows": rows, "variant": label, "per_step": per_step}
+            try:
+                ms = _time_ms(fn, device, reps)
+                nbytes = wbytes + rows * groups * width * 2 + rows * groups * rank * 2
+                row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")
+            except Exception as exc:   # noqa: BLE001
+                row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def summary(rows, rows_list, earlier) -> list:
+    lines = ["", "## Step sums (ms per step: each shape's time x its launches per step)", "",
+             "| rows | fastest earlier candidate | fastest of all | tuner's choice (timed at 32 rows) |", "|---|---|---|---|"]
+    by = {}
+    for r in rows:
+        if r.get("status") == "ok" and "decode" in r:
+            by.setdefault((r["rows"], r["shape"]), []).append(r)
+    choice = {r["shape"]: r.get("choice") for r in rows if r.get("rows") == "tuner"}
+    for m in rows_list:
+        old = new = tuned = 0.0
+        for (mm, shape), rs in by.items():
+            if mm != m:
+                continue
+            per = rs[0]["per_step"]
+            olds = [r["ms"] for r in rs if r["decode"] in earlier]
+            old += per * (min(olds) if olds else float("nan"))
+            new += per * min(r["ms"] for r in rs)
+            pick = [r["ms"] for r in rs if r["decode"] == choice.get(shape)]
+            tuned += per * (pick[0] if pick else float("nan"))
+        lines.append(f"| {m} | {old:.4f} | {new:.4f} | {tuned:.4f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run: Triton interpreter, toy sizes")
+    ap.add_argument("--out", default=os.environ.get("OUT", "outputs/dense_step_v41"))
+    ap.add_argument("--rows", type=int, nargs="*", default=[32, 128])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--hbm-tbs", type=float, default=3.35, help="HBM TB/s for the floor (H100 3.35, H200 4.17)")
+    ap.add_argument("--decodes", nargs="*", default=None, help="default: every LINEAR_DECODE_TUNER candidate")
+    ap.add_argument("--shapes", nargs="*", default=None, help="shape names (default: all)")
+    ap.add_argument("--budget-s", type=float, default=110.0, help="cases past this many seconds are skipped")
+    ap.add_argument("--no-wo-a", action="store_true")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        a.reps, a.rows = 1, [5, 33]
+    import torch
+
+    from redknot.kernels.triton import gemm_mx
+
+    start = time.monotonic()
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    shapes = SMOKE_SHAPES if a.smoke else SHAPES
+    if a.shapes:
+        shapes = [s for s in shapes if s[0] in a.shapes]
+    cands = list(gemm_mx.LINEAR_DECODE_TUNER.candidates)
+    decodes = a.decodes or cands
+    earlier = [c for c in cands if c not in gemm_mx.FUSED_DECODES]
+    hbm = a.hbm_tbs * 1e12
+    rows = linear_rows(shapes, a.rows, decodes, device, a.reps, hbm, start + a.budget_s)
+    if not a.no_wo_a:
+        rows += wo_a_rows(SMOKE_WO_A if a.smoke else WO_A, a.rows, device, a.reps, hbm)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    lines = [f"# V4.1 step dense linears by decode ({gpu}, floor at {a.hbm_tbs} TB/s, {time.monotonic() - start:.0f} s)",
+             "",
+             "| shape | rows | decode | ms | % of floor | rel err | fused == two launches |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("rows") == "tuner":
+            lines.append(f"| {r['shape']} | tuner | {r.get('choice')} | | | | |")
+        elif r.get("status") == "ok":
+            lines.append(f"| {r['shape']} | {r['rows']} | {r.get('decode', r.get('variant'))} | {r['ms']:.4f} | "
+                         f"{r['floor_pct']:.1f} | {r.get('rel_err', float('nan')):.2e} | "
+                         f"{r.get('same_bits_as_two_launches', '')} |")
+        else:
+            lines.append(f"| {r['shape']} | {r['rows']} | {r.get('decode', r.get('variant'))} | {r['status']} | | | |")
+    lines += summary(rows, a.rows, earlier)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dense_step_v41.json").write_text(json.dumps(rows, indent=1))
+    (out / "dense_step_v41.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

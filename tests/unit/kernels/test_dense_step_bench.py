@@ -1,0 +1,29 @@
+"""``benchmarks/dense_step_v41.py --smoke`` runs on the CPU (Triton interpreter, toy sizes): every case runs, the
+fused names equal their two launches bit for bit, and the tables are written."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_dense_step_smoke(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "dense_step_v41.py"), "--smoke", "--out",
+                           str(tmp_path), "--shapes", "toy b", "--decodes", "registers_wide", "registers_wide_f",
+                           "fp8_f16"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "dense_step_v41.json").read_text())
+    timed = [r for r in rows if r.get("decode") and r.get("rows") != "tuner"]
+    assert len(timed) == 6 and all(r["status"] == "ok" and r["rel_err"] < 1e-2 for r in timed)
+    assert all(r["same_bits_as_two_launches"] for r in timed if r["decode"] != "registers_wide")
+    assert {r["variant"] for r in rows if r.get("shape") == "wo_a"} >= {"einsum bf16 (model)"}
+    table = (tmp_path / "dense_step_v41.md").read_text()
+    assert "## Step sums" in table and "| toy b | tuner |" in table
