@@ -166,6 +166,19 @@ def _fp8_linear_weights(ops, w: Weights, name: str, num: Numerics):
     return weight, scale
 
 
+def _step_router_logits(u: torch.Tensor, w: Weights, name: str, num: Numerics) -> torch.Tensor:
+    """The router's fp32 logits for :func:`moe_step_kernels`: ``F.linear`` on fp32 copies, or at 1-4 bf16 rows on
+    a bf16-stored gate weight ``step_router_v41.router_logits`` (a tuner's choice among that, a bf16 GEMM with
+    fp32 output and a Triton GEMV: the same exact products in another fp32 summation order)."""
+    from redknot.kernels.triton.step_router_v41 import MAX_ROWS, router_logits
+
+    wt = w.tensors.get(name)
+    if (u.dim() == 2 and u.shape[0] <= MAX_ROWS and u.dtype == torch.bfloat16 and num.acc == torch.float32
+            and wt is not None and wt.dtype == torch.bfloat16 and wt.dim() == 2 and wt.shape[1] == u.shape[1]):
+        return router_logits(u, wt, lambda: w.dense(name, num.acc))
+    return F.linear(u.to(num.acc), w.dense(name, num.acc))
+
+
 def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numerics, mix=None):
     """:func:`moe_forward`'s routed + shared sum for the tensor step's few rows with the fused decode kernels
     (``redknot.kernels.triton.step_moe_v41``): after the router's GEMV one launch for its tail and top-k and the
@@ -192,7 +205,7 @@ def moe_step_kernels(u: torch.Tensor, w: Weights, prefix: str, cfg, num: Numeric
         return None
     (w1, s1), (w3, s3), (w2, s2) = shared
     k = cfg.n_activated_experts
-    logits = F.linear(u.to(num.acc), w.dense(f"{prefix}.gate.weight", num.acc))
+    logits = _step_router_logits(u, w, f"{prefix}.gate.weight", num)
     got = fused_rows._guarded(route_and_gate_up, logits, w.float(f"{prefix}.gate.bias"), k, cfg.gate_temp,
                               cfg.norm_topk_prob and k > 1, cfg.route_scale, u.to(num.dtype), w1, s1, w3, s3)
     if got is None:
