@@ -69,6 +69,8 @@ def _act_rowwise(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.cons
 @triton.jit
 def _weight_rowwise(w_ptr, ws_ptr, o_ptr, s_ptr, N, K, KB, stride_w, stride_s, stride_o, WB: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KB_P: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile per program (a 2-D grid: enough programs for skinny weights); each reads its
+    rows' tile scales (KB bytes a row block, from L2) for the row block's largest."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = rows < N
     r64 = rows.to(tl.int64)
@@ -77,14 +79,14 @@ def _weight_rowwise(w_ptr, ws_ptr, o_ptr, s_ptr, N, K, KB, stride_w, stride_s, s
     tiles = tl.load(ws_ptr + rb[:, None] * stride_s + kb[None, :], mask=rm[:, None] & (kb[None, :] < KB),
                     other=0).to(tl.int32)
     big = tl.max(tiles, 1)                        # the row block's largest tile scale (E8M0 byte)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        m = rm[:, None] & (cols[None, :] < K)
-        w = tl.load(w_ptr + r64[:, None] * stride_w + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        s = tl.load(ws_ptr + rb[:, None] * stride_s + (cols // WB)[None, :], mask=m, other=0).to(tl.int32)
-        v = (w * pow2(tl.maximum(s - big[:, None], -30))).to(tl.float8e4nv)
-        tl.store(o_ptr + r64[:, None] * stride_o + cols[None, :], v, mask=m)
-    tl.store(s_ptr + rows, e8m0_decode(big), mask=rm)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = rm[:, None] & (cols[None, :] < K)
+    w = tl.load(w_ptr + r64[:, None] * stride_w + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    s = tl.load(ws_ptr + rb[:, None] * stride_s + (cols // WB)[None, :], mask=m, other=0).to(tl.int32)
+    v = (w * pow2(tl.maximum(s - big[:, None], -30))).to(tl.float8e4nv)
+    tl.store(o_ptr + r64[:, None] * stride_o + cols[None, :], v, mask=m)
+    if tl.program_id(1) == 0:
+        tl.store(s_ptr + rows, e8m0_decode(big), mask=rm)
 
 
 def act_rowwise(x: torch.Tensor):
@@ -111,9 +113,10 @@ def weight_rowwise(w: torch.Tensor, ws: torch.Tensor, block: int):
     o = torch.empty(N, K, dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty(N, dtype=torch.float32, device=w.device)
     if N:
-        bn = 32
-        _weight_rowwise[(cdiv(N, bn),)](w, ws, o, s, N, K, kb, w.stride(0), ws.stride(0), o.stride(0), WB=block,
-                                        BLOCK_N=bn, BLOCK_K=256, KB_P=next_pow2(kb), num_warps=4)
+        bn, bk = 16, 256
+        _weight_rowwise[(cdiv(N, bn), cdiv(K, bk))](w, ws, o, s, N, K, kb, w.stride(0), ws.stride(0), o.stride(0),
+                                                    WB=block, BLOCK_N=bn, BLOCK_K=bk, KB_P=next_pow2(kb),
+                                                    num_warps=4)
     return o, s
 
 
