@@ -37,6 +37,7 @@ from redknot.kernels.triton.quant_mx import e8m0_decode, e8m0_exponent, pow2
 
 PREFILL_TUNER = ConfigTuner("linear_mx_prefill", ["dequant", "fp8_rowwise"])
 GATE_TOL = 1e-2
+ONE_PASS_K = 8192   # rows up to this K (padded to a power of two) are quantised from registers, read once
 MIN_SHIFT = -30   # shifts below this flush every e4m3 value (|q| < 2^9) to zero already: pow2 stays in range
 _GATED: dict[Hashable, float] = {}   # class -> the first use's relative error of fp8_rowwise against dequant
 
@@ -63,6 +64,26 @@ def _act_rowwise(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.cons
         shift = tl.maximum(e - big[:, None], -30)
         v = tl.reshape(q * pow2(shift)[:, :, None], (BLOCK_M, BLOCK_K)).to(tl.float8e4nv)
         tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], v, mask=m)
+    tl.store(s_ptr + rows, pow2(big), mask=rm)
+
+
+@triton.jit
+def _act_rowwise_1p(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, BLOCK_M: tl.constexpr, ROW_P: tl.constexpr):
+    """``_act_rowwise`` with whole rows in registers (K <= ``ONE_PASS_K``): x read once."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = rows < M
+    r64 = rows.to(tl.int64)
+    cols = tl.arange(0, ROW_P)
+    m = rm[:, None] & (cols[None, :] < K)
+    x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    xg = tl.reshape(x, (BLOCK_M, ROW_P // 32, 32))
+    e = e8m0_exponent(tl.max(tl.abs(xg), 2), 448.0, 1e-4)
+    gm = (tl.arange(0, ROW_P // 32) * 32 < K)[None, :]
+    big = tl.max(tl.where(gm, e, -127), 1)
+    q = tl.minimum(tl.maximum(xg * pow2(-e)[:, :, None], -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+    shift = tl.maximum(e - big[:, None], -30)
+    v = tl.reshape(q * pow2(shift)[:, :, None], (BLOCK_M, ROW_P)).to(tl.float8e4nv)
+    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], v, mask=m)
     tl.store(s_ptr + rows, pow2(big), mask=rm)
 
 
@@ -97,7 +118,12 @@ def act_rowwise(x: torch.Tensor):
     x = x if x.stride(-1) == 1 else x.contiguous()
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
-    if M:
+    if M and next_pow2(K) <= ONE_PASS_K:
+        row_p = next_pow2(K)
+        bm = max(1, 2048 // row_p)
+        _act_rowwise_1p[(cdiv(M, bm),)](x, q, s, M, K, x.stride(0), q.stride(0), BLOCK_M=bm, ROW_P=row_p,
+                                        num_warps=8 if row_p >= 4096 else 4)
+    elif M:
         bk = 256 if K % 256 == 0 else (128 if K % 128 == 0 else 32)
         _act_rowwise[(cdiv(M, 16),)](x, q, s, M, K, x.stride(0), q.stride(0), BLOCK_M=16, BLOCK_K=bk, num_warps=4)
     return q, s

@@ -39,8 +39,11 @@ def _wide_rows(m: int, k: int, g: torch.Generator, device) -> torch.Tensor:
     return x.to(torch.bfloat16).to(device)
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("m,k", [(5, 64), (33, 320), (17, 512)])
-def test_act_rowwise_is_its_pytorch_math(m, k, kernel_device):
+def test_act_rowwise_is_its_pytorch_math(m, k, one_pass, kernel_device, monkeypatch):
+    if not one_pass:                                   # rows longer than the one-pass limit: two passes over K
+        monkeypatch.setattr(lp, "ONE_PASS_K", 32)
     g = torch.Generator().manual_seed(m * 1000 + k)
     x = _wide_rows(m, k, g, kernel_device)
     q, s = lp.act_rowwise(x)
