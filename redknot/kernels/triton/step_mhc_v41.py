@@ -18,13 +18,11 @@ Every sum is fp32, as in :mod:`redknot.models.deepseek_v41.mhc`; only summation 
 """
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2, sm_count
+from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2, sm_count
 from redknot.kernels.triton.mhc import _mhc_mix, _split3_dot, mhc_post
 
 
@@ -77,17 +75,26 @@ def _mix_collapse(s_ptr, fn_ptr, pin_ptr, part_ptr, ssq_ptr, u_ptr, uss_ptr, T, 
 def _site_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, pre_in_ptr, norm_ptr, u_ptr, pre_ptr, post_ptr,
                  comb_ptr, T, D, nsplit, stride_st, stride_sn, stride_ut, iters, hc_eps, norm_eps, rms_eps, uss_ptr,
                  N: tl.constexpr, NMIX: tl.constexpr, G_P2: tl.constexpr, BLOCK_D: tl.constexpr,
-                 GIVEN: tl.constexpr):
+                 GIVEN: tl.constexpr, NSP2: tl.constexpr = 0):
+    """NSP2 (a power of two >= nsplit): the slices' partials loaded at once and added as a tree (one load latency
+    instead of nsplit dependent ones; another fp32 order); 0: added one after another in slice order."""
     MIXP: tl.constexpr = G_P2 * N
     tok = tl.program_id(0)
     t64 = tok.to(tl.int64)
     offs_m = tl.arange(0, MIXP)
-    mix = tl.zeros([MIXP], tl.float32)
-    ssq = 0.0
-    for sp in range(nsplit):
-        row = (sp * T + tok).to(tl.int64)
-        mix += tl.load(part_ptr + row * MIXP + offs_m)
-        ssq += tl.load(ssq_ptr + row)
+    if NSP2:
+        spv = tl.arange(0, NSP2)
+        spm = spv < nsplit
+        rowv = (spv * T + tok).to(tl.int64)
+        mix = tl.sum(tl.load(part_ptr + rowv[:, None] * MIXP + offs_m[None, :], mask=spm[:, None], other=0.0), 0)
+        ssq = tl.sum(tl.load(ssq_ptr + rowv, mask=spm, other=0.0), 0)
+    else:
+        mix = tl.zeros([MIXP], tl.float32)
+        ssq = 0.0
+        for sp in range(nsplit):
+            row = (sp * T + tok).to(tl.int64)
+            mix += tl.load(part_ptr + row * MIXP + offs_m)
+            ssq += tl.load(ssq_ptr + row)
     mix = mix * tl.rsqrt(ssq / (N * D) + norm_eps)
     x = tl.reshape(mix, [G_P2, N])
     g = tl.arange(0, G_P2)[:, None]
@@ -111,9 +118,12 @@ def _site_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, pre_in_ptr, norm
     tl.store(comb_ptr + t64 * (N * N) + (g - 2) * N + col, c, mask=is_c)
     # The collapse with the previous site's pre, rounded to the stream dtype, then RMS-normalised.
     if GIVEN:   # ``_mix_collapse`` stored the rounded collapse in u and its partial Σ u²: normalise u in place
-        uss = 0.0
-        for sp in range(nsplit):
-            uss += tl.load(uss_ptr + (sp * T + tok).to(tl.int64))
+        if NSP2:
+            uss = tl.sum(tl.load(uss_ptr + rowv, mask=spm, other=0.0), 0)
+        else:
+            uss = 0.0
+            for sp in range(nsplit):
+                uss += tl.load(uss_ptr + (sp * T + tok).to(tl.int64))
         rg = tl.rsqrt(uss / D + rms_eps)
         for d0 in range(0, D, BLOCK_D):
             dd = d0 + tl.arange(0, BLOCK_D)
@@ -143,17 +153,38 @@ def _site_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, pre_in_ptr, norm
 
 
 ONE_PASS_MIN_ROWS = 17   # rows from which a 16-bit site collapses in the mixing pass (prefill; the step: ``_mhc_mix``)
+# Below ``ONE_PASS_MIN_ROWS`` 16-bit rows (decode) the site's launches by name: (the collapse in the mixing pass
+# ``_mix_collapse`` instead of ``_mhc_mix`` and the finish's two passes over the streams, the finish's partial sums
+# loaded at once (``_site_finish``'s NSP2), the finish's D block (0: min(1024, D's power of two)), its warps). At one
+# row the finish is one program: ``split`` (what ran before) adds ~54 slices' partials one load after another and
+# reads the 4 x 5120 streams twice in blocks of 1024 (H100 run 3: 12.5 us a launch); the other forms are the same
+# arithmetic in other fp32 orders. ``SITE_TUNER`` (key: rows, streams, D, dtype) chooses; ``split`` first (taken
+# untimed off the GPU and for a key first met under CUDA-graph capture). Not measured on the H200.
+SITE_FORMS = {"split": (False, False, 0, 4), "split_v": (False, True, 0, 4), "split_v_w8": (False, True, 2048, 8),
+              "one_pass": (True, False, 0, 4), "one_pass_v": (True, True, 0, 4),
+              "one_pass_v_w8": (True, True, 2048, 8)}
+SITE_TUNER = ConfigTuner("step_mhc_site_small", list(SITE_FORMS))
+
+
+def _site_form(args, kw) -> str:
+    """``SITE_TUNER``'s form for ``site_pre(*args, **kw)`` at fewer than ``ONE_PASS_MIN_ROWS`` rows."""
+    h = args[0]
+    key = (h.shape[0], h.shape[1], h.shape[2], str(h.dtype).replace("torch.", ""))
+    if key not in SITE_TUNER.choices and h.is_cuda and torch.cuda.is_current_stream_capturing():
+        SITE_TUNER.choices[key] = SITE_TUNER.candidates[0]   # eager and graph steps: one choice
+    return SITE_TUNER.pick(key, lambda c: site_pre(*args, **kw, form=c), h.device)
 
 
 def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-             norm_w: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, one_pass: bool = True
-             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             norm_w: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, one_pass: bool = True,
+             form: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, n, D] (bf16 or fp32), pre_in [T, n] -> (u = rms_norm(collapse(h, pre_in), norm_w) [T, D] in
     h.dtype, pre [T, n], post [T, n], C [T, n, n] fp32). ``norm_eps`` is the eps of the mixing RMS factor
     and of the norm (the model uses one ``norm_eps`` for both). ``one_pass`` (16-bit streams, at least
     ``ONE_PASS_MIN_ROWS`` rows): the collapse comes out of the mixing pass (``_mix_collapse``), so the streams
     are read once instead of three times (0.67 GB less per site at 8192 rows of 4 x 5120; not measured on the
-    H200); the same arithmetic in another summation order."""
+    H200); the same arithmetic in another summation order. Fewer rows (16-bit, ``one_pass``): the ``SITE_FORMS``
+    form ``form`` (None: ``SITE_TUNER``'s choice)."""
     T, n, D = h.shape
     if n & (n - 1):
         raise ValueError(f"site_pre: hc_mult={n} must be a power of two")
@@ -172,6 +203,12 @@ def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torc
     if one_pass and split_fn and T >= ONE_PASS_MIN_ROWS:
         return _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb,
                                   g_p2, groups)
+    if form is None and one_pass and split_fn:
+        form = _site_form((h, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps), {"one_pass": True})
+    collapse, vec, fin_d, warps = SITE_FORMS[form or "split"]
+    if collapse:
+        return _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb,
+                                  g_p2, groups, vec, fin_d, warps)
     block_t = 16 if T <= 256 or not split_fn else 64
     block_k = 128 if split_fn else 64
     tiles = cdiv(T, block_t)
@@ -183,15 +220,17 @@ def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torc
     ssq = torch.empty(nsplit * T, dtype=torch.float32, device=dev)
     _mhc_mix[(tiles, nsplit)](s, fn.float().contiguous(), part, ssq, T, K, s.stride(0), k_chunk, NMIX=groups * n,
                               MIXP=mixp, BLOCK_T=block_t, BLOCK_K=block_k, SPLIT_FN=split_fn, num_warps=4)
-    block_d = min(1024, next_pow2(D))
+    block_d = min(fin_d or 1024, next_pow2(D))
+    extra = {"NSP2": next_pow2(nsplit)} if vec else {}
     _site_finish[(T,)](s, part, ssq, base.float().contiguous(), scale.float().contiguous(),
                        pre_in.float().contiguous(), norm_w.contiguous(), u, pre, post, comb, T, D, nsplit,
                        s.stride(0), s.stride(1), u.stride(0), iters, hc_eps, norm_eps, norm_eps, ssq, N=n,
-                       NMIX=groups * n, G_P2=g_p2, BLOCK_D=block_d, GIVEN=False, num_warps=4)
+                       NMIX=groups * n, G_P2=g_p2, BLOCK_D=block_d, GIVEN=False, num_warps=warps, **extra)
     return u, pre, post, comb
 
 
-def _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb, g_p2, groups):
+def _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb, g_p2, groups,
+                       vec: bool = False, fin_d: int = 0, warps: int = 4):
     T, n, D = s.shape
     dev = s.device
     mixp = g_p2 * n
@@ -211,7 +250,8 @@ def _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_e
     _site_finish[(T,)](s, part, ssq, base.float().contiguous(), scale.float().contiguous(), pin,
                        norm_w.contiguous(), u, pre, post, comb, T, D, nsplit, s.stride(0), s.stride(1), u.stride(0),
                        iters, hc_eps, norm_eps, norm_eps, uss, N=n, NMIX=groups * n, G_P2=g_p2,
-                       BLOCK_D=min(1024, next_pow2(D)), GIVEN=True, num_warps=4)
+                       BLOCK_D=min(fin_d or 1024, next_pow2(D)), GIVEN=True, num_warps=warps,
+                       **({"NSP2": next_pow2(nsplit)} if vec else {}))
     return u, pre, post, comb
 
 

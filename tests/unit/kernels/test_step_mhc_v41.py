@@ -107,3 +107,26 @@ def test_gpu_site_pre_one_pass_prefill_rows():
         assert (got - want).abs().max().item() < 2e-5
     assert ((u.float() - wu.float()).abs() / wu.float().abs().clamp(min=1e-2)).max().item() <= 2 ** -7
     assert (u.float() != wu.float()).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("form", ["split_v", "split_v_w8", "one_pass", "one_pass_v", "one_pass_v_w8"])
+@pytest.mark.parametrize("t,d", [(1, 96), (3, 160)])
+def test_site_pre_decode_forms_match_pytorch(form, t, d, kernel_device):
+    """``SITE_FORMS`` below ``ONE_PASS_MIN_ROWS`` rows (D 96 / 160: 3 / 5 slices, so the partials loaded at once
+    are masked past the last slice) against the PyTorch site and the ``split`` form: other fp32 orders only."""
+    from redknot.kernels.triton.step_mhc_v41 import SITE_TUNER
+
+    args = _case(t, d, kernel_device, 11 + t + d)
+    got = site_pre(*args, ITERS, HC_EPS, NORM_EPS, form=form)
+    split = site_pre(*args, ITERS, HC_EPS, NORM_EPS, form="split")
+    want = _want(*args)
+    for a, b, c in zip(got[1:], split[1:], want[1:]):
+        assert (a - b).abs().max().item() < 2e-5 and (a - c).abs().max().item() < 2e-5
+    for ref in (split[0], want[0]):
+        err = ((got[0].float() - ref.float()).abs() / ref.float().abs().clamp(min=1e-2)).max().item()
+        assert err <= 2 ** -7, err
+        assert (got[0].float() != ref.float()).float().mean().item() < 0.02
+    assert SITE_TUNER.candidates[0] == "split"
+    if kernel_device == "cpu":   # off the GPU the tuner's first form, untimed: the bits of what ran before
+        for a, b in zip(site_pre(*args, ITERS, HC_EPS, NORM_EPS), split):
+            assert torch.equal(a, b)
