@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Time the V4.1 decode step's dense FP8 linears at batch 32 / 128 by ``linear_mx`` decode, and ``wo_a``.
+"""Time the V4.1 decode step's dense FP8 linears at batch 32 / 128 by ``linear_mx`` decode, ``wo_a``, and the step
+attention by launch shape.
 
     PYTHONUNBUFFERED=1 python3 benchmarks/dense_step_v41.py --out DIR          # on a GPU, about 1-2 minutes
     python3 benchmarks/dense_step_v41.py --smoke --out DIR                     # CPU: Triton interpreter, toy sizes
@@ -18,6 +19,9 @@ per weight shape at every row count).
 einsum on the weight decoded once) is timed as that einsum and, for its cost in the stored format, as a dense FP8
 stream over the same bytes and FLOPs ([8192, 4096] against [rows, 4096]: the grouped stream would read each group's
 own 4096 columns of the rows instead): the gap says what a grouped FP8 stream of ``wo_a`` could save.
+
+The step attention (64 heads of 512, 128 window rows + 512 compressed entries, 8K context) runs first with every
+``attention_mx.ATTN_MX_TUNER`` launch shape and the tuner's choice (``--only attention`` for just that).
 
 Results: ``DIR/dense_step_v41.md`` and ``.json``. Not a test: numbers only.
 """
@@ -158,6 +162,60 @@ def wo_a_rows(dims, rows_list, device, reps: int, hbm: float):
     return out
 
 
+def attention_rows(rows_list, device, reps: int, hbm: float, smoke: bool, deadline: float):
+    """The step attention (``step_attention_mx``: 64 heads of 512 over a 128-row window ring and 512 compressed
+    entries at 8K) with every ``ATTN_MX_TUNER`` candidate, and the tuner's choice, per row count (one request per
+    row, as ``step_kernels_v41``); each checked against ``step_attention_reference`` (max abs error / max abs)."""
+    import torch
+
+    from redknot.kernels import mx_formats as mx
+    from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
+    from redknot.kernels.triton.step_attention_mx import (
+        step_attention_mx,
+        step_attention_reference,
+    )
+
+    h, d, win, k, bs, ctx = (4, 64, 16, 8, 16, 100) if smoke else (64, 512, 128, 512, 256, 8192)
+    out = []
+    for batch in rows_list:
+        g = torch.Generator(device=device).manual_seed(batch)
+        pos = torch.tensor([ctx + 3 * i for i in range(batch)], device=device)
+        back = torch.zeros(batch, dtype=torch.long, device=device)
+        slot = torch.arange(batch, device=device)
+        ring = mx.pack_window_rows(torch.randn(batch * win, d, generator=g, device=device))
+        new = mx.pack_window_rows(torch.randn(batch, d, generator=g, device=device))
+        n_ent = ctx + 3 * batch + 1
+        comp = mx.pack_compressed_entries(torch.randn(-(-n_ent // bs) * bs, d, generator=g, device=device))
+        q = (torch.randn(batch, h, d, generator=g, device=device) * 0.2).to(torch.bfloat16)
+        sinks = torch.randn(h, generator=g, device=device)
+        cidx = torch.sort(torch.randint(0, n_ent, (batch, k), generator=g, device=device), 1).values
+        args = (q, ring, win, new, slot, pos, back, win, sinks, d ** -0.5, comp, cidx)
+        want = step_attention_reference(*args).float()
+        nbytes = batch * (win * mx.window_row_bytes(d) + k * mx.compressed_entry_bytes(d) + 2 * h * d * 2)
+        for cfg in [*ATTN_MX_TUNER.candidates, None]:
+            row = {"shape": "step attention", "rows": batch, "variant": "tuned" if cfg is None else str(cfg)}
+            if time.monotonic() > deadline:
+                row["status"] = "skipped (budget)"
+                out.append(row)
+                continue
+            try:
+                def fn(cfg=cfg, args=args):
+                    return step_attention_mx(*args, config=cfg)
+                got = fn().float()
+                row["rel_err"] = float((got - want).abs().max() / want.abs().max())
+                ms = _time_ms(fn, device, reps)
+                row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")
+                if cfg is None:
+                    row["variant"] = "tuned: " + str(next(iter(c for key, c in ATTN_MX_TUNER.choices.items()
+                                                               if key[0] == min(1 << (batch - 1).bit_length(), 4096)
+                                                               and key[1:3] == (h, d)), "untimed"))
+            except Exception as exc:   # noqa: BLE001
+                row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
 def summary(rows, rows_list, earlier) -> list:
     lines = ["", "## Step sums (ms per step: each shape's time x its launches per step)", "",
              "| rows | fastest earlier candidate | fastest of all | tuner's choice (timed at 32 rows) |", "|---|---|---|---|"]
@@ -192,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="*", default=None, help="shape names (default: all)")
     ap.add_argument("--budget-s", type=float, default=110.0, help="cases past this many seconds are skipped")
     ap.add_argument("--no-wo-a", action="store_true")
+    ap.add_argument("--no-attention", action="store_true")
+    ap.add_argument("--only", choices=("all", "linear", "attention"), default="all",
+                    help="linear: the dense linears and wo_a only; attention: the step attention only")
     a = ap.parse_args(argv)
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -209,9 +270,13 @@ def main(argv=None) -> int:
     decodes = a.decodes or cands
     earlier = [c for c in cands if c not in gemm_mx.FUSED_DECODES]
     hbm = a.hbm_tbs * 1e12
-    rows = linear_rows(shapes, a.rows, decodes, device, a.reps, hbm, start + a.budget_s)
-    if not a.no_wo_a:
-        rows += wo_a_rows(SMOKE_WO_A if a.smoke else WO_A, a.rows, device, a.reps, hbm)
+    rows = []
+    if a.only in ("all", "attention") and not a.no_attention:   # first: a handful of cases, the budget's least risk
+        rows += attention_rows(a.rows, device, a.reps, hbm, a.smoke, start + a.budget_s)
+    if a.only in ("all", "linear"):
+        rows += linear_rows(shapes, a.rows, decodes, device, a.reps, hbm, start + a.budget_s)
+        if not a.no_wo_a:
+            rows += wo_a_rows(SMOKE_WO_A if a.smoke else WO_A, a.rows, device, a.reps, hbm)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     lines = [f"# V4.1 step dense linears by decode ({gpu}, floor at {a.hbm_tbs} TB/s, {time.monotonic() - start:.0f} s)",
              "",

@@ -25,5 +25,8 @@ def test_dense_step_smoke(tmp_path):
     assert len(timed) == 6 and all(r["status"] == "ok" and r["rel_err"] < 1e-2 for r in timed)
     assert all(r["same_bits_as_two_launches"] for r in timed if r["decode"] != "registers_wide")
     assert {r["variant"] for r in rows if r.get("shape") == "wo_a"} >= {"einsum bf16 (model)"}
+    attn = [r for r in rows if r.get("shape") == "step attention"]
+    from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
+    assert len(attn) == 2 * (len(ATTN_MX_TUNER.candidates) + 1) and all(r["status"] == "ok" and r["rel_err"] < 2e-2 for r in attn)
     table = (tmp_path / "dense_step_v41.md").read_text()
     assert "## Step sums" in table and "| toy b | tuner |" in table
