@@ -217,6 +217,26 @@ def count_launches(batch: int = 1) -> dict:
             "by_region_op": {r: {o: n for (rr, o), n in region_ops.most_common() if rr == r} for r in regions}}
 
 
+def b1_gaps(a) -> dict:
+    """``--b1-gaps``: ``step_b1_gaps_v41``'s rows -> ``OUT/step_b1_gaps_v41.{md,json}`` and stdout."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import step_b1_gaps_v41 as gaps
+
+    device = torch.device("cpu" if a.smoke else "cuda")
+    rows = gaps.run(device, a.smoke, reps=max(a.reps, 50))
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_b1_gaps_v41.json").write_text(json.dumps(report, indent=1))
+    lines = ["# V4.1 b1 step: candidates against the launches they replace", "", f"device: {report['device']}", "",
+             *gaps.table(rows)]
+    (out / "step_b1_gaps_v41.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return report
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/step_kernels_v41"))
@@ -232,9 +252,14 @@ def main(argv=None) -> dict:
                     help="with --count-launches: the weight stream every fused step linear takes at 1-4 rows "
                          "(step_proj_v41.FORCE_SMALL: fp8, gemv, gemv_n16, gemv_k128; default: the tuner's, "
                          "fp8 off the GPU)")
+    ap.add_argument("--b1-gaps", action="store_true",
+                    help="time the b1 step's wo_a / router / mHC site candidates against the launches they replace "
+                         "instead (benchmarks/step_b1_gaps_v41.py; with --smoke on the CPU)")
     a = ap.parse_args(argv)
     if a.smoke or a.count_launches:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.b1_gaps:
+        return b1_gaps(a)
     if a.count_launches:
         if a.small_stream:
             from redknot.kernels.triton import step_proj_v41
