@@ -8,13 +8,14 @@ one row; the stored weight is e4m3 [g·r, K] with E8M0 tiles (32 MiB + 32 KiB). 
 group's slice of the raw bf16 rows (``step_proj_stream_v41._gemv_tile`` with the rows read as they are, QX 1):
 the weight's tile scale times the activation is exact (a power of two), each product w · (x · 2^s) is the
 reference's exact bf16 x bf16 product, so only the fp32 summation order differs from the einsum's. One K slice
-writes z in bf16 directly (one launch); several write fp32 partials [S, T, g·r] that
-``splitk_mx.reduce_rows`` adds in slice order (two launches). A row's sums do not depend on the other rows.
+writes z in bf16 directly (one launch); several write fp32 partials [S, T, g·r] added in slice order by
+``splitk_mx.reduce_rows`` (two launches) or by the last program of each column block (one launch, the same bits).
+A row's sums do not depend on the other rows.
 
 ``WO_A_TUNER`` (key: the weight's shape and the rows) chooses between ``einsum`` (first: what ran before; taken
-untimed off the GPU and for a key first met under CUDA-graph capture) and the GEMV shapes ``WO_A_PLANS``
-(``*_1``: one K slice), each behind a first-use check against the exact products (:func:`self_check`). Not
-measured on the H200.
+untimed off the GPU and for a key first met under CUDA-graph capture) and the GEMV shapes ``WO_A_PLANS`` in the
+``FORMS`` (K slices and how they are summed), each behind a first-use check against the exact products
+(:func:`self_check`). Not measured on the H200.
 """
 from __future__ import annotations
 
@@ -33,28 +34,76 @@ from redknot.kernels.triton.gemv_plan import (
 )
 from redknot.kernels.triton.step_proj_stream_v41 import _gemv_tile
 
-# GEMV shapes by name (``gemv_plan.PLANS``' dense shapes and one of 16 x 256); ``*_1``: the same with one K slice.
+# GEMV shapes by name (``gemv_plan.PLANS``' dense shapes and one of 16 x 256), each in four forms: the K slices
+# ``gemv_plan.slices`` cuts, summed by ``splitk_mx.reduce_rows`` (a second launch); ``*_f``: the same slices summed
+# by the last program of each column block (one launch, the same bits); ``*_1``: one K slice (one launch);
+# ``*_wave_f``: the slices ``step_proj_stream_v41.wave_slices`` cuts against the programs resident on an SM,
+# summed in the launch.
 WO_A_PLANS = {"gemv": GemvPlan(32, 256), "gemv_n16": GemvPlan(16, 512), "gemv_k128": GemvPlan(32, 128),
               "gemv_n16k256": GemvPlan(16, 256)}
-WO_A_TUNER = ConfigTuner("step_wo_a_small", ["einsum", *WO_A_PLANS, *(n + "_1" for n in WO_A_PLANS)])
+FORMS = ("", "_f", "_1", "_wave_f")
+WO_A_TUNER = ConfigTuner("step_wo_a_small", ["einsum", *(n + f for f in FORMS for n in WO_A_PLANS)])
 
 
 @triton.jit
 def _wo_a_gemv(x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, R, XG, stride_x, stride_w, stride_s, stride_ps, stride_pm,
                WB: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               USE_ASM: tl.constexpr):
+               USE_ASM: tl.constexpr, cnt_ptr=None, out_ptr=None, stride_o=0, FUSED: tl.constexpr = False):
     """Program (column block, K slice): ``_gemv_tile`` on the group's K columns of the raw bf16 rows (int32 words
-    of bf16 pairs; group ``pid_n · BLOCK_N // R`` starts XG words into a row)."""
+    of bf16 pairs; group ``pid_n · BLOCK_N // R`` starts XG words into a row). FUSED: then a barrier and one
+    acquire-release increment of the column block's counter; the program that takes it to the slice count resets
+    it and adds the block's partials in slice order (from L2), cast to ``out`` (``reduce_rows``' arithmetic: the
+    bits of the two launches)."""
     pid_n = tl.program_id(0)
     group = (pid_n * BLOCK_N) // R
     _gemv_tile(x_ptr + group * XG, w_ptr, s_ptr, p_ptr, pid_n, tl.program_id(1), N, KW, KSPLIT, stride_x, stride_w,
                stride_s, stride_ps, stride_pm, WB, ROWS, BLOCK_N, BLOCK_K, USE_ASM, 1)
+    if FUSED:
+        tl.debug_barrier()   # every thread's partials stored before the release
+        S = tl.num_programs(1)
+        done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == S - 1:
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")   # zero again for the next launch
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            cmask = cols < N
+            for t in tl.static_range(ROWS):
+                acc = tl.zeros([BLOCK_N], tl.float32)
+                for sl in range(S):   # slice order
+                    acc += tl.load(p_ptr + sl * stride_ps + t * stride_pm + cols, mask=cmask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 column-block counters of the fused forms (each launch leaves them zero again; launches run one
+    after another on one stream). Kept for the process: a CUDA graph may capture them."""
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = c
+    return c
 
 
 def plan_of(name: str) -> tuple:
-    """(GemvPlan, one K slice) of a ``WO_A_TUNER`` GEMV name."""
-    one = name.endswith("_1")
-    return WO_A_PLANS[name[:-2] if one else name], one
+    """(GemvPlan, form) of a ``WO_A_TUNER`` GEMV name (form one of ``FORMS``)."""
+    form = next((f for f in sorted(FORMS[1:], key=len, reverse=True) if name.endswith(f)), "")
+    return WO_A_PLANS[name[:len(name) - len(form)]], form
+
+
+def cut(N: int, K: int, plan: GemvPlan, form: str) -> tuple:
+    """(slice count, slice width) of the form's launch over an [N, K] weight: a function of the shapes only."""
+    if form == "_1":
+        return 1, K
+    if form == "_wave_f":
+        from redknot.kernels.triton.step_proj_stream_v41 import resident, wave_slices
+        base = next(n for n, p in WO_A_PLANS.items() if p == plan)
+        shape = base if base in ("gemv", "gemv_n16", "gemv_k128") else "gemv_n16"
+        return wave_slices([N], K, plan, resident(shape, 1, _block_k(K, plan.block_k), 1))
+    return slices(N, K, plan)
 
 
 def wo_a_gemv(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int, name: str) -> torch.Tensor:
@@ -63,7 +112,7 @@ def wo_a_gemv(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block:
     GEMV name of ``WO_A_TUNER``."""
     T, g, K = o.shape
     N = weight.shape[0]
-    plan, one = plan_of(name)
+    plan, form = plan_of(name)
     R = N // g if g else 0
     if (T > MAX_ROWS or o.dtype != torch.bfloat16 or weight.dtype != torch.float8_e4m3fn or weight.shape[1] != K
             or N % g or R % plan.block_n or block % plan.block_n or block % 32 or K % 32
@@ -77,15 +126,20 @@ def wo_a_gemv(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block:
     x = o.reshape(T, g * K)
     x = x if x.stride(-1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
     bk = _block_k(K, plan.block_k)
-    S, ksplit = (1, K) if one else slices(N, K, plan)
+    S, ksplit = cut(N, K, plan, form)
     p = out if S == 1 else torch.empty(S, T, N, dtype=torch.float32, device=o.device)
     wb = as_bytes(weight)
     xw = x.view(torch.int32)
-    _wo_a_gemv[(cdiv(N, plan.block_n), S)](
+    nb = cdiv(N, plan.block_n)
+    fused = S > 1 and form.endswith("_f")
+    extra = {"cnt_ptr": _counters(o.device, nb), "out_ptr": out, "stride_o": out.stride(0), "FUSED": True} if fused \
+        else {}
+    _wo_a_gemv[(nb, S)](
         xw, wb.view(torch.int32), as_bytes(scale), p, N, K // 4, ksplit, R, K // 2, xw.stride(0), wb.stride(0) // 4,
         as_bytes(scale).stride(0), p.stride(0) if S > 1 else 0, p.stride(-2), WB=block, ROWS=T,
-        BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=_use_asm(), num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if S > 1:
+        BLOCK_N=plan.block_n, BLOCK_K=bk, USE_ASM=_use_asm(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **extra)
+    if S > 1 and not fused:
         from redknot.kernels.triton.splitk_mx import reduce_rows
         reduce_rows(p, out)
     return out

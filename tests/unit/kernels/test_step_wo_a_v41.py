@@ -97,3 +97,18 @@ def test_wo_a_rows_runs_the_choice_and_the_einsum_first(kernel_device):
     assert torch.equal(wa.wo_a_rows(o, w, ws, bf, 32, choice="gemv_k128"), wa.wo_a_gemv(o, w, ws, 32, "gemv_k128"))
     if kernel_device == "cpu":
         assert torch.equal(wa.wo_a_rows(o, w, ws, bf, 32), einsum)
+
+
+@pytest.mark.parametrize("base", list(wa.WO_A_PLANS))
+def test_wo_a_slice_sum_in_the_launch_keeps_the_bits(base, kernel_device):
+    """``*_f``: the last program of each column block adds the slices in slice order: the bits of the same slices
+    summed by ``reduce_rows`` (a second launch), twice (the counters are zero again after a launch); the forms' K
+    slices are a function of the weight shape only, and the test shape has several."""
+    o, w, ws = _inputs(2, 64, 2048, 3, 31, kernel_device)
+    plan, _ = wa.plan_of(base)
+    assert wa.cut(128, 2048, plan, "_f")[0] > 1
+    two = wa.wo_a_gemv(o, w, ws, 32, base)
+    for _ in range(2):
+        assert torch.equal(wa.wo_a_gemv(o, w, ws, 32, base + "_f"), two)
+    assert not wa._counters(torch.device(kernel_device), 1).any()
+    assert wa.plan_of(base + "_wave_f") == (plan, "_wave_f") and wa.plan_of(base + "_1") == (plan, "_1")
