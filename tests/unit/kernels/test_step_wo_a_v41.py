@@ -112,3 +112,29 @@ def test_wo_a_slice_sum_in_the_launch_keeps_the_bits(base, kernel_device):
         assert torch.equal(wa.wo_a_gemv(o, w, ws, 32, base + "_f"), two)
     assert not wa._counters(torch.device(kernel_device), 1).any()
     assert wa.plan_of(base + "_wave_f") == (plan, "_wave_f") and wa.plan_of(base + "_1") == (plan, "_1")
+
+
+def test_grouped_output_rows_ask_the_tuner_for_few_rows(kernel_device, monkeypatch):
+    """``fused_rows.wo_a_rows`` (``attention.grouped_output``'s few-row call): with the Triton ops and the FP8 wo_a
+    kept, 1-4 bf16 rows run ``WO_A_TUNER``'s choice on the stored weight (here forced to a GEMV: its bits), more rows
+    give None (the caller's einsum)."""
+    from redknot.kernels import KernelSet
+    from redknot.kernels.triton import _common
+    from redknot.models.deepseek_v41 import fused_rows
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+    from redknot.models.deepseek_v41.ref_math import Numerics, Weights
+
+    o, wq, ws = _inputs(2, 32, 256, 2, 41, kernel_device)
+    w = Weights({"a.wo_a.weight": wq, "a.wo_a.scale": ws}, torch.bfloat16, keep=True)
+    w.ops = V41Ops(KernelSet(default="triton"))
+    num = Numerics("reference", torch.bfloat16)
+    bf = w.ops.bf16_weight(w, "a.wo_a.weight", torch.bfloat16).view(2, 32, -1)
+    assert fused_rows.fused(w, o)
+
+    class Pick(_common.ConfigTuner):
+        def pick(self, key, run, device):
+            return "gemv_k128_1"
+    monkeypatch.setattr(wa, "WO_A_TUNER", Pick("wo_a", wa.WO_A_TUNER.candidates))
+    got = fused_rows.wo_a_rows(o, bf, w, "a.wo_a.weight", num)
+    assert torch.equal(got, wa.wo_a_gemv(o, wq, ws, 32, "gemv_k128_1"))
+    assert fused_rows.wo_a_rows(torch.cat([o] * 3), bf, w, "a.wo_a.weight", num) is None
