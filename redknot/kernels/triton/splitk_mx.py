@@ -127,10 +127,11 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
                out_ptr, cnt_ptr, stride_om,
                W_FP4: tl.constexpr, WB: tl.constexpr, GATHER: tl.constexpr, GROUPED: tl.constexpr,
                DUAL: tl.constexpr, SWAP: tl.constexpr, A_RAW: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE: tl.constexpr = 0):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSE: tl.constexpr = 0, GROUP_N: tl.constexpr = 0):
     """K and KSPLIT are multiples of BLOCK_K (the host picks BLOCK_K so): no K masks in the loop, so the
     weight rows load as full 16-byte vectors. FUSE (a dense stream, no W3): the slice sum into ``out`` in this
-    launch (``slice_sum``; 0: partials only)."""
+    launch (``slice_sum``; 0: partials only). GROUP_N (an FP8 weight of G groups of GROUP_N rows, BLOCK_N dividing
+    GROUP_N): output column n reads the activation columns [g·K, (g+1)·K) of group g = n // GROUP_N."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -152,6 +153,8 @@ def _splitk_mm(a_ptr, rowid_ptr, b_ptr, sb_ptr, b3_ptr, sb3_ptr, p_ptr, p3_ptr,
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         c64 = cols.to(tl.int64)
+        if GROUP_N > 0:   # the column tile's group: its own K columns of the rows
+            a_ptr = a_ptr + ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * K
         bg = b_ptr + grp.to(tl.int64) * stride_bg
         sbg = sb_ptr + grp.to(tl.int64) * stride_sbg
         b3g = b3_ptr + grp.to(tl.int64) * stride_bg
@@ -278,7 +281,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
               w3: Optional[torch.Tensor] = None, ws3: Optional[torch.Tensor] = None, block_m: int = ROW_TILE,
               block_n: int = 0, block_k: int = 0, splits: Optional[int] = None, num_warps: int = 4,
               tiles=None, swap: bool = False, raw: bool = False, decode: Optional[str] = None,
-              num_stages: int = 3, out: torch.Tensor | None = None):
+              num_stages: int = 3, out: torch.Tensor | None = None, group_n: int = 0):
     """fp32 partials [S, rows, N] (and the W3 ones when ``w3`` is given) of ``a · Wᵀ``.
 
     a: bf16 QDQ'd activations [R, K] (with ``decode="registers"`` and an MXFP4 weight: de-interleaved
@@ -290,7 +293,9 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
     bf16 rows and quantises them to e4m3 first, and runs ``scaled`` for MXFP4 weights); ``swap``
     applies to ``registers`` (``scaled`` always holds the weight as the first operand). ``out`` [rows, N] (a
     dense weight, ``registers`` or ``fp8``): the slice sum too, in the stream launch (``slice_sum``: the bits of
-    ``reduce_rows(partials, out)``), and ``out`` is returned instead of the partials."""
+    ``reduce_rows(partials, out)``), and ``out`` is returned instead of the partials. ``group_n`` (a dense FP8
+    weight [G·group_n, K], ``registers``): a grouped product, output column n against activation columns
+    ``[g·K, (g+1)·K)`` of ``a`` [R, G·K] for g = n // group_n (``torch.einsum("ngk,grk->ngr")``'s shape)."""
     decode = decode or DECODE
     if decode not in DECODES:
         raise ValueError(f"splitk_mm: decode={decode!r}: must be one of {DECODES}")
@@ -316,6 +321,10 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
                             or out.stride(-1) != 1):
         raise ValueError("splitk_mm: out (the slice sum in the stream launch) is for a dense FP8 weight with the "
                          f"registers / fp8 decodes and an [rows, N] output; got decode={decode!r}")
+    if group_n and (w_fp4 or grouped or dual or decode != "registers" or N % group_n or group_n % block_n
+                    or a.shape[-1] != K * (N // group_n) or a.stride(-1) != 1):
+        raise ValueError(f"splitk_mm: group_n={group_n} takes a dense FP8 weight with the registers decode, N a "
+                         f"multiple of group_n and group_n of block_n={block_n}, and rows of G·K columns")
     p = torch.empty(S, rows, N, dtype=torch.float32, device=a.device)
     p3 = torch.empty_like(p) if dual else p
     if rows == 0:
@@ -361,7 +370,7 @@ def splitk_mm(a: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, rows: int, *, 
         out if out is not None else p, cnt, out.stride(0) if out is not None else 0,
         W_FP4=w_fp4, WB=wb, GATHER=rowid is not None, GROUPED=grouped, DUAL=dual, SWAP=swap, A_RAW=raw, BLOCK_M=bm,
         BLOCK_N=block_n,
-        BLOCK_K=bk, FUSE=fuse, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_K=bk, FUSE=fuse, GROUP_N=group_n, num_warps=num_warps, num_stages=num_stages)
     return (p, p3) if dual else (p if out is None else out)
 
 

@@ -120,6 +120,8 @@ def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w
         z = grouped_wo_a(o.reshape(t, g, -1), wo_a)
     else:   # few rows: the einsum, or a GEMV on the stored FP8 weight where measured faster (the same products)
         z = fused_rows.wo_a_rows(o.reshape(t, g, -1), wo_a, w, f"{p}.wo_a.weight", num)
+        if z is None:   # decode batches: the einsum or a stream of the stored FP8 bytes, by measurement
+            z = _wo_a_stream(o, w, f"{p}.wo_a.weight", num, ops, g, wo_a)
         z = z if z is not None else torch.einsum("ngk,grk->ngr", o.reshape(t, g, -1), wo_a).reshape(t, -1)
     if mix is not None:
         hp = fused_rows.linear_post_rows(z, w, f"{p}.wo_b.weight", num, *mix)
@@ -128,6 +130,24 @@ def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w
     y = fused_rows.linear_rows(z, w, f"{p}.wo_b.weight", num)   # few rows: two launches, the same bits
     y = y if y is not None else linear(z, w, f"{p}.wo_b.weight", num)
     return (y, False) if mix is not None else y
+
+
+def _wo_a_stream(o: torch.Tensor, w, name: str, num, ops, groups: int, wo_a: torch.Tensor):
+    """``wo_a`` for ``wo_a_v41.MIN_ROWS``..``MAX_ROWS`` bf16 rows on the registry's Triton linears with the weight kept
+    in its stored FP8 format: ``wo_a_v41.wo_a`` (a tuner's choice between the einsum on ``wo_a`` and streams of the FP8
+    bytes: the same exact products in another fp32 summation order); None elsewhere (the caller runs the einsum)."""
+    from redknot.kernels.triton import wo_a_v41
+    from redknot.models.deepseek_v41.moe import _fp8_linear_weights
+
+    t = o.shape[0]
+    if ops is None or not (o.dtype == wo_a.dtype == torch.bfloat16) or not wo_a_v41.MIN_ROWS <= t <= wo_a_v41.MAX_ROWS:
+        return None
+    got = _fp8_linear_weights(ops, w, name, num)
+    o2 = o.reshape(t, -1)
+    if got is None or got[0].shape != (wo_a.shape[0] * wo_a.shape[1], wo_a.shape[2]) or o2.shape[1] != \
+            groups * wo_a.shape[2]:
+        return None
+    return wo_a_v41.wo_a(o2 if o2.stride(-1) == 1 else o2.contiguous(), got[0], got[1], groups, lambda: wo_a)
 
 
 class AttentionLayer:
