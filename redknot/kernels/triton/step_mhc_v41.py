@@ -158,11 +158,12 @@ ONE_PASS_MIN_ROWS = 17   # rows from which a 16-bit site collapses in the mixing
 # loaded at once (``_site_finish``'s NSP2), the finish's D block (0: min(1024, D's power of two)), its warps). At one
 # row the finish is one program: ``split`` (what ran before) adds ~54 slices' partials one load after another and
 # reads the 4 x 5120 streams twice in blocks of 1024 (H100 run 3: 12.5 us a launch); the other forms are the same
-# arithmetic in other fp32 orders. ``SITE_TUNER`` (key: rows, streams, D, dtype) chooses; ``split`` first (taken
+# arithmetic in other fp32 orders (1-2 warps: the Sinkhorn rounds' reductions within fewer warps). ``SITE_TUNER`` (key: rows, streams, D, dtype) chooses; ``split`` first (taken
 # untimed off the GPU and for a key first met under CUDA-graph capture). Not measured on the H200.
 SITE_FORMS = {"split": (False, False, 0, 4), "split_v": (False, True, 0, 4), "split_v_w8": (False, True, 2048, 8),
               "one_pass": (True, False, 0, 4), "one_pass_v": (True, True, 0, 4),
-              "one_pass_v_w8": (True, True, 2048, 8)}
+              "one_pass_v_w8": (True, True, 2048, 8), "one_pass_v_w2": (True, True, 2048, 2),
+              "one_pass_v_w1": (True, True, 2048, 1)}
 SITE_TUNER = ConfigTuner("step_mhc_site_small", list(SITE_FORMS))
 
 
