@@ -15,10 +15,9 @@ sum (each shape times its launches per step in the 5-layer cut) with each shape'
 fastest candidate of all, and the tuner's own choice for the shape (``_stream_decode``: timed at 32 rows, one choice
 per weight shape at every row count).
 
-``wo_a`` (8 groups of [1024, 4096], the attention output's per-group projection; the model runs it as a bf16
-einsum on the weight decoded once) is timed as that einsum and, for its cost in the stored format, as a dense FP8
-stream over the same bytes and FLOPs ([8192, 4096] against [rows, 4096]: the grouped stream would read each group's
-own 4096 columns of the rows instead): the gap says what a grouped FP8 stream of ``wo_a`` could save.
+``wo_a`` (8 groups of [1024, 4096], the attention output's per-group projection) is timed as the model's bf16
+einsum (the weight decoded once, 67 MB a layer), as each ``wo_a_v41`` stream shape of its stored FP8 bytes (33.5 MB;
+relative error against the einsum) and as ``wo_a_v41.wo_a``, the tuner's choice per row class.
 
 The step attention (64 heads of 512, 128 window rows + 512 compressed entries, 8K context) runs first with every
 ``attention_mx.ATTN_MX_TUNER`` launch shape and the tuner's choice (``--only attention`` for just that).
@@ -129,12 +128,12 @@ def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadl
 
 
 def wo_a_rows(dims, rows_list, device, reps: int, hbm: float):
-    """``wo_a``: the model's bf16 einsum and the same bytes as one dense FP8 stream (tuner-free: the decodes
-    ``registers_wide_f`` / ``registers_w64_f`` / ``fp8_f``)."""
+    """``wo_a``: the model's bf16 einsum, each ``wo_a_v41`` stream shape of the stored FP8 bytes (checked against the
+    einsum), and ``wo_a_v41.wo_a`` (the tuner's choice per row class)."""
     import torch
 
     from redknot.kernels import mx_formats as mx
-    from redknot.kernels.triton import gemm_mx
+    from redknot.kernels.triton import wo_a_v41
 
     groups, rank, width, per_step = dims
     g = torch.Generator(device=device).manual_seed(7)
@@ -142,19 +141,24 @@ def wo_a_rows(dims, rows_list, device, reps: int, hbm: float):
     wb = mx.dequant_fp8_blocks(w, ws, 32).to(torch.bfloat16).view(groups, rank, width)
     out = []
     for rows in rows_list:
-        o = torch.randn(rows, groups * width, generator=g, device=device).to(torch.bfloat16)
-        cases = [("einsum bf16 (model)", groups * rank * width * 2,
-                  lambda o=o, rows=rows: torch.einsum("ngk,grk->ngr", o.view(rows, groups, width), wb).reshape(rows, -1))]
-        for dec in ("registers_wide_f", "registers_w64_f", "fp8_f"):
-            xo = o[:, :width].contiguous()
-            cases.append((f"FP8 stream {dec} (same bytes, dense)", groups * rank * width,
-                          lambda xo=xo, dec=dec: gemm_mx.linear_mx(xo, w, ws, 32, path="splitk", decode=dec)))
+        o2 = torch.randn(rows, groups * width, generator=g, device=device).to(torch.bfloat16)
+        want = wo_a_v41.einsum(o2, wb)
+        cases = [("einsum bf16 (model)", 2, lambda o2=o2: wo_a_v41.einsum(o2, wb))]
+        for name in wo_a_v41.WO_A_TUNER.candidates[1:]:
+            cases.append((f"FP8 stream {name}", 1, lambda o2=o2, name=name: wo_a_v41.grouped_stream(o2, w, ws,
+                                                                                                     groups, name)))
+        cases.append(("wo_a_v41.wo_a (tuner's choice)", 1, lambda o2=o2: wo_a_v41.wo_a(o2, w, ws, groups,
+                                                                                        lambda: wb)))
         for label, wbytes, fn in cases:
             row = {"shape": "wo_a", "rows": rows, "variant": label, "per_step": per_step}
             try:
+                row["rel_err"] = _rel(fn(), want)
                 ms = _time_ms(fn, device, reps)
-                nbytes = wbytes + rows * groups * width * 2 + rows * groups * rank * 2
+                nbytes = wbytes * groups * rank * width + rows * groups * width * 2 + rows * groups * rank * 2
                 row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")
+                if label.startswith("wo_a_v41"):
+                    key = (tuple(w.shape), groups, min(1 << (rows - 1).bit_length(), wo_a_v41.MAX_ROWS))
+                    row["variant"] += f": {wo_a_v41.WO_A_TUNER.choices.get(key, 'untimed')}"
             except Exception as exc:   # noqa: BLE001
                 row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             out.append(row)

@@ -24,7 +24,8 @@ def test_dense_step_smoke(tmp_path):
     timed = [r for r in rows if r.get("decode") and r.get("rows") != "tuner"]
     assert len(timed) == 6 and all(r["status"] == "ok" and r["rel_err"] < 1e-2 for r in timed)
     assert all(r["same_bits_as_two_launches"] for r in timed if r["decode"] != "registers_wide")
-    assert {r["variant"] for r in rows if r.get("shape") == "wo_a"} >= {"einsum bf16 (model)"}
+    woa = [r for r in rows if r.get("shape") == "wo_a"]
+    assert len(woa) == 2 * 6 and all(r["status"] == "ok" and r["rel_err"] < 1e-2 for r in woa)
     attn = [r for r in rows if r.get("shape") == "step attention"]
     from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
     assert len(attn) == 2 * (len(ATTN_MX_TUNER.candidates) + 1) and all(r["status"] == "ok" and r["rel_err"] < 2e-2 for r in attn)
