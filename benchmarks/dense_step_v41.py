@@ -114,6 +114,8 @@ def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadl
         row = {"shape": name, "N": n, "K": k, "rows": "tuner", "per_step": per_step, "decode_errors":
                {str(a): b for a, b in stream_guard.DECODE_ERRORS.items()}}
         try:
+            if time.monotonic() > deadline:
+                raise TimeoutError("skipped (budget)")
             x = torch.randn(32, k, generator=g, device=device).to(torch.bfloat16)
             row["choice"] = gemm_mx._stream_decode(x, w, ws.view(torch.uint8), 32,
                                                    torch.empty(32, n, dtype=x.dtype, device=device))
