@@ -155,15 +155,18 @@ def _site_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, pre_in_ptr, norm
 ONE_PASS_MIN_ROWS = 17   # rows from which a 16-bit site collapses in the mixing pass (prefill; the step: ``_mhc_mix``)
 # Below ``ONE_PASS_MIN_ROWS`` 16-bit rows (decode) the site's launches by name: (the collapse in the mixing pass
 # ``_mix_collapse`` instead of ``_mhc_mix`` and the finish's two passes over the streams, the finish's partial sums
-# loaded at once (``_site_finish``'s NSP2), the finish's D block (0: min(1024, D's power of two)), its warps). At one
-# row the finish is one program: ``split`` (what ran before) adds ~54 slices' partials one load after another and
-# reads the 4 x 5120 streams twice in blocks of 1024 (H100 run 3: 12.5 us a launch); the other forms are the same
-# arithmetic in other fp32 orders (1-2 warps: the Sinkhorn rounds' reductions within fewer warps). ``SITE_TUNER`` (key: rows, streams, D, dtype) chooses; ``split`` first (taken
-# untimed off the GPU and for a key first met under CUDA-graph capture). Not measured on the H200.
-SITE_FORMS = {"split": (False, False, 0, 4), "split_v": (False, True, 0, 4), "split_v_w8": (False, True, 2048, 8),
-              "one_pass": (True, False, 0, 4), "one_pass_v": (True, True, 0, 4),
-              "one_pass_v_w8": (True, True, 2048, 8), "one_pass_v_w2": (True, True, 2048, 2),
-              "one_pass_v_w1": (True, True, 2048, 1)}
+# loaded at once (``_site_finish``'s NSP2), the finish's D block (0: min(1024, D's power of two)), its warps, the
+# most slices of the mixing pass). At one row the finish is one program: ``split`` (what ran before) adds ~54
+# slices' partials one load after another and reads the 4 x 5120 streams twice in blocks of 1024 (H100 run 3:
+# 12.5 us a launch); the other forms are the same arithmetic in other fp32 orders (1-2 warps: the Sinkhorn rounds'
+# reductions within fewer warps; ``*_s256``: up to 256 mixing programs of fewer steps each). ``SITE_TUNER`` (key:
+# rows, streams, D, dtype) chooses; ``split`` first (taken untimed off the GPU and for a key first met under
+# CUDA-graph capture). Not measured on the H200.
+SITE_FORMS = {"split": (False, False, 0, 4, 64), "split_v": (False, True, 0, 4, 64),
+              "split_v_w8": (False, True, 2048, 8, 64), "split_v_s256": (False, True, 0, 4, 256),
+              "one_pass": (True, False, 0, 4, 64), "one_pass_v": (True, True, 0, 4, 64),
+              "one_pass_v_w8": (True, True, 2048, 8, 64), "one_pass_v_w2": (True, True, 2048, 2, 64),
+              "one_pass_v_w1": (True, True, 2048, 1, 64), "one_pass_v_s256": (True, True, 0, 4, 256)}
 SITE_TUNER = ConfigTuner("step_mhc_site_small", list(SITE_FORMS))
 
 
@@ -206,15 +209,15 @@ def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torc
                                   g_p2, groups)
     if form is None and one_pass and split_fn:
         form = _site_form((h, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps), {"one_pass": True})
-    collapse, vec, fin_d, warps = SITE_FORMS[form or "split"]
+    collapse, vec, fin_d, warps, most = SITE_FORMS[form or "split"]
     if collapse:
         return _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb,
-                                  g_p2, groups, vec, fin_d, warps)
+                                  g_p2, groups, vec, fin_d, warps, most)
     block_t = 16 if T <= 256 or not split_fn else 64
     block_k = 128 if split_fn else 64
     tiles = cdiv(T, block_t)
     k_blocks = cdiv(K, block_k)
-    nsplit = max(1, min(cdiv(2 * sm_count(h), tiles), k_blocks, 64))   # fill the device at decode sizes
+    nsplit = max(1, min(cdiv(2 * sm_count(h), tiles), k_blocks, most))   # fill the device at decode sizes
     k_chunk = cdiv(k_blocks, nsplit) * block_k
     nsplit = cdiv(K, k_chunk)
     part = torch.empty(nsplit * T, mixp, dtype=torch.float32, device=dev)
@@ -231,14 +234,14 @@ def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torc
 
 
 def _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb, g_p2, groups,
-                       vec: bool = False, fin_d: int = 0, warps: int = 4):
+                       vec: bool = False, fin_d: int = 0, warps: int = 4, most: int = 64):
     T, n, D = s.shape
     dev = s.device
     mixp = g_p2 * n
     block_t, block_d = 64, 32   # 128 registers on sm_90a (64 x 64: 227, occupancy halved)
     tiles = cdiv(T, block_t)
     d_blocks = cdiv(D, block_d)
-    nsplit = max(1, min(cdiv(2 * sm_count(s), tiles), d_blocks, 64))
+    nsplit = max(1, min(cdiv(2 * sm_count(s), tiles), d_blocks, most))
     d_chunk = cdiv(d_blocks, nsplit) * block_d
     nsplit = cdiv(D, d_chunk)
     part = torch.empty(nsplit * T, mixp, dtype=torch.float32, device=dev)

@@ -109,8 +109,8 @@ def test_gpu_site_pre_one_pass_prefill_rows():
     assert (u.float() != wu.float()).float().mean().item() < 0.02
 
 
-@pytest.mark.parametrize("form", ["split_v", "split_v_w8", "one_pass", "one_pass_v", "one_pass_v_w8",
-                                  "one_pass_v_w2", "one_pass_v_w1"])
+@pytest.mark.parametrize("form", ["split_v", "split_v_w8", "split_v_s256", "one_pass", "one_pass_v", "one_pass_v_w8",
+                                  "one_pass_v_w2", "one_pass_v_w1", "one_pass_v_s256"])
 @pytest.mark.parametrize("t,d", [(1, 96), (3, 160)])
 def test_site_pre_decode_forms_match_pytorch(form, t, d, kernel_device):
     """``SITE_FORMS`` below ``ONE_PASS_MIN_ROWS`` rows (D 96 / 160: 3 / 5 slices, so the partials loaded at once
