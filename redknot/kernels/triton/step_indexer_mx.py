@@ -67,15 +67,84 @@ def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, out_pt
     tl.store(out_ptr + t * stride_ot + cols, s, mask=cols < NCOLS)
 
 
+@triton.jit
+def _score_block(q, w, key_ptr, tab_ptr, cand_ptr, out_ptr, t, c0, vis, NMAX, NCOLS, PER, RATIO, BS, stride_k,
+                 stride_tt, stride_ct, stride_ot, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
+                 CAND: tl.constexpr):
+    """Entries [c0, c0 + BLOCK_N) of row t, scored and stored: ``_step_index_scores``' per-block code for a block
+    that holds a visible entry (the same loads, product and roundings), q [HI_P, DI] bf16 and w [HI_P] fp32
+    (scaled) loaded by the caller once per row."""
+    cols = c0 + tl.arange(0, BLOCK_N)
+    if CAND:
+        ent = tl.load(cand_ptr + t * stride_ct + cols, mask=cols < NCOLS, other=-1).to(tl.int64)
+        ok = (ent >= 0) & (ent < NMAX) & (ent < vis)
+    else:
+        ent = cols.to(tl.int64)
+        ok = (ent < NMAX) & (ent < vis)
+    p = tl.where(ok, ent, 0) * RATIO
+    blk = tl.load(tab_ptr + t * stride_tt + p // BS, mask=ok, other=0).to(tl.int64)
+    row = blk * PER + (p % BS) // RATIO
+    keys = _index_keys(key_ptr, tl.where(ok, row, 0), ok, stride_k, DI, BLOCK_N)        # [BN, DI]
+    d = tl.dot(q, tl.trans(keys))                                                     # [HI_P, BN] fp32
+    if BF16:
+        d = d.to(tl.bfloat16).to(tl.float32)
+        sc = tl.sum((tl.maximum(d, 0.0) * w[:, None]).to(tl.bfloat16).to(tl.float32), 0)
+        sc = sc.to(tl.bfloat16).to(tl.float32)
+    else:
+        sc = tl.sum(tl.maximum(d, 0.0) * w[:, None], 0)
+    tl.store(out_ptr + t * stride_ot + cols, tl.where(ok, sc, float("-inf")), mask=cols < NCOLS)
+
+
+@triton.jit
+def _step_index_scores_loop(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, out_ptr, NMAX, NCOLS, PER, RATIO, BS,
+                            HI, stride_qt, stride_qh, stride_wt, stride_k, stride_tt, stride_ct, stride_ot, wscale,
+                            HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
+                            CAND: tl.constexpr):
+    """``_step_index_scores`` with the column blocks of a row strided over ``num_programs(1)`` programs: a program
+    loads its row's query and weights once and walks its blocks that hold a visible entry (a loop the compiler may
+    pipeline: the next block's table and key loads during this block's decode and product), then writes -inf over
+    its blocks past them. Each entry's score has the bits of the one-block kernel (the same per-block code)."""
+    t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1)
+    step = tl.num_programs(1)
+    vis = tl.load(vis_ptr + t).to(tl.int64)
+    hs = tl.arange(0, HI_P)
+    hmask = hs < HI
+    q = tl.load(q_ptr + t * stride_qt + hs[:, None] * stride_qh + tl.arange(0, DI)[None, :],
+                mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+    w = tl.load(w_ptr + t * stride_wt + hs, mask=hmask, other=0.0).to(tl.float32) * wscale
+    if BF16:
+        w = w.to(tl.bfloat16).to(tl.float32)
+    nblocks = tl.cdiv(NCOLS, BLOCK_N)
+    if CAND:
+        live = nblocks
+    else:
+        live = tl.minimum(tl.cdiv(tl.minimum(vis, NCOLS), BLOCK_N), nblocks)   # blocks holding a visible entry
+    for b in range(first, live, step):
+        _score_block(q, w, key_ptr, tab_ptr, cand_ptr, out_ptr, t, b * BLOCK_N, vis, NMAX, NCOLS, PER, RATIO, BS,
+                     stride_k, stride_tt, stride_ct, stride_ot, DI, BLOCK_N, BF16, CAND)
+    dead0 = first + tl.cdiv(tl.maximum(live - first, 0), step) * step   # this program's first block past them
+    for b in range(dead0, nblocks, step):
+        cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + t * stride_ot + cols, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=cols < NCOLS)
+
+
 @dataclass(frozen=True)
 class StepIndexConfig:
     block_n: int = 64   # entries per program
     num_warps: int = 4
+    loop: int = 1       # > 1: ``_step_index_scores_loop`` with ~``loop`` column blocks per program
 
 
 STEP_INDEX_TUNER = ConfigTuner("step_index_scores", [
     StepIndexConfig(64, 4), StepIndexConfig(128, 4), StepIndexConfig(128, 8), StepIndexConfig(256, 8),
     StepIndexConfig(32, 4),
+    # decode batches (H100 run 3: 0.110 / 0.413 ms a b32 / b128 step for ~12 / 48 us of key bytes; one program per
+    # 128 entries, 4096 / 16384 programs, each loading its row's query and weights again): a row's blocks strided over
+    # fewer programs, the query loaded once per program. sm_90a (32 heads x 128): 128-entry blocks on 4 warps spill
+    # (~410 B) in the strided loop, so 8 warps there (240 registers); 64 / 32-entry blocks on 4 warps 238 / 150, no
+    # spills. Not measured on the H200.
+    StepIndexConfig(128, 8, 4), StepIndexConfig(64, 4, 4), StepIndexConfig(64, 4, 8), StepIndexConfig(32, 4, 8),
 ])
 
 
@@ -105,6 +174,14 @@ def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         config = STEP_INDEX_TUNER.pick(key, lambda c: step_index_scores(
             q, weights, keys, table, visible, ratio, block_size, bf16_scores, entries, c, weights_scale), q.device)
     block_n = max(16, min(config.block_n, next_pow2(ncols)))
+    if config.loop > 1:
+        _step_index_scores_loop[(T, cdiv(ncols, block_n * config.loop))](
+            q, weights, keys, table, visible, cand, out, n_max, ncols, block_size // ratio, ratio, block_size, HI,
+            q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0),
+            cand.stride(0) if entries is not None else 0, out.stride(0), float(weights_scale),
+            HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, CAND=entries is not None,
+            num_warps=config.num_warps)
+        return out
     _step_index_scores[(T, cdiv(ncols, block_n))](
         q, weights, keys, table, visible, cand, out, n_max, ncols, block_size // ratio, ratio, block_size, HI,
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0),
