@@ -14,7 +14,7 @@ from redknot.kernels.triton.checks_mx import capture_graph
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-WO_A = [n for n in step_wo_a_v41.WO_A_TUNER.candidates if n != "einsum"]
+WO_A = [*step_wo_a_v41.WO_A_PLANS, *(n for n in step_wo_a_v41.WO_A_TUNER.candidates if n != "einsum")]
 
 
 def _rel(a, b):

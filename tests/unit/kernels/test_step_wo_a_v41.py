@@ -25,7 +25,7 @@ def _inputs(groups, r, k, rows, seed, device, block=32):
     return o, wq, ws
 
 
-GEMV_NAMES = [n for n in wa.WO_A_TUNER.candidates if n != "einsum"]
+GEMV_NAMES = [*wa.WO_A_PLANS, *(n for n in wa.WO_A_TUNER.candidates if n != "einsum")]
 
 
 @pytest.mark.parametrize("name", GEMV_NAMES)
