@@ -20,7 +20,8 @@ einsum (the weight decoded once, 67 MB a layer), as each ``wo_a_v41`` stream sha
 relative error against the einsum) and as ``wo_a_v41.wo_a``, the tuner's choice per row class.
 
 The step attention (64 heads of 512, 128 window rows + 512 compressed entries, 8K context) runs first with every
-``attention_mx.ATTN_MX_TUNER`` launch shape and the tuner's choice (``--only attention`` for just that).
+``attention_mx.ATTN_MX_TUNER`` launch shape and the tuner's choice, then the step indexer's scores (32 heads of 128
+over FP4 keys, ratio 1 and 2) with every ``STEP_INDEX_TUNER`` shape (``--only attention`` for just those two).
 
 Results: ``DIR/dense_step_v41.md`` and ``.json``. Not a test: numbers only.
 """
@@ -222,6 +223,69 @@ def attention_rows(rows_list, device, reps: int, hbm: float, smoke: bool, deadli
     return out
 
 
+def index_rows(rows_list, device, reps: int, hbm: float, smoke: bool, deadline: float):
+    """The step indexer's scores (``step_index_scores``: 32 heads of 128 over each row's own FP4 index keys, 8K
+    context, ratio 1 and 2, fp32 scores) with every ``STEP_INDEX_TUNER`` launch shape and the tuner's choice; a strided
+    shape (``loop`` > 1) is compared bit for bit with the one-block shape of its block width, every shape against
+    ``step_index_scores_reference`` (max relative error over the finite scores)."""
+    import dataclasses
+
+    import torch
+
+    from redknot.kernels import mx_formats as mx
+    from redknot.kernels.triton.step_indexer_mx import (
+        STEP_INDEX_TUNER,
+        step_index_scores,
+        step_index_scores_reference,
+    )
+
+    hi, di, bs, ctx = (4, 64, 16, 100) if smoke else (32, 128, 256, 8192)
+    out = []
+    for ratio in (1, 2):
+        for batch in rows_list:
+            g = torch.Generator(device=device).manual_seed(batch + ratio)
+            pages = -(-(ctx + 3 * batch + 1) // bs)
+            per = bs // ratio
+            keys = torch.randint(0, 256, (batch * pages * per, mx.index_key_bytes(di)), generator=g,
+                                 dtype=torch.uint8, device=device)
+            keys[:, di // 2:] = torch.randint(118, 128, (keys.shape[0], di // 32), generator=g, dtype=torch.uint8,
+                                              device=device)
+            table = (torch.arange(batch)[:, None] * pages + torch.arange(pages)[None, :]).to(device, torch.int32)
+            q = mx.act_quant_ref(torch.randn(batch, hi, di, generator=g, device=device), "fp4", mx.MX_GROUP, "ue8m0")
+            w = torch.randn(batch, hi, generator=g, device=device) * (di ** -0.5 * hi ** -0.5)
+            vis = (torch.tensor([ctx + 3 * i for i in range(batch)], device=device) + 1) // ratio
+            args = (q, w, keys, table, vis, ratio, bs)
+            want = step_index_scores_reference(*args)
+            fin = torch.isfinite(want)
+            nbytes = int(vis.sum()) * mx.index_key_bytes(di) + want.numel() * 4
+            for cfg in [*STEP_INDEX_TUNER.candidates, None]:
+                row = {"shape": f"index scores r{ratio}", "rows": batch, "variant": "tuned" if cfg is None else str(cfg)}
+                if time.monotonic() > deadline:
+                    row["status"] = "skipped (budget)"
+                    out.append(row)
+                    continue
+                try:
+                    def fn(cfg=cfg, args=args):
+                        return step_index_scores(*args, config=cfg)
+                    got = fn()
+                    row["inf_equal"] = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
+                    row["rel_err"] = float(((got[fin] - want[fin]).abs() / want[fin].abs().clamp(min=1e-6)).max())
+                    if cfg is not None and cfg.loop > 1:
+                        one = step_index_scores(*args, config=dataclasses.replace(cfg, loop=1))
+                        row["same_bits_as_one_block"] = bool(torch.equal(got, one))
+                    ms = _time_ms(fn, device, reps)
+                    row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")
+                    if cfg is None:
+                        key = (min(1 << (batch - 1).bit_length(), 4096), hi, di, 1 << (want.shape[1] - 1).bit_length(),
+                               False, False)
+                        row["variant"] = f"tuned: {STEP_INDEX_TUNER.choices.get(key, 'untimed')}"
+                except Exception as exc:   # noqa: BLE001
+                    row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    return out
+
+
 def summary(rows, rows_list, earlier) -> list:
     lines = ["", "## Step sums (ms per step: each shape's time x its launches per step)", "",
              "| rows | fastest earlier candidate | fastest of all | tuner's choice (timed at 32 rows) |", "|---|---|---|---|"]
@@ -258,7 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-wo-a", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--only", choices=("all", "linear", "attention"), default="all",
-                    help="linear: the dense linears and wo_a only; attention: the step attention only")
+                    help="linear: the dense linears and wo_a only; attention: the step attention and the indexer's "
+                         "scores only")
     a = ap.parse_args(argv)
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -279,6 +344,7 @@ def main(argv=None) -> int:
     rows = []
     if a.only in ("all", "attention") and not a.no_attention:   # first: a handful of cases, the budget's least risk
         rows += attention_rows(a.rows, device, a.reps, hbm, a.smoke, start + a.budget_s)
+        rows += index_rows(a.rows, device, a.reps, hbm, a.smoke, start + a.budget_s)
     if a.only in ("all", "linear"):
         rows += linear_rows(shapes, a.rows, decodes, device, a.reps, hbm, start + a.budget_s)
         if not a.no_wo_a:

@@ -29,5 +29,10 @@ def test_dense_step_smoke(tmp_path):
     attn = [r for r in rows if r.get("shape") == "step attention"]
     from redknot.kernels.triton.attention_mx import ATTN_MX_TUNER
     assert len(attn) == 2 * (len(ATTN_MX_TUNER.candidates) + 1) and all(r["status"] == "ok" and r["rel_err"] < 2e-2 for r in attn)
+    idx = [r for r in rows if str(r.get("shape")).startswith("index scores")]
+    from redknot.kernels.triton.step_indexer_mx import STEP_INDEX_TUNER
+    assert len(idx) == 2 * 2 * (len(STEP_INDEX_TUNER.candidates) + 1)
+    assert all(r["status"] == "ok" and r["inf_equal"] and r["rel_err"] < 1e-4 for r in idx)
+    assert all(r["same_bits_as_one_block"] for r in idx if "loop=1" not in r["variant"] and "tuned" not in r["variant"])
     table = (tmp_path / "dense_step_v41.md").read_text()
     assert "## Step sums" in table and "| toy b | tuner |" in table
