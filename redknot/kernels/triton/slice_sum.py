@@ -48,14 +48,19 @@ def _slice_sum_tail(acc, p_ptr, out_ptr, cnt_ptr, tile, rows, cols, omask, strid
 
 
 _COUNTERS: dict = {}
+_OUTGROWN: list = []   # counters a larger set replaced: a graph captured with them may still replay them
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 tile counters for ``device`` (each launch leaves them zero again; the step's launches run one
-    after another on one stream). Kept for the process: a CUDA graph may capture them."""
+    """Zeroed int32 tile counters for ``device`` (each launch leaves them zero again; the launches that use them run
+    one after another on one stream: two streams running fused launches at once would share them). Kept for the
+    process, and so is every set a larger one replaced: a CUDA graph may have captured it. 4096 tiles cover every V4.1
+    decode launch (at most ~1024 output tiles)."""
     key = (device.type, device.index)
     c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
+        if c is not None:
+            _OUTGROWN.append(c)
         c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[key] = c
     return c
