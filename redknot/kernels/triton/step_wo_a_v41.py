@@ -76,14 +76,18 @@ def _wo_a_gemv(x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, R, XG, stride_x, strid
 
 
 _COUNTERS: dict = {}
+_REPLACED: list = []
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 column-block counters of the fused forms (each launch leaves them zero again; launches run one
-    after another on one stream). Kept for the process: a CUDA graph may capture them."""
+    after another on one stream). Kept for the process, and a set a larger one replaces too: a CUDA graph may have
+    captured it."""
     key = (device.type, device.index)
     c = _COUNTERS.get(key)
     if c is None or c.numel() < n:
+        if c is not None:
+            _REPLACED.append(c)
         c = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = c
     return c
