@@ -23,7 +23,7 @@ mkdir -p "$(dirname "$REDKNOT_TUNING_CACHE")"
 TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv step_gemv select_b1 rope attention gemv moe_stream
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps select_b1 rope attention gemv moe_stream
                                     moe_prefill moe_fold moe_scaled moe_scaled_tests indexer v4_indexer v4_attention v4_cut)
 
 GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
@@ -67,6 +67,8 @@ for s in "${STAGES[@]}"; do
     step_gemv)  # b1 step GEMV launches (wq_a|wkv, wq_b + indexer, wo_b, Engram wkv): today's plans, _flat, _wave
       stage step_gemv 200 python3 benchmarks/kernels_v41.py --only stream --stream-variants step_gemv \
         --out "$OUT/step_gemv" --budget-s B ;;
+    b1_gaps)  # b1 step: wo_a GEMVs on the stored FP8, router logits, mHC site forms vs the launches they replace
+      stage b1_gaps 150 python3 benchmarks/step_kernels_v41.py --b1-gaps --out "$OUT/b1_gaps" ;;
     select_b1)  # the b1 step's four top-k selections under every radix_select candidate (counting forms)
       stage select_b1 120 python3 benchmarks/select_topk_v41.py --b1 --out "$OUT/select_b1" ;;
     rope)  # prefill RoPE of the rotated columns in place: contiguous rows against the stride-2 form and rope_rows
@@ -102,7 +104,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv step_gemv select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
+    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac
