@@ -8,7 +8,9 @@ attention by launch shape.
 Per weight shape of the step (``wq_a``, ``wkv``, ``wq_b``, ``wo_b``, the shared expert's ``w1`` / ``w3`` and ``w2``,
 the indexer's ``wq_b``, Engram's ``wkv``) and row count, every ``gemm_mx.LINEAR_DECODE_TUNER`` candidate (the
 earlier ones and the ``FUSED_DECODES``: the slice sum in the stream launch, fewer slices, 64-row tiles) as a
-CUDA-graph replay of one ``linear_mx`` call (median of ``--reps``), each checked once against ``ref_v41.linear_mx``
+CUDA-graph replay (median of ``--reps``; the graph calls it on up to 8 copies of the weight, at least 256 MB in all,
+so that each call reads its weight from HBM, not from L2; the time divided by the copies), each checked once against
+``ref_v41.linear_mx``
 (relative error) and, for a fused name, against its own launch shape's two launches (bit for bit), with the
 fraction of the bandwidth floor (weight + activation + output bytes at ``--hbm-tbs``). Then per row count the step's
 sum (each shape times its launches per step in the 5-layer cut) with each shape's fastest earlier candidate, its
@@ -47,17 +49,32 @@ WO_A = (8, 1024, 4096, 5)   # groups, rank, group width, launches per step
 SMOKE_WO_A = (2, 64, 256, 1)
 
 
-def _time_ms(fn, device, reps: int) -> float:
+# Weight copies a timed replay walks through (each call reads its own copy), so that a replay's weights come from
+# HBM, not from the previous replay's L2 (50 MB on an H100): at least this many bytes of copies, at most COPIES_MAX.
+COPIES_BYTES = 256 << 20
+COPIES_MAX = 8
+
+
+def copies_for(nbytes: int, device) -> int:
+    return 1 if device.type != "cuda" else max(1, min(COPIES_MAX, -(-COPIES_BYTES // max(nbytes, 1))))
+
+
+def _time_ms(fn, device, reps: int, calls=None) -> float:
+    """Median ms of one call: a CUDA graph of ``fn()`` (or of every function in ``calls``, one after another; the
+    time divided by their number) replayed ``reps`` times on a GPU, one plain call on a CPU."""
     import torch
     if device.type != "cuda":
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    fn()
+    calls = calls or [fn]
+    for c in calls:
+        c()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for c in calls:
+            c()
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -67,7 +84,7 @@ def _time_ms(fn, device, reps: int) -> float:
         graph.replay()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / len(calls))
     return statistics.median(times)
 
 
@@ -86,6 +103,7 @@ def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadl
     for name, n, k, per_step in shapes:
         g = torch.Generator(device=device).manual_seed(n + k)
         w, ws = mx.quant_fp8_blocks(torch.randn(n, k, generator=g, device=device) * 0.02, 32)
+        extra = [(w.clone(), ws.clone()) for _ in range(copies_for(n * k, device) - 1)]   # HBM, not L2
         for rows in rows_list:
             x = torch.randn(rows, k, generator=g, device=device).to(torch.bfloat16)
             want = ref_v41.linear_mx(x, w, ws, 32)
@@ -106,12 +124,16 @@ def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadl
                         two = gemm_mx._dense_stream(x, w, ws.view(torch.uint8), 32, torch.empty_like(got), dec,
                                                     unfused=True)
                         row["same_bits_as_two_launches"] = bool(torch.equal(got, two))
-                    ms = _time_ms(fn, device, reps)
-                    row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")
+                    calls = [fn] + [lambda x=x, w=w2, ws=ws2, dec=dec: gemm_mx.linear_mx(x, w, ws, 32, path="splitk",
+                                                                                       decode=dec)
+                                    for w2, ws2 in extra]
+                    ms = _time_ms(fn, device, reps, calls)
+                    row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok", copies=len(calls))
                 except Exception as exc:   # noqa: BLE001  (a candidate that does not build here: reported)
                     row["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 out.append(row)
                 print(json.dumps(row), flush=True)
+        del extra
         row = {"shape": name, "N": n, "K": k, "rows": "tuner", "per_step": per_step, "decode_errors":
                {str(a): b for a, b in stream_guard.DECODE_ERRORS.items()}}
         try:
@@ -142,21 +164,24 @@ def wo_a_rows(dims, rows_list, device, reps: int, hbm: float):
     g = torch.Generator(device=device).manual_seed(7)
     w, ws = mx.quant_fp8_blocks(torch.randn(groups * rank, width, generator=g, device=device) * 0.02, 32)
     wb = mx.dequant_fp8_blocks(w, ws, 32).to(torch.bfloat16).view(groups, rank, width)
+    n = copies_for(groups * rank * width * 2, device)
+    sets = [(w, ws, wb)] + [(w.clone(), ws.clone(), wb.clone()) for _ in range(n - 1)]   # HBM, not L2
     out = []
     for rows in rows_list:
         o2 = torch.randn(rows, groups * width, generator=g, device=device).to(torch.bfloat16)
         want = wo_a_v41.einsum(o2, wb)
-        cases = [("einsum bf16 (model)", 2, lambda o2=o2: wo_a_v41.einsum(o2, wb))]
+        cases = [("einsum bf16 (model)", 2, [lambda o2=o2, wb=c[2]: wo_a_v41.einsum(o2, wb) for c in sets])]
         for name in wo_a_v41.WO_A_TUNER.candidates[1:]:
-            cases.append((f"FP8 stream {name}", 1, lambda o2=o2, name=name: wo_a_v41.grouped_stream(o2, w, ws,
-                                                                                                     groups, name)))
-        cases.append(("wo_a_v41.wo_a (tuner's choice)", 1, lambda o2=o2: wo_a_v41.wo_a(o2, w, ws, groups,
-                                                                                        lambda: wb)))
-        for label, wbytes, fn in cases:
-            row = {"shape": "wo_a", "rows": rows, "variant": label, "per_step": per_step}
+            cases.append((f"FP8 stream {name}", 1, [lambda o2=o2, name=name, c=c: wo_a_v41.grouped_stream(
+                o2, c[0], c[1], groups, name) for c in sets]))
+        cases.append(("wo_a_v41.wo_a (tuner's choice)", 1, [lambda o2=o2, c=c: wo_a_v41.wo_a(
+            o2, c[0], c[1], groups, lambda: c[2]) for c in sets]))
+        for label, wbytes, calls in cases:
+            row = {"shape": "wo_a", "rows": rows, "variant": label, "per_step": per_step, "copies": len(calls)}
+            fn = calls[0]
             try:
                 row["rel_err"] = _rel(fn(), want)
-                ms = _time_ms(fn, device, reps)
+                ms = _time_ms(fn, device, reps, calls)
                 nbytes = wbytes * groups * rank * width + rows * groups * width * 2 + rows * groups * rank * 2
                 row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")
                 if label.startswith("wo_a_v41"):
