@@ -340,7 +340,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/dense_step_v41"))
     ap.add_argument("--rows", type=int, nargs="*", default=[32, 128])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--hbm-tbs", type=float, default=3.35, help="HBM TB/s for the floor (H100 3.35, H200 4.17)")
+    ap.add_argument("--hbm-tbs", type=float, default=0.0,
+                    help="HBM TB/s for the floor (default: 4.17 on an H200, else 3.35, the H100's)")
     ap.add_argument("--decodes", nargs="*", default=None,
                     help="default: every LINEAR_DECODE_TUNER candidate but scaled and fp8_n32 (never the H100's "
                          "choice at these shapes and the slowest: H100 run 3's tuning); 'all': every candidate")
@@ -367,6 +368,8 @@ def main(argv=None) -> int:
     cands = list(gemm_mx.LINEAR_DECODE_TUNER.candidates)
     decodes = cands if a.decodes == ["all"] else a.decodes or [c for c in cands if c not in ("scaled", "fp8_n32")]
     earlier = [c for c in cands if c not in gemm_mx.FUSED_DECODES]
+    if not a.hbm_tbs:
+        a.hbm_tbs = 4.17 if device.type == "cuda" and "H200" in torch.cuda.get_device_name() else 3.35
     hbm = a.hbm_tbs * 1e12
     rows = []
     if a.only in ("all", "attention") and not a.no_attention:   # first: a handful of cases, the budget's least risk
