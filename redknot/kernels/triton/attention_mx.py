@@ -152,8 +152,9 @@ ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
     # decode batches of ~32 rows: one wave of programs. On the H100 (run 3 tuning, 128 + 512 keys, 64 heads of 512)
     # a program's 32-key step took ~5.7 us whatever its head block (64 heads, 1 split: 0.114 ms at 128 rows and at
     # 32 rows), and ~250 registers keep one program per SM: time ~ waves x steps. At 32 rows 32 heads x 5 splits
-    # (0.075 ms) is 320 programs in 3 waves of 4 steps; 64 heads x 4 splits is 128 programs in one wave of 5 steps
-    # (x 2: 64 programs of 10 steps), 32 heads x 4 splits 256 programs in 2 waves of 5. Not measured on the H200.
+    # (0.075 ms): chunks of 32 window + 128 compressed keys, so the fifth split is empty: 256 working programs in 2
+    # waves of 5 steps; 64 heads x 4 splits is 128 programs in one wave of 5 steps (x 2: 64 programs of 10 steps);
+    # 32 heads x 4 splits the same 256 x 5 without the empty programs. Not measured on the H200.
     AttnMxConfig(64, 32, 8, 4), AttnMxConfig(64, 32, 8, 2), AttnMxConfig(32, 32, 8, 4),
 ])
 # Prefill-sized problems (a program per query and head block already fills the device many times over)
