@@ -142,6 +142,10 @@ class AttnMxConfig:
     block_n: int = 32   # rows per online-softmax step
     num_warps: int = 8
     splits: int = 1     # > 1: the rows of a query are split over programs and merged (decode batches)
+    # The step kernel (``step_attention_mx``) only: a window row's bytes as two masked loads (ring rows, the step's
+    # own rows) combined by value, instead of one load through a pointer chosen per row: plain pointer arithmetic
+    # that Triton's pipeliner takes (sm_90a: the one-load window loop is not pipelined, the compressed loop is).
+    window_two_loads: bool = False
 
 
 ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
@@ -156,6 +160,8 @@ ATTN_MX_TUNER = ConfigTuner("sparse_attention_mx", [
     # waves of 5 steps; 64 heads x 4 splits is 128 programs in one wave of 5 steps (x 2: 64 programs of 10 steps);
     # 32 heads x 4 splits the same 256 x 5 without the empty programs. Not measured on the H200.
     AttnMxConfig(64, 32, 8, 4), AttnMxConfig(64, 32, 8, 2), AttnMxConfig(32, 32, 8, 4),
+    # the window rows as two pipelined loads (the step kernel; the span kernel runs these as the shapes above)
+    AttnMxConfig(64, 32, 8, 4, True), AttnMxConfig(64, 32, 8, 1, True), AttnMxConfig(32, 32, 8, 4, True),
 ])
 # Prefill-sized problems (a program per query and head block already fills the device many times over)
 # time only the unsplit shapes: each candidate is a compile in the first chunk.
@@ -166,7 +172,7 @@ PREFILL_QUERIES = 1024
 # chunk's bytes loaded where decoded, or a chunk ahead) or 32 heads per program (a chunk ahead); each runs only
 # after its first-use check against the reference on the device.
 ATTN_MX_PREFILL_TUNER = ConfigTuner("sparse_attention_mx_prefill",
-                                    [c for c in ATTN_MX_TUNER.candidates if c.splits == 1]
+                                    [c for c in ATTN_MX_TUNER.candidates if c.splits == 1 and not c.window_two_loads]
                                     + [AttnMxConfig(64, 32, 16), PrefillAttnConfig(128, 8, 4, 64, 1),
                                        PrefillAttnConfig(128, 8, 4, 64, 1, lookahead=True),
                                        PrefillAttnConfig(128, 8, 4, 32, 1, lookahead=True)])

@@ -49,10 +49,29 @@ def _window_rows(ring_ptr, new_ptr, ring_row, new_row, outer, inner, stride_r, s
 
 
 @triton.jit
+def _window_rows2(ring_ptr, new_ptr, ring_row, new_row, outer, inner, stride_r, stride_n,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_window_rows`` with the ring rows and the step's rows as two masked loads combined by value (each row's
+    bytes are read once, from where ``_window_rows`` reads them): the same values."""
+    rp = ring_ptr + ring_row.to(tl.int64)[:, None] * stride_r
+    npp = new_ptr + new_row.to(tl.int64)[:, None] * stride_n
+    cols = tl.arange(0, D)[None, :]
+    scols = D + tl.arange(0, D // 32)[None, :]
+    q = tl.where(inner[:, None], tl.load(npp + cols, mask=inner[:, None], other=0),
+                 tl.load(rp + cols, mask=outer[:, None], other=0))
+    sb = tl.where(inner[:, None], tl.load(npp + scols, mask=inner[:, None], other=127),
+                  tl.load(rp + scols, mask=outer[:, None], other=127))
+    v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    v = tl.reshape(tl.reshape(v, (BLOCK_N, D // 32, 32)) * e8m0_decode(sb)[:, :, None], (BLOCK_N, D))
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
 def _step_attn_mx(q_ptr, ring_ptr, new_ptr, slot_ptr, pos_ptr, back_ptr, comp_ptr, cidx_ptr, sink_ptr,
                   out_ptr, ml_ptr, H, NC, RING, WIN, stride_qt, stride_qh, stride_r, stride_n, stride_c,
                   stride_ci, stride_ot, stride_oh, qk_scale, W_CHUNK, C_CHUNK, HAS_COMP: tl.constexpr,
-                  SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+                  SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TWO_LOADS: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -76,7 +95,10 @@ def _step_attn_mx(q_ptr, ring_ptr, new_ptr, slot_ptr, pos_ptr, back_ptr, comp_pt
         outer = ok & (s > back)
         ring_row = slot * RING + tl.where(ok, lpos, 0) % RING
         new_row = tl.where(inner, t - s, 0)
-        kv = _window_rows(ring_ptr, new_ptr, ring_row, new_row, outer, inner, stride_r, stride_n, D, BLOCK_N)
+        if TWO_LOADS:
+            kv = _window_rows2(ring_ptr, new_ptr, ring_row, new_row, outer, inner, stride_r, stride_n, D, BLOCK_N)
+        else:
+            kv = _window_rows(ring_ptr, new_ptr, ring_row, new_row, outer, inner, stride_r, stride_n, D, BLOCK_N)
         m, l, acc = _softmax_step(q, kv, ok, m, l, acc, qk_scale)
     if HAS_COMP:
         c_end = tl.minimum(NC, (sp + 1) * C_CHUNK)
@@ -141,7 +163,8 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
         q, ring, new_rows, slot, pos, back, ccache, cidx, sink, part, ml, H, nc, ring_size, window,
         q.stride(0), q.stride(1), ring.stride(0), new_rows.stride(0), ccache.stride(0),
         cidx.stride(0) if has_comp else 0, out.stride(0), out.stride(1), float(scale) * LOG2E, w_chunk, c_chunk,
-        HAS_COMP=has_comp, SPLIT=splits > 1, D=D, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=num_warps)
+        HAS_COMP=has_comp, SPLIT=splits > 1, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
+        TWO_LOADS=getattr(config, "window_two_loads", False), num_warps=num_warps)
     if splits > 1:
         merge_splits(part, ml, sink, out)
     return out
