@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
 #   STAGE: decode tests prefill attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
-#          v4_indexer v4_attention v4_cut dense_b32
+#          v4_indexer v4_attention v4_cut dense_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
 # `decode` did not finish in 330 s cold and took 83 s warm), so give a cold store's first call 540 s for `decode`
@@ -24,7 +24,7 @@ TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps dense_b32 select_b1 rope attention gemv moe_stream
-                                    moe_prefill moe_fold moe_scaled moe_scaled_tests indexer v4_indexer v4_attention v4_cut)
+                                    moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer v4_indexer v4_attention v4_cut)
 
 GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
   tests/unit/model/v41_forward/test_v41_tensor_step_kernels.py tests/kernels/test_step_moe_v41_gpu.py
@@ -33,7 +33,7 @@ GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_
   tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
-  tests/kernels/test_slice_sum_gpu.py)
+  tests/kernels/test_slice_sum_gpu.py tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py)
 
 stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
   local name=$1 limit=$2; shift 2
@@ -95,6 +95,8 @@ for s in "${STAGES[@]}"; do
       # each plan whole (err vs ref_v41, inexact weight columns) and the one-chunk plan by part, next to the grouped plan
       stage moe_scaled 200 python3 benchmarks/kernels_v41.py --only prefill --prefill-decodes scaled --reps 10 \
         --out "$OUT/moe_scaled" --budget-s B ;;
+    linear_prefill)  # linear_mx above 128 rows: dequant + bf16 GEMM against fp8_rowwise (torch._scaled_mm), grouped wo_a
+      stage linear_prefill 150 python3 benchmarks/linear_prefill_v41.py --out "$OUT/linear_prefill" ;;
     moe_scaled_tests)  # its GPU tests at V4.1 shapes (the library GEMM, the expansion, every plan against ref_v41)
       stage moe_scaled_tests 240 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider \
         tests/kernels/test_moe_prefill_scaled_gpu.py ;;
