@@ -70,10 +70,11 @@ def _step_index_scores(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, out_pt
 @triton.jit
 def _score_block(q, w, key_ptr, tab_ptr, cand_ptr, out_ptr, t, c0, vis, NMAX, NCOLS, PER, RATIO, BS, stride_k,
                  stride_tt, stride_ct, stride_ot, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
-                 CAND: tl.constexpr):
+                 CAND: tl.constexpr, PAGE: tl.constexpr = False):
     """Entries [c0, c0 + BLOCK_N) of row t, scored and stored: ``_step_index_scores``' per-block code for a block
     that holds a visible entry (the same loads, product and roundings), q [HI_P, DI] bf16 and w [HI_P] fp32
-    (scaled) loaded by the caller once per row."""
+    (scaled) loaded by the caller once per row. PAGE (no candidate list, BLOCK_N a divisor of a page's ``PER``
+    entries): the block lies in one page, so one table entry and ``BLOCK_N`` consecutive key rows (the same rows)."""
     cols = c0 + tl.arange(0, BLOCK_N)
     if CAND:
         ent = tl.load(cand_ptr + t * stride_ct + cols, mask=cols < NCOLS, other=-1).to(tl.int64)
@@ -81,9 +82,13 @@ def _score_block(q, w, key_ptr, tab_ptr, cand_ptr, out_ptr, t, c0, vis, NMAX, NC
     else:
         ent = cols.to(tl.int64)
         ok = (ent < NMAX) & (ent < vis)
-    p = tl.where(ok, ent, 0) * RATIO
-    blk = tl.load(tab_ptr + t * stride_tt + p // BS, mask=ok, other=0).to(tl.int64)
-    row = blk * PER + (p % BS) // RATIO
+    if PAGE:
+        blk0 = tl.load(tab_ptr + t * stride_tt + (c0 * RATIO) // BS).to(tl.int64)
+        row = blk0 * PER + (c0 % PER) + tl.arange(0, BLOCK_N)
+    else:
+        p = tl.where(ok, ent, 0) * RATIO
+        blk = tl.load(tab_ptr + t * stride_tt + p // BS, mask=ok, other=0).to(tl.int64)
+        row = blk * PER + (p % BS) // RATIO
     keys = _index_keys(key_ptr, tl.where(ok, row, 0), ok, stride_k, DI, BLOCK_N)        # [BN, DI]
     d = tl.dot(q, tl.trans(keys))                                                     # [HI_P, BN] fp32
     if BF16:
@@ -97,13 +102,15 @@ def _score_block(q, w, key_ptr, tab_ptr, cand_ptr, out_ptr, t, c0, vis, NMAX, NC
 
 @triton.jit
 def _step_index_scores_loop(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, out_ptr, NMAX, NCOLS, PER, RATIO, BS,
-                            HI, stride_qt, stride_qh, stride_wt, stride_k, stride_tt, stride_ct, stride_ot, wscale,
-                            HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
-                            CAND: tl.constexpr):
+                            HI, stride_qt, stride_qh, stride_wt, stride_k: tl.constexpr, stride_tt, stride_ct, stride_ot,
+                            wscale, HI_P: tl.constexpr, DI: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
+                            CAND: tl.constexpr, PAGE: tl.constexpr = False):
     """``_step_index_scores`` with the column blocks of a row strided over ``num_programs(1)`` programs: a program
     loads its row's query and weights once and walks its blocks that hold a visible entry (a loop the compiler may
     pipeline: the next block's table and key loads during this block's decode and product), then writes -inf over
-    its blocks past them. Each entry's score has the bits of the one-block kernel (the same per-block code)."""
+    its blocks past them. Each entry's score has the bits of the one-block kernel (the same per-block code).
+    ``stride_k`` is a compile-time constant (68 bytes for V4.1's keys): the compiler then knows each key row starts on
+    a 4-byte boundary and loads words, not bytes (a runtime stride that 16 does not divide tells it nothing)."""
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1)
     step = tl.num_programs(1)
@@ -120,9 +127,9 @@ def _step_index_scores_loop(q_ptr, w_ptr, key_ptr, tab_ptr, vis_ptr, cand_ptr, o
         live = nblocks
     else:
         live = tl.minimum(tl.cdiv(tl.minimum(vis, NCOLS), BLOCK_N), nblocks)   # blocks holding a visible entry
-    for b in range(first, live, step):
-        _score_block(q, w, key_ptr, tab_ptr, cand_ptr, out_ptr, t, b * BLOCK_N, vis, NMAX, NCOLS, PER, RATIO, BS,
-                     stride_k, stride_tt, stride_ct, stride_ot, DI, BLOCK_N, BF16, CAND)
+    for i in range(tl.cdiv(tl.maximum(live - first, 0), step)):   # this program's blocks first, first + step, ...
+        _score_block(q, w, key_ptr, tab_ptr, cand_ptr, out_ptr, t, (first + i * step) * BLOCK_N, vis, NMAX, NCOLS,
+                     PER, RATIO, BS, stride_k, stride_tt, stride_ct, stride_ot, DI, BLOCK_N, BF16, CAND, PAGE)
     dead0 = first + tl.cdiv(tl.maximum(live - first, 0), step) * step   # this program's first block past them
     for b in range(dead0, nblocks, step):
         cols = b * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,6 +141,9 @@ class StepIndexConfig:
     block_n: int = 64   # entries per program
     num_warps: int = 4
     loop: int = 1       # > 1: ``_step_index_scores_loop`` with ~``loop`` column blocks per program
+    # with ``loop`` > 1 and no candidate list: a block's key rows read as one page's consecutive rows (one table entry
+    # a block) where ``block_n`` divides a page's entries, else the per-entry table lookup
+    page: bool = False
 
 
 STEP_INDEX_TUNER = ConfigTuner("step_index_scores", [
@@ -141,10 +151,13 @@ STEP_INDEX_TUNER = ConfigTuner("step_index_scores", [
     StepIndexConfig(32, 4),
     # decode batches (H100 run 3: 0.110 / 0.413 ms a b32 / b128 step for ~12 / 48 us of key bytes; one program per
     # 128 entries, 4096 / 16384 programs, each loading its row's query and weights again): a row's blocks strided over
-    # fewer programs, the query loaded once per program. sm_90a (32 heads x 128): 128-entry blocks on 4 warps spill
-    # (~410 B) in the strided loop, so 8 warps there (240 registers); 64 / 32-entry blocks on 4 warps 238 / 150, no
-    # spills. Not measured on the H200.
-    StepIndexConfig(128, 8, 4), StepIndexConfig(64, 4, 4), StepIndexConfig(64, 4, 8), StepIndexConfig(32, 4, 8),
+    # fewer programs (``loop``), the query loaded once per program, the key rows' 68-byte stride a compile-time
+    # constant. sm_90a (32 heads x 128): the one-block kernel (runtime stride) loads the keys byte by byte, 198-254
+    # registers; the strided kernel loads words and pipelines the key loads (async copies): 96-168 registers, no
+    # spills; ``page``: one table entry a block, 128 registers at 64-entry blocks. Not measured on the H200.
+    StepIndexConfig(128, 4, 2), StepIndexConfig(128, 4, 4), StepIndexConfig(128, 8, 4), StepIndexConfig(64, 4, 8),
+    StepIndexConfig(32, 4, 8), StepIndexConfig(128, 4, 2, True), StepIndexConfig(128, 4, 4, True),
+    StepIndexConfig(64, 4, 8, True),
 ])
 
 
@@ -180,6 +193,7 @@ def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
             q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0),
             cand.stride(0) if entries is not None else 0, out.stride(0), float(weights_scale),
             HI_P=max(16, next_pow2(HI)), DI=DI, BLOCK_N=block_n, BF16=bf16_scores, CAND=entries is not None,
+            PAGE=config.page and entries is None and block_size % ratio == 0 and (block_size // ratio) % block_n == 0,
             num_warps=config.num_warps)
         return out
     _step_index_scores[(T, cdiv(ncols, block_n))](

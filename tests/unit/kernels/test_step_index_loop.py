@@ -55,6 +55,30 @@ def test_strided_launch_has_the_one_block_bits(loop, case, bf16, kernel_device):
     assert ((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1e-3 * scale)).all()
 
 
+@pytest.mark.parametrize("loop", [2, 8])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("bf16", [False, True])
+def test_page_blocks_have_the_one_block_bits(loop, case, bf16, kernel_device):
+    """``page``: a block's keys as one page's consecutive rows (16-entry blocks in pages of 16 / 8 entries: ratio 1 takes
+    it, ratio 2's 8-entry pages fall back to the per-entry lookup; 8-entry blocks in both)."""
+    args = _case(kernel_device, 20 + case, *CASES[case])
+    for bn in (16, 8):
+        one = step_index_scores(*args, bf16_scores=bf16, config=StepIndexConfig(bn, 4))
+        got = step_index_scores(*args, bf16_scores=bf16, config=StepIndexConfig(bn, 4, loop, True))
+        assert torch.equal(got, one), bn
+
+
+def test_page_blocks_read_each_rows_own_pages(kernel_device):
+    """A wrong page (the next table entry) changes the scores: the page form's lookup is exercised."""
+    args = _case(kernel_device, 31, *CASES[0])
+    swapped = list(args)
+    swapped[3] = args[3].roll(1, dims=1)
+    a = step_index_scores(*args, config=StepIndexConfig(16, 4, 2, True))
+    b = step_index_scores(*swapped, config=StepIndexConfig(16, 4, 2, True))
+    fin = torch.isfinite(a)
+    assert not torch.equal(a[fin], b[fin])
+
+
 @pytest.mark.parametrize("loop", [2, 5])
 def test_strided_launch_over_entry_lists(loop, kernel_device):
     """Candidate lists (every block scored): -1, invisible and out-of-table ids -inf, the listed entries' scores."""
@@ -66,5 +90,6 @@ def test_strided_launch_over_entry_lists(loop, kernel_device):
     one = step_index_scores(*args, entries=ent, config=StepIndexConfig(16, 4))
     got = step_index_scores(*args, entries=ent, config=StepIndexConfig(16, 4, loop))
     assert torch.equal(got, one)
+    assert torch.equal(step_index_scores(*args, entries=ent, config=StepIndexConfig(16, 4, loop, True)), one)
     want = step_index_scores_reference(*args, entries=ent)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
