@@ -65,3 +65,16 @@ def test_two_loads_give_the_one_load_bits(case, cfg, kernel_device):
     one = step_attention_mx(*args[:-2], config=cfg)
     two = step_attention_mx(*args[:-2], config=dataclasses.replace(cfg, window_two_loads=True))
     assert torch.equal(one, two)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [[1] * 32, [4, 2, 3, 1]])
+def test_gpu_two_loads_at_real_width(rows):
+    """V4.1 width (64 heads of 512, 128-row window ring, 512 compressed entries): every two-load tuner shape gives the
+    bits of its one-load shape."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    args = _case("cuda", 5, 64, 512, 128, 128, rows, [8000 + 7 * i for i in range(len(rows))], 4096, 512)
+    for cfg in [c for c in ATTN_MX_TUNER.candidates if c.window_two_loads]:
+        one = step_attention_mx(*args, config=dataclasses.replace(cfg, window_two_loads=False))
+        assert torch.equal(step_attention_mx(*args, config=cfg), one), cfg

@@ -93,3 +93,18 @@ def test_strided_launch_over_entry_lists(loop, kernel_device):
     assert torch.equal(step_index_scores(*args, entries=ent, config=StepIndexConfig(16, 4, loop, True)), one)
     want = step_index_scores_reference(*args, entries=ent)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gpu_strided_shapes_at_real_width(ratio, bf16):
+    """V4.1 width (32 heads of 128, 256-entry blocks, 8K context, 32 rows): every strided / page tuner shape gives the
+    bits of the one-block launch of its block width."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import dataclasses
+    args = _case("cuda", 6, 32, 128, ratio, 256, 34, [(8000 + 11 * i) // ratio for i in range(32)])
+    for cfg in LOOPS:
+        one = step_index_scores(*args, bf16_scores=bf16, config=dataclasses.replace(cfg, loop=1, page=False))
+        assert torch.equal(step_index_scores(*args, bf16_scores=bf16, config=cfg), one), cfg
