@@ -33,7 +33,8 @@ GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_
   tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
-  tests/kernels/test_slice_sum_gpu.py tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py)
+  tests/kernels/test_slice_sum_gpu.py tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
+  tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py)
 
 stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
   local name=$1 limit=$2; shift 2
