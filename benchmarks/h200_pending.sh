@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
 #   STAGE: decode tests prefill attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
-#          v4_indexer v4_attention v4_cut dense_b32 b1_gaps linear_prefill
+#          v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
 # `decode` did not finish in 330 s cold and took 83 s warm), so give a cold store's first call 540 s for `decode`
@@ -23,7 +23,7 @@ mkdir -p "$(dirname "$REDKNOT_TUNING_CACHE")"
 TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps dense_b32 select_b1 rope attention gemv moe_stream
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
                                     moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer v4_indexer v4_attention v4_cut)
 
 GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
@@ -71,9 +71,13 @@ for s in "${STAGES[@]}"; do
         --out "$OUT/step_gemv" --budget-s B ;;
     b1_gaps)  # b1 step: wo_a GEMVs on the stored FP8, router logits, mHC site forms vs the launches they replace
       stage b1_gaps 150 python3 benchmarks/step_kernels_v41.py --b1-gaps --out "$OUT/b1_gaps" ;;
-    dense_b32)  # b32 / b128 step outside the routed stream: step attention and indexer-score launch shapes, the dense
-      # FP8 linears by decode (slice sum in the launch, fewer slices, 64-row tiles) and wo_a's FP8 streams vs the einsum
-      stage dense_b32 150 python3 benchmarks/dense_step_v41.py --out "$OUT/dense_b32" --rows 32 128 --budget-s B ;;
+    dense_b32)  # b32 / b128 step outside the routed stream: the dense FP8 linears by decode (slice sum in the launch,
+      # fewer slices, 64-row tiles) and wo_a's FP8 streams vs the einsum
+      stage dense_b32 150 python3 benchmarks/dense_step_v41.py --only linear --out "$OUT/dense_b32" --rows 32 128 \
+        --budget-s B ;;
+    attn_b32)  # b32 / b128 step attention and indexer-score launch shapes (each a compile at V4.1 width)
+      stage attn_b32 200 python3 benchmarks/dense_step_v41.py --only attention --out "$OUT/attn_b32" --rows 32 128 \
+        --budget-s B ;;
     select_b1)  # the b1 step's four top-k selections under every radix_select candidate (counting forms)
       stage select_b1 120 python3 benchmarks/select_topk_v41.py --b1 --out "$OUT/select_b1" ;;
     rope)  # prefill RoPE of the rotated columns in place: contiguous rows against the stride-2 form and rope_rows
@@ -111,7 +115,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps dense_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
+    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac
