@@ -152,7 +152,7 @@ def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadl
     return out
 
 
-def wo_a_rows(dims, rows_list, device, reps: int, hbm: float):
+def wo_a_rows(dims, rows_list, device, reps: int, hbm: float, deadline: float = float("inf")):
     """``wo_a``: the model's bf16 einsum, each ``wo_a_v41`` stream shape of the stored FP8 bytes (checked against the
     einsum), and ``wo_a_v41.wo_a`` (the tuner's choice per row class)."""
     import torch
@@ -179,6 +179,10 @@ def wo_a_rows(dims, rows_list, device, reps: int, hbm: float):
         for label, wbytes, calls in cases:
             row = {"shape": "wo_a", "rows": rows, "variant": label, "per_step": per_step, "copies": len(calls)}
             fn = calls[0]
+            if time.monotonic() > deadline:
+                row["status"] = "skipped (budget)"
+                out.append(row)
+                continue
             try:
                 row["rel_err"] = _rel(fn(), want)
                 ms = _time_ms(fn, device, reps, calls)
@@ -375,10 +379,10 @@ def main(argv=None) -> int:
     if a.only in ("all", "attention") and not a.no_attention:   # first: a handful of cases, the budget's least risk
         rows += attention_rows(a.rows, device, a.reps, hbm, a.smoke, start + a.budget_s)
         rows += index_rows(a.rows, device, a.reps, hbm, a.smoke, start + a.budget_s)
-    if a.only in ("all", "linear"):
-        rows += linear_rows(shapes, a.rows, decodes, device, a.reps, hbm, start + a.budget_s)
+    if a.only in ("all", "linear"):   # wo_a first: few cases
         if not a.no_wo_a:
-            rows += wo_a_rows(SMOKE_WO_A if a.smoke else WO_A, a.rows, device, a.reps, hbm)
+            rows += wo_a_rows(SMOKE_WO_A if a.smoke else WO_A, a.rows, device, a.reps, hbm, start + a.budget_s)
+        rows += linear_rows(shapes, a.rows, decodes, device, a.reps, hbm, start + a.budget_s)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     lines = [f"# V4.1 step dense linears by decode ({gpu}, floor at {a.hbm_tbs} TB/s, {time.monotonic() - start:.0f} s)",
              "",
