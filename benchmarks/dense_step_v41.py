@@ -299,8 +299,8 @@ def index_rows(rows_list, device, reps: int, hbm: float, smoke: bool, deadline: 
                     got = fn()
                     row["inf_equal"] = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
                     row["rel_err"] = float(((got[fin] - want[fin]).abs() / want[fin].abs().clamp(min=1e-6)).max())
-                    if cfg is not None and cfg.loop > 1:
-                        one = step_index_scores(*args, config=dataclasses.replace(cfg, loop=1))
+                    if cfg is not None and (cfg.loop > 1 or cfg.page):
+                        one = step_index_scores(*args, config=dataclasses.replace(cfg, loop=1, page=False))
                         row["same_bits_as_one_block"] = bool(torch.equal(got, one))
                     ms = _time_ms(fn, device, reps)
                     row.update(ms=ms, floor_pct=100.0 * nbytes / hbm / (ms * 1e-3), status="ok")

@@ -141,8 +141,9 @@ class StepIndexConfig:
     block_n: int = 64   # entries per program
     num_warps: int = 4
     loop: int = 1       # > 1: ``_step_index_scores_loop`` with ~``loop`` column blocks per program
-    # with ``loop`` > 1 and no candidate list: a block's key rows read as one page's consecutive rows (one table entry
-    # a block) where ``block_n`` divides a page's entries, else the per-entry table lookup
+    # ``_step_index_scores_loop`` at any ``loop`` (1: one block a program, the one-block kernel's grid, its word loads);
+    # with no candidate list a block's key rows read as one page's consecutive rows (one table entry a block) where
+    # ``block_n`` divides a page's entries, else the per-entry table lookup
     page: bool = False
 
 
@@ -157,7 +158,7 @@ STEP_INDEX_TUNER = ConfigTuner("step_index_scores", [
     # spills; ``page``: one table entry a block, 128 registers at 64-entry blocks. Not measured on the H200.
     StepIndexConfig(128, 4, 2), StepIndexConfig(128, 4, 4), StepIndexConfig(128, 8, 4), StepIndexConfig(64, 4, 8),
     StepIndexConfig(32, 4, 8), StepIndexConfig(128, 4, 2, True), StepIndexConfig(128, 4, 4, True),
-    StepIndexConfig(64, 4, 8, True),
+    StepIndexConfig(64, 4, 8, True), StepIndexConfig(128, 4, 1, True), StepIndexConfig(64, 4, 1, True),
 ])
 
 
@@ -187,7 +188,7 @@ def step_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
         config = STEP_INDEX_TUNER.pick(key, lambda c: step_index_scores(
             q, weights, keys, table, visible, ratio, block_size, bf16_scores, entries, c, weights_scale), q.device)
     block_n = max(16, min(config.block_n, next_pow2(ncols)))
-    if config.loop > 1:
+    if config.loop > 1 or config.page:
         _step_index_scores_loop[(T, cdiv(ncols, block_n * config.loop))](
             q, weights, keys, table, visible, cand, out, n_max, ncols, block_size // ratio, ratio, block_size, HI,
             q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), table.stride(0),

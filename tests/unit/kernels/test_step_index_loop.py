@@ -15,7 +15,7 @@ from redknot.kernels.triton.step_indexer_mx import (
     step_index_scores_reference,
 )
 
-LOOPS = [c for c in STEP_INDEX_TUNER.candidates if c.loop > 1]
+LOOPS = [c for c in STEP_INDEX_TUNER.candidates if c.loop > 1 or c.page]
 
 
 def _case(device, seed, hi, di, ratio, bs, width, vis):
@@ -34,8 +34,8 @@ def _case(device, seed, hi, di, ratio, bs, width, vis):
 CASES = [(4, 64, 1, 16, 10, [160, 17, 0, 1, 95]), (3, 32, 2, 16, 12, [96, 33, 2, 64])]
 
 
-def test_the_new_shapes_are_strided():
-    assert LOOPS and all(c.loop > 1 for c in LOOPS)
+def test_the_new_shapes_are_strided_or_paged():
+    assert LOOPS and any(c.loop > 1 for c in LOOPS) and any(c.page and c.loop == 1 for c in LOOPS)
 
 
 @pytest.mark.parametrize("loop", [2, 3, 8])
@@ -55,7 +55,7 @@ def test_strided_launch_has_the_one_block_bits(loop, case, bf16, kernel_device):
     assert ((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1e-3 * scale)).all()
 
 
-@pytest.mark.parametrize("loop", [2, 8])
+@pytest.mark.parametrize("loop", [1, 2, 8])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("bf16", [False, True])
 def test_page_blocks_have_the_one_block_bits(loop, case, bf16, kernel_device):
