@@ -2,7 +2,7 @@
 # The H200 measurements the CPU-side kernels of benchmarks/NOTES.md are waiting for, in priority order.
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
-#   STAGE: decode tests prefill attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
+#   STAGE: decode tests prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
 #          v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
@@ -23,7 +23,7 @@ mkdir -p "$(dirname "$REDKNOT_TUNING_CACHE")"
 TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
                                     moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer v4_indexer v4_attention v4_cut)
 
 GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
@@ -60,6 +60,9 @@ for s in "${STAGES[@]}"; do
     prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
       stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
         --decode-batch '' --skip-parity --budget-s B ;;
+    prefill_chunks)  # V4.1 prefill in 32K-token chunks: the MoE expansion (a fixed cost a chunk) over 4x the tokens
+      stage prefill_chunks 360 python3 benchmarks/e2e_v41.py --out "$OUT/prefill_chunks" --prefill 32768,131072 \
+        --chunk 32768 --decode-context '' --decode-batch '' --skip-parity --budget-s B ;;
     moe_unroll)  # b32 / b128 routed-expert stream: fp8hd4 with 128 / 256 / 512 bytes of each weight row per stage
       stage moe_unroll 220 python3 benchmarks/kernels_v41.py --only stream --stream-variants moe_unroll \
         --out "$OUT/moe_unroll" --budget-s B ;;
@@ -115,7 +118,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests prefill moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
+    *) echo "unknown stage '$s'; stages: decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac
