@@ -32,13 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from graph_timing import graph_ms  # noqa: E402
 
 # (name, N, K, launches per step of the 5-layer V4.1 cut: 5 layers, 3 index sources, 1 Engram layer)
 SHAPES = [("wq_a", 1280, 5120, 5), ("wkv", 512, 5120, 5), ("wq_b", 32768, 1280, 5), ("wo_b", 5120, 8192, 5),
@@ -62,30 +63,7 @@ def copies_for(nbytes: int, device) -> int:
 def _time_ms(fn, device, reps: int, calls=None) -> float:
     """Median ms of one call: a CUDA graph of ``fn()`` (or of every function in ``calls``, one after another; the
     time divided by their number) replayed ``reps`` times on a GPU, one plain call on a CPU."""
-    import torch
-    if device.type != "cuda":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    calls = calls or [fn]
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / len(calls))
-    return statistics.median(times)
+    return graph_ms(calls or [fn], device, reps)
 
 
 def _rel(a, b) -> float:
@@ -350,7 +328,9 @@ def main(argv=None) -> int:
                     help="default: every LINEAR_DECODE_TUNER candidate but scaled and fp8_n32 (never the H100's "
                          "choice at these shapes and the slowest: H100 run 3's tuning); 'all': every candidate")
     ap.add_argument("--shapes", nargs="*", default=None, help="shape names (default: all)")
-    ap.add_argument("--budget-s", type=float, default=110.0, help="cases past this many seconds are skipped")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="cases past this many seconds are skipped (default 110; none with --smoke, a correctness "
+                         "run whose interpreter time depends on the machine's load)")
     ap.add_argument("--no-wo-a", action="store_true")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--only", choices=("all", "linear", "attention"), default="all",
@@ -360,6 +340,8 @@ def main(argv=None) -> int:
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         a.reps, a.rows = 1, [5, 33]
+    if a.budget_s is None:
+        a.budget_s = float("inf") if a.smoke else 110.0
     import torch
 
     from redknot.kernels.triton import gemm_mx

@@ -16,8 +16,8 @@ must read in the stored format (the floor at 4.17 TB/s) and its error against th
 """
 from __future__ import annotations
 
-import statistics
-import time
+
+from graph_timing import graph_ms
 
 HBM_BYTES_PER_S = 4.17e12
 REAL = {"groups": 8, "rank": 1024, "head_k": 4096, "experts": 384, "hidden": 5120, "hc": 4}
@@ -26,33 +26,7 @@ SMOKE = {"groups": 2, "rank": 64, "head_k": 256, "experts": 48, "hidden": 512, "
 
 def _time_us(calls, device, reps: int, inner: int) -> float:
     """Median µs per call of ``calls`` (a list of thunks, run in turn ``inner`` times) as CUDA-graph replays."""
-    import torch
-
-    n = len(calls) * inner
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t) * 1e6 / len(calls)
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            for c in calls:
-                c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(times)
+    return graph_ms(calls, device, reps, inner) * 1e3
 
 
 def _rel(a, b) -> float:

@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from graph_timing import graph_ms  # noqa: E402
 
 HBM_BYTES_PER_S = 4.17e12
 REAL = dict(heads=64, dim=512, window=128, topk=512, index_heads=32, index_dim=128, block_size=256)
@@ -38,31 +39,8 @@ SMOKE = dict(heads=4, dim=64, window=16, topk=8, index_heads=4, index_dim=64, bl
 
 
 def _time_ms(fn, device, reps: int) -> float:
-    """Median ms of ``fn``: a CUDA graph of one call replayed ``reps`` times on a GPU, plain calls on a CPU."""
-    import time
-
-    import torch
-
-    if device.type != "cuda":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()                  # one untimed replay: the first one pays lazy set-up
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of ``fn``: a CUDA graph of one call replayed ``reps`` times on a GPU, a plain call on a CPU."""
+    return graph_ms([fn], device, reps)
 
 
 def case(ctx: int, batch: int, dims: dict, device, reps: int, reference: bool) -> dict:

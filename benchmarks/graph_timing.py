@@ -1,0 +1,41 @@
+"""Median time of a few launches as CUDA-graph replays: the step benchmarks' shared timer.
+
+The calls run once eagerly (first-use tuning, lazy set-up), then ``inner`` times each inside one captured graph;
+after one untimed replay each of ``reps`` replays is timed with CUDA events and the median divided by the number of
+calls in the graph. Off a GPU the calls run once, eagerly, with the host clock (smoke runs only: no speed claim).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def graph_ms(calls: Sequence[Callable[[], object]], device, reps: int, inner: int = 1) -> float:
+    """Median ms per call of ``calls`` (thunks run in turn, ``inner`` times each) replayed as one CUDA graph."""
+    import torch
+
+    if device.type != "cuda":
+        t = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t) * 1e3 / len(calls)
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            for c in calls:
+                c()
+    graph.replay()                  # one untimed replay: the first one pays lazy set-up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / (len(calls) * inner))
+    return statistics.median(times)
