@@ -52,6 +52,28 @@ def as_i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
+class DeviceCounters:
+    """Zeroed int32 counters, one set per device, for launches whose last program of a block is found by an
+    acquire-release counter (each launch leaves its counters zero again). The launches that share a set must run
+    one after another on one stream. A set is kept for the process, and so is every set a larger one replaced: a
+    CUDA graph captured with it may still replay it. ``counters(device, n)`` returns at least ``n`` of them."""
+
+    def __init__(self, minimum: int):
+        self.minimum = minimum
+        self.sets: Dict[Tuple[str, Any], torch.Tensor] = {}
+        self.outgrown: List[torch.Tensor] = []
+
+    def __call__(self, device: torch.device, n: int) -> torch.Tensor:
+        key = (device.type, device.index)
+        c = self.sets.get(key)
+        if c is None or c.numel() < n:
+            if c is not None:
+                self.outgrown.append(c)
+            c = torch.zeros(max(n, self.minimum), dtype=torch.int32, device=device)
+            self.sets[key] = c
+        return c
+
+
 def _patch_interpreter() -> None:
     """Make Triton 3.6's CPU interpreter compute what the GPU computes (interpreter only):
 

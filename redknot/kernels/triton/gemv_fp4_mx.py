@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv
+from redknot.kernels.triton._common import DeviceCounters, cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes, fp8_qdq_groups, qdq_bf16
 from redknot.kernels.triton.gemv_plan import (
     DEFAULT_PLAN,
@@ -340,18 +340,9 @@ def fusable(x: torch.Tensor, N: int, KH: int, P: int, plan: GemvPlan, dual: bool
             and (not dual or (plan.block_n % 32 == 0 and N % 32 == 0)))
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 (token, column block) counters of the fused W2 launch (each launch leaves them zero again;
-    launches run one after another on one stream). Kept for the process: a CUDA graph may capture them."""
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = c
-    return c
+# the (token, column block) counters of the fused W2 launch (see DeviceCounters)
+_counters = DeviceCounters(4096)
+_COUNTERS = _counters.sets
 
 
 def moe_gemv(x, topk_idx, topk_weight, w1, w1_scale, w3, w3_scale, w2, w2_scale, swiglu_limit: float,

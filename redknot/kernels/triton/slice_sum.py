@@ -14,9 +14,10 @@ from HBM / L2 per linear; the V4.1 step at batch 32 / 128 runs 39 such dense lin
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
+
+from redknot.kernels.triton._common import DeviceCounters
 
 # FUSE values of the streams: 0 partials only (the caller runs ``reduce_rows``), 1 partials and the last slice's
 # program sums them into ``out``, 2 one slice: ``out`` directly.
@@ -47,20 +48,7 @@ def _slice_sum_tail(acc, p_ptr, out_ptr, cnt_ptr, tile, rows, cols, omask, strid
                      mask=omask)
 
 
-_COUNTERS: dict = {}
-_OUTGROWN: list = []   # counters a larger set replaced: a graph captured with them may still replay them
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 tile counters for ``device`` (each launch leaves them zero again; the launches that use them run
-    one after another on one stream: two streams running fused launches at once would share them). Kept for the
-    process, and so is every set a larger one replaced: a CUDA graph may have captured it. 4096 tiles cover every V4.1
-    decode launch (at most ~1024 output tiles)."""
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        if c is not None:
-            _OUTGROWN.append(c)
-        c = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = c
-    return c
+# The tile counters of the launches with the slice sum inside (see DeviceCounters: two streams running fused
+# launches at once would share them); 4096 cover every V4.1 decode launch (at most ~1024 output tiles).
+counters = DeviceCounters(4096)
+_COUNTERS = counters.sets

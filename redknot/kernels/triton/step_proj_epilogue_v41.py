@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv
+from redknot.kernels.triton._common import DeviceCounters, cdiv
 from redknot.kernels.triton.mhc import _post_mix
 from redknot.kernels.triton.quant_mx import (
     e2m1_code,
@@ -162,18 +162,9 @@ def _gemv_post(x_ptr, KW, stride_x, xs_ptr, stride_xs, w_ptr, s_ptr, p_ptr, N, K
                         stride_ot, stride_on, NS, D)
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 block counters of :func:`_gemv_post` for ``device`` (each launch leaves them zero again; the
-    step's launches run one after another on one stream). Kept for the process: a CUDA graph may capture them."""
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = c
-    return c
+# the block counters of _gemv_post (see DeviceCounters)
+_counters = DeviceCounters(1024)
+_COUNTERS = _counters.sets
 
 
 def _post_fused(x, weight, scale, s, post, comb, out, block: int, bd: int, name: str) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import ConfigTuner, cdiv
+from redknot.kernels.triton._common import ConfigTuner, DeviceCounters, cdiv
 from redknot.kernels.triton.dequant_mx import as_bytes
 from redknot.kernels.triton.gemv_plan import (
     MAX_ROWS,
@@ -75,22 +75,9 @@ def _wo_a_gemv(x_ptr, w_ptr, s_ptr, p_ptr, N, KW, KSPLIT, R, XG, stride_x, strid
                 tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-_COUNTERS: dict = {}
-_REPLACED: list = []
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 column-block counters of the fused forms (each launch leaves them zero again; launches run one
-    after another on one stream). Kept for the process, and a set a larger one replaces too: a CUDA graph may have
-    captured it."""
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        if c is not None:
-            _REPLACED.append(c)
-        c = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = c
-    return c
+# the column-block counters of the fused wo_a forms (see DeviceCounters)
+_counters = DeviceCounters(1024)
+_COUNTERS = _counters.sets
 
 
 def plan_of(name: str) -> tuple:

@@ -114,3 +114,19 @@ def test_the_tuner_holds_the_fused_names_after_the_earlier_ones():
     assert gemm_mx.fused_name("registers_wide_f16") == ("registers_wide", True, 16)
     assert gemm_mx.fused_name("fp8_n32_f") == ("fp8_n32", True, 0)
     assert gemm_mx.fused_name("fp8_n32") == ("fp8_n32", False, 0)
+
+
+def test_device_counters_keep_every_set_a_graph_may_replay():
+    """A request for more counters than the device's set holds gives a new zeroed set; the outgrown one stays alive
+    (a CUDA graph captured with it may replay it), and a smaller request gets the current set back."""
+    from redknot.kernels.triton._common import DeviceCounters
+
+    counters = DeviceCounters(4)
+    cpu = torch.device("cpu")
+    first = counters(cpu, 2)
+    assert first.numel() == 4 and first.dtype == torch.int32 and not first.any()
+    assert counters(cpu, 4) is first
+    bigger = counters(cpu, 9)
+    assert bigger.numel() == 9 and not bigger.any()
+    assert any(t is first for t in counters.outgrown)
+    assert counters(cpu, 3) is bigger
