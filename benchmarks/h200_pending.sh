@@ -109,12 +109,12 @@ for s in "${STAGES[@]}"; do
       stage moe_scaled_tests 240 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider \
         tests/kernels/test_moe_prefill_scaled_gpu.py ;;
     v4_indexer)  # V4 indexer prefill: the gathered-key pipelined stream next to the paged kernel
-      stage v4_indexer 180 python3 benchmarks/kernels.py --skip-checks --only indexer_topk --contexts 32768 450560 \
+      stage v4_indexer 180 python3 benchmarks/kernels_v4.py --skip-checks --only indexer_topk --contexts 32768 450560 \
         --budget-s B --out "$OUT/v4_indexer" ;;
     indexer)  # indexer prefill stream with expanded keys
       stage indexer 240 python3 benchmarks/indexer_v41_prefill.py --stream-only --out "$OUT/indexer" --budget-s B ;;
     v4_attention)  # V4 sparse attention prefill: transposed-score candidate (separate store: its classes re-tune)
-      stage v4_attention 160 python3 benchmarks/kernels.py --skip-checks --only sparse_attention --contexts 8192 131072 \
+      stage v4_attention 160 python3 benchmarks/kernels_v4.py --skip-checks --only sparse_attention --contexts 8192 131072 \
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;

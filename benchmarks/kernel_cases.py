@@ -1,4 +1,4 @@
-"""Timed cases for ``benchmarks/kernels.py``: inputs at V4 dimensions, the Triton and reference calls,
+"""Timed cases for ``benchmarks/kernels_v4.py``: inputs at V4 dimensions, the Triton and reference calls,
 and the FLOPs / bytes each must do (the same counting as ``shared/tools/roofline.py``).
 
 A case builder returns a :class:`Case`; building allocates its inputs on the device, so the runner

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Check and time RedKnot's Triton kernels (``hardware=sm90-port``) against the reference ops.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/kernels.py --out DIR        # on an H200, < 6 minutes
-    python benchmarks/kernels.py --smoke                              # CPU dry run (Triton interpreter, toy sizes)
+    PYTHONUNBUFFERED=1 python3 benchmarks/kernels_v4.py --out DIR        # on an H200, < 6 minutes
+    python benchmarks/kernels_v4.py --smoke                              # CPU dry run (Triton interpreter, toy sizes)
 
 Phase 1 (correctness): every kernel against its reference on fresh random inputs over edge-case
 shapes (context < window, lengths not a multiple of the ratio, fewer visible entries than top-k,

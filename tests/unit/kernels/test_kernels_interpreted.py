@@ -1,6 +1,6 @@
 """Every Triton kernel against its reference at toy dimensions (Triton's CPU interpreter without a GPU).
 
-The same checks run at V4 dimensions on a GPU (tests/kernels) and in ``benchmarks/kernels.py``.
+The same checks run at V4 dimensions on a GPU (tests/kernels) and in ``benchmarks/kernels_v4.py``.
 fp32 uses exact (FMA) dots: tolerance 1e-5; bf16 rounds operands: 1e-2 (norm-wise relative error).
 """
 import pytest

@@ -13,8 +13,12 @@ pytest.importorskip("triton")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def test_b1_gaps_smoke_runs_every_candidate(tmp_path):
+def test_b1_gaps_smoke_runs_every_candidate(tmp_path, monkeypatch):
     from redknot.kernels.triton import step_mhc_v41, step_router_v41, step_wo_a_v41
+
+    # the script puts benchmarks/ on sys.path (its sibling modules); later tests must not see it (its kernels_v4.py,
+    # kernel_cases.py, ... would shadow installed packages of those names)
+    monkeypatch.setattr(sys, "path", list(sys.path))
 
     path = Path(__file__).resolve().parents[3] / "benchmarks" / "step_kernels_v41.py"
     spec = importlib.util.spec_from_file_location("step_kernels_v41_under_test", path)

@@ -129,7 +129,7 @@ def test_the_prefill_kernel_refuses_fp32_rows(kernel_device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["csa", "hca"])
 def test_prefill_kernel_at_real_size_on_the_gpu(mode):
-    """A 4096-query chunk at context 8192 with V4 dims (as ``benchmarks/kernels.py`` times it): every transposed
+    """A 4096-query chunk at context 8192 with V4 dims (as ``benchmarks/kernels_v4.py`` times it): every transposed
     launch shape passes its first-use check and matches the float64 oracle on 128 sampled queries and the
     earlier kernel on all of them; the tuned op stays within bound."""
     from redknot.kernels.step_index import step_tensors

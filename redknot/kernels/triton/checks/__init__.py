@@ -1,7 +1,7 @@
 """Correctness checks of the Triton backend against the registry's reference ops.
 
 Shared by the CPU tests (Triton interpreter, toy dimensions), the GPU tests and
-``benchmarks/kernels.py`` (real V4 dimensions): each check draws fresh random inputs
+``benchmarks/kernels_v4.py`` (real V4 dimensions): each check draws fresh random inputs
 for one op over shapes that hit its edge cases, poisons the kernel's output buffers,
 and returns :class:`CheckResult` rows (relative error against a tolerance stated per dtype).
 """
