@@ -11,6 +11,7 @@ from redknot.kernels.triton import moe_mx, moe_stream, stream_guard
 from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
 from redknot.kernels.triton.moe_stream import StreamPlan
 from redknot.kernels.triton.moe_stream_fp8h import diag_unroll
+from slow_grid import rotated_grid
 
 # W1 | W3: K = 512 (4 steps of 128), W2: K = 384 (3 steps): block_k 512 unrolls 4 / 3, 256 unrolls 2 / 1
 DIMS = V41Dims(hidden=512, experts=5, topk_experts=2, moe_inter=384, tokens=9)
@@ -41,8 +42,9 @@ def test_diag_unroll_divides_every_slice():
         assert all(((min(K, k + ksplit) - k) // 128) % u == 0 for k in lo), (K, ksplit, u)
 
 
-@pytest.mark.parametrize("plan", UNROLLED, ids=_id)
-@pytest.mark.parametrize("dims,tokens,seed", [(DIMS, 9, 71), (DIMS_B, 7, 72)], ids=["k512", "k256"])
+@pytest.mark.parametrize("plan,dims,tokens,seed",
+                         rotated_grid([(p,) for p in UNROLLED], [(DIMS, 9, 71), (DIMS_B, 7, 72)],
+                                      [_id(p) for p in UNROLLED], ["k512", "k256"]))
 def test_unrolled_stream_matches_reference(plan, dims, tokens, seed, kernel_device):
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=seed, tokens=tokens)
     out = moe_stream.moe_stream(x, idx, wt, *w, 10.0, plan)
@@ -50,7 +52,8 @@ def test_unrolled_stream_matches_reference(plan, dims, tokens, seed, kernel_devi
     assert _rel(out, ref_v41.moe_mx(x, idx, wt, *w, 10.0)) <= 3e-2
 
 
-@pytest.mark.parametrize("plan", [UNROLLED[0], UNROLLED[1], UNROLLED[3]], ids=_id)
+@pytest.mark.parametrize("plan", [UNROLLED[0], pytest.param(UNROLLED[1], marks=pytest.mark.slow),
+                                  pytest.param(UNROLLED[3], marks=pytest.mark.slow)], ids=_id)
 def test_unrolled_stream_has_the_bits_of_one_step_per_iteration(plan, kernel_device):
     """The unrolled loop runs the same operations on the accumulators in the same K order as block_k 128."""
     x, idx, wt, w = moe_inputs(DIMS, kernel_device, seed=73, tokens=11)

@@ -16,6 +16,7 @@ from redknot.kernels.triton.radix_select import (  # noqa: E402
 from redknot.kernels.triton.step_indexer_mx import (  # noqa: E402
     candidate_entries, page_rows, page_rows_reference, select_topk)
 from redknot.kernels.triton.step_select import candidate_select, topk_reference, topk_select  # noqa: E402
+from slow_grid import rotated_grid  # noqa: E402
 
 
 def _rows(t: int, n: int, seed: int, device) -> torch.Tensor:
@@ -147,8 +148,8 @@ def _edge_rows(t: int, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.cat([sc, extra])
 
 
-@pytest.mark.parametrize("config", COUNTING, ids=["1bit", "2bit", "4bit"])
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case,config", rotated_grid([(c,) for c in range(len(CASES))], [(c,) for c in COUNTING],
+                                                     second_ids=["1bit", "2bit", "4bit"]))
 def test_counting_forms_are_select_topk(case, config, kernel_device):
     """The tuner's counting forms (thresholds by counts, one scan at the end) give select_topk's ids exactly,
     with fresh random rows, in one launch and in the two-launch split (keys, ids and lists handed on)."""

@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 from redknot.kernels import mx_formats as mx
 from redknot.kernels import ref_v41
 from redknot.kernels.triton import gemm_mx, splitk_mx, stream_guard
+from slow_grid import rotated_grid
 
 
 def _rel(a, b):
@@ -33,8 +34,8 @@ def _slices(decode, n, k):
     return splitk_mx.split_count(n, k, bn, bk, steps or (splitk_mx.SCALED_MIN_STEPS if scaled else 4))
 
 
-@pytest.mark.parametrize("decode", gemm_mx.FUSED_DECODES)
-@pytest.mark.parametrize("n,k,rows", [(96, 4096, 5), (160, 2048, 33), (64, 256, 20)])
+@pytest.mark.parametrize("decode,n,k,rows", rotated_grid([(d,) for d in gemm_mx.FUSED_DECODES],
+                                                         [(96, 4096, 5), (160, 2048, 33), (64, 256, 20)]))
 def test_fused_slice_sum_is_the_two_launches_bits(decode, n, k, rows, kernel_device):
     """Several K slices (last-program sum) and one slice (direct store): the same bits as the same launch shape's
     partials summed by ``reduce_rows`` (and, with the default slices, as the unfused name), and within the op's

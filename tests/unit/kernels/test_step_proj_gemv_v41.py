@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from step_proj_cases import fp8_weight, reference
+from slow_grid import rotated_grid
 
 from redknot.kernels import ref_v41, tuning_cache
 from redknot.kernels.triton import gemm_mx, gemv_mx, gemv_plan
@@ -38,8 +39,7 @@ def case_inputs(t, k, seed, device):
     return x, pos, g
 
 
-@pytest.mark.parametrize("name", NAMES + QNAMES + PNAMES)
-@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("name,t", rotated_grid([(n,) for n in NAMES + QNAMES + PNAMES], [(1,), (4,)]))
 def test_partials_equal_gemv_fp8(name, t, kernel_device):
     """Two weights in one launch, the rows quantised inside: each weight's slice sums equal ``gemv_fp8``'s fp32
     output on the same rows, bit for bit (several K slices, a partial column block)."""
@@ -57,8 +57,7 @@ def test_partials_equal_gemv_fp8(name, t, kernel_device):
     assert parts[0].shape[0] > 1 or name.endswith("gemv_k128")
 
 
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("name,t", rotated_grid([(n,) for n in NAMES], [(1,), (2,), (4,)]))
 def test_quantised_once_equals_quantised_inside(name, t, kernel_device):
     """The rows quantised once (``qgemv*``: a ``qdq_bf16`` launch, or rows the caller quantised; ``pgemv*``: each
     program's K slice first, into scratch rows) give the partials of the rows quantised inside every K step, bit
@@ -110,8 +109,7 @@ def test_proj_rows_gemv_equals_linear_mx_gemv_and_rope_rows(name, t, kernel_devi
     assert ((plain - ref).abs() <= 2 ** -7 * ref.abs() + 1e-2 * ref.abs().max()).all()
 
 
-@pytest.mark.parametrize("stream", ["gemv_n16", "qgemv_n16", "pgemv"])
-@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("stream,t", rotated_grid([("gemv_n16",), ("qgemv_n16",), ("pgemv",)], [(2,), (4,)]))
 def test_heads_and_index_grid_gemv(t, stream, kernel_device):
     """wq_b -> per-head RoPE and the indexer's wq_b -> RoPE + FP4 grid with a GEMV stream (two head widths,
     several K slices) against the launches it stands for."""
@@ -125,8 +123,8 @@ def test_heads_and_index_grid_gemv(t, stream, kernel_device):
         assert torch.equal(y, reference(x, spec, cos, sin, "gemv_n16"))
 
 
-@pytest.mark.parametrize("name", ["gemv", "gemv_k128", "qgemv_k128", "pgemv_k128"])
-@pytest.mark.parametrize("t,d,n", [(1, 256, 4), (4, 1024, 4)])
+@pytest.mark.parametrize("name,t,d,n", rotated_grid([(n,) for n in ["gemv", "gemv_k128", "qgemv_k128", "pgemv_k128"]],
+                                                     [(1, 256, 4), (4, 1024, 4)]))
 def test_linear_post_gemv_equals_linear_mx_then_mhc_post(name, t, d, n, kernel_device):
     from redknot.kernels.triton.mhc import mhc_post
     k = 512
