@@ -5,35 +5,22 @@ and the step's output is no further from the PyTorch step than the step with the
 ran before: the same exact products, other fp32 orders)."""
 import copy
 import os
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from redknot.kernels.triton import step_mhc_v41, step_router_v41, step_wo_a_v41
+from .v41util import toy_cut
 
 
 @pytest.mark.slow  # two toy steps through every kernel interpreted (~1 min); each candidate is held to its reference
 # in tests/unit/kernels/test_step_{wo_a,router,mhc}_v41.py (default run) and on the GPU (test_step_b1_gpu)
 def test_step_with_the_b1_candidates_forced(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
-    import e2e_v41
-
     import redknot.models.deepseek_v41.tensor_step as ts
-    from redknot.kernels import KernelSet
-    from redknot.models.deepseek_v41.kernel_ops import V41Ops
 
-    dev = torch.device("cpu")
-    cfg = e2e_v41.cut_config(True, 100)
-    model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference", V41Ops(KernelSet(default="triton")), dev)
-    b = e2e_v41.Batch(model, 1, 64, block_size=16)
-    b.step([e2e_v41.tokens(40, cfg.vocab_size, 1)], seqs=[0])
-    step = ts.TensorStep(torch.full((1,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(2),
-                         torch.arange(1), torch.tensor(b.blocks))
+    cfg, model, b, step = toy_cut(monkeypatch)
     twin = copy.deepcopy(b.state)
     base = ts.tensor_forward(model, step, twin)   # off the GPU every tuner's first candidate: what ran before
 
@@ -68,10 +55,7 @@ def test_step_with_the_b1_candidates_forced(monkeypatch):
     # both here); the one-pass collapse's other fp32 order (one bf16 ulp of a few u values, held to the PyTorch site
     # in test_step_mhc_v41) moves the toy step's output ~4 % from the first candidates' (wo_a's GEMV and the router's
     # alone: the same bits at these sizes)
-    ref_model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference",
-                              V41Ops(KernelSet(default="reference")), dev)
-    rb = e2e_v41.Batch(ref_model, 1, 64, block_size=16)
-    rb.step([e2e_v41.tokens(40, cfg.vocab_size, 1)], seqs=[0])
+    _, ref_model, rb, _ = toy_cut(monkeypatch, "reference")
     ref = ts.tensor_forward(ref_model, step, rb.state).float()
 
     def rel(a, b):

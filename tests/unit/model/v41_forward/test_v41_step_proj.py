@@ -6,8 +6,6 @@ Triton kernel (interpreter): the step's output rows and every cache byte equal b
 linear tuner takes the ``fp8`` decode, whose bits the fused launches reproduce), and the fused paths ran."""
 import copy
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,25 +14,15 @@ pytest.importorskip("triton")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from redknot.models.deepseek_v41 import fused_rows  # noqa: E402
+from .v41util import toy_cut  # noqa: E402
 
 
 @pytest.mark.slow  # two toy steps through every kernel interpreted (~70 s); each fused kernel is held bit for bit
 # against what it replaces in tests/unit/kernels/test_step_proj_v41.py (default run) and on the GPU
 def test_q_kv_rows_equal_the_per_linear_step(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
-    import e2e_v41
-
     import redknot.models.deepseek_v41.tensor_step as ts
-    from redknot.kernels import KernelSet
-    from redknot.models.deepseek_v41.kernel_ops import V41Ops
 
-    dev = torch.device("cpu")
-    cfg = e2e_v41.cut_config(True, 100)
-    model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference", V41Ops(KernelSet(default="triton")), dev)
-    b = e2e_v41.Batch(model, 1, 64, block_size=16)
-    b.step([e2e_v41.tokens(40, cfg.vocab_size, 1)], seqs=[0])
-    step = ts.TensorStep(torch.full((1,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(2),
-                         torch.arange(1), torch.tensor(b.blocks))
+    cfg, model, b, step = toy_cut(monkeypatch)
     twin = copy.deepcopy(b.state)
     calls = {"q_kv_rows": [], "linear_rows": [], "linear_post_rows": []}
     for name in calls:

@@ -8,8 +8,6 @@ on its reference) than that step. The tensor step is the graph-free form of the 
 run under capture); with the small-row class off the fused launches take ``fp8`` again."""
 import copy
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,25 +19,15 @@ from redknot.kernels import tuning_cache
 from redknot.kernels.triton import gemm_mx
 from redknot.kernels.triton import step_proj_v41 as sp
 from redknot.models.deepseek_v41 import fused_rows
+from .v41util import toy_cut
 
 
 @pytest.mark.slow  # three toy steps through every kernel interpreted (~75 s); each GEMV launch is held bit for bit
 # against what it stands for in tests/unit/kernels/test_step_proj_gemv_v41.py (default run) and on the GPU
 def test_step_with_gemv_equals_per_linear_gemv_step(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
-    import e2e_v41
-
     import redknot.models.deepseek_v41.tensor_step as ts
-    from redknot.kernels import KernelSet
-    from redknot.models.deepseek_v41.kernel_ops import V41Ops
 
-    dev = torch.device("cpu")
-    cfg = e2e_v41.cut_config(True, 100)
-    model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference", V41Ops(KernelSet(default="triton")), dev)
-    b = e2e_v41.Batch(model, 1, 64, block_size=16)
-    b.step([e2e_v41.tokens(40, cfg.vocab_size, 1)], seqs=[0])
-    step = ts.TensorStep(torch.full((1,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(2),
-                         torch.arange(1), torch.tensor(b.blocks))
+    cfg, model, b, step = toy_cut(monkeypatch)
     twin, fp8_state = copy.deepcopy(b.state), copy.deepcopy(b.state)
     monkeypatch.setattr(sp, "FORCE_SMALL", "gemv")
     monkeypatch.setattr(gemm_mx.LINEAR_SMALL_TUNER, "pick", lambda key, run, device: "gemv")  # the other linears
@@ -81,10 +69,7 @@ def test_step_with_gemv_equals_per_linear_gemv_step(monkeypatch):
     assert not ran
 
     # the PyTorch step (every op on its reference): the GEMV step within the op tolerance, as close as the fp8 one
-    ref_model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference",
-                              V41Ops(KernelSet(default="reference")), dev)
-    rb = e2e_v41.Batch(ref_model, 1, 64, block_size=16)
-    rb.step([e2e_v41.tokens(40, cfg.vocab_size, 1)], seqs=[0])
+    _, ref_model, rb, _ = toy_cut(monkeypatch, "reference")
     ref = ts.tensor_forward(ref_model, step, rb.state).float()
 
     def rel(a):

@@ -144,3 +144,26 @@ def tie_aware_equal(scores: torch.Tensor, sel_a: torch.Tensor, sel_b: torch.Tens
             if float(scores[row, i]) != kth:
                 return False
     return True
+
+
+def toy_cut(monkeypatch, backend: str = "triton"):
+    """``benchmarks/e2e_v41``'s toy cut on the CPU, every V4.1 op on ``backend``'s kernels (``triton``: the
+    interpreter), after a 40-token prefill of one sequence: ``(cfg, model, batch, step)`` with ``step`` the tensor
+    step of that sequence's next token (id 11). ``benchmarks/`` is on ``sys.path`` for the calling test only."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[4] / "benchmarks"))
+    import e2e_v41
+
+    import redknot.models.deepseek_v41.tensor_step as ts
+    from redknot.kernels import KernelSet
+    from redknot.models.deepseek_v41.kernel_ops import V41Ops
+
+    dev = torch.device("cpu")
+    cfg = e2e_v41.cut_config(True, 100)
+    model = e2e_v41.build(cfg, e2e_v41.random_tensors(cfg, dev), "reference", V41Ops(KernelSet(default=backend)), dev)
+    batch = e2e_v41.Batch(model, 1, 64, block_size=16)
+    batch.step([e2e_v41.tokens(40, cfg.vocab_size, 1)], seqs=[0])
+    step = ts.TensorStep(torch.full((1,), 11, dtype=torch.long), torch.tensor(batch.lens), torch.arange(2),
+                         torch.arange(1), torch.tensor(batch.blocks))
+    return cfg, model, batch, step
