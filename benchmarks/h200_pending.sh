@@ -56,7 +56,7 @@ for s in "${STAGES[@]}"; do
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
         --decode-batch 1,32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B ;;
     tests)
-      stage tests 420 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS[@]}" ;;
+      stage tests 580 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS[@]}" ;;
     prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
       stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
         --decode-batch '' --skip-parity --budget-s B ;;
