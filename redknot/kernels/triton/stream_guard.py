@@ -49,8 +49,8 @@ def self_check(decode: str, device: torch.device, seed: int = 1234) -> Optional[
         return gemv_check(decode, device, seed)
     if decode in ("registers", "registers_wide"):
         return None
-    if isinstance(decode, str) and decode.endswith("_f"):   # gemm_mx.FUSED_DECODES: the base decode's bits
-        from redknot.kernels.triton.gemm_mx import fused_check
+    from redknot.kernels.triton.gemm_mx import FUSED_DECODES, fused_check
+    if decode in FUSED_DECODES:   # the slice sum in the launch (``*_f``, ``*_f16``): the base decode's bits
         return fused_check(decode, device, seed)
     launch = dict(LINEAR_ALIASES.get(decode, (decode, {}))[1])
     decode = LINEAR_ALIASES.get(decode, (decode, {}))[0]
@@ -173,4 +173,5 @@ def with_fallback(device: torch.device, decode, fast: Callable[[], R], registers
 
 def _fail(decode: str, err: str) -> None:
     DECODE_ERRORS[decode] = err
-    warnings.warn(f"splitk_mx: decode={decode!r} is not used on this device ({err}); running 'registers'")
+    warnings.warn(f"splitk_mx: decode={decode!r} is not used on this device ({err}); running 'registers'",
+                  stacklevel=2)

@@ -107,6 +107,19 @@ def test_first_use_check_passes_and_catches_a_wrong_sum(kernel_device, monkeypat
     assert "differs from its two launches" in stream_guard.self_check("registers_f", device)
 
 
+def test_every_fused_name_reaches_its_fused_check(kernel_device, monkeypatch):
+    """Each ``FUSED_DECODES`` name, the ``*_f16`` ones included, is checked against its own two launches (a name the
+    guard did not route would fall through to ``splitk_mm``, which refuses it, and the tuner would never time it);
+    one ``*_f16`` name runs the real check."""
+    device = torch.device(kernel_device)
+    assert stream_guard.self_check("fp8_f16", device) is None
+    seen = []
+    monkeypatch.setattr(gemm_mx, "fused_check", lambda name, dev, seed=1234: seen.append(name))
+    for name in gemm_mx.FUSED_DECODES:
+        assert stream_guard.self_check(name, device) is None
+    assert seen == list(gemm_mx.FUSED_DECODES)
+
+
 def test_the_tuner_holds_the_fused_names_after_the_earlier_ones():
     """The earlier candidates keep their order (the first is what runs untimed); the fused ones come after."""
     c = gemm_mx.LINEAR_DECODE_TUNER.candidates
