@@ -56,7 +56,7 @@ for s in "${STAGES[@]}"; do
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
         --decode-batch 1,32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B ;;
     tests)
-      stage tests 580 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS[@]}" ;;
+      stage tests 580 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS[@]}" ;;
     prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
       stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
         --decode-batch '' --skip-parity --budget-s B ;;
@@ -106,7 +106,7 @@ for s in "${STAGES[@]}"; do
     linear_prefill)  # linear_mx above 128 rows: dequant + bf16 GEMM against fp8_rowwise (torch._scaled_mm), grouped wo_a
       stage linear_prefill 150 python3 benchmarks/linear_prefill_v41.py --out "$OUT/linear_prefill" ;;
     moe_scaled_tests)  # its GPU tests at V4.1 shapes (the library GEMM, the expansion, every plan against ref_v41)
-      stage moe_scaled_tests 240 python3 -m pytest -m gpu -v -rfE -p no:cacheprovider \
+      stage moe_scaled_tests 240 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider \
         tests/kernels/test_moe_prefill_scaled_gpu.py ;;
     v4_indexer)  # V4 indexer prefill: the gathered-key pipelined stream next to the paged kernel
       stage v4_indexer 180 python3 benchmarks/kernels_v4.py --skip-checks --only indexer_topk --contexts 32768 450560 \

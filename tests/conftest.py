@@ -10,6 +10,12 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the default run: addopts) each worker is one process of several: share the cores out
+# instead of giving every worker the whole machine's intra-op threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
