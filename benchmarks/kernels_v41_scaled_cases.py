@@ -124,7 +124,7 @@ def scaled_cases(dims: V41Dims, device, smoke: bool, tokens: Sequence[int], weig
                              _moe_bytes(dims, idx), note=f"plan scaled {plan.decode}; scratch {scratch:.2f} GiB; {note}")
             yield f"compare moe prefill plan scaled {plan.decode} T={t}", build
         if n == 0:  # the plan's launch shape, then neighbours (columns per program, K per step, warps)
-            for launch in ((), (64, 256, 8), (16, 512, 4), (32, 512, 8)):
+            for launch in ((), (32, 256, 4), (8, 512, 4), (16, 1024, 4), (32, 512, 8)):
                 yield f"prefill part scaled expand {launch}", lambda t=t, launch=launch: build_expand(t, launch)
         yield f"prefill part scaled rows T={t}", lambda t=t: build_rows(t)
         yield f"prefill part W1+W3 scaled T={t}", lambda t=t: build_w13(t)
