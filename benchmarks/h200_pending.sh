@@ -26,14 +26,14 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
                                     moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer v4_indexer v4_attention v4_cut)
 
-GPU_TESTS=(tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
+GPU_TESTS=(tests/kernels/test_slice_sum_gpu.py tests/kernels/test_step_b1_gpu.py tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
   tests/unit/model/v41_forward/test_v41_tensor_step_kernels.py tests/kernels/test_step_moe_v41_gpu.py
   tests/kernels/test_step_rows_v41_gpu.py tests/kernels/test_moe_stream_gpu.py tests/kernels/test_gemv_mx_gpu.py
   tests/unit/kernels/test_v41_attention_prefill.py tests/unit/kernels/test_v4_attention_prefill.py
   tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
-  tests/kernels/test_slice_sum_gpu.py tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
+  tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
   tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py)
 
 stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
