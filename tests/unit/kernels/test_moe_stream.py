@@ -10,6 +10,7 @@ from redknot.kernels import ref_v41  # noqa: E402
 from redknot.kernels.triton import gemm_mx, moe_mx, moe_stream, stream_guard  # noqa: E402
 from redknot.kernels.triton.checks_mx import TOY_V41, V41Dims, moe_inputs  # noqa: E402
 from redknot.kernels.triton.moe_stream import StreamPlan  # noqa: E402
+from slow_grid import rotated_grid  # noqa: E402
 
 ODD = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, tokens=9)
 # small launch shapes that cover each code path: both decodes, one K slice (fused epilogues) and K slices
@@ -23,8 +24,12 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: f"{p.decode}-{p.block_n}x{p.block_k}-s{p.min_steps}-i{p.inline}")
-@pytest.mark.parametrize("dims,tokens", [(TOY_V41, 1), (ODD, 11)], ids=["toy-1", "odd-11"])
+def _stream_id(p):
+    return f"{p.decode}-{p.block_n}x{p.block_k}-s{p.min_steps}-i{p.inline}"
+
+
+@pytest.mark.parametrize("plan,dims,tokens", rotated_grid([(p,) for p in PLANS], [(TOY_V41, 1), (ODD, 11)],
+                                                          [_stream_id(p) for p in PLANS], ["toy-1", "odd-11"]))
 def test_fused_stream_matches_reference(plan, dims, tokens, kernel_device):
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 60, tokens=tokens)
     out = moe_stream.moe_stream(x, idx, wt, *w, 10.0, plan)
@@ -67,8 +72,11 @@ def test_stream_check_passes_and_detects_a_wrong_stream(decode, kernel_device, m
     from redknot.kernels.triton import moe_stream_fp8
     device = torch.device(kernel_device)
     plan = StreamPlan(decode, 32, 64)
-    assert stream_guard.stream_check(plan, device) is None
-    assert stream_guard.self_check(plan, device) is None
+    # self_check of a StreamPlan is stream_check(plan, device) itself: run once, through self_check
+    real_check, routed = stream_guard.stream_check, []
+    monkeypatch.setattr(stream_guard, "stream_check", lambda *args: routed.append(args[:2]) or real_check(*args))
+    assert stream_guard.self_check(plan, device) is None and routed == [(plan, device)]
+    monkeypatch.setattr(stream_guard, "stream_check", real_check)
     mod, name = (moe_stream, "stream_gemm") if decode == "regs" else (moe_stream_fp8, "stream_gemm_fp8")
     real = getattr(mod, name)
 
@@ -159,13 +167,18 @@ def test_routing_writes_the_fp8_rows_of_act_quant(route_kernel, tokens, dim, ker
 
 
 @pytest.mark.parametrize("rows", [1, 17])
-def test_linear_fp8_n32_matches_reference_and_passes_its_check(rows, kernel_device, monkeypatch):
-    from redknot.kernels.triton import splitk_mx
+def test_linear_fp8_n32_matches_reference(rows, kernel_device):
     g = torch.Generator(device=kernel_device).manual_seed(rows + 3)
     w, ws = mx.quant_fp8_blocks(torch.randn(96, 128, generator=g, device=kernel_device) * 0.02, 32)
     x = torch.randn(rows, 128, generator=g, device=kernel_device).to(torch.bfloat16)
     out = gemm_mx.linear_mx(x, w, ws, 32, path="splitk", decode="fp8_n32")
     assert _rel(out, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
+
+
+def test_linear_fp8_n32_passes_its_check(kernel_device, monkeypatch):
+    """``self_check("fp8_n32")`` (its own shapes and operands, the same for any caller's rows): it passes, and a
+    wrong narrow-tile stream fails it."""
+    from redknot.kernels.triton import splitk_mx
     assert stream_guard.self_check("fp8_n32", torch.device(kernel_device)) is None
     real = splitk_mx.splitk_mm
 
