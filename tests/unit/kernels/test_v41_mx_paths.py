@@ -12,6 +12,7 @@ from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
 from redknot.kernels.triton import dequant_mx, gemm_mx, moe_mx, splitk_mx  # noqa: E402
 from redknot.kernels.triton.checks_mx import TOY_V41, V41Dims, moe_inputs  # noqa: E402
+from slow_grid import rotated_grid  # noqa: E402
 
 ODD = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, tokens=9)
 
@@ -70,7 +71,7 @@ def test_tile_map_covers_every_row_once(kernel_device):
     for bm in (4, 16):
         group, row0, end, bound = splitk_mx.tile_map(offs, bm, int(offs[-1]))
         seen = []
-        for g, r0, e in zip(group.tolist(), row0.tolist(), end.tolist()):
+        for g, r0, e in zip(group.tolist(), row0.tolist(), end.tolist(), strict=False):
             if g < 0:
                 continue
             assert e == int(offs[g]) and int(offs[g]) - counts[g] <= r0 < e
@@ -79,9 +80,8 @@ def test_tile_map_covers_every_row_once(kernel_device):
         assert int((group >= 0).sum()) == sum(-(-c // bm) for c in counts) <= bound
 
 
-@pytest.mark.parametrize("path", ["splitk", "dequant"])
-@pytest.mark.parametrize("block", [32, 128])
-@pytest.mark.parametrize("rows", [1, 7, 37])
+@pytest.mark.parametrize("rows,path,block", rotated_grid([(r, p) for p in ["splitk", "dequant"] for r in [1, 7, 37]],
+                                                        [(32,), (128,)]))
 def test_linear_paths_match_reference(path, block, rows, kernel_device):
     g = torch.Generator(device=kernel_device).manual_seed(rows * block)
     w, ws = mx.quant_fp8_blocks(torch.randn(160, 512, generator=g, device=kernel_device) * 0.02, block)
@@ -129,9 +129,11 @@ def test_paths_by_size_and_bad_path():
         gemm_mx.moe_path(4, "fast")
 
 
-@pytest.mark.parametrize("dims", [TOY_V41, ODD], ids=["toy", "odd"])
-@pytest.mark.parametrize("path,chunk", [("splitk", 0), ("grouped", 2), ("grouped", 3), ("tiled", 0)])
-@pytest.mark.parametrize("tokens", [1, 11])
+MOE_PATHS = [("splitk", 0), ("grouped", 2), ("grouped", 3), ("tiled", 0)]
+
+
+@pytest.mark.parametrize("tokens,path,chunk,dims", rotated_grid([(t, p, c) for p, c in MOE_PATHS for t in [1, 11]],
+                                                                [(TOY_V41,), (ODD,)], second_ids=["toy", "odd"]))
 def test_moe_paths_match_reference(dims, path, chunk, tokens, kernel_device, monkeypatch):
     monkeypatch.setattr(moe_mx, "CHUNK_EXPERTS", chunk or moe_mx.CHUNK_EXPERTS)
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + chunk, tokens=tokens)
@@ -185,7 +187,7 @@ def test_routing_kernel_equals_the_stable_sort(tokens, k, experts, kernel_device
     assert torch.equal(rows.long(), order // k) and torch.equal(wt, w.reshape(-1)[order])
     assert torch.equal(inv.long()[order], torch.arange(flat.numel(), device=kernel_device))
     assert torch.equal(offs.long(), counts.cumsum(0))
-    assert all(torch.equal(a, b) for a, b in zip(moe_mx._sorted_pairs(idx, w, experts), got))
+    assert all(torch.equal(a, b) for a, b in zip(moe_mx._sorted_pairs(idx, w, experts), got, strict=False))
 
 
 def test_in_kernel_quantisation_equals_the_separate_pass(kernel_device, monkeypatch):
@@ -201,9 +203,8 @@ def test_in_kernel_quantisation_equals_the_separate_pass(kernel_device, monkeypa
     assert torch.equal(gemm_mx.moe_mx(xm, idx, wt, *wm, 10.0, path="splitk"), fused[1])
 
 
-@pytest.mark.parametrize("decode", splitk_mx.DECODES)
-@pytest.mark.parametrize("block", [32, 128])
-@pytest.mark.parametrize("rows", [1, 20, 37])
+@pytest.mark.parametrize("rows,decode,block", rotated_grid([(r, d) for d in splitk_mx.DECODES for r in [1, 20, 37]],
+                                                          [(32,), (128,)]))
 def test_linear_splitk_decodes_match_reference(decode, block, rows, kernel_device):
     """Both weight decodes of the split-K stream (row tiles of 16 / 32 / 64 rows for ``scaled``)."""
     g = torch.Generator(device=kernel_device).manual_seed(rows + block)
@@ -213,9 +214,8 @@ def test_linear_splitk_decodes_match_reference(decode, block, rows, kernel_devic
     assert _rel(out, ref_v41.linear_mx(x, w, ws, block)) <= 1e-2
 
 
-@pytest.mark.parametrize("decode", splitk_mx.DECODES)
-@pytest.mark.parametrize("dims", [TOY_V41, ODD], ids=["toy", "odd"])
-@pytest.mark.parametrize("tokens", [1, 11])
+@pytest.mark.parametrize("tokens,decode,dims", rotated_grid([(t, d) for d in splitk_mx.DECODES for t in [1, 11]],
+                                                            [(TOY_V41,), (ODD,)], second_ids=["toy", "odd"]))
 def test_moe_splitk_decodes_match_reference(decode, dims, tokens, kernel_device):
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 40, tokens=tokens)
     out = moe_mx.moe_splitk(x, idx, wt, *w, 10.0, decode=decode)
@@ -293,7 +293,7 @@ def test_routing_kernel_writes_the_qdq_rows(tokens, dim, kernel_device):
     plain = moe_mx._sorted_pairs(idx, wt, 7)
     fused = moe_mx._sorted_pairs(idx, wt, 7, x)
     assert torch.equal(fused[4], dequant_mx.qdq_bf16(x))
-    assert all(torch.equal(a, b) for a, b in zip(plain, fused[:4]))
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused[:4], strict=False))
 
 
 @triton.jit
