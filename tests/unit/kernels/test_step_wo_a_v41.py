@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels.triton import step_wo_a_v41 as wa
+from slow_grid import rotated_grid
 
 
 def _rel(a, b):
@@ -28,8 +29,7 @@ def _inputs(groups, r, k, rows, seed, device, block=32):
 GEMV_NAMES = [*wa.WO_A_PLANS, *(n for n in wa.WO_A_TUNER.candidates if n != "einsum")]
 
 
-@pytest.mark.parametrize("name", GEMV_NAMES)
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("name,rows", rotated_grid([(n,) for n in GEMV_NAMES], [(1,), (4,)]))
 def test_wo_a_gemv_matches_the_exact_sums(name, rows, kernel_device):
     """bf16 roundings of the exact products' fp64 sums (one bf16 ulp: 2^-8 relative per value), and the einsum on
     the dequantised bf16 weight (what the step ran before) within the same tolerance."""
