@@ -14,6 +14,7 @@ from redknot.kernels.triton.step_indexer_mx import (
     step_index_scores,
     step_index_scores_reference,
 )
+from slow_grid import rotated_grid
 
 LOOPS = [c for c in STEP_INDEX_TUNER.candidates if c.loop > 1 or c.page]
 
@@ -38,9 +39,14 @@ def test_the_new_shapes_are_strided_or_paged():
     assert LOOPS and any(c.loop > 1 for c in LOOPS) and any(c.page and c.loop == 1 for c in LOOPS)
 
 
-@pytest.mark.parametrize("loop", [2, 3, 8])
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("bf16", [False, True])
+def _grid(loops):
+    """Each (case, loop) once by default, fp32 and bf16 scores in turn (each loop meets both cases and both score
+    dtypes); the other half with ``-m slow``."""
+    rows = [(c, loop) for c in range(len(CASES)) for loop in loops]
+    return rotated_grid(rows, [(False,), (True,)], [f"case{c}-loop{loop}" for c, loop in rows], ["fp32", "bf16"])
+
+
+@pytest.mark.parametrize("case,loop,bf16", _grid([2, 3, 8]))
 def test_strided_launch_has_the_one_block_bits(loop, case, bf16, kernel_device):
     args = _case(kernel_device, 10 + case, *CASES[case])
     one = step_index_scores(*args, bf16_scores=bf16, config=StepIndexConfig(16, 4))
@@ -55,12 +61,10 @@ def test_strided_launch_has_the_one_block_bits(loop, case, bf16, kernel_device):
     assert ((got[fin] - want[fin]).abs() <= tol * (want[fin].abs() + 1e-3 * scale)).all()
 
 
-@pytest.mark.parametrize("loop", [1, 2, 8])
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("case,loop,bf16", _grid([1, 2, 8]))
 def test_page_blocks_have_the_one_block_bits(loop, case, bf16, kernel_device):
-    """``page``: a block's keys as one page's consecutive rows (16-entry blocks in pages of 16 / 8 entries: ratio 1 takes
-    it, ratio 2's 8-entry pages fall back to the per-entry lookup; 8-entry blocks in both)."""
+    """``page``: a block's keys as one page's consecutive rows (16-entry blocks in pages of 16 / 8 entries: ratio 1
+    takes it, ratio 2's 8-entry pages fall back to the per-entry lookup; 8-entry blocks in both)."""
     args = _case(kernel_device, 20 + case, *CASES[case])
     for bn in (16, 8):
         one = step_index_scores(*args, bf16_scores=bf16, config=StepIndexConfig(bn, 4))
