@@ -10,6 +10,7 @@ from redknot.kernels import ref_v41
 from redknot.kernels.triton import gemm_mx, gemv_fp4_mx, gemv_mx, stream_guard
 from redknot.kernels.triton.checks_mx import TOY_V41, V41Dims, moe_inputs
 from redknot.kernels.triton.gemv_mx import GemvPlan
+from slow_grid import rotated_grid
 
 
 def _rel(a, b):
@@ -36,16 +37,11 @@ SHAPES = [(96, 512, 32), (100, 768, 32), (64, 1024, 128), (40, 160, 32), (5120, 
 PLANS = [GemvPlan(32, 256), GemvPlan(16, 256, 1), GemvPlan(16, 512), GemvPlan(32, 128, 4, 4, 1)]
 
 
-def _dense_cases():
-    """Every shape at 1-4 rows; wo_b's width at 2 and 3 rows only under ``-m slow`` (~6 s each interpreted:
-    the plans those rows pick run on the smaller shapes, the width's tails at 1 and 4 rows)."""
-    for rows in (1, 2, 3, 4):
-        for n, k, block in SHAPES:
-            marks = [pytest.mark.slow] if n == 5120 and rows in (2, 3) else []
-            yield pytest.param(n, k, block, rows, marks=marks, id=f"{rows}-{n}x{k}b{block}")
-
-
-@pytest.mark.parametrize("n,k,block,rows", list(_dense_cases()))
+# each shape at one row count by default (the plan by N + rows: each plan at least once; wo_b's width ~6 s
+# interpreted), the other row counts with ``-m slow``
+@pytest.mark.parametrize("n,k,block,rows", rotated_grid(SHAPES, [(r,) for r in (1, 2, 3, 4)],
+                                                       [f"{n}x{k}b{block}" for n, k, block in SHAPES],
+                                                       ["1row", "2rows", "3rows", "4rows"]))
 def test_gemv_matches_reference(n, k, block, rows, kernel_device):
     x, w, ws = _dense(n, k, block, rows, n + k + rows, kernel_device)
     plan = PLANS[(n + rows) % len(PLANS)]
@@ -78,8 +74,9 @@ def test_gemv_detects_a_wrong_weight(kernel_device):
     """The tolerance separates right from wrong: one K group's scale off by a factor 4, a rotated row."""
     x, w, ws = _dense(64, 512, 32, 2, 4, kernel_device)
     want = _exact(x, w, ws, 32)
-    out = lambda w, ws: gemv_mx.gemv_fp8(x, w, ws, 32, torch.empty(2, 64, dtype=torch.float32,
-                                                                    device=kernel_device))
+
+    def out(w, ws):
+        return gemv_mx.gemv_fp8(x, w, ws, 32, torch.empty(2, 64, dtype=torch.float32, device=kernel_device))
     bad = ws.view(torch.uint8).clone()
     bad[:, 5] += 2
     assert _rel(out(w, bad), want) > 0.1
@@ -166,14 +163,15 @@ def test_small_row_class_times_its_own_batch_and_runs_the_choice(kernel_device, 
 ODD = V41Dims(hidden=96, experts=7, topk_experts=3, moe_inter=96, tokens=9)  # 48 packed bytes: 16-byte K steps
 WIDE = V41Dims(hidden=512, experts=8, topk_experts=6, moe_inter=256, tokens=4)  # V4.1's top-6, K steps of 128 / 256
 MOE_PLANS = [GemvPlan(32, 256), GemvPlan(16, 128, 1), GemvPlan(64, 64, 4, 4, 1)]
-MOE_CASES = [(TOY_V41, 1, 0), (ODD, 3, 1), (WIDE, 4, 0), (WIDE, 1, 1), (ODD, 2, 2), (WIDE, 2, 2)]
+# (dims, tokens, plan): the first four by default (each width, token count and plan once; ~0.5-2 s each
+# interpreted), the rest with ``-m slow`` (WIDE's top-6 at 4 tokens ~10 s, ODD with the 16-column plan at 3 tokens ~5 s)
+MOE_CASES = [(WIDE, 1, 0), (TOY_V41, 4, 1), (ODD, 2, 2), (TOY_V41, 3, 0),
+             (TOY_V41, 1, 0), (ODD, 3, 1), (WIDE, 4, 0), (WIDE, 1, 1), (WIDE, 2, 2)]
 
 
-# WIDE at 1 and 2 tokens (~8 s each interpreted) only under ``-m slow``: their plans run on ODD, WIDE's top-6
-# at 4 tokens stays in the default run
 @pytest.mark.parametrize("dims,tokens,plan", [
-    pytest.param(d, t, MOE_PLANS[p], id=f"{d.hidden}-{t}-plan{p}",
-                 marks=[pytest.mark.slow] if d is WIDE and t in (1, 2) else []) for d, t, p in MOE_CASES])
+    pytest.param(d, t, MOE_PLANS[p], id=f"{d.hidden}-{t}-plan{p}", marks=[pytest.mark.slow] if i >= 4 else [])
+    for i, (d, t, p) in enumerate(MOE_CASES)])
 def test_moe_gemv_matches_reference(dims, tokens, plan, kernel_device):
     x, idx, wt, w = moe_inputs(dims, kernel_device, seed=tokens + 70, tokens=tokens)
     out = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, plan)
@@ -208,7 +206,9 @@ def test_moe_gemv_detects_a_wrong_weight(kernel_device):
     """Nibbles swapped (element order) in W2 or in W1 fail the tolerance."""
     x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(TOY_V41, kernel_device, seed=3, tokens=2)
     want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
-    swap = lambda w: ((w >> 4) | (w << 4)).to(torch.uint8)
+
+    def swap(w):
+        return ((w >> 4) | (w << 4)).to(torch.uint8)
     assert _rel(gemv_mx.moe_gemv(x, idx, wt, w1, s1, w3, s3, swap(w2), s2, 10.0), want) > 0.1
     assert _rel(gemv_mx.moe_gemv(x, idx, wt, swap(w1), s1, w3, s3, w2, s2, 10.0), want) > 0.1
 
@@ -287,7 +287,9 @@ def test_moe_gemv_direct_detects_a_wrong_weight(kernel_device):
     x, idx, wt, (w1, s1, w3, s3, w2, s2) = moe_inputs(TOY_V41, kernel_device, seed=4, tokens=1)
     want = ref_v41.moe_mx(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0)
     plan = gemv_mx.PLANS["moe_gemv_d"]
-    swap = lambda w: ((w >> 4) | (w << 4)).to(torch.uint8)
+
+    def swap(w):
+        return ((w >> 4) | (w << 4)).to(torch.uint8)
     assert _rel(gemv_mx.moe_gemv(x, idx, wt, w1, s1, w3, s3, w2, s2, 10.0, plan), want) <= 3e-2
     assert _rel(gemv_mx.moe_gemv(x, idx, wt, w1, s1, w3, s3, swap(w2), s2, 10.0, plan), want) > 0.1
     assert _rel(gemv_mx.moe_gemv(x, idx, wt, swap(w1), s1, w3, s3, w2, s2, 10.0, plan), want) > 0.1
@@ -330,7 +332,9 @@ def test_moe_gemv_fused_epilogues_keep_the_bits(dims, tokens, kernel_device):
     assert gemv_mx.fusable(x, dims.moe_inter, dims.hidden // 2, x.shape[0] * idx.shape[1], fused, True)
     launches = []
     real = gemv_fp4_mx.gemv_fp4  # moe_gemv's home reads it (gemv_mx re-exports both)
-    seen = lambda *a, **k: launches.append(k.get("act") is not None or k.get("out") is not None) or real(*a, **k)
+
+    def seen(*a, **k):
+        return launches.append(k.get("act") is not None or k.get("out") is not None) or real(*a, **k)
     want = gemv_mx.moe_gemv(x, idx, wt, *w, 10.0, plain)
     try:
         gemv_fp4_mx.gemv_fp4 = seen
