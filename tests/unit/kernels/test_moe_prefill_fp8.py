@@ -11,6 +11,7 @@ from redknot.kernels.triton import moe_mx, moe_prefill_fp8
 from redknot.kernels.triton.checks_mx import V41Dims, moe_inputs
 from redknot.kernels.triton.moe_stream import StreamPlan, moe_stream
 from redknot.kernels.triton.quant_mx import act_quant_mx
+from slow_grid import rotated_grid
 
 SMALL = V41Dims(hidden=128, experts=6, topk_experts=2, moe_inter=96, tokens=23)
 WIDE = V41Dims(hidden=256, experts=6, topk_experts=3, moe_inter=128, tokens=23)  # K % 128 == 0: scale words
@@ -23,9 +24,13 @@ PLANS = [moe_mx.MoePlan("fp8", 16, 32, 32, 4, True, "fp8", 2), moe_mx.MoePlan("f
          moe_mx.MoePlan("fp8", 16, 64, 32, 4, True, "fp8ht", 2),
          moe_mx.MoePlan("fp8", 32, 32, 32, 4, True, "fp8ht_prefetch", 3),
          moe_mx.MoePlan("fp8", 16, 64, 64, 4, True, "bf16", 2)]
-CASES = [(PLANS[0], SMALL), (PLANS[1], SMALL), (PLANS[2], SMALL), (PLANS[3], WIDE), (PLANS[2], WIDE),
-         (PLANS[4], SMALL), (PLANS[4], WIDE), (PLANS[5], SMALL), (PLANS[6], SMALL), (PLANS[6], WIDE),
-         (PLANS[7], SMALL), (PLANS[8], SMALL), (PLANS[8], WIDE)]
+# in this order ``rotated_grid`` gives the even rows 23 tokens by default: each decode once (fp8's at WIDE, block_k 128:
+# the scale words), the odd rows one token (2-3 rows, most experts empty)
+CASES = [(PLANS[3], WIDE), (PLANS[0], SMALL), (PLANS[2], SMALL), (PLANS[1], SMALL), (PLANS[4], SMALL),
+         (PLANS[2], WIDE), (PLANS[5], SMALL), (PLANS[4], WIDE), (PLANS[6], SMALL), (PLANS[6], WIDE),
+         (PLANS[7], SMALL), (PLANS[8], WIDE), (PLANS[8], SMALL)]
+CASE_IDS = ["words", "16x32", "prefetch", "32x64-2groups", "halves", "prefetch-wide", "halves-2groups", "halves-wide",
+            "transposed", "transposed-wide", "transposed-prefetch", "bf16-wide", "bf16"]
 
 
 def _rel(a, b):
@@ -40,27 +45,11 @@ def _skewed_routing(tokens: int, experts: int, k: int, device, seed: int):
     return score.topk(k, -1).indices
 
 
-CASE_IDS = ["16x32", "32x64-2groups", "prefetch", "words", "prefetch-wide", "halves", "halves-wide", "halves-2groups",
-            "transposed", "transposed-wide", "transposed-prefetch", "bf16", "bf16-wide"]
-
-
-def _token_counts():
-    """Every case at 23 tokens (uneven rows per expert, row tiles across experts, empty experts); one token
-    (2 rows, most experts empty) at the first SMALL case of each decode by default, at the other cases with
-    ``-m slow`` (~2-3 s each interpreted: the same decode's masks, or the WIDE scale words held at 23 tokens)."""
-    params, seen = [], set()
-    for tokens in (1, 23):
-        for (plan, dims), name in zip(CASES, CASE_IDS):
-            slow = tokens == 1 and (dims is not SMALL or plan.decode in seen)
-            if tokens == 1 and dims is SMALL:
-                seen.add(plan.decode)
-            params.append(pytest.param(plan, dims, tokens, id=f"{tokens}-{name}",
-                                       marks=[pytest.mark.slow] if slow else []))
-    return params
-
-
-@pytest.mark.parametrize("plan,dims,tokens", _token_counts())
+@pytest.mark.parametrize("plan,dims,tokens", rotated_grid(CASES, [(23,), (1,)], CASE_IDS, ["23tok", "1tok"]))
 def test_fp8_prefill_matches_reference(plan, dims, tokens, kernel_device):
+    """Each case at 23 tokens (uneven rows per expert, row tiles across experts, empty experts) and at one token;
+    by default each case once (``CASES``' order), the other token count with ``-m slow`` (~1-12 s a case
+    interpreted)."""
     x, _, wt, w = moe_inputs(dims, kernel_device, seed=100 + tokens + plan.block_m, tokens=tokens)
     idx = _skewed_routing(tokens, dims.experts, dims.topk_experts, kernel_device, seed=tokens)
     counts = torch.bincount(idx.reshape(-1), minlength=dims.experts)
