@@ -70,8 +70,11 @@ class ModelRunner:
                                 device_name=props.name)
         use_cache_dir(engine.cache_dir, engine.kernel_tuning_store)  # launch choices persist with the caches
         use_seed(engine.kernel_tuning_seed)  # shipped launch choices for the same GPU and versions
-        # a row's bits must not depend on how many rows share its step: one weight-stream class for all
-        use_small_rows_class(not (features.batch_invariant.enabled or features.deterministic))
+        # a row's bits must not depend on how many rows share its step: one weight-stream class for all. The
+        # switch is process-wide and engines may share a process (mode=compare, tests): each applies its own
+        # before every step, graph capture and profile (``_own_kernel_switches``), not only here.
+        self._small_rows_class = not (features.batch_invariant.enabled or features.deterministic)
+        self._own_kernel_switches()
         self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
                                         expert_rows=expert_rows)
         self.cfg = self.model.cfg
@@ -134,6 +137,9 @@ class ModelRunner:
                                           capture=capture, tap_layers=taps, max_len=self.graph_max_len)
         return self.verify_graphs
 
+    def _own_kernel_switches(self) -> None:
+        use_small_rows_class(self._small_rows_class)
+
     @property
     def padding_slot(self) -> int:
         return self.plan.num_slots
@@ -150,6 +156,7 @@ class ModelRunner:
             out.finish_time = time.perf_counter()
             return out
         t0 = time.perf_counter()
+        self._own_kernel_switches()
         streams, logits = self._forward(inputs)  # [T, hc, D] (None after a graph replay), [N, V] fp32
         out.sampled_token_ids = self._sample(batch, logits)
         if self.speculator is not None:  # MTP catch-up and the next step's drafts
@@ -189,6 +196,7 @@ class ModelRunner:
 
     def eager_forward(self, inputs: StepInputs):
         """-> (pre-head streams [T, hc, D], logits [N, V] fp32) of the step, op by op."""
+        self._own_kernel_switches()
         meta = inputs.to(self.device)
         if self.replay is not None:
             meta.replay_from = self.replay.starts(inputs.sched.requests)
@@ -208,6 +216,7 @@ class ModelRunner:
     def warmup(self) -> None:
         """Capture decode graphs (CUDA, when enabled) and time the verify cost table of confidence
         scheduling (``features.dspark.budget=profile``) before serving."""
+        self._own_kernel_switches()
         if self.graphs is not None:
             self.graphs.capture()
         if self.verify_graphs is not None:
