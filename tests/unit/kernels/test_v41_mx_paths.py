@@ -71,7 +71,7 @@ def test_tile_map_covers_every_row_once(kernel_device):
     for bm in (4, 16):
         group, row0, end, bound = splitk_mx.tile_map(offs, bm, int(offs[-1]))
         seen = []
-        for g, r0, e in zip(group.tolist(), row0.tolist(), end.tolist(), strict=False):
+        for g, r0, e in zip(group.tolist(), row0.tolist(), end.tolist(), strict=True):
             if g < 0:
                 continue
             assert e == int(offs[g]) and int(offs[g]) - counts[g] <= r0 < e
@@ -187,7 +187,7 @@ def test_routing_kernel_equals_the_stable_sort(tokens, k, experts, kernel_device
     assert torch.equal(rows.long(), order // k) and torch.equal(wt, w.reshape(-1)[order])
     assert torch.equal(inv.long()[order], torch.arange(flat.numel(), device=kernel_device))
     assert torch.equal(offs.long(), counts.cumsum(0))
-    assert all(torch.equal(a, b) for a, b in zip(moe_mx._sorted_pairs(idx, w, experts), got, strict=False))
+    assert all(torch.equal(a, b) for a, b in zip(moe_mx._sorted_pairs(idx, w, experts), got, strict=True))
 
 
 def test_in_kernel_quantisation_equals_the_separate_pass(kernel_device, monkeypatch):
@@ -293,7 +293,7 @@ def test_routing_kernel_writes_the_qdq_rows(tokens, dim, kernel_device):
     plain = moe_mx._sorted_pairs(idx, wt, 7)
     fused = moe_mx._sorted_pairs(idx, wt, 7, x)
     assert torch.equal(fused[4], dequant_mx.qdq_bf16(x))
-    assert all(torch.equal(a, b) for a, b in zip(plain, fused[:4], strict=False))
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused[:4], strict=True))
 
 
 @triton.jit
