@@ -81,7 +81,9 @@ def write(report: dict, out: str) -> None:
                        + ", ".join(f"{k} {v:.2f} ms" for k, v in ab["saving_ms"].items()))]
     for name, rows in report["profile"].items():
         lines += ["", f"## Time shares: {name}", "", "| kernel / op | share | ms | calls |", "|---|---|---|---|"]
-        lines += [f"| `{r['op']}` | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']} |" for r in rows]
+        lines += [f"| `{r['op']}` | {100 * r['share']:.1f} % | {r['ms']:.3f} | {r['calls']}"
+                  + (f" ({', '.join(f'{ms:.2f}' for ms in r['launch_ms'])} ms)" if r.get("launch_ms") else "") + " |"
+                  for r in rows]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "e2e_v41.md"), "w", encoding="utf-8") as f:
         f.write(text)

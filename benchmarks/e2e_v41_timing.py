@@ -10,8 +10,10 @@ from e2e_v41_cut import sync
 H200_FP8_FLOPS, H200_BYTES_PER_S = 1451e12, 4.17e12
 
 
-def op_shares(fn, device, top: int = 12) -> list[dict]:
-    """Device time by kernel (CPU time on a CPU) over one call of ``fn``; the largest ``top`` and the rest."""
+def op_shares(fn, device, top: int = 12, max_launches: int = 8) -> list[dict]:
+    """Device time by kernel (CPU time on a CPU) over one call of ``fn``; the largest ``top`` and the rest.
+    A kernel among them launched 2 to ``max_launches`` times also gets ``launch_ms``, each launch's time in
+    launch order (which layer's call of a kernel costs what: the indexer stream runs once per index source)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -25,10 +27,24 @@ def op_shares(fn, device, top: int = 12) -> list[dict]:
             rows.append((ev.key, t, ev.count))
     total = sum(t for _, t, _ in rows) or 1.0
     rows.sort(key=lambda r: -r[1])
-    out = [{"op": k[:80], "share": t / total, "ms": t / 1e3, "calls": c} for k, t, c in rows[:top]]
+    launches = _launch_times(prof, device, {k for k, _, c in rows[:top] if 1 < c <= max_launches})
+    out = [{"op": k[:80], "share": t / total, "ms": t / 1e3, "calls": c, **({"launch_ms": launches[k]}
+                                                                           if k in launches else {})}
+           for k, t, c in rows[:top]]
     rest = sum(t for _, t, _ in rows[top:])
     out.append({"op": "(rest)", "share": rest / total, "ms": rest / 1e3, "calls": sum(c for *_, c in rows[top:])})
     return out
+
+
+def _launch_times(prof, device, names) -> dict:
+    """Self time of each launch (ms, in launch order) of the kernels / ops named ``names``."""
+    out: dict = {}
+    for ev in prof.events():
+        if ev.key in names:
+            t = ev.self_device_time_total if device.type == "cuda" else ev.self_cpu_time_total
+            if t > 0:
+                out.setdefault(ev.key, []).append((ev.time_range.start, t / 1e3))
+    return {k: [round(ms, 3) for _, ms in sorted(v)] for k, v in out.items()}
 
 
 def registry_shares(ops, fn, device) -> list[dict]:

@@ -182,11 +182,20 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
 
 
 @triton.jit
-def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, CAP: tl.constexpr):
-    """Stream the per-split lists of one token through the same thresholded buffer, then unpack ids."""
+def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, CAP: tl.constexpr,
+                   ONE_SPLIT: tl.constexpr):
+    """Stream the per-split lists of one token through the same thresholded buffer, then unpack ids.
+    ``ONE_SPLIT`` (``nsplit == 1``): the token's one list is already its best K, descending, padded with the
+    empty key, which is what the buffer pass would give back; its ids are unpacked directly (no buffer, no
+    second top-k)."""
     tok = tl.program_id(0).to(tl.int64)
-    buf = buf_ptr + (tok * nsplit) * CAP + tl.zeros([1, 1], tl.int64)  # this token's first scratch row
     offs_k = tl.arange(0, K)
+    if ONE_SPLIT:
+        only = tl.load(cand_ptr + tok * K + offs_k)
+        only_ids = tl.where(only == _EMPTY, -1, 2147483647 - (only & 0xFFFFFFFF))
+        tl.store(out_ptr + tok * stride_ot + offs_k, only_ids.to(out_ptr.dtype.element_ty))
+        return
+    buf = buf_ptr + (tok * nsplit) * CAP + tl.zeros([1, 1], tl.int64)  # this token's first scratch row
     one = tl.full([1], True, tl.int1)
     count = tl.zeros([1], tl.int32)
     theta = tl.full([1], _EMPTY, tl.int64)
@@ -356,7 +365,8 @@ def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys,
         H=H, HP=max(next_pow2(H), cdiv(16, block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=block_t, BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype),
         PREFETCH=cfg.prefetch, HEADS_ON_N=cfg.heads_on_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
+    _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, ONE_SPLIT=nsplit == 1,
+                         num_warps=4)
     return out
 
 
@@ -406,7 +416,9 @@ def _launch_x(cfg: IndexerXConfig, *, q, weights, positions, query_start_loc, ke
         q.stride(0), q.stride(1), weights.stride(0), kx.stride(0), scale, ratio,
         H=H, HP=max(next_pow2(H), cdiv(16, cfg.block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype), STAGES=cfg.num_stages, num_warps=cfg.num_warps)
-    _indexer_merge[(T,)](cand, buf, out, out.stride(0), 1, K=topk, CAP=cap, num_warps=4)
+    # not ONE_SPLIT: the stream's last cut sorts only the rows holding more than K keys; the buffer pass puts the
+    # others in descending order too
+    _indexer_merge[(T,)](cand, buf, out, out.stride(0), 1, K=topk, CAP=cap, ONE_SPLIT=False, num_warps=4)
     return out
 
 

@@ -78,6 +78,8 @@ class StreamConfig:
 # no decode in the loop, fewer live registers, the load latency hidden by the stages in flight (not
 # measured on the H200 yet; the tuner keeps them only where they measure faster). The tuner's stored
 # name carries a version so that a tuning store filled before these shapes existed times them again.
+# The 128-entry expanded shape (two warpgroups, one program an SM by shared memory) halves the steps per
+# tile; it came after the stored choices of version 2, so only ``indexer_v41_prefill.py`` times it there.
 STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(2, 64, 4), StreamConfig(4, 64, 8, decode="scaled"), StreamConfig(8, 64, 8, decode="scaled"),
     StreamConfig(8, 64, 8), StreamConfig(2, 128, 8), StreamConfig(2, 64, 4, prefetch=True),
@@ -86,6 +88,7 @@ STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(8, 64, 8, decode="expanded", num_stages=3),
     StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum="mma"),
     StreamConfig(2, 64, 4, decode="expanded", num_stages=3, head_sum="mma"),
+    StreamConfig(4, 128, 8, decode="expanded", num_stages=3, head_sum="mma"),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -200,7 +203,10 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
             BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
             CAND=cand_blocks is not None, SCALED=config.decode == "scaled",
             PREFETCH=config.prefetch and cand_blocks is None, num_warps=config.num_warps)
-    _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, num_warps=4)
+    # one split: its list goes straight to ids (the expanded stream leaves rows of K keys or fewer unsorted; the sort
+    # by id below makes the order moot)
+    _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, ONE_SPLIT=nsplit == 1,
+                         num_warps=4)
     big = torch.iinfo(torch.int32).max
     ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last
     return torch.where(ids == big, -1, ids)
