@@ -260,7 +260,7 @@ def _indexer_select_x(q_ptr, w_ptr, kx_ptr, pos_ptr, tile_tok_ptr, tile_len_ptr,
     w = tl.reshape(w, (BLOCK_T * HP,))
     _kx._stream_x_rows(kx_ptr + b.to(tl.int64) * stride_kxb, q_t, w, rows_ok, t64, vis, t64, 0, n_max,
                        tl.cdiv(n_max, BLOCK_N), buf_ptr, cand_ptr, cand_ptr, cand_ptr, 0, 0, 0, 0, scale, HP, DI, K,
-                       CAP, BLOCK_T, BLOCK_N, False, False, 1, False, STAGES, False, False, PREC, True)
+                       CAP, BLOCK_T, BLOCK_N, False, False, 1, False, STAGES, False, False, PREC, True, False)
 
 
 def token_tiles(query_start_loc: torch.Tensor, num_tokens: int, block_t: int):

@@ -218,12 +218,30 @@ def _expand_keys(key_ptr, out_ptr, N, stride_k, DI: tl.constexpr, BLOCK: tl.cons
     tl.store(out_ptr + ents.to(tl.int64)[:, None] * DI + tl.arange(0, DI)[None, :], v, mask=ok[:, None])
 
 
+_SIGN64 = tl.constexpr(-9223372036854775808)   # the int64 sign bit: xor maps signed order to unsigned order
 _HSUM_N = tl.constexpr(16)   # columns of the head-sum MMA (its smallest N); the tile's tokens first
 
 
 @triton.jit
+def _kth_largest(vals, K: tl.constexpr):
+    """The K-th largest of the packed keys ``vals`` [1, CAP] (int64; distinct, as each carries its entry id, the
+    empty key below all of them; at least K real keys), as a scalar: its bits are found from the top, one
+    counting pass over the row per bit, on the keys in unsigned order (sign bit flipped), so a buffer cut
+    costs 64 row sums instead of a bitonic sort of CAP keys. Exactly K keys are at or above it."""
+    u = (vals ^ _SIGN64).to(tl.uint64, bitcast=True)
+    prefix = tl.zeros([1], tl.uint64)
+    bit = tl.full([1], 1, tl.uint64) << 63
+    for _ in range(64):
+        trial = prefix | bit
+        n_above = tl.sum((u >= trial[:, None]).to(tl.int32), 1)
+        prefix = tl.where(n_above >= K, trial, prefix)
+        bit = bit >> 1
+    return tl.max(prefix.to(tl.int64, bitcast=True) ^ _SIGN64, 0)
+
+
+@triton.jit
 def _cut_rows(buf_ptr, rows, count, theta, rows_ok, limit, BLOCK_T: tl.constexpr, CAP: tl.constexpr,
-              K: tl.constexpr):
+              K: tl.constexpr, SELECT: tl.constexpr):
     """``_compact`` for the rows of a tile holding more than ``limit`` keys, one row at a time: a [1, CAP]
     top-k in registers instead of [BLOCK_T, CAP]; returns (new counts, new thetas)."""
     tl.debug_barrier()   # appends by other threads of this program are visible after the barrier
@@ -237,11 +255,19 @@ def _cut_rows(buf_ptr, rows, count, theta, rows_ok, limit, BLOCK_T: tl.constexpr
         if (live > 0) & (c > limit):
             base = buf_ptr + tl.max(tl.where(sel, rows, 0), 0) * CAP
             vals = tl.load(base + offs[None, :], mask=offs[None, :] < c, other=_EMPTY)
-            best = tl.topk(vals, K)   # [1, K], descending
-            tl.debug_barrier()
-            tl.store(base + offs_k[None, :], best)
+            if SELECT:   # the K-th key by counting, then the keys at or above it, in buffer order
+                kth = _kth_largest(vals, K)
+                keep = vals >= kth
+                slot = tl.cumsum(keep.to(tl.int32), 1) - 1
+                tl.debug_barrier()
+                tl.store(base + slot, vals, mask=keep)
+                theta = tl.where(sel, kth, theta)
+            else:
+                best = tl.topk(vals, K)   # [1, K], descending
+                tl.debug_barrier()
+                tl.store(base + offs_k[None, :], best)
+                theta = tl.where(sel, tl.min(tl.min(best, 1), 0), theta)
             count = tl.where(sel, tl.minimum(c, K), count)
-            theta = tl.where(sel, tl.min(tl.min(best, 1), 0), theta)
     tl.debug_barrier()
     return count, theta
 
@@ -252,7 +278,7 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                     HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
                     BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr, BF16_MUL: tl.constexpr,
-                    HSUM_MMA: tl.constexpr):
+                    HSUM_MMA: tl.constexpr, CUT_SELECT: tl.constexpr):
     """``_index_stream`` over keys already expanded to bf16 (``_expand_keys``, ``kx_ptr`` [N, DI]): the same
     products, MMA and score arithmetic, selection and block maxima, but each step's key load is a plain
     tile (``ents · DI + d``) that the compiler software-pipelines over ``STAGES`` steps, nothing is decoded
@@ -287,7 +313,7 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
     w = tl.reshape(w, (BLOCK_T * HP,))
     _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, t64 * nsplit + pid_s, e_lo, e_hi, n_blocks, buf_ptr, cand_ptr,
                    bm_ptr, cb_ptr, NB, NKEYS, stride_bm, stride_cb, 1.0, HP, DI, K, CAP, BLOCK_T, BLOCK_N, BF16,
-                   BLOCKMAX, BS, CAND, STAGES, BF16_MUL, HSUM_MMA, None, False)
+                   BLOCKMAX, BS, CAND, STAGES, BF16_MUL, HSUM_MMA, None, False, CUT_SELECT)
 
 
 @triton.jit
@@ -295,13 +321,16 @@ def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks
                    NB, NKEYS, stride_bm, stride_cb, scale, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr,
                    CAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
                    BLOCKMAX: tl.constexpr, BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr,
-                   BF16_MUL: tl.constexpr, HSUM_MMA: tl.constexpr, PREC: tl.constexpr, SCALE: tl.constexpr):
+                   BF16_MUL: tl.constexpr, HSUM_MMA: tl.constexpr, PREC: tl.constexpr, SCALE: tl.constexpr,
+                   CUT_SELECT: tl.constexpr):
     """The expanded stream of one tile of tokens once its queries are in registers: ``q_t`` [DI, BT·HP] (the
     MMA's second operand), ``w`` [BT·HP] the head weights, keys ``kx_ptr + ents · DI`` (one sequence's plain
     rows), scratch / candidate rows ``rows``; blocks ``e_lo .. e_hi`` newest first in segments between buffer
     cuts, the best K of every row to ``cand_ptr``. Shared by ``_index_stream_x`` (V4.1) and the V4 indexer's
     ``indexer._indexer_select_x``; ``PREC`` is the dot's input precision, ``SCALE`` multiplies each fp32 head
-    sum by ``scale`` (V4's score; V4.1 passes False)."""
+    sum by ``scale`` (V4's score; V4.1 passes False); ``CUT_SELECT``: buffer cuts by ``_kth_largest`` (counting)
+    instead of a bitonic top-k, leaving each row's best keys in buffer order, not sorted (V4.1's one-split merge
+    and its sort by id make the order moot; V4 passes False)."""
     offs_d = tl.arange(0, DI)
     if HSUM_MMA:   # ones[k, c] = 1 where head row k belongs to token c (columns past BLOCK_T stay 0)
         ones = tl.where(tl.arange(0, BLOCK_T * HP)[:, None] // HP == tl.arange(0, _HSUM_N)[None, :], 1.0, 0.0)
@@ -313,7 +342,7 @@ def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks
     LIMIT = CAP - SEG * BLOCK_N        # a row holding more keys than this is cut before a segment
     for g in range(tl.cdiv(n_blocks, SEG)):
         if tl.max(count, 0) > LIMIT:
-            count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, LIMIT, BLOCK_T, CAP, K)
+            count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, LIMIT, BLOCK_T, CAP, K, CUT_SELECT)
         seg = tl.minimum(SEG, n_blocks - g * SEG)
         for i in tl.range(0, seg, num_stages=STAGES):
             j = g * SEG + i
@@ -345,7 +374,7 @@ def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks
                 slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
                 tl.store(buf + slot, key, mask=keep)
                 count += tl.sum(keep.to(tl.int32), 1)
-    count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, K, BLOCK_T, CAP, K)
+    count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, K, BLOCK_T, CAP, K, CUT_SELECT)
     offs_k = tl.arange(0, K)
     best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],
                    other=_EMPTY)

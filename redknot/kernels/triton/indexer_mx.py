@@ -54,6 +54,7 @@ class StreamConfig:
     prefetch: bool = False      # the next block's key bytes loaded before this block's work (not with CAND)
     num_stages: int = 0         # "expanded": key tiles in flight in the software-pipelined loop (0: 3)
     head_sum: str = ""          # "expanded" with bf16 scores: "mma" sums the heads' terms by a second MMA
+    cut: str = ""               # "expanded": "select" cuts the buffer by counting (``_kth_largest``), not by sorting
 
     def __repr__(self) -> str:
         """The stored tuning choices name configurations by this text: without ``prefetch`` / ``num_stages``
@@ -62,7 +63,8 @@ class StreamConfig:
                 f"num_splits={self.num_splits}, decode={self.decode!r}")
         text += ", prefetch=True" if self.prefetch else ""
         text += f", num_stages={self.num_stages}" if self.num_stages else ""
-        return text + (f", head_sum={self.head_sum!r})" if self.head_sum else ")")
+        text += f", head_sum={self.head_sum!r}" if self.head_sum else ""
+        return text + (f", cut={self.cut!r})" if self.cut else ")")
 
 
 # More tokens per program decode each key block for more query rows, and the ``scaled`` decode makes
@@ -79,7 +81,9 @@ class StreamConfig:
 # measured on the H200 yet; the tuner keeps them only where they measure faster). The tuner's stored
 # name carries a version so that a tuning store filled before these shapes existed times them again.
 # The 128-entry expanded shape (two warpgroups, one program an SM by shared memory) halves the steps per
-# tile; it came after the stored choices of version 2, so only ``indexer_v41_prefill.py`` times it there.
+# tile; it came after the stored choices of version 2, so only ``indexer_v41_prefill.py`` times it there,
+# as the ``cut="select"`` shapes (buffer cuts by counting, ``_kth_largest``: 64 row sums against a bitonic sort
+# of the 2048-key buffer; a token is cut about five times in a long stream, and once more at its end).
 STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(2, 64, 4), StreamConfig(4, 64, 8, decode="scaled"), StreamConfig(8, 64, 8, decode="scaled"),
     StreamConfig(8, 64, 8), StreamConfig(2, 128, 8), StreamConfig(2, 64, 4, prefetch=True),
@@ -89,6 +93,7 @@ STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum="mma"),
     StreamConfig(2, 64, 4, decode="expanded", num_stages=3, head_sum="mma"),
     StreamConfig(4, 128, 8, decode="expanded", num_stages=3, head_sum="mma"),
+    StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum="mma", cut="select"),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -194,7 +199,8 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
             HI=HI, HP=max(next_pow2(HI), cdiv(16, bt)), DI=DI, K=topk, CAP=cap, BLOCK_T=bt,
             BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
             CAND=cand_blocks is not None, STAGES=config.num_stages or 3, BF16_MUL=_native_bf16(),
-            HSUM_MMA=config.head_sum == "mma" and bf16_scores and bt <= 16, num_warps=config.num_warps)
+            HSUM_MMA=config.head_sum == "mma" and bf16_scores and bt <= 16, CUT_SELECT=config.cut == "select",
+            num_warps=config.num_warps)
     else:
         _index_stream[(cdiv(T, bt), nsplit)](
             q, weights, index_keys, visible, buf, cand, bm, cb, T, nsplit, nb, n,
