@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
 #   STAGE: decode tests prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
-#          v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
+#          indexer_tests v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
 # `decode` did not finish in 330 s cold and took 83 s warm), so give a cold store's first call 540 s for `decode`
@@ -24,7 +24,7 @@ TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
-                                    moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer v4_indexer v4_attention v4_cut)
+                                    moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer indexer_tests v4_indexer v4_attention v4_cut)
 
 GPU_TESTS=(tests/kernels/test_slice_sum_gpu.py tests/kernels/test_step_b1_gpu.py tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
   tests/unit/model/v41_forward/test_v41_tensor_step_kernels.py tests/kernels/test_step_moe_v41_gpu.py
@@ -34,7 +34,8 @@ GPU_TESTS=(tests/kernels/test_slice_sum_gpu.py tests/kernels/test_step_b1_gpu.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
   tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
-  tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py)
+  tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py
+  tests/unit/kernels/test_v41_indexer_stream.py)
 
 stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
   local name=$1 limit=$2; shift 2
@@ -111,14 +112,17 @@ for s in "${STAGES[@]}"; do
     v4_indexer)  # V4 indexer prefill: the gathered-key pipelined stream next to the paged kernel
       stage v4_indexer 180 python3 benchmarks/kernels_v4.py --skip-checks --only indexer_topk --contexts 32768 450560 \
         --budget-s B --out "$OUT/v4_indexer" ;;
-    indexer)  # indexer prefill stream with expanded keys
-      stage indexer 240 python3 benchmarks/indexer_v41_prefill.py --stream-only --out "$OUT/indexer" --budget-s B ;;
+    indexer_tests)  # every expanded stream shape at V4.1 widths on the GPU (cut by counting, max_regs) against the register stream
+      stage indexer_tests 150 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_v41_indexer_stream.py ;;
+    indexer)  # indexer prefill stream with expanded keys (IXDECODES=expanded: only those shapes)
+      stage indexer 240 python3 benchmarks/indexer_v41_prefill.py --stream-only ${IXDECODES:+--decodes $IXDECODES} \
+        --out "$OUT/indexer" --budget-s B ;;
     v4_attention)  # V4 sparse attention prefill: transposed-score candidate (separate store: its classes re-tune)
       stage v4_attention 160 python3 benchmarks/kernels_v4.py --skip-checks --only sparse_attention --contexts 8192 131072 \
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer"\
+    *) echo "unknown stage '$s'; stages: decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer indexer_tests"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac

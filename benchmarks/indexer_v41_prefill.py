@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--entries", default="65536,262144", help="compressed entries of the context (comma list)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting cases after this many seconds")
+    ap.add_argument("--decodes", default="", help="only the stream shapes of these key decodes (comma list, e.g. "
+                                                  "'expanded'; default: every shape of the tuner)")
     ap.add_argument("--stream-only", action="store_true",
                     help="only the streamed top-k shapes and their old / new summary (no source or re-index groups)")
     a = ap.parse_args(argv)
@@ -146,9 +148,14 @@ def main(argv=None) -> int:
         scored = float(vis.long().sum())
         group = f"stream top-k, {t} queries, {n} entries"
         first = None
+        decodes = [d for d in a.decodes.split(",") if d]
         for cfg in indexer_mx.STREAM_TUNER.candidates:
+            if decodes and cfg.decode not in decodes:
+                continue
             stages = f", stages {cfg.num_stages}" if getattr(cfg, "num_stages", 0) else ""
             stages += f", head sum {cfg.head_sum}" if getattr(cfg, "head_sum", "") else ""
+            stages += f", cut {cfg.cut}" if getattr(cfg, "cut", "") else ""
+            stages += f", max_regs {cfg.max_regs}" if getattr(cfg, "max_regs", 0) else ""
             got = case(group, f"block_t {cfg.block_t}, block_n {cfg.block_n}, warps {cfg.num_warps}, "
                               f"decode {cfg.decode}{', prefetch' if getattr(cfg, 'prefetch', False) else ''}{stages}",
                        lambda cfg=cfg: indexer_mx.stream_topk(q, w, keys, vis, topk, True, config=cfg), scored, first)

@@ -55,6 +55,7 @@ class StreamConfig:
     num_stages: int = 0         # "expanded": key tiles in flight in the software-pipelined loop (0: 3)
     head_sum: str = ""          # "expanded" with bf16 scores: "mma" sums the heads' terms by a second MMA
     cut: str = ""               # "expanded": "select" cuts the buffer by counting (``_kth_largest``), not by sorting
+    max_regs: int = 0           # "expanded": registers a thread at most (ptxas ``.maxnreg``; 0: the compiler's choice)
 
     def __repr__(self) -> str:
         """The stored tuning choices name configurations by this text: without ``prefetch`` / ``num_stages``
@@ -64,7 +65,8 @@ class StreamConfig:
         text += ", prefetch=True" if self.prefetch else ""
         text += f", num_stages={self.num_stages}" if self.num_stages else ""
         text += f", head_sum={self.head_sum!r}" if self.head_sum else ""
-        return text + (f", cut={self.cut!r})" if self.cut else ")")
+        text += f", cut={self.cut!r}" if self.cut else ""
+        return text + (f", max_regs={self.max_regs})" if self.max_regs else ")")
 
 
 # More tokens per program decode each key block for more query rows, and the ``scaled`` decode makes
@@ -83,7 +85,9 @@ class StreamConfig:
 # The 128-entry expanded shape (two warpgroups, one program an SM by shared memory) halves the steps per
 # tile; it came after the stored choices of version 2, so only ``indexer_v41_prefill.py`` times it there,
 # as the ``cut="select"`` shapes (buffer cuts by counting, ``_kth_largest``: 64 row sums against a bitonic sort
-# of the 2048-key buffer; a token is cut about five times in a long stream, and once more at its end).
+# of the 2048-key buffer; a token is cut about five times in a long stream, and once more at its end). The
+# ``max_regs=168`` shape with two stages fits three programs an SM (70 KB of shared memory, 168 registers and
+# 72 B of spill a thread for sm_90a) against two: more warps to cover a step's barriers and MMA waits.
 STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(2, 64, 4), StreamConfig(4, 64, 8, decode="scaled"), StreamConfig(8, 64, 8, decode="scaled"),
     StreamConfig(8, 64, 8), StreamConfig(2, 128, 8), StreamConfig(2, 64, 4, prefetch=True),
@@ -94,6 +98,7 @@ STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(2, 64, 4, decode="expanded", num_stages=3, head_sum="mma"),
     StreamConfig(4, 128, 8, decode="expanded", num_stages=3, head_sum="mma"),
     StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum="mma", cut="select"),
+    StreamConfig(4, 64, 4, decode="expanded", num_stages=2, head_sum="mma", cut="select", max_regs=168),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -200,7 +205,7 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
             BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
             CAND=cand_blocks is not None, STAGES=config.num_stages or 3, BF16_MUL=_native_bf16(),
             HSUM_MMA=config.head_sum == "mma" and bf16_scores and bt <= 16, CUT_SELECT=config.cut == "select",
-            num_warps=config.num_warps)
+            num_warps=config.num_warps, **({"maxnreg": config.max_regs} if config.max_regs else {}))
     else:
         _index_stream[(cdiv(T, bt), nsplit)](
             q, weights, index_keys, visible, buf, cand, bm, cb, T, nsplit, nb, n,

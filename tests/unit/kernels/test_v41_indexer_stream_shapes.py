@@ -22,9 +22,9 @@ CANDIDATES = indexer_mx.STREAM_TUNER.candidates
 
 def _variant(config):
     """What makes a shape a different interpreted program: everything but the tokens per program (every shape
-    meets a partial token tile with these 5 tokens) and ``num_warps`` / ``num_stages`` (no effect on the
-    interpreter's arithmetic; the GPU tests compile each shape)."""
-    return dataclasses.replace(config, block_t=0, num_warps=0, num_stages=0)
+    meets a partial token tile with these 5 tokens) and ``num_warps`` / ``num_stages`` / ``max_regs`` (no effect
+    on the interpreter's arithmetic; the GPU tests compile each shape)."""
+    return dataclasses.replace(config, block_t=0, num_warps=0, num_stages=0, max_regs=0)
 
 
 def _first_of_each_variant(configs):
