@@ -26,8 +26,10 @@ from redknot.kernels.triton.checks.indexer import (
 from redknot.kernels.triton.indexer import IndexerConfig, IndexerXConfig
 
 CANDIDATES = [c for c in indexer.INDEXER_TUNER.candidates if isinstance(c, IndexerXConfig)]
-# interpreter-sized shapes: one and four tokens per tile, two stages; 16-entry steps so that short streams cut
-SHAPES = [IndexerXConfig(1, 16, 4, 2), IndexerXConfig(2, 16, 4, 3), IndexerXConfig(4, 32, 4, 2)]
+# interpreter-sized shapes: one and four tokens per tile, two stages; 16-entry steps so that short streams cut;
+# the last cuts by counting
+SHAPES = [IndexerXConfig(1, 16, 4, 2), IndexerXConfig(2, 16, 4, 3), IndexerXConfig(4, 32, 4, 2),
+          IndexerXConfig(2, 16, 4, 3, cut="select")]
 RATIO, BLOCK, HEADS, DIM = 4, 16, 5, 32   # 4 entries a page; 5 heads pad to 8 (or 16 / BLOCK_T)
 
 
