@@ -113,7 +113,7 @@ for s in "${STAGES[@]}"; do
       stage v4_indexer 180 python3 benchmarks/kernels_v4.py --skip-checks --only indexer_topk --contexts 32768 450560 \
         --budget-s B --out "$OUT/v4_indexer" ;;
     indexer_tests)  # every expanded stream shape at V4.1 widths on the GPU (cut by counting, max_regs) against the register stream
-      stage indexer_tests 150 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_v41_indexer_stream.py ;;
+      stage indexer_tests 300 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_v41_indexer_stream.py ;;
     indexer)  # indexer prefill stream with expanded keys (IXDECODES=expanded: only those shapes)
       stage indexer 240 python3 benchmarks/indexer_v41_prefill.py --stream-only ${IXDECODES:+--decodes $IXDECODES} \
         --out "$OUT/indexer" --budget-s B ;;
