@@ -193,9 +193,10 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
 def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, CAP: tl.constexpr,
                    ONE_SPLIT: tl.constexpr):
     """Stream the per-split lists of one token through the same thresholded buffer, then unpack ids.
-    ``ONE_SPLIT`` (``nsplit == 1``): the token's one list is already its best K, descending, padded with the
-    empty key, which is what the buffer pass would give back; its ids are unpacked directly (no buffer, no
-    second top-k)."""
+    ``ONE_SPLIT`` (``nsplit == 1``): the token's one list is already its best K, padded with the empty key;
+    its ids are unpacked directly (no buffer, no second top-k), in the list's order: descending where the
+    stream's last cut sorted it (``_store_best``), any order otherwise, which only a caller that sorts the ids
+    afterwards may take (V4.1's ``stream_topk``)."""
     tok = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, K)
     if ONE_SPLIT:

@@ -243,7 +243,8 @@ def _kth_largest(vals, K: tl.constexpr):
 def _cut_rows(buf_ptr, rows, count, theta, rows_ok, limit, BLOCK_T: tl.constexpr, CAP: tl.constexpr,
               K: tl.constexpr, SELECT: tl.constexpr):
     """``_compact`` for the rows of a tile holding more than ``limit`` keys, one row at a time: a [1, CAP]
-    top-k in registers instead of [BLOCK_T, CAP]; returns (new counts, new thetas)."""
+    top-k in registers instead of [BLOCK_T, CAP] (``SELECT``: the K-th key by ``_kth_largest`` and the keys at or
+    above it compacted in buffer order, unsorted); returns (new counts, new thetas)."""
     tl.debug_barrier()   # appends by other threads of this program are visible after the barrier
     offs = tl.arange(0, CAP)
     offs_k = tl.arange(0, K)
@@ -329,8 +330,8 @@ def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks
     cuts, the best K of every row to ``cand_ptr``. Shared by ``_index_stream_x`` (V4.1) and the V4 indexer's
     ``indexer._indexer_select_x``; ``PREC`` is the dot's input precision, ``SCALE`` multiplies each fp32 head
     sum by ``scale`` (V4's score; V4.1 passes False); ``CUT_SELECT``: buffer cuts by ``_kth_largest`` (counting)
-    instead of a bitonic top-k, leaving each row's best keys in buffer order, not sorted (V4.1's one-split merge
-    and its sort by id make the order moot; V4 passes False)."""
+    instead of a bitonic top-k, leaving each row's best keys in buffer order, not sorted (V4.1 sorts its ids by
+    id; V4's merge pass sorts by score)."""
     offs_d = tl.arange(0, DI)
     if HSUM_MMA:   # ones[k, c] = 1 where head row k belongs to token c (columns past BLOCK_T stay 0)
         ones = tl.where(tl.arange(0, BLOCK_T * HP)[:, None] // HP == tl.arange(0, _HSUM_N)[None, :], 1.0, 0.0)
