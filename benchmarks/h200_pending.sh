@@ -2,7 +2,7 @@
 # The H200 measurements the CPU-side kernels of benchmarks/NOTES.md are waiting for, in priority order.
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
-#   STAGE: decode tests prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
+#   STAGE: decode tests tests_rest prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
 #          indexer_tests v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
@@ -26,16 +26,20 @@ STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
                                     moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer indexer_tests v4_indexer v4_attention v4_cut)
 
-GPU_TESTS=(tests/kernels/test_slice_sum_gpu.py tests/kernels/test_step_b1_gpu.py tests/kernels/test_step_proj_v41_gpu.py tests/kernels/test_step_proj_gemv_v41_gpu.py
+GPU_TESTS_FIRST=(tests/kernels/test_slice_sum_gpu.py tests/kernels/test_step_b1_gpu.py tests/kernels/test_step_proj_v41_gpu.py
+  tests/kernels/test_step_proj_gemv_v41_gpu.py
   tests/unit/model/v41_forward/test_v41_tensor_step_kernels.py tests/kernels/test_step_moe_v41_gpu.py
   tests/kernels/test_step_rows_v41_gpu.py tests/kernels/test_moe_stream_gpu.py tests/kernels/test_gemv_mx_gpu.py
-  tests/unit/kernels/test_v41_attention_prefill.py tests/unit/kernels/test_v4_attention_prefill.py
+  tests/unit/kernels/test_v41_attention_prefill.py)
+# the rest of the list (run 6's `tests` stage passed the first part, 269 tests in 423 s, and stopped here)
+GPU_TESTS_REST=(tests/unit/kernels/test_v4_attention_prefill.py
   tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
   tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
   tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py
   tests/unit/kernels/test_v41_indexer_stream.py)
+GPU_TESTS=("${GPU_TESTS_FIRST[@]}" "${GPU_TESTS_REST[@]}")
 
 stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
   local name=$1 limit=$2; shift 2
@@ -58,6 +62,8 @@ for s in "${STAGES[@]}"; do
         --decode-batch 1,32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B ;;
     tests)
       stage tests 580 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS[@]}" ;;
+    tests_rest)  # the part of the list the `tests` stage has not reached in one call
+      stage tests_rest 580 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS_REST[@]}" ;;
     prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
       stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
         --decode-batch '' --skip-parity --budget-s B ;;
@@ -122,7 +128,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer indexer_tests"\
+    *) echo "unknown stage '$s'; stages: decode tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer indexer_tests"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac

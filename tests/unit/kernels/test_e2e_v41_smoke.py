@@ -34,6 +34,11 @@ def test_e2e_v41_smoke_run_writes_its_report(smoke_run):
     assert {(d["context"], d["batch"]) for d in res["decode"]} == {(40, 1), (40, 3)}
     assert all(d["ms_per_step"] > 0 for d in res["decode"])
     assert res["profile"] and all(rows[-1]["op"] == "(rest)" for rows in res["profile"].values())
+    launched = [r for rows in res["profile"].values() for r in rows if "launch_ms" in r]
+    assert launched   # the per-launch split of a kernel (op on a CPU) called 2-8 times, e.g. once per layer
+    for r in launched:
+        assert 1 <= len(r["launch_ms"]) <= r["calls"] <= 8, r
+        assert abs(sum(r["launch_ms"]) - r["ms"]) <= 1e-3 * len(r["launch_ms"]) + 1e-6 * r["ms"], r
     shares = res["op_shares"]
     assert {"decode b1 at 40", "decode b3 at 40", "prefill chunk 32 after 40"} <= set(shares)
     for rows in shares.values():
