@@ -191,16 +191,19 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
 
 @triton.jit
 def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, CAP: tl.constexpr,
-                   ONE_SPLIT: tl.constexpr):
+                   ONE_SPLIT: tl.constexpr, SORT: tl.constexpr):
     """Stream the per-split lists of one token through the same thresholded buffer, then unpack ids.
     ``ONE_SPLIT`` (``nsplit == 1``): the token's one list is already its best K, padded with the empty key;
     its ids are unpacked directly (no buffer, no second top-k), in the list's order: descending where the
     stream's last cut sorted it (``_store_best``), any order otherwise, which only a caller that sorts the ids
-    afterwards may take (V4.1's ``stream_topk``)."""
+    afterwards may take (V4.1's ``stream_topk``); ``SORT`` puts the K keys in descending order first (a sort of
+    K keys where the buffer pass took a top-K of CAP): the order the buffer pass gives."""
     tok = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, K)
     if ONE_SPLIT:
         only = tl.load(cand_ptr + tok * K + offs_k)
+        if SORT:
+            only = tl.sort(only, descending=True)
         only_ids = tl.where(only == _EMPTY, -1, 2147483647 - (only & 0xFFFFFFFF))
         tl.store(out_ptr + tok * stride_ot + offs_k, only_ids.to(out_ptr.dtype.element_ty))
         return
@@ -378,7 +381,7 @@ def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys,
         PREFETCH=cfg.prefetch, HEADS_ON_N=cfg.heads_on_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, ONE_SPLIT=nsplit == 1,
-                         num_warps=4)
+                         SORT=False, num_warps=4)
     return out
 
 
@@ -429,9 +432,9 @@ def _launch_x(cfg: IndexerXConfig, *, q, weights, positions, query_start_loc, ke
         H=H, HP=max(next_pow2(H), cdiv(16, cfg.block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype), STAGES=cfg.num_stages, CUT_SELECT=cfg.cut == "select",
         num_warps=cfg.num_warps)
-    # not ONE_SPLIT: the stream's last cut sorts only the rows holding more than K keys (none with cut="select");
-    # the buffer pass gives every row in descending order
-    _indexer_merge[(T,)](cand, buf, out, out.stride(0), 1, K=topk, CAP=cap, ONE_SPLIT=False, num_warps=4)
+    # SORT: the stream's last cut sorts only the rows holding more than K keys (none with cut="select"); the
+    # merge sorts every row's K keys into descending order
+    _indexer_merge[(T,)](cand, buf, out, out.stride(0), 1, K=topk, CAP=cap, ONE_SPLIT=True, SORT=True, num_warps=4)
     return out
 
 

@@ -219,7 +219,7 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
     # one split: its list goes straight to ids (the expanded stream leaves rows of K keys or fewer unsorted; the sort
     # by id below makes the order moot)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, ONE_SPLIT=nsplit == 1,
-                         num_warps=4)
+                         SORT=False, num_warps=4)
     big = torch.iinfo(torch.int32).max
     ids = torch.where(out < 0, big, out).sort(1).values       # score order -> ascending ids, -1 last
     return torch.where(ids == big, -1, ids)
