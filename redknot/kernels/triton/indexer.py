@@ -201,27 +201,25 @@ def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexp
     tok = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, K)
     if ONE_SPLIT:
-        only = tl.load(cand_ptr + tok * K + offs_k)
+        best = tl.load(cand_ptr + tok * K + offs_k)[None, :]   # [1, K]
         if SORT:
-            only = tl.sort(only, descending=True)
-        only_ids = tl.where(only == _EMPTY, -1, 2147483647 - (only & 0xFFFFFFFF))
-        tl.store(out_ptr + tok * stride_ot + offs_k, only_ids.to(out_ptr.dtype.element_ty))
-        return
-    buf = buf_ptr + (tok * nsplit) * CAP + tl.zeros([1, 1], tl.int64)  # this token's first scratch row
-    one = tl.full([1], True, tl.int1)
-    count = tl.zeros([1], tl.int32)
-    theta = tl.full([1], _EMPTY, tl.int64)
-    for s in range(nsplit):
-        key = tl.load(cand_ptr + (tok * nsplit + s) * K + offs_k)[None, :]  # [1, K], descending
-        keep = (key > theta[:, None]) & (key != _EMPTY)
-        if tl.max(count, 0) + K > CAP:
-            count, theta = _compact(buf, count, one, 1, CAP, K)
-            keep = keep & (key > theta[:, None])
-        slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
-        tl.store(buf + slot, key, mask=keep)
-        count += tl.sum(keep.to(tl.int32), 1)
-    count, theta = _compact(buf, count, one, 1, CAP, K)
-    best = tl.load(buf + offs_k[None, :], mask=offs_k[None, :] < count[:, None], other=_EMPTY)
+            best = tl.sort(best, dim=1, descending=True)
+    else:
+        buf = buf_ptr + (tok * nsplit) * CAP + tl.zeros([1, 1], tl.int64)  # this token's first scratch row
+        one = tl.full([1], True, tl.int1)
+        count = tl.zeros([1], tl.int32)
+        theta = tl.full([1], _EMPTY, tl.int64)
+        for s in range(nsplit):
+            key = tl.load(cand_ptr + (tok * nsplit + s) * K + offs_k)[None, :]  # [1, K], descending
+            keep = (key > theta[:, None]) & (key != _EMPTY)
+            if tl.max(count, 0) + K > CAP:
+                count, theta = _compact(buf, count, one, 1, CAP, K)
+                keep = keep & (key > theta[:, None])
+            slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
+            tl.store(buf + slot, key, mask=keep)
+            count += tl.sum(keep.to(tl.int32), 1)
+        count, theta = _compact(buf, count, one, 1, CAP, K)
+        best = tl.load(buf + offs_k[None, :], mask=offs_k[None, :] < count[:, None], other=_EMPTY)
     ids = tl.where(best == _EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF))
     tl.store(out_ptr + tok * stride_ot + offs_k[None, :], ids.to(out_ptr.dtype.element_ty))
 
