@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
 #   STAGE: decode tests tests_rest prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
-#          indexer_tests v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
+#          block_select indexer_tests v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
 # `decode` did not finish in 330 s cold and took 83 s warm), so give a cold store's first call 540 s for `decode`
@@ -24,7 +24,7 @@ TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
-                                    moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer indexer_tests v4_indexer v4_attention v4_cut)
+                                    moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer block_select indexer_tests v4_indexer v4_attention v4_cut)
 
 GPU_TESTS_FIRST=(tests/kernels/test_slice_sum_gpu.py tests/kernels/test_step_b1_gpu.py tests/kernels/test_step_proj_v41_gpu.py
   tests/kernels/test_step_proj_gemv_v41_gpu.py
@@ -118,6 +118,9 @@ for s in "${STAGES[@]}"; do
     v4_indexer)  # V4 indexer prefill: the gathered-key pipelined stream next to the paged kernel
       stage v4_indexer 180 python3 benchmarks/kernels_v4.py --skip-checks --only indexer_topk --contexts 32768 450560 \
         --budget-s B --out "$OUT/v4_indexer" ;;
+    block_select)  # the candidate source's block selection from its block maxima: radix select against torch.topk
+      stage block_select 120 python3 benchmarks/indexer_v41_prefill.py --select-only --entries 32768,131072,262144 \
+        --budget-s B --out "$OUT/block_select" ;;
     indexer_tests)  # every expanded stream shape at V4.1 widths on the GPU (cut by counting, max_regs) against the register stream
       stage indexer_tests 300 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_v41_indexer_stream.py ;;
     indexer)  # indexer prefill stream with expanded keys (IXDECODES=expanded: only those shapes)
@@ -128,7 +131,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip tiny,truth,parity --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer indexer_tests"\
+    *) echo "unknown stage '$s'; stages: decode tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac

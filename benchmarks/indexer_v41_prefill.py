@@ -87,6 +87,8 @@ def main(argv=None) -> int:
                                                   "'expanded'; default: every shape of the tuner)")
     ap.add_argument("--stream-only", action="store_true",
                     help="only the streamed top-k shapes and their old / new summary (no source or re-index groups)")
+    ap.add_argument("--select-only", action="store_true",
+                    help="only the candidate source's block selection from its block maxima (radix / torch)")
     a = ap.parse_args(argv)
     if a.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -134,16 +136,38 @@ def main(argv=None) -> int:
         if ref is not None:
             same = all(torch.equal(x, y) for x, y in zip(out if isinstance(out, tuple) else (out,),
                                                          ref if isinstance(ref, tuple) else (ref,)))
-        flops = 2 * heads * dim * scored
+        flops = 2 * heads * dim * scored   # 0 for a selection (no scoring): its rows give ms and GB/s
         row = {"group": group, "variant": label, "ms": s * 1e3, "tflops": flops / s / 1e12,
                "fraction_fp8_floor": flops / FP8_FLOPS / s, "fraction_bf16_peak": flops / BF16_FLOPS / s,
                "same_as_first": same}
+        if not scored:
+            row["gbps"] = read_bytes / s / 1e9
         rows.append(row)
-        print(f"{group} | {label}: {s * 1e3:.2f} ms, {row['tflops']:.1f} TFLOP/s "
-              f"({100 * row['fraction_bf16_peak']:.1f} % of bf16 peak), {'same' if same else 'DIFFERENT'}")
+        rate = (f"{row['gbps']:.0f} GB/s of block maxima read" if not scored else
+                f"{row['tflops']:.1f} TFLOP/s ({100 * row['fraction_bf16_peak']:.1f} % of bf16 peak)")
+        print(f"{group} | {label}: {s * 1e3:.2f} ms, {rate}, {'same' if same else 'DIFFERENT'}")
         return out
 
+    read_bytes = 0.0
     for n in entries:
+        if a.select_only:
+            # the candidate source's block maxima [T, N/bs] (fp32, -inf past a row's visible blocks), the newest
+            # visible block pinned by the selection itself (in place: again +inf on every call); every form's ids
+            # equal the first's
+            g = torch.Generator(device=device).manual_seed(n)
+            nblk = -(-n // bs)
+            vis = (n - t + 1 + torch.arange(t, device=device)).clamp(min=0).to(torch.int32)
+            bmax = torch.randn(t, nblk, generator=g, device=device)
+            bmax = bmax.masked_fill(torch.arange(nblk, device=device)[None] >= (vis[:, None] + bs - 1) // bs,
+                                    float("-inf"))
+            read_bytes = 4.0 * t * nblk
+            group = f"block selection ({nb} of {nblk} blocks), {t} queries, {n} entries"
+            first = None
+            for how in indexer_mx.BLOCK_SELECTS:
+                got = case(group, f"{how}", lambda how=how, x=bmax, v=vis: indexer_mx._pin_and_select(x, v, nb, bs, how),
+                           0.0, first)
+                first = got if first is None else first
+            continue
         q, w, keys, vis = inputs(t, n, heads, dim, device, seed=n)
         scored = float(vis.long().sum())
         group = f"stream top-k, {t} queries, {n} entries"
@@ -195,6 +219,10 @@ def main(argv=None) -> int:
     for r in rows:
         if "ms" not in r:
             lines.append(f"| {r['group']} | {r['variant']} | {r.get('skipped') or r.get('error')} | | | | |")
+            continue
+        if "gbps" in r:
+            lines.append(f"| {r['group']} | {r['variant']} | {r['ms']:.2f} | ({r['gbps']:.0f} GB/s read) | | | "
+                         f"{'same' if r['same_as_first'] else 'FAIL: different'} |")
             continue
         lines.append(f"| {r['group']} | {r['variant']} | {r['ms']:.2f} | {r['tflops']:.1f} | "
                      f"{100 * r['fraction_fp8_floor']:.1f} | {100 * r['fraction_bf16_peak']:.1f} | "

@@ -37,6 +37,7 @@ import torch
 from redknot.kernels.triton._common import ConfigTuner, cdiv, next_pow2, sm_count
 from redknot.kernels.triton.indexer import _indexer_merge
 from redknot.kernels.triton.indexer_kernels_mx import _expand_keys, _index_scores, _index_stream, _index_stream_x
+from redknot.kernels.triton.radix_select import RadixSelectConfig, radix_topk
 
 MAX_SCRATCH_BYTES = 1 << 30
 log = logging.getLogger(__name__)
@@ -366,13 +367,34 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
     return _cand_topk(*args, cand_path or CAND_PATH)
 
 
-def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
-    """Pin each row's newest visible block to +inf (in place), then keep the best ``num_blocks``."""
+# How the candidate source and ``indexer_candidates_mx`` keep a row's best ``num_blocks`` of its [T, N/bs] block
+# maxima: "radix" (``radix_select.radix_topk``: one Triton selection a row by an exact threshold, ids written
+# ascending as it goes; two launches past BLOCK_SELECT_SEG blocks a row) or "torch" (``_select``: int64 keys packing score
+# and inverted id, ``torch.topk`` over them, then a sort of the kept ids). Same rule, same ids.
+BLOCK_SELECT = "radix"
+BLOCK_SELECTS = ("radix", "torch")
+# The radix form's launches: segments of BLOCK_SELECT_SEG blocks, each re-read per pass (no segment kept resident),
+# so every row wider than that runs the same two launch shapes at any context, and every narrower row (the source
+# selects only past 2048 blocks) the same one: a 1M-token prefill compiles nothing its 128K warm-up did not. The
+# rows are a chunk's tokens, thousands, so the launch is not tuned (the radix tuner's candidates differ for few rows).
+BLOCK_SELECT_SEG = 4096
+BLOCK_SELECT_CONFIG = RadixSelectConfig(resident_max=0)
+
+
+def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int, block_size: int,
+                    how: Optional[str] = None) -> torch.Tensor:
+    """Pin each row's newest visible block to +inf (in place), then keep the best ``num_blocks`` (int32 ids
+    ascending, then -1). ``how``: "radix" / "torch" (None: ``BLOCK_SELECT``)."""
+    how = how or BLOCK_SELECT
+    if how not in BLOCK_SELECTS:
+        raise ValueError(f"block selection: how={how!r} must be one of {BLOCK_SELECTS}")
     vis = visible.long()
     newest = ((vis - 1) // block_size).clamp(min=0, max=max(bscore.shape[1] - 1, 0))
     pin = torch.where(vis > 0, torch.full_like(vis, 1).float() * float("inf"),
                       bscore.gather(1, newest[:, None]).squeeze(1))
     bscore.scatter_(1, newest[:, None], pin[:, None])
+    if how == "radix":
+        return radix_topk(bscore, num_blocks, seg=BLOCK_SELECT_SEG, config=BLOCK_SELECT_CONFIG).to(torch.int32)
     return _select(bscore, num_blocks)
 
 

@@ -126,6 +126,41 @@ def test_radix_candidates_are_the_models_candidate_blocks(seg, config, kernel_de
         assert torch.equal(got[0].cpu(), ent.cpu()) and torch.equal(got[1].cpu(), bmap.cpu())
 
 
+@pytest.mark.parametrize("how,seg", [("radix", None), ("radix", 300), ("torch", None)],
+                         ids=["radix", "radix-segments", "torch"])
+def test_candidate_source_block_selection_is_the_models(how, seg, kernel_device, monkeypatch):
+    """The candidate source's block choice from its block maxima (``indexer_mx._pin_and_select``, both forms)
+    is the model's candidate mask: the newest visible block pinned, ties between blocks to the lower block, -inf
+    blocks never; more blocks than kept (the source's case) and fewer (every finite block kept). ``seg`` 300:
+    rows of 1000 blocks in four tiled segments and a select over their lists (the form of a long context)."""
+    from redknot.kernels.triton import indexer_mx
+    from redknot.kernels.triton.indexer_mx import _pin_and_select
+    from redknot.models.deepseek_v41.attention import candidate_blocks
+
+    if seg is not None:
+        monkeypatch.setattr(indexer_mx, "BLOCK_SELECT_SEG", seg)
+    cases = [(203, 4, 9), (1203, 8, 40), (64, 8, 12)] if seg is None else [(8000, 8, 40)]
+    for seed, (n, bs, nb) in enumerate(cases):
+        g = torch.Generator().manual_seed(seed)
+        t = 8
+        vis = torch.tensor([n, n // 2, 9, 1, 0, 57 % n, n, (3 * n) // 4])
+        sc = torch.randint(-4, 5, (t, n), generator=g).float() * 0.5          # ties between blocks
+        sc[6] = torch.randn(n, generator=g)
+        sc = sc.masked_fill(torch.arange(n)[None, :] >= vis[:, None], float("-inf"))
+        nblk = -(-n // bs)
+        bmax = torch.nn.functional.pad(sc, (0, nblk * bs - n), value=float("-inf")).view(t, nblk, bs).amax(-1)
+        got = _pin_and_select(bmax.to(kernel_device), vis.to(kernel_device), nb, bs, how=how).cpu()
+        assert got.dtype == torch.int32 and got.shape == (t, nb)
+        mask = candidate_blocks(sc, vis, nb, bs)[:, ::bs]                      # [T, nblk] the model's blocks
+        want = torch.full((t, nb), -1, dtype=torch.int32)
+        for r in range(t):
+            ids = mask[r].nonzero().flatten()
+            want[r, :len(ids)] = ids.int()
+        assert torch.equal(got, want), (seed, how)
+    with pytest.raises(ValueError, match="how='sort'"):
+        _pin_and_select(bmax, vis, 4, 8, how="sort")
+
+
 COUNTING = [RadixSelectConfig(step_bits=b) for b in (1, 2, 4)]
 
 

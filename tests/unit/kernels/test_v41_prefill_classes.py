@@ -7,7 +7,8 @@ what Triton specialises on: equal to 1, divisible by 16, 32- or 64-bit) differs 
 costs a compile, or a tuning pass, inside a timed chunk. This walks the model's own indexer dispatch
 (``kernel_ops.index_spans`` over the cut's three index sources at real V4.1 widths) on ``meta`` tensors,
 so it costs no memory and no kernel runs: the tuners and the two Triton launches are replaced by
-recorders that keep the key and the specialisation of each call, on an H200's 132 multiprocessors.
+recorders that keep the key and the specialisation of each call, on an H200's 132 multiprocessors (the
+candidate source's block selection, ``radix_select``, included).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from redknot.kernels.triton import _common, indexer_mx, ops_mx
+from redknot.kernels.triton import _common, indexer_mx, ops_mx, radix_select
 from redknot.models.deepseek_v41 import kernel_ops
 from redknot.models.deepseek_v41.attention import Slots, Span
 
@@ -65,6 +66,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(indexer_mx, "_index_stream", _Launch("_index_stream", seen))
     monkeypatch.setattr(indexer_mx, "_indexer_merge", _Launch("_indexer_merge", seen))
     monkeypatch.setattr(indexer_mx, "_index_scores", _Launch("_index_scores", seen))
+    monkeypatch.setattr(radix_select, "_radix_select", _Launch("_radix_select", seen))
     return seen
 
 
