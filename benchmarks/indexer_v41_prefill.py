@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             group = f"block selection ({nb} of {nblk} blocks), {t} queries, {n} entries"
             first = None
             for how in indexer_mx.BLOCK_SELECTS:
-                got = case(group, f"{how}", lambda how=how, x=bmax, v=vis: indexer_mx._pin_and_select(x, v, nb, bs, how),
+                got = case(group, how, lambda how=how, x=bmax, v=vis: indexer_mx._pin_and_select(x, v, nb, bs, how),
                            0.0, first)
                 first = got if first is None else first
             continue

@@ -369,8 +369,8 @@ def indexer_topk_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Te
 
 # How the candidate source and ``indexer_candidates_mx`` keep a row's best ``num_blocks`` of its [T, N/bs] block
 # maxima: "radix" (``radix_select.radix_topk``: one Triton selection a row by an exact threshold, ids written
-# ascending as it goes; two launches past BLOCK_SELECT_SEG blocks a row) or "torch" (``_select``: int64 keys packing score
-# and inverted id, ``torch.topk`` over them, then a sort of the kept ids). Same rule, same ids.
+# ascending as it goes; two launches past BLOCK_SELECT_SEG blocks a row) or "torch" (``_select``: int64 keys
+# packing score and inverted id, ``torch.topk`` over them, then a sort of the kept ids). Same rule, same ids.
 BLOCK_SELECT = "radix"
 BLOCK_SELECTS = ("radix", "torch")
 # The radix form's launches: segments of BLOCK_SELECT_SEG blocks, each re-read per pass (no segment kept resident),
