@@ -67,8 +67,9 @@ for s in "${STAGES[@]}"; do
     prefill)  # V4.1 prefill 8K / 32K: per-op shares and the prefill row fusions off / on
       stage prefill 300 python3 benchmarks/e2e_v41.py --out "$OUT/prefill" --prefill 8192,32768 --decode-context '' \
         --decode-batch '' --skip-parity --budget-s B ;;
-    prefill_chunks)  # V4.1 prefill in 32K-token chunks: the MoE expansion (a fixed cost a chunk) over 4x the tokens
-      stage prefill_chunks 360 python3 benchmarks/e2e_v41.py --out "$OUT/prefill_chunks" --prefill 32768,131072 \
+    prefill_chunks)  # V4.1 prefill in 32K-token chunks to 1M (the MoE expansion, a fixed cost a chunk, over 4x the
+      # tokens of 8K chunks; the candidate source's block selection at 1M); a case the budget cannot reach is skipped
+      stage prefill_chunks 450 python3 benchmarks/e2e_v41.py --out "$OUT/prefill_chunks" --prefill 32768,131072,1048576 \
         --chunk 32768 --decode-context '' --decode-batch '' --skip-parity --budget-s B ;;
     moe_unroll)  # b32 / b128 routed-expert stream: fp8hd4 with 128 / 256 / 512 bytes of each weight row per stage
       stage moe_unroll 220 python3 benchmarks/kernels_v41.py --only stream --stream-variants moe_unroll \
