@@ -428,7 +428,8 @@ def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.
             bscore = torch.full((t1 - t0, nb), float("-inf"), dtype=torch.float32, device=q.device)
             idx[t0:t1] = stream_topk(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], topk, bf16_scores,
                                      block_scores=bscore, block_size=block_size)
-            for s0, s1 in _chunks(t1 - t0, SELECT_BYTES * nb, max_scratch_bytes):
+            per_row = 0 if BLOCK_SELECT == "radix" else SELECT_BYTES * nb   # radix: no scratch past its output
+            for s0, s1 in _chunks(t1 - t0, per_row, max_scratch_bytes):
                 blocks[t0 + s0:t0 + s1] = _pin_and_select(bscore[s0:s1], visible[t0 + s0:t0 + s1], num_blocks,
                                                           block_size)
             del bscore
