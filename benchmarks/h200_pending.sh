@@ -22,6 +22,19 @@ export PYTHONUNBUFFERED=1 REDKNOT_TUNING_CACHE=${REDKNOT_TUNING_CACHE:-$OUT/tune
 mkdir -p "$(dirname "$REDKNOT_TUNING_CACHE")"
 TOTAL_S=${TOTAL_S:-3000}
 t0=$(date +%s)
+# PIN_FROM=H100: a GPU the shipped seeds have few classes for starts from another GPU's shipped choices, pinned
+# (untimed) under this machine's environment; this GPU's own shipped choices and the store still win. The tuners then
+# time nothing the sibling measured: say so next to any number from such a run.
+if [ -n "${PIN_FROM:-}" ]; then
+  seeds=$OUT/seed_pinned; mkdir -p "$seeds"
+  here=$(python3 -c "import torch; from redknot.kernels import tuning_cache as t; print(t.environment(torch.device('cuda')))")
+  for f in redknot/kernels/tuned/*.json; do
+    python3 -m redknot.kernels.tuning_cache export "$f" "$seeds/0_pinned_$(basename "$f")" --gpu "$PIN_FROM" \
+      --pin-as "$here" > /dev/null 2>&1 && echo "pinned $PIN_FROM choices of $f under '$here'"
+    cp "$f" "$seeds/"
+  done
+  export REDKNOT_TUNING_SEED=$seeds
+fi
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(decode tests prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream
                                     moe_prefill moe_fold moe_scaled moe_scaled_tests linear_prefill indexer block_select indexer_tests v4_indexer v4_attention v4_cut)

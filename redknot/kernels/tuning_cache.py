@@ -27,7 +27,8 @@ Nothing is ever written to a seed. ``$REDKNOT_TUNING_SEED`` (a file or folder of
 :func:`use_seed`) turns the packaged seeds on or off; :func:`set_seed_path` overrides both. The seed is
 independent of the store: either can be off. A seed file that is not valid JSON of the store's format is
 ignored with a warning naming the file. ``python -m redknot.kernels.tuning_cache export STORE OUT`` writes
-a seed from a store (``--gpu`` keeps the environments whose GPU part contains a text).
+a seed from a store (``--gpu`` keeps the environments whose GPU part contains a text; ``--pin-as ENV`` writes
+the selected environment's choices as pinned choices, no timings, under another environment).
 """
 from __future__ import annotations
 
@@ -362,14 +363,27 @@ def lookup(env: str, tuner: str, key: str) -> tuple[dict[str, Any] | None, str |
     return (entry, "shipped") if entry is not None else (None, None)
 
 
-def export(store_path: str, out_path: str, gpu: str | None = None) -> dict[str, int]:
+def export(store_path: str, out_path: str, gpu: str | None = None, pin_as: str | None = None) -> dict[str, int]:
     """Write a seed from a store: its entries (those whose environment's GPU part contains ``gpu``, when
-    given), in the store's format. Returns the classes written per environment."""
+    given), in the store's format. Returns the classes written per environment. ``pin_as``: the one selected
+    environment's choices, without their timings, under the environment string ``pin_as`` instead: pinned
+    choices (kept as they are, never timed, each still run once by the first-use guard) that let a GPU no
+    store has measured start from a sibling's launch choices (an H200 from an H100's) instead of a tuning
+    pass; a pinned seed says nothing about that GPU's timings, so its measurements should say it was used."""
     entries = read_seed_file(store_path)   # the store's format is the seed's
     if gpu is not None:
         entries = {e: t for e, t in entries.items() if gpu.lower() in _split(e)[0].lower()}
     if not entries:
         raise ValueError(f"{store_path}: no environment to export" + (f" matching GPU {gpu!r}" if gpu else ""))
+    if pin_as is not None:
+        if len(entries) != 1:
+            raise ValueError(f"--pin-as: {len(entries)} environments selected ({', '.join(sorted(entries))}); "
+                             "select one with --gpu")
+        if "|sm" not in pin_as or "|torch " not in pin_as or "|triton " not in pin_as:
+            raise ValueError(f"--pin-as: {pin_as!r} is not an environment string (GPU name|smXY|torch V|triton V"
+                             f"|timing R, as a store's keys are, e.g. {next(iter(entries))!r})")
+        (tuners,) = entries.values()
+        entries = {pin_as: {t: {k: {"choice": e["choice"]} for k, e in keys.items()} for t, keys in tuners.items()}}
     folder = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(folder, exist_ok=True)
     with open(out_path, "w", encoding="utf-8") as f:
@@ -389,9 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("store", help="a store file (kernel_choices.json)")
     ex.add_argument("out", help="the seed file to write (e.g. redknot/kernels/tuned/h200.json)")
     ex.add_argument("--gpu", default=None, help="keep the environments whose GPU part contains this text")
+    ex.add_argument("--pin-as", default=None, metavar="ENVIRONMENT",
+                    help="write the one selected environment's choices as pinned choices (no timings) under this "
+                         "environment string: a sibling GPU's choices for a GPU no store has measured")
     a = ap.parse_args(argv)
     try:
-        counts = export(a.store, a.out, a.gpu)
+        counts = export(a.store, a.out, a.gpu, a.pin_as)
     except ValueError as exc:
         print(f"error: {exc}")
         return 1

@@ -196,6 +196,32 @@ def test_export_writes_a_seed_that_a_fresh_process_uses(env, monkeypatch, tmp_pa
     assert "missing.json" in capsys.readouterr().out
 
 
+def test_export_pin_as_gives_a_sibling_gpu_the_choices_untimed(env, monkeypatch, tmp_path, capsys):
+    """``export --pin-as ENV``: another GPU's choices under this environment, without timings: used as they
+    are (no candidate timed, even one the entry never saw); a selection of several environments, or a text
+    that is no environment string, is refused by name."""
+    store, _ = env
+    sibling = "NVIDIA H100 80GB HBM3|sm90|torch 2.9.0+cu128|triton 3.6.0"
+    write_seed(store, env=sibling, choice="'c'")                       # the sibling measured "c"
+    out = tmp_path / "pinned.json"
+    assert tuning_cache.main(["export", str(store), str(out), "--gpu", "H100", "--pin-as", ENV]) == 0
+    assert f"{ENV}: 1 classes" in capsys.readouterr().out
+    written = tuning_cache.read_seed_file(str(out))
+    assert written == {ENV: {"toy": {repr(KEY): {"choice": "'c'"}}}}
+    tuning_cache.reset()
+    tuning_cache.set_path(None)
+    tuning_cache.set_seed_path(str(out))
+    bench = Bench(monkeypatch)
+    assert measure() == ("c", ["c"]) and bench.calls == 0             # the pinned choice runs once, untimed
+    two = json.loads(store.read_text())
+    two["entries"][ENV] = two["entries"][sibling]
+    store.write_text(json.dumps(two))
+    assert tuning_cache.main(["export", str(store), str(out), "--pin-as", ENV]) == 1
+    assert "2 environments selected" in capsys.readouterr().out
+    assert tuning_cache.main(["export", str(store), str(out), "--gpu", "H100", "--pin-as", "H200"]) == 1
+    assert "--pin-as: 'H200' is not an environment string" in capsys.readouterr().out
+
+
 def test_the_packaged_seeds_are_valid():
     """Every shipped seed file parses as the store's format (a broken one fails here, not in a user's run)."""
     names = [n for n in os.listdir(tuning_cache.SEED_DIR) if n.endswith(".json")]
