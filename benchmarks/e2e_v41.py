@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import sys
 import time
@@ -147,7 +148,14 @@ def main(argv=None) -> dict:
                     help="profile the eager steps only, not the graph replays (a profiler that fails on graphs)")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
+    ap.add_argument("--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                    help="log level of the redknot loggers (default: as configured, Python's WARNING); INFO names "
+                         "every kernel class a tuner times or takes from the store or seed, with its timings (what a "
+                         "cold store's warm-up spends its time on)")
     a = ap.parse_args(argv)
+    if a.log_level is not None:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        logging.getLogger("redknot").setLevel(a.log_level)
     from redknot.kernels import KernelSet
     from redknot.models.deepseek_v41.cost import global_kv_bytes_per_token
     from redknot.models.deepseek_v41.kernel_ops import V41Ops
