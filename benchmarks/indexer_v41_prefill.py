@@ -120,7 +120,7 @@ def main(argv=None) -> int:
               f"{nw['ms']:.2f} ms ({100 * nw['fraction_fp8_floor']:.1f} %): {o['ms'] / nw['ms']:.2f}x; "
               f"selections {'same' if o['same_as_first'] and nw['same_as_first'] else 'DIFFERENT'}")
 
-    def case(group: str, label: str, fn, scored: float, ref=None):
+    def case(group: str, label: str, fn, scored: float, ref=None, read_bytes: float = 0.0):
         if time.perf_counter() - t0 > a.budget_s:
             rows.append({"group": group, "variant": label, "skipped": "budget"})
             print(f"{group} | {label}: skipped (budget)")
@@ -148,7 +148,6 @@ def main(argv=None) -> int:
         print(f"{group} | {label}: {s * 1e3:.2f} ms, {rate}, {'same' if same else 'DIFFERENT'}")
         return out
 
-    read_bytes = 0.0
     for n in entries:
         if a.select_only:
             # the candidate source's block maxima [T, N/bs] (fp32, -inf past a row's visible blocks), the newest
@@ -160,12 +159,11 @@ def main(argv=None) -> int:
             bmax = torch.randn(t, nblk, generator=g, device=device)
             bmax = bmax.masked_fill(torch.arange(nblk, device=device)[None] >= (vis[:, None] + bs - 1) // bs,
                                     float("-inf"))
-            read_bytes = 4.0 * t * nblk
             group = f"block selection ({nb} of {nblk} blocks), {t} queries, {n} entries"
             first = None
             for how in indexer_mx.BLOCK_SELECTS:
                 got = case(group, how, lambda how=how, x=bmax, v=vis: indexer_mx._pin_and_select(x, v, nb, bs, how),
-                           0.0, first)
+                           0.0, first, read_bytes=4.0 * t * nblk)
                 first = got if first is None else first
             continue
         q, w, keys, vis = inputs(t, n, heads, dim, device, seed=n)

@@ -381,6 +381,12 @@ BLOCK_SELECT_SEG = 4096
 BLOCK_SELECT_CONFIG = RadixSelectConfig(resident_max=0)
 
 
+def _select_scratch(nb: int) -> int:
+    """Bytes of scratch a row of ``nb`` block maxima needs in ``_pin_and_select``: none past the output for the
+    radix form, the int64 keys and bits of ``_select`` for the torch form."""
+    return 0 if BLOCK_SELECT == "radix" else SELECT_BYTES * nb
+
+
 def _pin_and_select(bscore: torch.Tensor, visible: torch.Tensor, num_blocks: int, block_size: int,
                     how: Optional[str] = None) -> torch.Tensor:
     """Pin each row's newest visible block to +inf (in place), then keep the best ``num_blocks`` (int32 ids
@@ -424,12 +430,12 @@ def indexer_source_mx(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.
         t = q.shape[0]
         idx = torch.empty(t, topk, dtype=torch.int32, device=q.device)
         blocks = torch.empty(t, num_blocks, dtype=torch.int32, device=q.device)
+        select_bytes = _select_scratch(nb)
         for t0, t1 in _chunks(t, 4 * nb, max_scratch_bytes):
             bscore = torch.full((t1 - t0, nb), float("-inf"), dtype=torch.float32, device=q.device)
             idx[t0:t1] = stream_topk(q[t0:t1], weights[t0:t1], index_keys, visible[t0:t1], topk, bf16_scores,
                                      block_scores=bscore, block_size=block_size)
-            per_row = 0 if BLOCK_SELECT == "radix" else SELECT_BYTES * nb   # radix: no scratch past its output
-            for s0, s1 in _chunks(t1 - t0, per_row, max_scratch_bytes):
+            for s0, s1 in _chunks(t1 - t0, select_bytes, max_scratch_bytes):
                 blocks[t0 + s0:t0 + s1] = _pin_and_select(bscore[s0:s1], visible[t0 + s0:t0 + s1], num_blocks,
                                                           block_size)
             del bscore
