@@ -72,7 +72,7 @@ for s in "${STAGES[@]}"; do
   case $s in
     decode)  # V4.1 decode in CUDA graphs on a synthetic state, per-kernel step profile
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
-        --decode-batch 1,32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B \
+        --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B \
         --log-level INFO ;;
     tests)
       stage tests 580 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS[@]}" ;;
@@ -83,7 +83,7 @@ for s in "${STAGES[@]}"; do
         --decode-batch '' --skip-parity --budget-s B --log-level INFO ;;
     prefill_chunks)  # V4.1 prefill in 32K-token chunks to 1M (the MoE expansion, a fixed cost a chunk, over 4x the
       # tokens of 8K chunks; the candidate source's block selection at 1M); a case the budget cannot reach is skipped
-      stage prefill_chunks 450 python3 benchmarks/e2e_v41.py --out "$OUT/prefill_chunks" --prefill 32768,131072,1048576 \
+      stage prefill_chunks ${PREFILL_CHUNKS_S:-450} python3 benchmarks/e2e_v41.py --out "$OUT/prefill_chunks" --prefill 32768,131072,1048576 \
         --chunk 32768 --decode-context '' --decode-batch '' --skip-parity --budget-s B --log-level INFO ;;
     moe_unroll)  # b32 / b128 routed-expert stream: fp8hd4 with 128 / 256 / 512 bytes of each weight row per stage
       stage moe_unroll 220 python3 benchmarks/kernels_v41.py --only stream --stream-variants moe_unroll \
