@@ -14,6 +14,8 @@
 # $OUT/tune/kernel_choices.json, so an earlier stage's choices serve the later ones) and is exported at the end
 # as a seed file ($OUT/seed.json: commit it as redknot/kernels/tuned/h200.json when the GPU and versions are the
 # shipped ones). TOTAL_S (default 3000) bounds the whole run: a stage that cannot get at least 60 s is skipped.
+# DECODE_BATCHES (default 1,32,128) narrows the `decode` stage; PREFILL_CHUNKS_S (default 450) is the `prefill_chunks`
+# stage's limit, for a call that runs it alone.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-outputs/h200/$(date -u +%Y%m%d-%H%M%S)}
