@@ -32,7 +32,7 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, p
                       torch.tensor([b.lens[s] for s in seqs], dtype=torch.long, device=dev),
                       torch.arange(bs + 1, dtype=torch.int32, device=dev),
                       torch.arange(bs, dtype=torch.int32, device=dev),
-                      torch.tensor([b.blocks[s] for s in seqs], dtype=torch.int32, device=dev))
+                      torch.tensor([b.blocks[s] for s in seqs], dtype=torch.int32, device=dev), max_rows=1)
     try:
         out = tensor_forward(b.model, step, b.state)     # warm-up (weight caches, tuning)
         sync(device)

@@ -142,7 +142,7 @@ def count_launches(batch: int = 1) -> dict:
     for s in range(batch):
         b.step([ids], seqs=[s])
     step = ts.TensorStep(torch.full((batch,), 11, dtype=torch.long), torch.tensor(b.lens), torch.arange(batch + 1),
-                         torch.arange(batch), torch.tensor(b.blocks))
+                         torch.arange(batch), torch.tensor(b.blocks), max_rows=1)
     ts.tensor_forward(model, step, b.state)                       # warm: weight caches, tuners
     state = {"triton": 0, "region": "(outside the regions)"}
     regions, ops, region_ops = collections.Counter(), collections.Counter(), collections.Counter()

@@ -69,9 +69,9 @@ def _window_rows2(ring_ptr, new_ptr, ring_row, new_row, outer, inner, stride_r, 
 @triton.jit
 def _step_attn_mx(q_ptr, ring_ptr, new_ptr, slot_ptr, pos_ptr, back_ptr, comp_ptr, cidx_ptr, sink_ptr,
                   out_ptr, ml_ptr, H, NC, RING, WIN, stride_qt, stride_qh, stride_r, stride_n, stride_c,
-                  stride_ci, stride_ot, stride_oh, qk_scale, W_CHUNK, C_CHUNK, HAS_COMP: tl.constexpr,
+                  stride_ci, stride_ot, stride_oh, qk_scale, W_CHUNK, C_CHUNK, dest_ptr, HAS_COMP: tl.constexpr,
                   SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TWO_LOADS: tl.constexpr = False):
+                  TWO_LOADS: tl.constexpr = False, WRITE: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -119,13 +119,20 @@ def _step_attn_mx(q_ptr, ring_ptr, new_ptr, slot_ptr, pos_ptr, back_ptr, comp_pt
         o = acc / denom[:, None]
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    if WRITE:   # the row's ring write, by one program of the row (no program of the launch reads that ring row)
+        if (tl.program_id(1) == 0) & (sp == 0):
+            dst = ring_ptr + tl.load(dest_ptr + t).to(tl.int64) * stride_r
+            src = new_ptr + t * stride_n
+            tl.store(dst + dims, tl.load(src + dims))
+            sc = D + tl.arange(0, D // 32)
+            tl.store(dst + sc, tl.load(src + sc))
 
 
 def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_rows: torch.Tensor,
                       slot: torch.Tensor, pos: torch.Tensor, back: torch.Tensor, window: int,
                       sinks: torch.Tensor, scale: float, comp_cache: Optional[torch.Tensor] = None,
                       comp_idx: Optional[torch.Tensor] = None, config: Optional[AttnMxConfig] = None,
-                      splits: Optional[int] = None) -> torch.Tensor:
+                      splits: Optional[int] = None, ring_dest: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of rows q [T, H, D] (bf16, rotated) over their window and compressed entries.
 
     ring uint8 [S·ring_size, D + D/32]: the layer's window rings, flat (row ``slot·ring_size + p mod
@@ -136,7 +143,13 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
 
     ``config=None``: the launch shape of the span kernel's problem class with the same row count, heads,
     window and compressed width (one tuner for both, so the eager span kernel and this one block and
-    split the rows alike and round alike); ``splits`` overrides the split count (tests)."""
+    split the rows alike and round alike); ``splits`` overrides the split count (tests).
+
+    ``ring_dest`` [T] (flat ring rows): the launch also stores each step row at ``ring[ring_dest[t]]``, the
+    write the caller would otherwise make after it. Only where no row of the step reads a ring row another
+    row writes: a request's rows read positions ``p0 - window + 1 .. p0 - 1`` (p0 its first row in the step)
+    and write ``p0 .. p0 + n - 1``, so ``n <= ring_size - window + 1`` keeps them apart; padding rows sit at
+    position 0 and read no ring row."""
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -147,7 +160,7 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
     nc = cidx.shape[1] if has_comp else 0
     if config is None:
         key = (min(next_pow2(T), 4096), H, D, window, nc)
-        config = ATTN_MX_TUNER.pick(key, lambda c: step_attention_mx(
+        config = ATTN_MX_TUNER.pick(key, lambda c: step_attention_mx(   # timed without the ring write
             q, ring, ring_size, new_rows, slot, pos, back, window, sinks, scale, comp_cache, comp_idx, c), q.device)
     block_h, block_n, num_warps = config.block_h, config.block_n, config.num_warps
     splits = config.splits if splits is None else splits
@@ -163,8 +176,9 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
         q, ring, new_rows, slot, pos, back, ccache, cidx, sink, part, ml, H, nc, ring_size, window,
         q.stride(0), q.stride(1), ring.stride(0), new_rows.stride(0), ccache.stride(0),
         cidx.stride(0) if has_comp else 0, out.stride(0), out.stride(1), float(scale) * LOG2E, w_chunk, c_chunk,
+        pos if ring_dest is None else ring_dest.contiguous(),
         HAS_COMP=has_comp, SPLIT=splits > 1, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
-        TWO_LOADS=getattr(config, "window_two_loads", False), num_warps=num_warps)
+        TWO_LOADS=getattr(config, "window_two_loads", False), WRITE=ring_dest is not None, num_warps=num_warps)
     if splits > 1:
         merge_splits(part, ml, sink, out)
     return out

@@ -71,12 +71,35 @@ def _rope_rows(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, heads, stride_xr, stride
     tl.store(out_ptr + row * stride_or + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
+@triton.jit
+def _rope_table(pos_ptr, inv_ptr, cos_ptr, sin_ptr, N, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # flat (token, pair)
+    ok = i < N
+    p = tl.load(pos_ptr + i // HALF, mask=ok, other=0).to(tl.float64)
+    ang = p * tl.load(inv_ptr + i % HALF, mask=ok, other=0.0)     # fp64, as torch's promoted product
+    tl.store(cos_ptr + i, tl.cos(ang).to(cos_ptr.dtype.element_ty), mask=ok)
+    tl.store(sin_ptr + i, tl.sin(ang).to(sin_ptr.dtype.element_ty), mask=ok)
+
+
 def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = torch.float32):
     """(cos, sin) [T, half] in ``dtype`` of angles pos·θ computed in fp64, as ``apply_rope`` computes them.
-    Integer positions and fp64 θ: three launches instead of six, the same bits (the product promotes the
-    positions to fp64 as it loads them; cos / sin compute in fp64 and round to ``dtype`` as they store)."""
+    Integer positions [T] and fp64 θ on a GPU or under the interpreter: one launch (``_rope_table``: the fp64
+    product, fp64 cos / sin, each rounded once to ``dtype``; compiled, cos / sin are CUDA's double-precision
+    math functions, the ones torch's kernels call). Other integer positions: three launches (the product
+    promotes the positions to fp64 as it loads them; cos / sin compute in fp64 and round as they store).
+    Both are the bits of ``apply_rope``'s six-launch form."""
     inv = inv_freq.to(pos.device)
     if inv.dtype == torch.float64 and not pos.is_floating_point() and not pos.is_complex():
+        if (pos.is_cuda or interpreting()) and dtype in (torch.float32, torch.float64) and pos.dim() == 1:
+            half = inv.shape[0]
+            cos = torch.empty(pos.shape[0], half, dtype=dtype, device=pos.device)
+            sin = torch.empty_like(cos)
+            n = cos.numel()
+            if n:
+                block = min(1024, next_pow2(n))
+                _rope_table[(triton.cdiv(n, block),)](pos.contiguous(), inv.contiguous(), cos, sin, n, HALF=half,
+                                                      BLOCK=block, num_warps=4 if block >= 512 else 1)
+            return cos, sin
         ang = torch.mul(pos[:, None], inv[None, :])
         cos = torch.empty(ang.shape, dtype=dtype, device=ang.device)
         sin = torch.empty(ang.shape, dtype=dtype, device=ang.device)

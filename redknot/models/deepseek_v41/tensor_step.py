@@ -59,10 +59,14 @@ class TensorStep:
     query_start_loc: torch.Tensor  # [B+1] row offsets; rows at or past query_start_loc[B] are padding
     seq_slots: torch.Tensor        # [B] state slot of each request (padding: the spare slot)
     block_tables: torch.Tensor     # [B, W] block ids (padding: the spare block)
+    # The most rows one request has in this step, where the caller knows it from the step's shape (1 for a
+    # decode step); None: up to T. Decides which writes may share a launch with the reads before them.
+    max_rows: Optional[int] = None
 
     @classmethod
     def from_meta(cls, meta) -> "TensorStep":
-        return cls(meta.input_ids, meta.positions, meta.query_start_loc, meta.seq_slots, meta.block_tables)
+        return cls(meta.input_ids, meta.positions, meta.query_start_loc, meta.seq_slots, meta.block_tables,
+                   max(meta.num_tokens_per_seq, default=0))
 
     @classmethod
     def from_varlen(cls, input_ids: torch.Tensor, layout, seq_slots: torch.Tensor,
@@ -79,6 +83,7 @@ class _Rows:
         t = step.input_ids.shape[0]
         dev = step.input_ids.device
         self.t = t
+        self.max_rows = t if step.max_rows is None else min(t, step.max_rows)   # rows of one request, at most
         self.spare_slot = state.num_slots - 1
         self.spare_block = state.num_blocks - 1
         self.block_size = block_size
@@ -437,7 +442,9 @@ def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> t
 
 def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
     """The step's rows packed once (quantise on insert), attention over ring + step rows + selected
-    compressed pages in one kernel, then the ring write (after the read, as in the eager order)."""
+    compressed pages in one kernel, then the ring write (after the read, as in the eager order): in the
+    attention's launch where no request has more rows than the ring's spare rows plus one (a decode step:
+    a request's reads and writes are then different ring rows), else one launch after it."""
     from redknot.kernels.triton.step_attention_mx import step_attention_mx
     from redknot.kernels.triton.step_indexer_mx import page_rows
 
@@ -461,9 +468,12 @@ def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor
     ring = ring_t.shape[1]
     flat = ring_t.view(-1, nbytes)
     sink = layer.w.float(f"{layer.p}.attn_sink")
+    one_launch = rows.max_rows <= ring - cfg.window_size + 1
     o = step_attention_mx(q, flat, ring, packed, rows.slot, rows.pos, rows.back, cfg.window_size, sink,
-                          cfg.head_dim ** -0.5, comp_cache, comp_idx)
-    flat.index_copy_(0, rows.ring_dest(ring), packed)
+                          cfg.head_dim ** -0.5, comp_cache, comp_idx,
+                          ring_dest=rows.ring_dest(ring) if one_launch else None)
+    if not one_launch:
+        flat.index_copy_(0, rows.ring_dest(ring), packed)
     return o
 
 

@@ -77,6 +77,24 @@ def test_step_attention_reads_step_rows_for_its_own_request(kernel_device):
     assert changed[1:4].all() and not changed[0] and not changed[4:].any()
 
 
+@pytest.mark.parametrize("case", [0, 1])     # decode rows; verify rows with the ring's spare rows = rows - 1
+@pytest.mark.parametrize("splits", [1, 3])
+def test_step_attention_ring_write_in_the_launch(case, splits, kernel_device):
+    """``ring_dest``: the launch also stores the step's rows in the ring: the output of the launch without it,
+    bit for bit, and the ring of a separate ``index_copy_`` after it (every byte, scales included)."""
+    heads, d, window, ring_size, rows_per_req = ATTN_CASES[case][:5]
+    assert max(rows_per_req) <= ring_size - window + 1     # the precondition ring_dest states
+    args = _attention_case(kernel_device, 5 + case, *ATTN_CASES[case])
+    ring, new, slot, pos = args[1], args[3], args[4], args[5]
+    dest = slot * ring_size + pos % ring_size
+    want = step_attention_mx(*args, splits=splits)
+    want_ring = ring.clone().index_copy_(0, dest, new)
+    args[1] = ring.clone()
+    got = step_attention_mx(*args, splits=splits, ring_dest=dest)
+    assert torch.equal(got, want)
+    assert torch.equal(args[1], want_ring) and not torch.equal(args[1], ring)
+
+
 def _index_case(device, seed, hi, di, ratio, bs, width, vis, n_pages_extra=3):
     g = torch.Generator().manual_seed(seed)
     t = len(vis)

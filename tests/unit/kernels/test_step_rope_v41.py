@@ -85,17 +85,25 @@ def test_gpu_rope_rows_real_widths(qdq):
     assert torch.equal(rope_rows(x, cos, sin, qdq=qdq), index_qdq(want) if qdq else want)
 
 
-def test_rope_table_equals_the_fp64_angles_cast_after():
-    """The three-launch table (integer positions promoted inside the product, cos / sin rounded as they store)
-    against the six-launch PyTorch form, bit for bit, over positions up to 2^24."""
-    from redknot.kernels.triton.step_rope_v41 import rope_table
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_rope_table_equals_the_fp64_angles_cast_after(form, kernel_device, monkeypatch):
+    """The one-launch table (``_rope_table``) and the three-launch PyTorch form (integer positions promoted
+    inside the product, cos / sin rounded as they store) against the six-launch form of ``apply_rope``, bit
+    for bit, over positions up to 2^24 and a table width that is not a power of two."""
+    from redknot.kernels.triton import step_rope_v41
     from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
-    pos = torch.cat([torch.arange(64), torch.randint(0, 1 << 24, (2000,), generator=torch.Generator().manual_seed(3))])
-    for inv in (rope_inv_freq(64, 160000.0, (16.0, 65536, 32.0, 1.0)), rope_inv_freq(16, 10000.0, None)):
-        ang = pos.to(torch.float64)[:, None] * inv[None, :]
-        cos, sin = rope_table(pos, inv)
-        assert cos.dtype == sin.dtype == torch.float32
-        assert torch.equal(cos, ang.cos().float()) and torch.equal(sin, ang.sin().float())
-        c32, s32 = rope_table(pos.float(), inv)          # the general form
+    if form == "torch":
+        if kernel_device == "cuda":
+            pytest.skip("the three-launch form runs only on CPU tensors outside the interpreter")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")   # read by interpreting(): the kernel is not taken
+    g = torch.Generator().manual_seed(3)
+    pos = torch.cat([torch.arange(64), torch.randint(0, 1 << 24, (2000,), generator=g)]).to(kernel_device)
+    for inv in (rope_inv_freq(64, 160000.0, (16.0, 65536, 32.0, 1.0)), rope_inv_freq(16, 10000.0, None),
+                rope_inv_freq(64, 10000.0, None)[:11]):
+        ang = pos.cpu().to(torch.float64)[:, None] * inv[None, :]
+        cos, sin = step_rope_v41.rope_table(pos, inv)
+        assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (pos.shape[0], inv.shape[0])
+        assert torch.equal(cos.cpu(), ang.cos().float()) and torch.equal(sin.cpu(), ang.sin().float())
+        c32, s32 = step_rope_v41.rope_table(pos.float(), inv)          # the general form
         assert torch.equal(c32, cos) and torch.equal(s32, sin)
