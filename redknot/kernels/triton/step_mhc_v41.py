@@ -262,3 +262,28 @@ def _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_e
 def site_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """h'[:, j] = post[:, j]·y + Σ_i C[:, i, j]·h[:, i] (fp32 mix, h.dtype out): -> [T, n, D]."""
     return mhc_post(y, h, post, comb)
+
+
+@triton.jit
+def _embed_streams(ids_ptr, table_ptr, out_ptr, D, stride_t, stride_o, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    src = table_ptr + tl.load(ids_ptr + t).to(tl.int64) * stride_t
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        row = tl.load(src + d, mask=d < D)
+        for c in tl.static_range(N):
+            tl.store(out_ptr + t * stride_o + c * D + d, row, mask=d < D)
+
+
+def embed_streams(ids: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """The streams entering layer 0: [T, n, D], every stream the token's embedding row (``table[ids]``
+    repeated; a copy, the same bits) in one launch instead of a gather and a broadcast copy."""
+    t, d = ids.shape[0], table.shape[1]
+    out = torch.empty(t, n, d, dtype=table.dtype, device=table.device)
+    if t and d:
+        if table.stride(1) != 1:
+            table = table.contiguous()
+        block = min(1024, next_pow2(d))
+        _embed_streams[(t,)](ids.contiguous(), table, out, d, table.stride(0), out.stride(0), N=n, BLOCK_D=block,
+                             num_warps=4 if block >= 512 else 1)
+    return out

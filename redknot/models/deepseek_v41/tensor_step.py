@@ -196,9 +196,14 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
     with region("rows+hashes"):
         rows = _Rows(step, state, state.layout.block_size, fused=step_kernels(w))
         hashes = _hashes(model, step, rows, state)
-    e = w.dense("embed.weight", model.dtype)[step.input_ids]
-    h = e.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-    pre = one_hot_pre(h.shape[0], cfg.hc_mult, model.dtype, h.device)
+    table = w.dense("embed.weight", model.dtype)
+    if fused_mhc(model, table):
+        from redknot.kernels.triton.step_mhc_v41 import embed_streams
+
+        h = embed_streams(step.input_ids, table, cfg.hc_mult)
+    else:
+        h = table[step.input_ids].unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+    pre = _first_pre(model, h)
     shared = {"topk": None, "cand": None, "cand_entries": None, "rope": {}}
     site = site_fns(model, h)
     for i in range(cfg.n_layers):
@@ -223,6 +228,20 @@ def tensor_forward(model, step: TensorStep, state) -> torch.Tensor:
         with region("mhc_post"):
             h = y if mixed else site.post(y, h, post_f, c_f)
     return fused_rows.collapse(h, pre, w)   # the eager forward's last step too (same bits)
+
+
+def _first_pre(model, h: torch.Tensor) -> torch.Tensor:
+    """``one_hot_pre`` of the step's rows (layer 0 collapses with stream 0), kept on the model per row count:
+    a constant the step only reads, so it costs no launch a step. One first made inside a graph capture is
+    not kept (its fill runs only at the replays)."""
+    key = (h.shape[0], model.cfg.hc_mult, model.dtype, h.device)
+    kept = model.__dict__.setdefault("_first_pre", {})
+    got = kept.get(key)
+    if got is None:
+        got = one_hot_pre(*key)
+        if not (h.is_cuda and torch.cuda.is_current_stream_capturing()):
+            kept[key] = got
+    return got
 
 
 # ---------------------------------------------------------------------- profiling regions

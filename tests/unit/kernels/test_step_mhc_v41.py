@@ -131,3 +131,21 @@ def test_site_pre_decode_forms_match_pytorch(form, t, d, kernel_device):
     if kernel_device == "cpu":   # off the GPU the tuner's first form, untimed: the bits of what ran before
         for a, b in zip(site_pre(*args, ITERS, HC_EPS, NORM_EPS), split):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t,d,n", [(1, 64, 4), (5, 1000, 4), (3, 2048, 2)])
+def test_embed_streams_repeat_the_embedding_rows(t, d, n, kernel_device):
+    """The streams entering layer 0 in one launch: every stream is the token's embedding row, bit for bit
+    (repeated ids, the last row of the table, a width that is not a power of two)."""
+    from redknot.kernels.triton.step_mhc_v41 import embed_streams
+
+    g = torch.Generator().manual_seed(t + d)
+    table = torch.randn(37, d, generator=g).to(torch.bfloat16).to(kernel_device)
+    ids = torch.randint(0, 37, (t,), generator=g)
+    ids[-1] = 36
+    if t > 2:
+        ids[1] = ids[0]
+    ids = ids.to(kernel_device)
+    got = embed_streams(ids, table, n)
+    assert got.shape == (t, n, d) and got.dtype == table.dtype
+    assert torch.equal(got, table[ids].unsqueeze(1).expand(-1, n, -1))
