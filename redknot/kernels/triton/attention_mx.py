@@ -11,18 +11,20 @@ end and a row with no valid index returns 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import LOG2E, ConfigTuner, cdiv, next_pow2
+from redknot.kernels.triton._common import LOG2E, ConfigTuner, cdiv, interpreting, next_pow2
 from redknot.kernels.triton.attention_prefill_mx import (
     PrefillAttnConfig,
     first_use_ok,
     prefill_attention_mx,
 )
 from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
+from redknot.kernels.triton.step_rope_v41 import _mul_rn
 
 
 @triton.jit
@@ -107,10 +109,14 @@ def _sparse_attn_mx(q_ptr, win_ptr, widx_ptr, comp_ptr, cidx_ptr, sink_ptr, out_
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H, stride_ot, stride_oh, S: tl.constexpr,
-                         BLOCK_S: tl.constexpr, D: tl.constexpr):
+def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, H, stride_ot, stride_oh, stride_c,
+                         S: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr = 0,
+                         ASM: tl.constexpr = False):
     """One (query row, head): its ``S`` split partials [T, S, H, D] (unnormalised fp32 sums, each split's
-    running max and denominator in ``ml`` [T, S, H, 2], log2 units) merged with the sink term."""
+    running max and denominator in ``ml`` [T, S, H, 2], log2 units) merged with the sink term. ``HALF`` > 0:
+    the merged row, rounded to the output dtype, then rotated back by the row's RoPE angles (``cos`` /
+    ``sin`` [T, HALF], the last ``2·HALF`` dims in interleaved pairs), as ``step_rope_v41.rope_rows(...,
+    inverse=True)`` does after it: the same arithmetic, in this launch."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -124,15 +130,47 @@ def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H, stride_ot, stri
     dims = tl.arange(0, D)
     part = tl.load(part_ptr + rows.to(tl.int64)[:, None] * D + dims[None, :], mask=smask[:, None], other=0.0)
     o = tl.sum(wgt[:, None] * part, 0) / denom
+    if HALF > 0:
+        o = _unrotate(o.to(out_ptr.dtype.element_ty).to(tl.float32), cos_ptr, sin_ptr, t.to(tl.int64) * stride_c,
+                      D, HALF, out_ptr.dtype.element_ty, ASM)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, o.to(out_ptr.dtype.element_ty))
 
 
-def merge_splits(part: torch.Tensor, ml: torch.Tensor, sink: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _unrotate(x, cos_ptr, sin_ptr, c_off, D: tl.constexpr, HALF: tl.constexpr, OUT: tl.constexpr,
+              ASM: tl.constexpr):
+    """x [D] (fp32 values of the output dtype) with its last ``2·HALF`` dims (interleaved pairs) rotated by
+    the conjugate angles of ``cos`` / ``sin`` at ``c_off``: each product rounded on its own, the pair's
+    results rounded to ``OUT`` (``step_rope_v41._rope_rows``'s inverse rotation, value for value)."""
+    FIRST: tl.constexpr = D // 2 - HALF
+    re, im = tl.split(tl.reshape(x, (D // 2, 2)))
+    i = tl.arange(0, D // 2)
+    rot = i >= FIRST
+    j = tl.maximum(i - FIRST, 0)
+    c = tl.load(cos_ptr + c_off + j, mask=rot, other=1.0)
+    s = -tl.load(sin_ptr + c_off + j, mask=rot, other=0.0)
+    new_re = _mul_rn(re, c, ASM) - _mul_rn(im, s, ASM)
+    new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
+    new_re = tl.where(rot, new_re.to(OUT).to(tl.float32), re)
+    new_im = tl.where(rot, new_im.to(OUT).to(tl.float32), im)
+    return tl.reshape(tl.join(new_re, new_im), (D,))
+
+
+def merge_splits(part: torch.Tensor, ml: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,
+                 rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """``out`` [T, H, D] from a split launch's partials ``part`` [T, S, H, D] and ``ml`` [T, S, H, 2] (fp32,
-    contiguous) and the fp32 sink logits [H], in one launch (the span and the step kernels merge alike)."""
+    contiguous) and the fp32 sink logits [H], in one launch (the span and the step kernels merge alike);
+    ``rope`` = (cos, sin) [T, half] fp32: each merged row also gets the inverse RoPE of its last ``2·half``
+    dims (``rope_rows(out, cos, sin, inverse=True)``'s bits) in the same launch."""
     T, S, H, D = part.shape
-    _merge_splits_kernel[(T, H)](part, ml, sink, out, H, out.stride(0), out.stride(1), S=S,
-                                 BLOCK_S=next_pow2(S), D=D, num_warps=4)
+    half = 0 if rope is None else rope[0].shape[-1]
+    cos, sin = (sink, sink) if rope is None else (rope[0].contiguous(), rope[1].contiguous())
+    if half and (2 * half > D or cos.shape != (T, half) or sin.shape != cos.shape):
+        raise ValueError(f"merge_splits: rope tables {tuple(cos.shape)} / {tuple(sin.shape)} for {T} rows of "
+                         f"{D} dims: want [T, half] each with 2·half <= {D}")
+    _merge_splits_kernel[(T, H)](part, ml, sink, out, cos, sin, H, out.stride(0), out.stride(1), max(half, 1), S=S,
+                                 BLOCK_S=next_pow2(S), D=D, HALF=half, ASM=not interpreting() and out.is_cuda,
+                                 num_warps=4)
     return out
 
 

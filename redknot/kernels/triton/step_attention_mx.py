@@ -16,7 +16,7 @@ graph captured for one row count replays any step of that row count.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -132,7 +132,8 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
                       slot: torch.Tensor, pos: torch.Tensor, back: torch.Tensor, window: int,
                       sinks: torch.Tensor, scale: float, comp_cache: Optional[torch.Tensor] = None,
                       comp_idx: Optional[torch.Tensor] = None, config: Optional[AttnMxConfig] = None,
-                      splits: Optional[int] = None, ring_dest: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      splits: Optional[int] = None, ring_dest: Optional[torch.Tensor] = None,
+                      rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Attention of rows q [T, H, D] (bf16, rotated) over their window and compressed entries.
 
     ring uint8 [S·ring_size, D + D/32]: the layer's window rings, flat (row ``slot·ring_size + p mod
@@ -149,7 +150,11 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
     write the caller would otherwise make after it. Only where no row of the step reads a ring row another
     row writes: a request's rows read positions ``p0 - window + 1 .. p0 - 1`` (p0 its first row in the step)
     and write ``p0 .. p0 + n - 1``, so ``n <= ring_size - window + 1`` keeps them apart; padding rows sit at
-    position 0 and read no ring row."""
+    position 0 and read no ring row.
+
+    ``rope`` = (cos, sin) [T, half]: the output comes back with the inverse RoPE of its last ``2·half`` dims
+    (``rope_rows(out, cos, sin, inverse=True)``, the same bits): in the split merge's launch when the rows
+    are split, else by ``rope_rows`` after the launch."""
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -180,7 +185,11 @@ def step_attention_mx(q: torch.Tensor, ring: torch.Tensor, ring_size: int, new_r
         HAS_COMP=has_comp, SPLIT=splits > 1, D=D, BLOCK_H=block_h, BLOCK_N=block_n,
         TWO_LOADS=getattr(config, "window_two_loads", False), WRITE=ring_dest is not None, num_warps=num_warps)
     if splits > 1:
-        merge_splits(part, ml, sink, out)
+        merge_splits(part, ml, sink, out, rope)
+    elif rope is not None:
+        from redknot.kernels.triton.step_rope_v41 import rope_rows
+
+        out = rope_rows(out, rope[0], rope[1], inverse=True)
     return out
 
 

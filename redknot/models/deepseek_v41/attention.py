@@ -102,14 +102,16 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int,
 
 
 def grouped_output(o: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, cfg, w, p: str, num,
-                   tables=None, mix=None, inplace: bool = False):
+                   tables=None, mix=None, inplace: bool = False, rotated: bool = False):
     """The attention output [T, H, D] -> [T, hidden]: inverse RoPE on its rotary part, the per-group
     ``wo_a`` projection (bf16 in the reference), then ``wo_b``. ``tables``: the forward's RoPE tables.
     ``mix`` = (h, post, comb) of the fused mHC site: returns (out, mixed), ``mixed`` telling that ``out`` is
     already ``site_post(y, h, post, comb)`` (``wo_b`` and the post mix in two launches, the same bits).
-    ``inplace``: the caller gives up ``o`` (the inverse RoPE may rotate its last columns in place)."""
+    ``inplace``: the caller gives up ``o`` (the inverse RoPE may rotate its last columns in place).
+    ``rotated``: ``o`` has had its inverse RoPE already (the attention launch's)."""
     t = o.shape[0]
-    o = fused_rows.rope(o.to(num.dtype), w, pos, inv, tables, inverse=True, inplace=inplace)
+    if not rotated:
+        o = fused_rows.rope(o.to(num.dtype), w, pos, inv, tables, inverse=True, inplace=inplace)
     g = cfg.o_groups
     ops = ops_of(w)
     wo_a = (ops.bf16_weight(w, f"{p}.wo_a.weight", num.dtype) if ops is not None

@@ -397,9 +397,9 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared, mix=None):
         with region("indexer"):
             _index(layer, u, qr, rows, state, shared)
     with region("attend"):
-        o = _attend(layer, q, kv, rows, state, shared["topk"])
+        o, rotated = _attend(layer, q, kv, rows, state, shared["topk"], inv, shared["rope"])
     with region("attn.out"):
-        return grouped_output(o, pos, inv, cfg, w, p, num, shared["rope"], mix)
+        return grouped_output(o, pos, inv, cfg, w, p, num, shared["rope"], mix, rotated=rotated)
 
 
 def _q_kv(layer, u: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, tables):
@@ -453,13 +453,18 @@ def _shared_inv(layer, u: torch.Tensor) -> torch.Tensor:
     return got
 
 
-def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
+def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor], inv: torch.Tensor, tables):
+    """(attention output [T, H, D], whether its inverse RoPE is applied already: the step kernel's launch does
+    it where ``grouped_output``'s inverse RoPE would run the row kernel on these rows, with the same bits)."""
     if step_kernels(layer.w):
-        return _attend_kernel(layer, q, kv, rows, state, topk)
-    return _attend_torch(layer, q, kv, rows, state, topk)
+        rope = None
+        if q.dtype == layer.num.dtype and fused_rows.fused(layer.w, q) and fused_rows._ok(q, inv):
+            rope = fused_rows._table(tables, rows.pos, inv)
+        return _attend_kernel(layer, q, kv, rows, state, topk, rope), rope is not None
+    return _attend_torch(layer, q, kv, rows, state, topk), False
 
 
-def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor]) -> torch.Tensor:
+def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor], rope=None) -> torch.Tensor:
     """The step's rows packed once (quantise on insert), attention over ring + step rows + selected
     compressed pages in one kernel, then the ring write (after the read, as in the eager order): in the
     attention's launch where no request has more rows than the ring's spare rows plus one (a decode step:
@@ -490,7 +495,7 @@ def _attend_kernel(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor
     one_launch = rows.max_rows <= ring - cfg.window_size + 1
     o = step_attention_mx(q, flat, ring, packed, rows.slot, rows.pos, rows.back, cfg.window_size, sink,
                           cfg.head_dim ** -0.5, comp_cache, comp_idx,
-                          ring_dest=rows.ring_dest(ring) if one_launch else None)
+                          ring_dest=rows.ring_dest(ring) if one_launch else None, rope=rope)
     if not one_launch:
         flat.index_copy_(0, rows.ring_dest(ring), packed)
     return o

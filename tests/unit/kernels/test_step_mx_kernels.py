@@ -95,6 +95,27 @@ def test_step_attention_ring_write_in_the_launch(case, splits, kernel_device):
     assert torch.equal(args[1], want_ring) and not torch.equal(args[1], ring)
 
 
+@pytest.mark.parametrize("case", [0, 2])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_step_attention_inverse_rope_in_the_launch(case, splits, kernel_device):
+    """``rope``: the output with its inverse RoPE, bit for bit ``rope_rows(..., inverse=True)`` of the output
+    without it (in the split merge's launch, or after a one-split launch); a bad table is refused by name."""
+    from redknot.kernels.triton.step_rope_v41 import rope_rows, rope_table
+    from redknot.models.deepseek_v41.ref_math import rope_inv_freq
+
+    args = _attention_case(kernel_device, 9 + case, *ATTN_CASES[case])
+    d = args[0].shape[-1]
+    cos, sin = rope_table(args[5], rope_inv_freq(16, 160000.0, (16.0, 65536, 32.0, 1.0)).to(kernel_device))
+    plain = step_attention_mx(*args, splits=splits)
+    got = step_attention_mx(*args, splits=splits, rope=(cos, sin))
+    want = rope_rows(plain, cos, sin, inverse=True)
+    assert torch.equal(got, want) and not torch.equal(got, plain)
+    assert torch.equal(got[..., :d - 16], plain[..., :d - 16])        # only the last 16 dims rotate
+    if splits > 1:
+        with pytest.raises(ValueError, match="rope tables"):
+            step_attention_mx(*args, splits=splits, rope=(cos[:1], sin[:1]))
+
+
 def _index_case(device, seed, hi, di, ratio, bs, width, vis, n_pages_extra=3):
     g = torch.Generator().manual_seed(seed)
     t = len(vis)

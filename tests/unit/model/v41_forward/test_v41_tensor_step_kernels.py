@@ -62,7 +62,7 @@ class Twins:
     def __init__(self, monkeypatch):
         self.attn_err, self.bytes_differ, self.topk_rows, self.topk_equal, self.cand_differ = 0.0, 0, 0, 0, 0
         self.all_differ = 0   # bytes differing anywhere, spare slot / block included (see _bytes)
-        self.calls = {"attend": 0, "compress": 0, "index": 0}
+        self.calls = {"attend": 0, "compress": 0, "index": 0, "rotated": 0}
         self.mp = monkeypatch
         self.scores = None
         self.torch_cand, self.cand_layers = None, 0
@@ -95,14 +95,19 @@ class Twins:
             if x.dtype == torch.uint8:
                 self.all_differ += int((x != y).sum())
 
-    def attend(self, layer, q, kv, rows, state, topk):
+    def attend(self, layer, q, kv, rows, state, topk, inv, tables):
         self.calls["attend"] += 1
         twin = copy.deepcopy(state)
-        want = self._torch(self.kernel_attend, layer, q, kv, rows, twin, topk).float()
-        got = self.kernel_attend(layer, q, kv, rows, state, topk)
+        want, twin_rotated = self._torch(self.kernel_attend, layer, q, kv, rows, twin, topk, inv, tables)
+        got, rotated = self.kernel_attend(layer, q, kv, rows, state, topk, inv, tables)
+        assert not twin_rotated
+        if rotated:   # the kernel's launch ran the output's inverse RoPE too: rotate the PyTorch output alike
+            self.calls["rotated"] += 1
+            want = fused_rows.rope(want, layer.w, rows.pos, inv, tables, inverse=True)
+        want = want.float()
         self.attn_err = max(self.attn_err, ((got.float() - want).abs().max() / want.abs().max()).item())
         self._bytes(state, twin)
-        return got
+        return got, rotated
 
     def compress(self, layer, u, rows, state):
         self.calls["compress"] += 1
@@ -158,6 +163,7 @@ def _layer_by_layer(numerics: str, monkeypatch, device: str = "cpu", steps=STEPS
         b.advance(chunks)
     assert tw.calls["attend"] == len(steps) * model.cfg.n_layers and tw.calls["index"] > 0 and tw.calls["compress"] > 0
     assert tw.attn_err < 1.5e-2, tw.attn_err     # bf16 probabilities before PV, bf16 output
+    assert tw.calls["rotated"] == tw.calls["attend"]   # the output's inverse RoPE ran in the attention's launches
     # rings, pages and keys of the requests: quantised on insert, bit-exact
     assert tw.bytes_differ == 0, (tw.bytes_differ, "in the spare slot / block:", tw.all_differ - tw.bytes_differ)
     assert tw.cand_differ == 0 and tw.cand_layers == len(steps)   # one candidate source layer a step
