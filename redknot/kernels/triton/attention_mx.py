@@ -24,7 +24,7 @@ from redknot.kernels.triton.attention_prefill_mx import (
     prefill_attention_mx,
 )
 from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
-from redknot.kernels.triton.step_rope_v41 import _mul_rn
+from redknot.kernels.triton.step_rope_v41 import _rotate_pairs
 
 
 @triton.jit
@@ -130,30 +130,13 @@ def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, 
     dims = tl.arange(0, D)
     part = tl.load(part_ptr + rows.to(tl.int64)[:, None] * D + dims[None, :], mask=smask[:, None], other=0.0)
     o = tl.sum(wgt[:, None] * part, 0) / denom
-    if HALF > 0:
-        o = _unrotate(o.to(out_ptr.dtype.element_ty).to(tl.float32), cos_ptr, sin_ptr, t.to(tl.int64) * stride_c,
-                      D, HALF, out_ptr.dtype.element_ty, ASM)
+    if HALF > 0:   # rope_rows' inverse rotation of the rounded row (step_rope_v41._rotate_pairs)
+        re, im = tl.split(tl.reshape(o.to(out_ptr.dtype.element_ty).to(tl.float32), (D // 2, 2)))
+        c_off = t.to(tl.int64) * stride_c
+        re, im = _rotate_pairs(re, im, tl.arange(0, D // 2), cos_ptr + c_off, sin_ptr + c_off, D // 2 - HALF,
+                               D // 2, True, out_ptr.dtype.element_ty, ASM)
+        o = tl.reshape(tl.join(re, im), (D,))
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _unrotate(x, cos_ptr, sin_ptr, c_off, D: tl.constexpr, HALF: tl.constexpr, OUT: tl.constexpr,
-              ASM: tl.constexpr):
-    """x [D] (fp32 values of the output dtype) with its last ``2·HALF`` dims (interleaved pairs) rotated by
-    the conjugate angles of ``cos`` / ``sin`` at ``c_off``: each product rounded on its own, the pair's
-    results rounded to ``OUT`` (``step_rope_v41._rope_rows``'s inverse rotation, value for value)."""
-    FIRST: tl.constexpr = D // 2 - HALF
-    re, im = tl.split(tl.reshape(x, (D // 2, 2)))
-    i = tl.arange(0, D // 2)
-    rot = i >= FIRST
-    j = tl.maximum(i - FIRST, 0)
-    c = tl.load(cos_ptr + c_off + j, mask=rot, other=1.0)
-    s = -tl.load(sin_ptr + c_off + j, mask=rot, other=0.0)
-    new_re = _mul_rn(re, c, ASM) - _mul_rn(im, s, ASM)
-    new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
-    new_re = tl.where(rot, new_re.to(OUT).to(tl.float32), re)
-    new_im = tl.where(rot, new_im.to(OUT).to(tl.float32), im)
-    return tl.reshape(tl.join(new_re, new_im), (D,))
 
 
 def merge_splits(part: torch.Tensor, ml: torch.Tensor, sink: torch.Tensor, out: torch.Tensor,

@@ -34,6 +34,25 @@ def _mul_rn(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
+def _rotate_pairs(re, im, i, cos_row, sin_row, FIRST, D2, INVERSE: tl.constexpr, OUT: tl.constexpr,
+                  ASM: tl.constexpr):
+    """Pairs ``i`` (re, im: fp32 values of the ``OUT`` dtype) rotated by the angles at ``cos_row`` / ``sin_row``
+    (entry ``i - FIRST``) where ``FIRST <= i < D2``, conjugate with ``INVERSE``: each product rounded on its own,
+    each result rounded to ``OUT``; other pairs as they are."""
+    rot = (i >= FIRST) & (i < D2)
+    j = tl.maximum(i - FIRST, 0)
+    c = tl.load(cos_row + j, mask=rot, other=1.0)
+    s = tl.load(sin_row + j, mask=rot, other=0.0)
+    if INVERSE:
+        s = -s
+    new_re = _mul_rn(re, c, ASM) - _mul_rn(im, s, ASM)
+    new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
+    new_re = tl.where(rot, new_re.to(OUT).to(tl.float32), re)
+    new_im = tl.where(rot, new_im.to(OUT).to(tl.float32), im)
+    return new_re, new_im
+
+
+@triton.jit
 def _rope_rows(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, heads, stride_xr, stride_or, stride_c, eps,
                D: tl.constexpr, D2P: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, QDQ: tl.constexpr,
                INVERSE: tl.constexpr, ASM: tl.constexpr):
@@ -51,16 +70,8 @@ def _rope_rows(x_ptr, out_ptr, cos_ptr, sin_ptr, w_ptr, heads, stride_xr, stride
         w = tl.load(w_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         x = (w * (x * r)).to(out_ptr.dtype.element_ty).to(tl.float32)
     re, im = tl.split(x)
-    rot = (i >= FIRST) & (i < D2)
-    j = tl.maximum(i - FIRST, 0)
-    c = tl.load(cos_ptr + tok * stride_c + j, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + tok * stride_c + j, mask=rot, other=0.0)
-    if INVERSE:
-        s = -s
-    new_re = _mul_rn(re, c, ASM) - _mul_rn(im, s, ASM)
-    new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
-    new_re = tl.where(rot, new_re.to(out_ptr.dtype.element_ty).to(tl.float32), re)
-    new_im = tl.where(rot, new_im.to(out_ptr.dtype.element_ty).to(tl.float32), im)
+    new_re, new_im = _rotate_pairs(re, im, i, cos_ptr + tok * stride_c, sin_ptr + tok * stride_c, FIRST, D2,
+                                   INVERSE, out_ptr.dtype.element_ty, ASM)
     y = tl.reshape(tl.join(new_re, new_im), (2 * D2P,))
     if QDQ:                                             # e2m1 grid, E8M0 scale per 32 (the reference's fp4)
         g = tl.reshape(y, (2 * D2P // 32, 32))          # (D is a power of two here: D2P = D / 2)
