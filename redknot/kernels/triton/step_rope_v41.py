@@ -96,25 +96,20 @@ def rope_table(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype = t
     """(cos, sin) [T, half] in ``dtype`` of angles pos·θ computed in fp64, as ``apply_rope`` computes them.
     Integer positions [T] and fp64 θ on a GPU or under the interpreter: one launch (``_rope_table``: the fp64
     product, fp64 cos / sin, each rounded once to ``dtype``; compiled, cos / sin are CUDA's double-precision
-    math functions, the ones torch's kernels call). Other integer positions: three launches (the product
-    promotes the positions to fp64 as it loads them; cos / sin compute in fp64 and round as they store).
-    Both are the bits of ``apply_rope``'s six-launch form."""
+    math functions, the ones torch's kernels call), the bits of ``apply_rope``'s PyTorch form, which runs
+    elsewhere."""
     inv = inv_freq.to(pos.device)
-    if inv.dtype == torch.float64 and not pos.is_floating_point() and not pos.is_complex():
-        if (pos.is_cuda or interpreting()) and dtype in (torch.float32, torch.float64) and pos.dim() == 1:
-            half = inv.shape[0]
-            cos = torch.empty(pos.shape[0], half, dtype=dtype, device=pos.device)
-            sin = torch.empty_like(cos)
-            n = cos.numel()
-            if n:
-                block = min(1024, next_pow2(n))
-                _rope_table[(triton.cdiv(n, block),)](pos.contiguous(), inv.contiguous(), cos, sin, n, HALF=half,
-                                                      BLOCK=block, num_warps=4 if block >= 512 else 1)
-            return cos, sin
-        ang = torch.mul(pos[:, None], inv[None, :])
-        cos = torch.empty(ang.shape, dtype=dtype, device=ang.device)
-        sin = torch.empty(ang.shape, dtype=dtype, device=ang.device)
-        return torch.cos(ang, out=cos), torch.sin(ang, out=sin)
+    if (inv.dtype == torch.float64 and not pos.is_floating_point() and not pos.is_complex() and pos.dim() == 1
+            and (pos.is_cuda or interpreting()) and dtype in (torch.float32, torch.float64)):
+        half = inv.shape[0]
+        cos = torch.empty(pos.shape[0], half, dtype=dtype, device=pos.device)
+        sin = torch.empty_like(cos)
+        n = cos.numel()
+        if n:
+            block = min(1024, next_pow2(n))
+            _rope_table[(triton.cdiv(n, block),)](pos.contiguous(), inv.contiguous(), cos, sin, n, HALF=half,
+                                                  BLOCK=block, num_warps=4 if block >= 512 else 1)
+        return cos, sin
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 

@@ -87,15 +87,15 @@ def test_gpu_rope_rows_real_widths(qdq):
 
 @pytest.mark.parametrize("form", ["kernel", "torch"])
 def test_rope_table_equals_the_fp64_angles_cast_after(form, kernel_device, monkeypatch):
-    """The one-launch table (``_rope_table``) and the three-launch PyTorch form (integer positions promoted
-    inside the product, cos / sin rounded as they store) against the six-launch form of ``apply_rope``, bit
-    for bit, over positions up to 2^24 and a table width that is not a power of two."""
+    """The one-launch table (``_rope_table``) and the PyTorch form it replaces against the angles ``apply_rope``
+    computes (fp64, cast after), bit for bit, over positions up to 2^24 and a table width that is not a power
+    of two."""
     from redknot.kernels.triton import step_rope_v41
     from redknot.models.deepseek_v41.ref_math import rope_inv_freq
 
     if form == "torch":
         if kernel_device == "cuda":
-            pytest.skip("the three-launch form runs only on CPU tensors outside the interpreter")
+            pytest.skip("the PyTorch form runs only on CPU tensors outside the interpreter")
         monkeypatch.setenv("TRITON_INTERPRET", "0")   # read by interpreting(): the kernel is not taken
     g = torch.Generator().manual_seed(3)
     pos = torch.cat([torch.arange(64), torch.randint(0, 1 << 24, (2000,), generator=g)]).to(kernel_device)
