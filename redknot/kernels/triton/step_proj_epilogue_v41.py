@@ -18,7 +18,7 @@ from redknot.kernels.triton.quant_mx import (
     pow2,
 )
 from redknot.kernels.triton.step_proj_stream_v41 import _gemv_tile, plan_name
-from redknot.kernels.triton.step_rope_v41 import _mul_rn
+from redknot.kernels.triton.step_rope_v41 import _rotate_pairs
 
 
 @triton.jit
@@ -57,14 +57,8 @@ def _row_epilogue(x_ptr, out_ptr, row, tok, cos_ptr, sin_ptr, w_ptr, pack_ptr, s
         w = tl.load(w_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         x = (w * (x * r)).to(out_ptr.dtype.element_ty).to(tl.float32)
     re, im = tl.split(x)
-    rot = (i >= FIRST) & (i < D2)
-    j = tl.maximum(i - FIRST, 0)
-    c = tl.load(cos_ptr + tok * stride_c + j, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + tok * stride_c + j, mask=rot, other=0.0)
-    new_re = _mul_rn(re, c, ASM) - _mul_rn(im, s, ASM)
-    new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
-    new_re = tl.where(rot, new_re.to(out_ptr.dtype.element_ty).to(tl.float32), re)
-    new_im = tl.where(rot, new_im.to(out_ptr.dtype.element_ty).to(tl.float32), im)
+    new_re, new_im = _rotate_pairs(re, im, i, cos_ptr + tok * stride_c, sin_ptr + tok * stride_c, FIRST, D2,
+                                   False, out_ptr.dtype.element_ty, ASM)
     y = tl.reshape(tl.join(new_re, new_im), (2 * D2P,))
     if QDQ:
         g = tl.reshape(y, (2 * D2P // 32, 32))

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels.triton._common import interpreting, next_pow2
-from redknot.kernels.triton.step_rope_v41 import _mul_rn
+from redknot.kernels.triton.step_rope_v41 import _rotate_pairs
 
 
 @triton.jit
@@ -33,14 +33,8 @@ def _rope_row(x_ptr, out_ptr, row, tok, cos_ptr, sin_ptr, w_ptr, stride_xr, stri
         w = tl.load(w_ptr + offs, mask=inside, other=0.0).to(tl.float32)
         x = (w * (x * r)).to(out_ptr.dtype.element_ty).to(tl.float32)
     re, im = tl.split(x)
-    rot = (i >= FIRST) & (i < D2)
-    j = tl.maximum(i - FIRST, 0)
-    c = tl.load(cos_ptr + tok * stride_c + j, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + tok * stride_c + j, mask=rot, other=0.0)
-    new_re = _mul_rn(re, c, ASM) - _mul_rn(im, s, ASM)
-    new_im = _mul_rn(re, s, ASM) + _mul_rn(im, c, ASM)
-    new_re = tl.where(rot, new_re.to(out_ptr.dtype.element_ty).to(tl.float32), re)
-    new_im = tl.where(rot, new_im.to(out_ptr.dtype.element_ty).to(tl.float32), im)
+    new_re, new_im = _rotate_pairs(re, im, i, cos_ptr + tok * stride_c, sin_ptr + tok * stride_c, FIRST, D2,
+                                   False, out_ptr.dtype.element_ty, ASM)
     y = tl.reshape(tl.join(new_re, new_im), (2 * D2P,))
     cols = tl.arange(0, 2 * D2P)
     tl.store(out_ptr + row * stride_or + cols, y.to(out_ptr.dtype.element_ty), mask=cols < D)
