@@ -202,7 +202,13 @@ def build_cut(run: Run, dtype: torch.dtype) -> DeepseekV4:
     model.set_kernels(KernelSet(default=run.args.backend))
     # Compile, and tune launch shapes on a full-size prefill chunk; then decode steps of 2 and 1 sequences,
     # the first at a position that closes a CSA and an HCA window (the compressors' decode-time shapes).
-    n = min(8192, max(run.args.prefill)) - 1
+    # A full chunk first: the sweep's first context is then timed without the compilations and tuning of a
+    # chunk one row longer than the warm-up's below.
+    n = min(8192, max(list(run.args.prefill) + list(run.args.decode) or [8192]))
+    full = CutDriver(model, 1, n)
+    full.prefill(random_ids(n, model.cfg.vocab_size, 2), min(run.args.chunk, n))
+    del full
+    n -= 1
     warm = CutDriver(model, 2, n + 4, fork_steps=2)
     warm.prefill(random_ids(n, model.cfg.vocab_size, 1), min(run.args.chunk, n))
     warm.fork(1, 2)

@@ -16,7 +16,8 @@
 # shipped ones). TOTAL_S (default 3000) bounds the whole run: a stage that cannot get at least 60 s is skipped.
 # DECODE_BATCHES (default 1,32,128) narrows the `decode` stage; PREFILL_CHUNKS_S (default 450) is the `prefill_chunks`
 # stage's limit, for a call that runs it alone; V4_CUT_SKIP (default tiny,truth,parity) is the `v4_cut` stage's
-# --skip list (add prefill or decode to split the cut over two calls).
+# --skip list and V4_CUT_ARGS more of its arguments (decode alone: V4_CUT_ARGS=--prefill, the decode contexts'
+# own prefills only; prefill alone: V4_CUT_SKIP=tiny,truth,parity,decode).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-outputs/h200/$(date -u +%Y%m%d-%H%M%S)}
@@ -148,7 +149,7 @@ for s in "${STAGES[@]}"; do
       stage v4_attention 160 python3 benchmarks/kernels_v4.py --skip-checks --only sparse_attention --contexts 8192 131072 \
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
-      stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip ${V4_CUT_SKIP:-tiny,truth,parity} --budget-s B ;;
+      stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip ${V4_CUT_SKIP:-tiny,truth,parity} ${V4_CUT_ARGS:-} --budget-s B ;;
     *) echo "unknown stage '$s'; stages: decode tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
