@@ -223,11 +223,13 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
     idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, k, nb, bs, bf16)
     want_idx = ref_v41.indexer_topk_mx(q, w, keys, vis, k, bf16_scores=bf16)
     want_blocks = ref_v41.indexer_candidates_mx(q, w, keys, vis, nb, bs, bf16)
-    assert _compare_selection("top-k", scores, idx, want_idx, tol=0).ok
+    chk = _compare_selection("top-k", scores, idx, want_idx, tol=0)
+    assert chk.ok, chk.line()
     bscore = torch.nn.functional.pad(scores, (0, -(-n // bs) * bs - n), value=float("-inf")).view(t, -1, bs).amax(-1)
     newest = ((vis.long() - 1) // bs).clamp(min=0)
     bscore.scatter_(1, newest[:, None], float("inf"))
-    assert _compare_selection("blocks", bscore.nan_to_num(posinf=1e30), blocks, want_blocks, tol=0).ok
+    chk = _compare_selection("blocks", bscore.nan_to_num(posinf=1e30), blocks, want_blocks, tol=0)
+    assert chk.ok, chk.line()
     cand = want_blocks
     want = ref_v41.indexer_topk_mx(q, w, keys, vis, k, cand, bs, bf16)
     allowed = torch.zeros(t, -(-n // bs) + 1, dtype=torch.bool, device=dev)
@@ -235,7 +237,8 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
     masked = scores.masked_fill(~allowed[:, :-1].repeat_interleave(bs, 1)[:, :n], float("-inf"))
     for path in ("stream", "scores"):
         got = indexer_mx.indexer_topk_mx(q, w, keys, vis, k, cand, bs, bf16, cand_path=path)
-        assert _compare_selection(path, masked, got, want, tol=0).ok, path
+        chk = _compare_selection(path, masked, got, want, tol=0)
+        assert chk.ok, chk.line()
 
 
 @pytest.mark.parametrize("decode", ["registers", "scaled", "expanded"])
