@@ -353,7 +353,7 @@ def prefill_sweep(run: Run, model: DeepseekV4, decode: bool = True) -> None:
             HF_PREFILL_S else None, peak_gib=peak, first_chunk_s=chunk_s[0], last_chunk_s=chunk_s[-1], in_sweep=
             n in run.args.prefill))
         run.log(f"prefill {n}: {secs:.3f} s ({100 * pre.floor_s() / secs:.1f}% of floor), peak {peak:.1f} GiB")
-        if n >= 131072 or n == max(run.args.prefill):
+        if n >= 131072 or n == max(run.args.prefill, default=-1):
             _chunk_breakdown(run, drv, ids, n)
         if decode:
             drv.fork(bmax - 1, steps)

@@ -276,12 +276,26 @@ def test_gpu_radix_topk_real_sizes(n, t):
 
     sc = _rows(t, n, n + t, "cuda")
     want = select_topk(sc, 512)
-    assert torch.equal(radix_topk(sc, 512), want)
-    assert torch.equal(topk_select(sc, 512), want)
+    got = radix_topk(sc, 512)
+    assert torch.equal(got, want), _differ(got, want)
+    got = topk_select(sc, 512)
+    assert torch.equal(got, want), _differ(got, want)
     assert not SELECT_ERRORS, SELECT_ERRORS
     bf = (torch.randn(t, n, device="cuda") * 0.1).to(torch.bfloat16).float()   # bf16 scores: exact ties
     bf[:, n - n // 5:] = float("-inf")
-    assert torch.equal(radix_topk(bf, 512), select_topk(bf, 512))
+    got, want = radix_topk(bf, 512), select_topk(bf, 512)
+    assert torch.equal(got, want), _differ(got, want)
+
+
+def _differ(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where two selections differ: rows, slots, the first differing slot's values, set differences."""
+    bad = (got != want).any(1).nonzero().flatten().tolist()
+    r = bad[0]
+    g, w = got[r], want[r]
+    slot = int((g != w).nonzero()[0])
+    gs, ws = set(g[g >= 0].tolist()), set(w[w >= 0].tolist())
+    return (f"rows {bad[:8]} differ; row {r}: {int((g != w).sum())} slots, first {slot} got {int(g[slot])} want "
+            f"{int(w[slot])}; {len(gs)} / {len(ws)} valid ids, {len(ws - gs)} missing, {len(gs - ws)} extra")
 
 
 @pytest.mark.gpu
