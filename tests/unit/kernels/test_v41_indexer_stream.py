@@ -207,7 +207,11 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
     """V4.1 indexer widths (32 heads x 128, top-512, 2048 candidate blocks of 8) on fresh random inputs
     past the candidate budget (40,000 entries: 5,000 blocks): the candidate source's fused pass (top-k and
     block maxima) and both candidate-list paths of a re-indexing layer choose what the reference chooses,
-    compared tie-aware on the reference's scores (the tuner picks the launch shapes)."""
+    compared tie-aware on the reference's scores (the tuner picks the launch shapes). With fp32 scores the
+    kernels sum a token's 32 head terms in their own order, not the reference's ``sum(1)``: a score may
+    differ in its last bits, so two entries at the top-k boundary may trade places; their reference scores
+    then differ by that rounding (tolerance 1e-5 relative, about 100 fp32 units). bf16 scores are rounded
+    as the reference rounds them and must select the same scores exactly."""
     from redknot.kernels.triton.checks_mx import _compare_selection
 
     dev = "cuda"
@@ -218,17 +222,18 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
     keys = mx.pack_index_keys(torch.randn(n, dim, generator=g, device=dev))
     vis = torch.randint(n // 2, n + 1, (t,), generator=g, device=dev, dtype=torch.int32)
     vis[0] = 3
+    tol = 0 if bf16 else 1e-5
     scores = ref_v41.index_scores(q, w, mx.unpack_index_keys(keys), bf16)
     scores = scores.masked_fill(torch.arange(n, device=dev)[None] >= vis.long()[:, None], float("-inf"))
     idx, blocks = indexer_mx.indexer_source_mx(q, w, keys, vis, k, nb, bs, bf16)
     want_idx = ref_v41.indexer_topk_mx(q, w, keys, vis, k, bf16_scores=bf16)
     want_blocks = ref_v41.indexer_candidates_mx(q, w, keys, vis, nb, bs, bf16)
-    chk = _compare_selection("top-k", scores, idx, want_idx, tol=0)
+    chk = _compare_selection("top-k", scores, idx, want_idx, tol=tol)
     assert chk.ok, chk.line()
     bscore = torch.nn.functional.pad(scores, (0, -(-n // bs) * bs - n), value=float("-inf")).view(t, -1, bs).amax(-1)
     newest = ((vis.long() - 1) // bs).clamp(min=0)
     bscore.scatter_(1, newest[:, None], float("inf"))
-    chk = _compare_selection("blocks", bscore.nan_to_num(posinf=1e30), blocks, want_blocks, tol=0)
+    chk = _compare_selection("blocks", bscore.nan_to_num(posinf=1e30), blocks, want_blocks, tol=tol)
     assert chk.ok, chk.line()
     cand = want_blocks
     want = ref_v41.indexer_topk_mx(q, w, keys, vis, k, cand, bs, bf16)
@@ -237,7 +242,7 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
     masked = scores.masked_fill(~allowed[:, :-1].repeat_interleave(bs, 1)[:, :n], float("-inf"))
     for path in ("stream", "scores"):
         got = indexer_mx.indexer_topk_mx(q, w, keys, vis, k, cand, bs, bf16, cand_path=path)
-        chk = _compare_selection(path, masked, got, want, tol=0)
+        chk = _compare_selection(path, masked, got, want, tol=tol)
         assert chk.ok, chk.line()
 
 
