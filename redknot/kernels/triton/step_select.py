@@ -58,7 +58,9 @@ def candidates_reference(scores: torch.Tensor, visible: torch.Tensor, num_blocks
 def self_check(device: torch.device, seed: int = 4321) -> Optional[str]:
     """None when every radix mode returns what its reference returns on ``device``, else what differs."""
     g = torch.Generator(device=device).manual_seed(seed)
-    for t, n, k in ((3, 1000, 64), (3, 70000, 512), (2, 40, 64)):
+    # resident segments of 1024, 4096 and 8192 columns (4, 8 and 16 warps), the two-launch split, fewer
+    # entries than k; (1, 4096, 512) is the batch-1 decode step's selection
+    for t, n, k in ((3, 1000, 64), (1, 4096, 512), (3, 70000, 512), (2, 40, 64)):
         sc = torch.randint(-6, 7, (t, n), generator=g, device=device).float() * 0.125   # many exact ties
         sc[0] = torch.randn(n, generator=g, device=device)
         sc[-1, n // 3:] = float("-inf")
