@@ -54,9 +54,10 @@ GPU_TESTS_REST=(tests/unit/kernels/test_v4_attention_prefill.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
   tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
-  tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py
-  tests/unit/kernels/test_v41_indexer_stream.py)
-GPU_TESTS=("${GPU_TESTS_FIRST[@]}" "${GPU_TESTS_REST[@]}")
+  tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py)
+# (tests/unit/kernels/test_v41_indexer_stream.py is the `indexer_tests` stage: with it this list did not finish in
+# 557 s on an H100, 2026-12-07)
+GPU_TESTS=("${GPU_TESTS_FIRST[@]}" "${GPU_TESTS_REST[@]}" tests/unit/kernels/test_v41_indexer_stream.py)
 
 stage() {  # name, limit seconds, command... (a --budget-s B in the command becomes the limit less 20 s)
   local name=$1 limit=$2; shift 2
