@@ -211,7 +211,8 @@ def test_real_size_source_and_candidate_selections_on_the_gpu(bf16):
     kernels sum a token's 32 head terms in their own order, not the reference's ``sum(1)``: a score may
     differ in its last bits, so two entries at the top-k boundary may trade places; their reference scores
     then differ by that rounding (tolerance 1e-5 relative, about 100 fp32 units). bf16 scores are rounded
-    as the reference rounds them and must select the same scores exactly."""
+    where the reference rounds them (each dot, each weighted term, the sum); the test holds their selections
+    to the same scores exactly."""
     from redknot.kernels.triton.checks_mx import _compare_selection
 
     dev = "cuda"
