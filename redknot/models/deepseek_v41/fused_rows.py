@@ -104,16 +104,24 @@ def norm_rope(x: torch.Tensor, w, norm: str, eps: float, pos: torch.Tensor, inv:
     return apply_rope(rms_norm(x, w.float(norm), eps), pos, inv)
 
 
+def rope_tables(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optional[Dict] = None,
+                qdq: bool = False):
+    """(cos, sin) [T, half] where :func:`rope` rotates ``x`` with the row kernels (the step's table, kept in
+    ``tables``), else None (the PyTorch rotation)."""
+    return _table(tables, pos, inv) if fused(w, x) and _ok(x, inv, qdq) else None
+
+
 def rope(x: torch.Tensor, w, pos: torch.Tensor, inv: torch.Tensor, tables: Optional[Dict] = None,
          inverse: bool = False, qdq: bool = False, inplace: bool = False) -> torch.Tensor:
     """RoPE(x) (``inverse``: the conjugate rotation), then the FP4 index grid when ``qdq``. ``inplace`` (the
     caller gives up x): on the fused path without the grid only the rotated columns are read and rewritten,
     in x (``prefill_rows_v41.rope_cols_``: the same bits; at 8192 rows of 64 heads x 512, 134 MB moved instead
     of 1.07 GB)."""
-    if fused(w, x) and _ok(x, inv, qdq):
+    cs = rope_tables(x, w, pos, inv, tables, qdq)
+    if cs is not None:
         from redknot.kernels.triton.step_rope_v41 import rope_rows
 
-        cos, sin = _table(tables, pos, inv)
+        cos, sin = cs
         if inplace and PREFILL_ROWS["rope_cols"] and not qdq and x.dim() in (2, 3) and x.stride(-1) == 1:
             from redknot.kernels.triton.prefill_rows_v41 import rope_cols_
 

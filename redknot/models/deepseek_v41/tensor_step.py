@@ -457,9 +457,7 @@ def _attend(layer, q, kv, rows: _Rows, state, topk: Optional[torch.Tensor], inv:
     """(attention output [T, H, D], whether its inverse RoPE is applied already: the step kernel's launch does
     it where ``grouped_output``'s inverse RoPE would run the row kernel on these rows, with the same bits)."""
     if step_kernels(layer.w):
-        rope = None
-        if q.dtype == layer.num.dtype and fused_rows.fused(layer.w, q) and fused_rows._ok(q, inv):
-            rope = fused_rows._table(tables, rows.pos, inv)
+        rope = fused_rows.rope_tables(q, layer.w, rows.pos, inv, tables) if q.dtype == layer.num.dtype else None
         return _attend_kernel(layer, q, kv, rows, state, topk, rope), rope is not None
     return _attend_torch(layer, q, kv, rows, state, topk), False
 
