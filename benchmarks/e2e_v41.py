@@ -146,6 +146,10 @@ def main(argv=None) -> dict:
                          "(step_profile_v41: device time by kernel and region, busy time vs the replay's wall)")
     ap.add_argument("--skip-replay-profile", action="store_true",
                     help="profile the eager steps only, not the graph replays (a profiler that fails on graphs)")
+    ap.add_argument("--step-rows", type=int, default=None,
+                    help="rows up to which a step runs the fused projection and MoE launches (step_proj_v41 / "
+                         "step_moe_v41 MAX_ROWS, default theirs: 16); above it each linear is its own weight stream. "
+                         "Changes a row's bits at the row counts it moves, so compare times, not outputs")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
     ap.add_argument("--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -171,6 +175,12 @@ def main(argv=None) -> dict:
     backend = a.backend or ("reference" if a.smoke else "triton")
     if a.smoke and backend == "triton":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.step_rows is not None:   # after TRITON_INTERPRET: the import compiles nothing before it
+        if a.step_rows < 1:
+            ap.error(f"--step-rows must be >= 1, got {a.step_rows}")
+        from redknot.kernels.triton import step_moe_v41, step_proj_v41
+        step_proj_v41.MAX_ROWS = step_moe_v41.MAX_ROWS = a.step_rows
+        print(f"step launches fused up to {a.step_rows} rows")
     kernels = KernelSet(default=backend)
     ops = V41Ops(kernels, route_all=backend == "reference")
     print(f"e2e_v41: device={device} ops={ops.choice}")
@@ -178,7 +188,7 @@ def main(argv=None) -> dict:
     wbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"weights {wbytes / 2**30:.2f} GiB ({time.perf_counter() - t_start:.1f} s)")
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": a.smoke,
-              "ops": ops.choice, "weights_gib": wbytes / 2**30,
+              "ops": ops.choice, "weights_gib": wbytes / 2**30, "step_rows": a.step_rows,
               "cut": "L0 ratio-2 kv/index source + Engram, L1 ratio-2 consumer, L2 ratio-1 candidate source, "
                      "L3 ratio-1 consumer, L4 candidate index source; 384 experts top-6" if not a.smoke else "toy",
               "ceilings": {"fp8_flops": H200_FP8_FLOPS, "bytes_per_s": H200_BYTES_PER_S},

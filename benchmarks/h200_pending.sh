@@ -2,7 +2,7 @@
 # The H200 measurements the CPU-side kernels of benchmarks/NOTES.md are waiting for, in priority order.
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
-#   STAGE: decode tests tests_rest prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
+#   STAGE: decode step_rows tests tests_rest prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
 #          block_select indexer_tests v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
@@ -79,6 +79,11 @@ for s in "${STAGES[@]}"; do
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
         --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B \
         --log-level INFO ;;
+    step_rows)  # b32 / b128 decode with the step's fused projection / MoE launches up to 128 rows (default 16): the
+      # `decode` stage's rows at the same batches are the comparison (DECODE_BATCHES=32,128 in the same call)
+      stage step_rows 300 python3 benchmarks/e2e_v41.py --out "$OUT/step_rows" --prefill '' --decode-context 8192 \
+        --decode-batch 32,128 --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --step-rows 128 \
+        --budget-s B ;;
     tests)
       stage tests 580 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider --durations=15 "${GPU_TESTS[@]}" ;;
     tests_rest)  # the part of the list the `tests` stage has not reached in one call
@@ -151,7 +156,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip ${V4_CUT_SKIP:-tiny,truth,parity} ${V4_CUT_ARGS:-} --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
+    *) echo "unknown stage '$s'; stages: decode step_rows tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac

@@ -82,7 +82,8 @@ def _want(lin, u, w1, s1, w3, s3, w2, s2, routed):
     return (routed.float() + shared).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("t,d,inter", [(1, 64, 96), (3, 96, 64), (2, 2048, 64)])
+# t=32: a batch-32 decode step's rows (``e2e_v41.py --step-rows`` runs the step's launches there)
+@pytest.mark.parametrize("t,d,inter", [(1, 64, 96), (3, 96, 64), (2, 2048, 64), (32, 96, 64)])
 def test_shared_expert_combine_matches_linear_mx(t, d, inter, kernel_device):
     args = _shared_case(t, d, inter, 7 + t, kernel_device)
     got = shared_expert_combine(*args[:7], LIMIT, args[7], prologue=False)
@@ -98,7 +99,7 @@ def test_shared_expert_combine_matches_linear_mx(t, d, inter, kernel_device):
     assert err < 2e-2, err       # bf16 roundings of the linears in another summation order
 
 
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("t", [1, 3, 32])
 def test_router_and_gate_up_in_one_launch_equal_the_two_kernels(t, kernel_device):
     u, w1, s1, w3, s3, w2, s2, routed = _shared_case(t, 64, 96, 20 + t, kernel_device)
     g = torch.Generator().manual_seed(t)

@@ -36,7 +36,8 @@ def case_inputs(t, k, seed, device):
     return x, pos, g
 
 
-@pytest.mark.parametrize("t", [1, 3])
+# t=32: the rows of a batch-32 decode step, one 32-row MMA tile (``e2e_v41.py --step-rows`` runs the step there)
+@pytest.mark.parametrize("t", [1, 3, 32])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_qa_kv_pair_equals_linear_mx_and_rope_rows(t, seed, kernel_device):
     """wq_a -> norm, wkv -> norm + RoPE (the attention's first pair) at toy widths."""
