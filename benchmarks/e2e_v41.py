@@ -179,6 +179,7 @@ def main(argv=None) -> dict:
         if a.step_rows < 1:
             ap.error(f"--step-rows must be >= 1, got {a.step_rows}")
         from redknot.kernels.triton import step_moe_v41, step_proj_v41
+        restore_rows = (step_proj_v41.MAX_ROWS, step_moe_v41.MAX_ROWS)   # put back at the end (an importing caller)
         step_proj_v41.MAX_ROWS = step_moe_v41.MAX_ROWS = a.step_rows
         print(f"step launches fused up to {a.step_rows} rows")
     kernels = KernelSet(default=backend)
@@ -317,6 +318,8 @@ def main(argv=None) -> dict:
         del b
     report["seconds"] = time.perf_counter() - t_start
     write(report, a.out)
+    if a.step_rows is not None:
+        step_proj_v41.MAX_ROWS, step_moe_v41.MAX_ROWS = restore_rows
     return report
 
 

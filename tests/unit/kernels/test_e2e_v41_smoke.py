@@ -118,8 +118,14 @@ def test_synthetic_decode_state_is_valid_and_its_graph_step_equals_eager(tmp_pat
     from redknot.kernels import mx_formats as mx
     from redknot.models.deepseek_v41.kernel_ops import V41Ops
 
+    from redknot.kernels.triton import step_moe_v41, step_proj_v41
+
+    before = (step_proj_v41.MAX_ROWS, step_moe_v41.MAX_ROWS)
+    with pytest.raises(SystemExit):     # argparse's message names the flag and the value
+        e2e_v41.main(["--smoke", "--step-rows", "0", "--out", str(tmp_path)])
     res = e2e_v41.main(["--smoke", "--prefill", "24", "--decode-synthetic", "--decode-graphs", "--skip-parity",
-                        "--skip-profile", "--out", str(tmp_path)])
+                        "--skip-profile", "--step-rows", "2", "--out", str(tmp_path)])
+    assert res["step_rows"] == 2 and (step_proj_v41.MAX_ROWS, step_moe_v41.MAX_ROWS) == before   # put back
     rows = [d for d in res["decode"] if d["context"] == 40]
     assert {d["batch"] for d in rows} == {1, 3} and all(d["state"] == "synthetic" for d in rows)
     for d in rows:
