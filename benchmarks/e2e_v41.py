@@ -118,6 +118,11 @@ def warm_classes(model, ctx: int, chunk: int, device, warmed: set) -> None:
     del w
 
 
+# The most rows --step-rows takes: measured to build and run at 32 rows on an H100 (2026-12-07); at 128 one of the
+# fused launches asked for more shared memory than an SM has and the step fell back to the PyTorch row math.
+STEP_ROWS_MAX = 32
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description="DeepSeek-V4.1 real-dimension cut (kernel path)")
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs/e2e_v41"),
@@ -148,8 +153,8 @@ def main(argv=None) -> dict:
                     help="profile the eager steps only, not the graph replays (a profiler that fails on graphs)")
     ap.add_argument("--step-rows", type=int, default=None,
                     help="rows up to which a step runs the fused projection and MoE launches (step_proj_v41 / "
-                         "step_moe_v41 MAX_ROWS, default theirs: 16); above it each linear is its own weight stream. "
-                         "Changes a row's bits at the row counts it moves, so compare times, not outputs")
+                         "step_moe_v41 MAX_ROWS, default theirs: 16; at most 32); above it each linear is its own "
+                         "weight stream. Changes a row's bits at the row counts it moves, so compare times, not outputs")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
     ap.add_argument("--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -176,8 +181,9 @@ def main(argv=None) -> dict:
     if a.smoke and backend == "triton":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.step_rows is not None:   # after TRITON_INTERPRET: the import compiles nothing before it
-        if a.step_rows < 1:
-            ap.error(f"--step-rows must be >= 1, got {a.step_rows}")
+        if not 1 <= a.step_rows <= STEP_ROWS_MAX:
+            ap.error(f"--step-rows must be 1..{STEP_ROWS_MAX}, got {a.step_rows} (at 128 rows a fused launch needs "
+                     "256 KB of shared memory on sm90, over the 227 KB an SM has)")
         from redknot.kernels.triton import step_moe_v41, step_proj_v41
         restore_rows = (step_proj_v41.MAX_ROWS, step_moe_v41.MAX_ROWS)   # put back at the end (an importing caller)
         step_proj_v41.MAX_ROWS = step_moe_v41.MAX_ROWS = a.step_rows
