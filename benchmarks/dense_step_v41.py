@@ -14,8 +14,8 @@ so that each call reads its weight from HBM, not from L2; the time divided by th
 (relative error) and, for a fused name, against its own launch shape's two launches (bit for bit), with the
 fraction of the bandwidth floor (weight + activation + output bytes at ``--hbm-tbs``). Then per row count the step's
 sum (each shape times its launches per step in the 5-layer cut) with each shape's fastest earlier candidate, its
-fastest candidate of all, and the tuner's own choice for the shape (``_stream_decode``: timed at 32 rows, one choice
-per weight shape at every row count).
+fastest candidate of all, and the tuner's own choice for the shape and the rows' class (``_stream_decode``: timed at
+32 rows for 5-64 rows, at ``gemm_mx.LINEAR_WIDE_TUNE_ROWS`` for the wide class from ``gemm_mx.WIDE_ROWS_MIN`` rows).
 
 ``wo_a`` (8 groups of [1024, 4096], the attention output's per-group projection) is timed as the model's bf16
 einsum (the weight decoded once, 67 MB a layer), as each ``wo_a_v41`` stream shape of its stored FP8 bytes (33.5 MB;
@@ -112,20 +112,22 @@ def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadl
                 out.append(row)
                 print(json.dumps(row), flush=True)
         del extra
-        row = {"shape": name, "N": n, "K": k, "rows": "tuner", "per_step": per_step, "decode_errors":
-               {str(a): b for a, b in stream_guard.DECODE_ERRORS.items()}}
-        try:
-            if time.monotonic() > deadline:
-                raise TimeoutError("skipped (budget)")
-            x = torch.randn(32, k, generator=g, device=device).to(torch.bfloat16)
-            row["choice"] = gemm_mx._stream_decode(x, w, ws.view(torch.uint8), 32,
-                                                   torch.empty(32, n, dtype=x.dtype, device=device))
-            key = (tuple(w.shape), 32)
-            row["tuner_timings"] = [(str(c), t) for c, t in gemm_mx.LINEAR_DECODE_TUNER.timings.get(key, [])]
-        except Exception as exc:   # noqa: BLE001
-            row["choice"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        out.append(row)
-        print(json.dumps(row), flush=True)
+        for r in sorted({32} | {gemm_mx.LINEAR_WIDE_TUNE_ROWS for m in rows_list if gemm_mx.wide_rows(m)}):
+            # the tuner's row classes the row counts ask: 32 (5-64 rows), and the wide class's tuning rows
+            row = {"shape": name, "N": n, "K": k, "rows": "tuner", "tuner_rows": r, "per_step": per_step,
+                   "decode_errors": {str(a): b for a, b in stream_guard.DECODE_ERRORS.items()}}
+            try:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("skipped (budget)")
+                x = torch.randn(r, k, generator=g, device=device).to(torch.bfloat16)
+                row["choice"] = gemm_mx._stream_decode(x, w, ws.view(torch.uint8), 32,
+                                                       torch.empty(r, n, dtype=x.dtype, device=device))
+                key = gemm_mx.decode_key(w.shape, 32, r)
+                row["tuner_timings"] = [(str(c), t) for c, t in gemm_mx.LINEAR_DECODE_TUNER.timings.get(key, [])]
+            except Exception as exc:   # noqa: BLE001
+                row["choice"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
         del w, ws
     return out
 
@@ -295,13 +297,17 @@ def index_rows(rows_list, device, reps: int, hbm: float, smoke: bool, deadline: 
 
 def summary(rows, rows_list, earlier) -> list:
     lines = ["", "## Step sums (ms per step: each shape's time x its launches per step)", "",
-             "| rows | fastest earlier candidate | fastest of all | tuner's choice (timed at 32 rows) |", "|---|---|---|---|"]
+             "| rows | fastest earlier candidate | fastest of all | tuner's choice (for the rows' class) |",
+             "|---|---|---|---|"]
     by = {}
     for r in rows:
         if r.get("status") == "ok" and "decode" in r:
             by.setdefault((r["rows"], r["shape"]), []).append(r)
-    choice = {r["shape"]: r.get("choice") for r in rows if r.get("rows") == "tuner"}
+    from redknot.kernels.triton import gemm_mx
+
+    choice = {(r["shape"], r.get("tuner_rows", 32)): r.get("choice") for r in rows if r.get("rows") == "tuner"}
     for m in rows_list:
+        cls = gemm_mx.LINEAR_WIDE_TUNE_ROWS if gemm_mx.wide_rows(m) else 32
         old = new = tuned = 0.0
         for (mm, shape), rs in by.items():
             if mm != m:
@@ -310,7 +316,7 @@ def summary(rows, rows_list, earlier) -> list:
             olds = [r["ms"] for r in rs if r["decode"] in earlier]
             old += per * (min(olds) if olds else float("nan"))
             new += per * min(r["ms"] for r in rs)
-            pick = [r["ms"] for r in rs if r["decode"] == choice.get(shape)]
+            pick = [r["ms"] for r in rs if r["decode"] == choice.get((shape, cls))]
             tuned += per * (pick[0] if pick else float("nan"))
         lines.append(f"| {m} | {old:.4f} | {new:.4f} | {tuned:.4f} |")
     return lines
@@ -371,7 +377,7 @@ def main(argv=None) -> int:
              "| shape | rows | decode | ms | % of floor | rel err | fused == two launches |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("rows") == "tuner":
-            lines.append(f"| {r['shape']} | tuner | {r.get('choice')} | | | | |")
+            lines.append(f"| {r['shape']} | tuner ({r.get('tuner_rows', 32)} rows) | {r.get('choice')} | | | | |")
         elif r.get("status") == "ok":
             lines.append(f"| {r['shape']} | {r['rows']} | {r.get('decode', r.get('variant'))} | {r['ms']:.4f} | "
                          f"{r['floor_pct']:.1f} | {r.get('rel_err', float('nan')):.2e} | "

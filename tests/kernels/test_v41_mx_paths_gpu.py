@@ -44,9 +44,13 @@ def test_linear_splitk_batch_invariant_and_graph_safe():
     w, ws = mx.quant_fp8_blocks(torch.randn(5120, 8192, generator=g, device="cuda") * 0.02, 32)
     x = torch.randn(100, 8192, generator=g, device="cuda").to(torch.bfloat16)
     full = gemm_mx.linear_mx(x, w, ws, 32, path="splitk")
-    # a row's bits within each row class: 5-128 rows (LINEAR_DECODE_TUNER's stream) and 1-4 rows (the
-    # small-row class, which may take a gemv_mx stream: the same products summed in another order)
-    assert torch.equal(gemm_mx.linear_mx(x[35:40], w, ws, 32, path="splitk"), full[35:40])
+    # a row's bits within each row class: 65-128 rows and 5-64 rows (LINEAR_DECODE_TUNER's stream, a choice per
+    # class) and 1-4 rows (the small-row class, which may take a gemv_mx stream: the same products summed in
+    # another order)
+    assert gemm_mx.wide_rows(100) and not gemm_mx.wide_rows(64)
+    assert torch.equal(gemm_mx.linear_mx(x[10:80], w, ws, 32, path="splitk"), full[10:80])
+    mid = gemm_mx.linear_mx(x[:64], w, ws, 32, path="splitk")
+    assert torch.equal(gemm_mx.linear_mx(x[35:40], w, ws, 32, path="splitk"), mid[35:40])
     few = gemm_mx.linear_mx(x[36:39], w, ws, 32, path="splitk")
     assert torch.equal(gemm_mx.linear_mx(x[37:38], w, ws, 32, path="splitk"), few[1:2])
     stream = torch.cuda.Stream()

@@ -314,12 +314,23 @@ LINEAR_TUNE_ROWS = 32
 # the tensor-core stream ``LINEAR_DECODE_TUNER`` chose (``stream``, first: taken untimed off the GPU) and the
 # CUDA-core GEMV streams of ``gemv_mx`` (names in ``gemv_mx.PLANS``), timed on ``LINEAR_SMALL_TUNE_ROWS``
 # rows. Each stream keeps a row's bits whatever the other rows of the call, so a row alone equals that row
-# among up to four rows and a row among 5-128 rows that row among any other 5-128; where the GEMV stream
-# wins, a row's bits at 1-4 rows and at 5+ rows differ by summation order (the same exact products).
+# among up to four rows and a row among 5-64 rows that row among any other 5-64 (65-128: ``WIDE_ROWS_MIN``);
+# where the GEMV stream wins, a row's bits at 1-4 rows and at 5+ rows differ by summation order (the same exact
+# products).
 # ``SMALL_ROWS_CLASS`` False: one choice for every row count (the stream's).
 LINEAR_SMALL_TUNER = ConfigTuner("linear_mx_decode_small", ["stream", "gemv", "gemv_n16", "gemv_k128"])
 LINEAR_SMALL_TUNE_ROWS = 1
 SMALL_ROWS_CLASS = True
+# Calls of ``WIDE_ROWS_MIN`` rows or more (decode batches of 65-128 on the split-K path): ``LINEAR_DECODE_TUNER``'s
+# choice of their own per weight shape, timed on ``LINEAR_WIDE_TUNE_ROWS`` rows, under the switch of the 1-4-row
+# class (``tuning_cache.small_rows_class()``: off with batch invariance or determinism, one choice for every row
+# count then). Why: on an H100 (benchmarks/NOTES.md, run 10, the V4.1 step's eight dense shapes) the choices timed
+# at 32 rows summed 1.836 ms a batch-128 step against 1.498 ms for each shape's fastest at 128 rows (wq_b / wo_b:
+# registers_wide_f 89.9 / 74.2 us a call, registers_w64_f16 59.1 / 63.8). A row's bits are the same within each
+# class: 1-4, 5-64 and 65-128 rows. ``WIDE_ROWS_CLASS`` False: the 32-row choice up to 128 rows.
+WIDE_ROWS_CLASS = True
+WIDE_ROWS_MIN = 65
+LINEAR_WIDE_TUNE_ROWS = 128
 
 
 def fused_name(name: str) -> tuple[str, bool, int]:
@@ -385,18 +396,31 @@ def fused_check(decode: str, device: torch.device, seed: int = 1234) -> str | No
     return None
 
 
+def wide_rows(rows: int) -> bool:
+    """Whether a dense decode stream of ``rows`` rows takes the wide row class's choice (``WIDE_ROWS_MIN``)."""
+    return WIDE_ROWS_CLASS and tuning_cache.small_rows_class() and rows >= WIDE_ROWS_MIN
+
+
+def decode_key(weight_shape, block: int, rows: int) -> tuple:
+    """``LINEAR_DECODE_TUNER``'s key for a call of ``rows`` rows: (shape, block), and the wide class's tuning rows
+    after them for a wide call."""
+    return (tuple(weight_shape), block) + ((LINEAR_WIDE_TUNE_ROWS,) if wide_rows(rows) else ())
+
+
 def _stream_decode(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int, out: torch.Tensor) -> str:
-    """``LINEAR_DECODE_TUNER``'s choice for this weight shape (timed on ``LINEAR_TUNE_ROWS`` rows whatever the
-    call's size, on its first call)."""
+    """``LINEAR_DECODE_TUNER``'s choice for this weight shape and the call's row class (timed on
+    ``LINEAR_TUNE_ROWS`` rows, or ``LINEAR_WIDE_TUNE_ROWS`` for a wide call, whatever the call's size, on the
+    class's first call)."""
     made = {}
+    tune_rows = LINEAR_WIDE_TUNE_ROWS if wide_rows(x2.shape[0]) else LINEAR_TUNE_ROWS
 
     def tuning_run(d: str) -> torch.Tensor:
         if not made:
             g = torch.Generator(device=x2.device).manual_seed(0)
-            made["x"] = torch.randn(LINEAR_TUNE_ROWS, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
-            made["out"] = torch.empty(LINEAR_TUNE_ROWS, weight.shape[0], dtype=out.dtype, device=x2.device)
+            made["x"] = torch.randn(tune_rows, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
+            made["out"] = torch.empty(tune_rows, weight.shape[0], dtype=out.dtype, device=x2.device)
         return _linear_splitk(made["x"], weight, ws, block, made["out"], d)
-    return LINEAR_DECODE_TUNER.pick((tuple(weight.shape), block), tuning_run, x2.device)
+    return LINEAR_DECODE_TUNER.pick(decode_key(weight.shape, block, x2.shape[0]), tuning_run, x2.device)
 
 
 def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int,
@@ -434,7 +458,7 @@ def _linear_splitk(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
             return out
         return stream_guard.with_fallback(x2.device, decode, gemv,
                                           lambda: _linear_splitk(x2, weight, ws, block, out, "registers"))
-    if decode is None:  # measured per weight shape (not per row count: rows stay batch-invariant)
+    if decode is None:  # measured per weight shape and row class (5-64, 65+; a row's bits the same within a class)
         decode = _stream_decode(x2, weight, ws, block, out)
 
     def run(dec: str) -> torch.Tensor:

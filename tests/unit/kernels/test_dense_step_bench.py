@@ -39,7 +39,9 @@ def test_dense_step_smoke_linear(tmp_path):
     _check_linear_rows(rows)
     assert not [r for r in rows if r.get("shape") == "step attention"]
     table = (tmp_path / "dense_step_v41.md").read_text()
-    assert "## Step sums" in table and "| toy b | tuner |" in table
+    assert "## Step sums" in table and "| toy b | tuner (32 rows) |" in table
+    # the smoke's row counts (5, 33) are all in the 5-64-row class: one tuner row, for that class
+    assert [r.get("tuner_rows") for r in rows if r.get("rows") == "tuner"] == [32]
 
 
 @pytest.mark.slow

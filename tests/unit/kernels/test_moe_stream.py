@@ -210,6 +210,37 @@ def test_decode_tuners_time_a_fixed_batch(kernel_device, monkeypatch):
     assert seen["linear"].shape == (gemm_mx.LINEAR_TUNE_ROWS, 64)
 
 
+def test_wide_calls_have_their_own_linear_class(kernel_device, monkeypatch):
+    """A dense decode call of ``WIDE_ROWS_MIN`` rows or more asks ``LINEAR_DECODE_TUNER`` under its own key, timed
+    on ``LINEAR_WIDE_TUNE_ROWS`` rows; a narrower call under the shape's key on ``LINEAR_TUNE_ROWS`` rows; with the
+    row classes off (batch invariance) every call takes the shape's key."""
+    from redknot.kernels import tuning_cache
+    from redknot.kernels.triton import _common
+    seen = []
+
+    class Recorder(_common.ConfigTuner):
+        def pick(self, key, run, device):
+            seen.append((key, run(self.candidates[0]).shape[0]))
+            return self.candidates[0]
+    monkeypatch.setattr(gemm_mx, "LINEAR_DECODE_TUNER", Recorder("linear", gemm_mx.LINEAR_DECODE_TUNER.candidates))
+    wl, wls = mx.quant_fp8_blocks(torch.randn(64, 96, device=kernel_device), 32)
+    before = tuning_cache.small_rows_class()
+    try:
+        for rows in (gemm_mx.WIDE_ROWS_MIN - 1, gemm_mx.WIDE_ROWS_MIN):
+            x = torch.randn(rows, 96, device=kernel_device).to(torch.bfloat16)
+            got = gemm_mx.linear_mx(x, wl, wls, 32, path="splitk")
+            want = ref_v41.linear_mx(x, wl, wls, 32)
+            assert ((got.float() - want.float()).abs() <= 2e-2 * want.float().abs().max()).all()
+        tuning_cache.use_small_rows_class(False)
+        gemm_mx.linear_mx(torch.randn(gemm_mx.WIDE_ROWS_MIN, 96, device=kernel_device).to(torch.bfloat16), wl, wls,
+                          32, path="splitk")
+    finally:
+        tuning_cache.use_small_rows_class(before)
+    shape = ((64, 96), 32)
+    assert seen == [(shape, gemm_mx.LINEAR_TUNE_ROWS), (shape + (gemm_mx.LINEAR_WIDE_TUNE_ROWS,),
+                                                        gemm_mx.LINEAR_WIDE_TUNE_ROWS), (shape, gemm_mx.LINEAR_TUNE_ROWS)]
+
+
 # ``fp8h`` (``moe_stream_fp8h``): hidden and intermediate sizes multiples of 128 (4 groups per loop step);
 # 384 hidden with 256 columns leaves column blocks partly past N (the masked loads)
 HALVES_DIMS = V41Dims(hidden=256, experts=5, topk_experts=2, moe_inter=128, tokens=9)
