@@ -112,8 +112,7 @@ def linear_rows(shapes, rows_list, decodes, device, reps: int, hbm: float, deadl
                 out.append(row)
                 print(json.dumps(row), flush=True)
         del extra
-        for r in sorted({32} | {gemm_mx.LINEAR_WIDE_TUNE_ROWS for m in rows_list if gemm_mx.wide_rows(m)}):
-            # the tuner's row classes the row counts ask: 32 (5-64 rows), and the wide class's tuning rows
+        for r in sorted({gemm_mx.tune_rows(m) for m in rows_list}):   # the tuner's classes the row counts ask
             row = {"shape": name, "N": n, "K": k, "rows": "tuner", "tuner_rows": r, "per_step": per_step,
                    "decode_errors": {str(a): b for a, b in stream_guard.DECODE_ERRORS.items()}}
             try:
@@ -305,9 +304,9 @@ def summary(rows, rows_list, earlier) -> list:
             by.setdefault((r["rows"], r["shape"]), []).append(r)
     from redknot.kernels.triton import gemm_mx
 
-    choice = {(r["shape"], r.get("tuner_rows", 32)): r.get("choice") for r in rows if r.get("rows") == "tuner"}
+    choice = {(r["shape"], r["tuner_rows"]): r.get("choice") for r in rows if r.get("rows") == "tuner"}
     for m in rows_list:
-        cls = gemm_mx.LINEAR_WIDE_TUNE_ROWS if gemm_mx.wide_rows(m) else 32
+        cls = gemm_mx.tune_rows(m)
         old = new = tuned = 0.0
         for (mm, shape), rs in by.items():
             if mm != m:
@@ -377,7 +376,7 @@ def main(argv=None) -> int:
              "| shape | rows | decode | ms | % of floor | rel err | fused == two launches |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("rows") == "tuner":
-            lines.append(f"| {r['shape']} | tuner ({r.get('tuner_rows', 32)} rows) | {r.get('choice')} | | | | |")
+            lines.append(f"| {r['shape']} | tuner ({r['tuner_rows']} rows) | {r.get('choice')} | | | | |")
         elif r.get("status") == "ok":
             lines.append(f"| {r['shape']} | {r['rows']} | {r.get('decode', r.get('variant'))} | {r['ms']:.4f} | "
                          f"{r['floor_pct']:.1f} | {r.get('rel_err', float('nan')):.2e} | "

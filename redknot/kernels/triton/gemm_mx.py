@@ -401,10 +401,16 @@ def wide_rows(rows: int) -> bool:
     return WIDE_ROWS_CLASS and tuning_cache.small_rows_class() and rows >= WIDE_ROWS_MIN
 
 
+def tune_rows(rows: int) -> int:
+    """The rows ``LINEAR_DECODE_TUNER`` times its candidates on for a call of ``rows`` rows (its row class)."""
+    return LINEAR_WIDE_TUNE_ROWS if wide_rows(rows) else LINEAR_TUNE_ROWS
+
+
 def decode_key(weight_shape, block: int, rows: int) -> tuple:
     """``LINEAR_DECODE_TUNER``'s key for a call of ``rows`` rows: (shape, block), and the wide class's tuning rows
     after them for a wide call."""
-    return (tuple(weight_shape), block) + ((LINEAR_WIDE_TUNE_ROWS,) if wide_rows(rows) else ())
+    t = tune_rows(rows)
+    return (tuple(weight_shape), block) + ((t,) if t != LINEAR_TUNE_ROWS else ())
 
 
 def _stream_decode(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, block: int, out: torch.Tensor) -> str:
@@ -412,13 +418,13 @@ def _stream_decode(x2: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, blo
     ``LINEAR_TUNE_ROWS`` rows, or ``LINEAR_WIDE_TUNE_ROWS`` for a wide call, whatever the call's size, on the
     class's first call)."""
     made = {}
-    tune_rows = LINEAR_WIDE_TUNE_ROWS if wide_rows(x2.shape[0]) else LINEAR_TUNE_ROWS
+    m = tune_rows(x2.shape[0])
 
     def tuning_run(d: str) -> torch.Tensor:
         if not made:
             g = torch.Generator(device=x2.device).manual_seed(0)
-            made["x"] = torch.randn(tune_rows, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
-            made["out"] = torch.empty(tune_rows, weight.shape[0], dtype=out.dtype, device=x2.device)
+            made["x"] = torch.randn(m, x2.shape[1], generator=g, device=x2.device).to(x2.dtype)
+            made["out"] = torch.empty(m, weight.shape[0], dtype=out.dtype, device=x2.device)
         return _linear_splitk(made["x"], weight, ws, block, made["out"], d)
     return LINEAR_DECODE_TUNER.pick(decode_key(weight.shape, block, x2.shape[0]), tuning_run, x2.device)
 
