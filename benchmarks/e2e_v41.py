@@ -155,6 +155,9 @@ def main(argv=None) -> dict:
                     help="rows up to which a step runs the fused projection and MoE launches (step_proj_v41 / "
                          "step_moe_v41 MAX_ROWS, default theirs: 16; at most 32); above it each linear is its own "
                          "weight stream. Changes a row's bits at the row counts it moves, so compare times, not outputs")
+    ap.add_argument("--side-stream-tokens", type=int, default=0,
+                    help="graph decode: also capture each step with the side stream on for up to this many rows "
+                         "(hardware.side_stream_max_tokens) and time it against the one-stream graph (0: not)")
     ap.add_argument("--budget-s", type=float, default=320.0,
                     help="skip a prefill/decode case whose projected end passes this many seconds")
     ap.add_argument("--log-level", default=None, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -180,6 +183,8 @@ def main(argv=None) -> dict:
     backend = a.backend or ("reference" if a.smoke else "triton")
     if a.smoke and backend == "triton":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.side_stream_tokens < 0:
+        ap.error(f"--side-stream-tokens must be >= 0 (0: one stream), got {a.side_stream_tokens}")
     if a.step_rows is not None:   # after TRITON_INTERPRET: the import compiles nothing before it
         if not 1 <= a.step_rows <= STEP_ROWS_MAX:
             ap.error(f"--step-rows must be 1..{STEP_ROWS_MAX}, got {a.step_rows} (at 128 rows a fused launch needs "
@@ -196,6 +201,7 @@ def main(argv=None) -> dict:
     print(f"weights {wbytes / 2**30:.2f} GiB ({time.perf_counter() - t_start:.1f} s)")
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "smoke": a.smoke,
               "ops": ops.choice, "weights_gib": wbytes / 2**30, "step_rows": a.step_rows,
+              "side_stream_tokens": a.side_stream_tokens,
               "cut": "L0 ratio-2 kv/index source + Engram, L1 ratio-2 consumer, L2 ratio-1 candidate source, "
                      "L3 ratio-1 consumer, L4 candidate index source; 384 experts top-6" if not a.smoke else "toy",
               "ceilings": {"fp8_flops": H200_FP8_FLOPS, "bytes_per_s": H200_BYTES_PER_S},

@@ -15,14 +15,17 @@ print = functools.partial(print, flush=True)  # progress unbuffered
 
 
 def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, profile_steps: int = 20,
-                 profile_replay: bool = True) -> dict:
+                 profile_replay: bool = True, side_tokens: int = 0) -> dict:
     """Decode of sequences 0..bs-1 through the tensor-only step (``deepseek_v41/tensor_step.py``): captured
     in a CUDA graph and replayed on a GPU, run as is on a CPU. The step's attention, indexer and
     compressor are PyTorch math (the registry's attention ops take host spans); linears and the MoE
     go through the registry. Parity: the replay against an eager step of the same rows (position-
     addressed writes, so running both at one position is harmless). ``profile``: also where the step's
     device time goes, ``profile_steps`` eager steps and as many replays under torch.profiler, against the
-    replay's wall time (``step_profile_v41.step_views``; the replays only with ``profile_replay``)."""
+    replay's wall time (``step_profile_v41.step_views``; the replays only with ``profile_replay``).
+    ``side_tokens`` > 0 (a GPU): the same step captured again with ``redknot.step.overlap``'s side stream on for
+    up to that many rows (``hardware.side_stream_max_tokens``), its output compared bit for bit with the one-stream
+    replay's, and both graphs timed in alternation (the best of three rounds each)."""
     from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
 
     dev = b.model.device
@@ -59,6 +62,7 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, p
                 tensor_forward(b.model, step, b.state)
         sync(device)
         ms = (time.perf_counter() - t) / steps * 1e3
+        side = _side_stream_ab(b, step, graph, got, steps, side_tokens) if side_tokens and graph is not None else {}
         views = None
         if profile:
             def eager():
@@ -69,7 +73,39 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, p
     except RuntimeError as exc:   # capture refused (a host sync in a routed op) or out of memory
         return {"graph": f"failed: {str(exc).splitlines()[0][:200]}"}
     return {"graph": "captured" if device.type == "cuda" else "tensor-only step, not captured (CPU)",
-            "graph_ms_per_step": ms, "graph_rel_err": rel, **({"step_views": views} if views else {})}
+            "graph_ms_per_step": ms, "graph_rel_err": rel, **side, **({"step_views": views} if views else {})}
+
+
+def _side_stream_ab(b: Batch, step, graph, got: torch.Tensor, steps: int, side_tokens: int) -> dict:
+    """The step captured with the side stream on (``graph_decode``'s ``side_tokens``) against ``graph``."""
+    from redknot.models.deepseek_v41.tensor_step import tensor_forward
+    from redknot.step.overlap import side_stream_max_tokens, use_side_stream
+
+    before = side_stream_max_tokens()
+    use_side_stream(side_tokens)
+    try:
+        tensor_forward(b.model, step, b.state)     # eager once on two streams (position-addressed writes)
+        torch.cuda.synchronize()
+        side = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(side):
+            out = tensor_forward(b.model, step, b.state)
+    finally:
+        use_side_stream(before)
+    side.replay()
+    torch.cuda.synchronize()
+    same = bool(torch.equal(out.float(), got))
+    best = {"one": float("inf"), "side": float("inf")}
+    for _ in range(3):
+        for name, g in (("one", graph), ("side", side)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                g.replay()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t) / steps * 1e3)
+    del side, out
+    return {"side_stream_tokens": side_tokens, "side_stream_same_bits": same,
+            "one_stream_best_ms": best["one"], "side_stream_best_ms": best["side"]}
 
 
 def decode_rows(a, report: dict, b: Batch, ctx: int, eager: bool, *, cfg, ops, device, batches: list[int],
@@ -100,7 +136,8 @@ def decode_rows(a, report: dict, b: Batch, ctx: int, eager: bool, *, cfg, ops, d
                                      "fraction_of_floor": floor_ms / ms})
         if a.decode_graphs and not over_budget(10 + a.decode_steps * bs * 0.01):
             g = graph_decode(b, bs, a.decode_steps, device, profile=not a.skip_profile,
-                             profile_steps=a.profile_steps, profile_replay=not a.skip_replay_profile)
+                             profile_steps=a.profile_steps, profile_replay=not a.skip_replay_profile,
+                             side_tokens=a.side_stream_tokens)
             report["decode"][-1].update(g)
             if "graph_ms_per_step" in g:
                 print(f"decode ctx {ctx} batch {bs}: {g['graph_ms_per_step']:.2f} ms/step {g['graph']} "
@@ -108,6 +145,11 @@ def decode_rows(a, report: dict, b: Batch, ctx: int, eager: bool, *, cfg, ops, d
                       f"eager {g['graph_rel_err']:.2e}")
             else:
                 print(f"decode ctx {ctx} batch {bs}: graph {g['graph']}")
+            if "side_stream_best_ms" in g:
+                print(f"decode ctx {ctx} batch {bs}: side stream (up to {g['side_stream_tokens']} rows) "
+                      f"{g['side_stream_best_ms']:.3f} ms/step ({100 * floor_ms / g['side_stream_best_ms']:.1f} %) "
+                      f"against one stream {g['one_stream_best_ms']:.3f} ({100 * floor_ms / g['one_stream_best_ms']:.1f}"
+                      f" %), best of 3 alternating rounds; same bits: {g['side_stream_same_bits']}")
             for view, v in g.get("step_views", {}).items():
                 print(f"decode ctx {ctx} batch {bs}: {view} profile: " + (v["error"] if "error" in v else
                       f"{v['launches_per_step']:.0f} launches/step, busy {v['busy_ms_per_step']:.3f} ms/step, "

@@ -54,7 +54,8 @@ GPU_TESTS_REST=(tests/unit/kernels/test_v4_attention_prefill.py
   tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
   tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
-  tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py)
+  tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py
+  tests/unit/model/v41_forward/test_v41_side_stream.py)
 # (tests/unit/kernels/test_v41_indexer_stream.py is the `indexer_tests` stage: with it this list did not finish in
 # 557 s on an H100, 2026-12-07)
 GPU_TESTS=("${GPU_TESTS_FIRST[@]}" "${GPU_TESTS_REST[@]}" tests/unit/kernels/test_v41_indexer_stream.py)
@@ -77,8 +78,10 @@ for s in "${STAGES[@]}"; do
   case $s in
     decode)  # V4.1 decode in CUDA graphs on a synthetic state, per-kernel step profile
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
-        --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --budget-s B \
+        --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --side-stream-tokens ${SIDE_TOKENS:-128} --budget-s B \
         --log-level INFO ;;
+    side_tests)  # the side stream's GPU tests (a graph of two streams; the toy cut's step on two streams, same bits)
+      stage side_tests 240 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py ;;
     step_rows)  # b32 decode with the step's fused projection / MoE launches up to 32 rows (default 16): the `decode`
       # stage's b32 row is the comparison (DECODE_BATCHES=32 in the same call; H100 run 10: 6.88 against 6.72 ms)
       stage step_rows 200 python3 benchmarks/e2e_v41.py --out "$OUT/step_rows" --prefill '' --decode-context 8192 \
@@ -156,7 +159,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip ${V4_CUT_SKIP:-tiny,truth,parity} ${V4_CUT_ARGS:-} --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode step_rows tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
+    *) echo "unknown stage '$s'; stages: decode side_tests step_rows tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac

@@ -245,6 +245,12 @@ def hardware_facts(cfg: RedKnotConfig) -> List[Violation]:
                                "compute capabilities apply to hardware.accelerator=cuda only"))
     if hw.cuda_graph_max_len < 1:
         found.append(Violation("hardware.cuda_graph_max_len", hw.cuda_graph_max_len, "must be >= 1"))
+    if hw.side_stream_max_tokens < 0:
+        found.append(Violation("hardware.side_stream_max_tokens", hw.side_stream_max_tokens,
+                               "must be >= 0 (0 keeps one stream)"))
+    if hw.side_stream_max_tokens > 0 and hw.accelerator != Accelerator.cuda:
+        found.append(Violation("hardware.side_stream_max_tokens", hw.side_stream_max_tokens,
+                               f"a side stream needs hardware.accelerator=cuda (is {hw.accelerator.value}); use 0"))
     if hw.cuda_graphs and hw.accelerator != Accelerator.cuda:
         found.append(Violation("hardware.cuda_graphs", True,
                                f"needs hardware.accelerator=cuda (is {hw.accelerator.value})"))

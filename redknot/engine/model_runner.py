@@ -25,6 +25,7 @@ from redknot.models.family import ExpertRows, ModelFamily
 from redknot.sample import Sampler, SamplingRow
 from redknot.speculative.dspark import DSparkSpeculator
 from redknot.speculative.replay import CompactReplay
+from redknot.step.overlap import use_side_stream
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class ModelRunner:
         # switch is process-wide and engines may share a process (mode=compare, tests): each applies its own
         # before every step, graph capture and profile (``_own_kernel_switches``), not only here.
         self._small_rows_class = not (features.batch_invariant.enabled or features.deterministic)
+        self._side_stream_tokens = hardware.side_stream_max_tokens if device.type == "cuda" else 0
         self._own_kernel_switches()
         self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
                                         expert_rows=expert_rows)
@@ -139,6 +141,7 @@ class ModelRunner:
 
     def _own_kernel_switches(self) -> None:
         use_small_rows_class(self._small_rows_class)
+        use_side_stream(self._side_stream_tokens)
 
     @property
     def padding_slot(self) -> int:

@@ -19,6 +19,7 @@ from redknot.models.deepseek_v41.ref_math import (
     linear,
     topk_ids,
 )
+from redknot.step.overlap import beside, concurrent
 
 
 def route(u: torch.Tensor, w: Weights, prefix: str, cfg, acc: torch.dtype):
@@ -98,12 +99,12 @@ def moe_post(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics, mix) -
 
     if u.shape[0] <= MAX_ROWS:
         return None
-    ids, weights = route(u, w, prefix, cfg, num.acc)
-    routed = ops.moe(u, ids, weights, w, prefix, cfg, num)
+    sp = f"{prefix}.shared_experts"
+    routed, shared = beside(u, lambda: ops.moe(u, *route(u, w, prefix, cfg, num.acc), w, prefix, cfg, num),
+                            lambda: linear(swiglu_act(u, w, sp, num, cfg.swiglu_limit, None), w, f"{sp}.w2.weight",
+                                           num))
     if routed is None:
         return None
-    sp = f"{prefix}.shared_experts"
-    shared = linear(swiglu_act(u, w, sp, num, cfg.swiglu_limit, None), w, f"{sp}.w2.weight", num)
     if routed.dtype == shared.dtype == num.dtype and routed.stride(-1) == 1 and shared.stride(-1) == 1:
         from redknot.kernels.triton.prefill_rows_v41 import add_post
 
@@ -134,10 +135,16 @@ def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,
         out = routed.to(num.acc) + swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
         return out.to(num.dtype)
     ops = ops_of(w)
-    routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)
+    routed = shared = None
+    if ops is not None and concurrent(u):   # the shared expert on the side stream next to the routed experts
+        routed, shared = beside(u, lambda: ops.moe(u, ids, weights, w, prefix, cfg, num),
+                                lambda: swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None))
+    elif ops is not None:
+        routed = ops.moe(u, ids, weights, w, prefix, cfg, num)
     if routed is not None:  # MXFP4 experts through the registry's grouped kernel
-        out = routed.to(num.acc) + swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
-        return out.to(num.dtype)
+        if shared is None:
+            shared = swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
+        return (routed.to(num.acc) + shared).to(num.dtype)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=cfg.n_routed_experts).tolist()

@@ -49,6 +49,7 @@ from redknot.models.deepseek_v41.mhc import hc_collapse, hc_expand, hc_mixes, on
 from redknot.models.deepseek_v41.moe import moe_post, moe_step_kernels, route, swiglu_expert
 from redknot.models.deepseek_v41.ref_math import linear, rms_norm
 from redknot.models.deepseek_v41.tensor_step_sources import _compress, _index, step_kernels
+from redknot.step.overlap import beside
 
 
 @dataclass
@@ -360,8 +361,8 @@ def _moe(u: torch.Tensor, w, layer: int, cfg, num, mix=None):
 def _moe_unfused(u: torch.Tensor, w, prefix: str, cfg, num) -> torch.Tensor:
     ids, weights = route(u, w, prefix, cfg, num.acc)
     ops = ops_of(w)
-    routed = None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num)
-    shared = swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
+    routed, shared = beside(u, lambda: None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num),
+                            lambda: swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None))
     if routed is not None:
         return (routed.to(num.acc) + shared).to(num.dtype)
     out = torch.zeros(u.shape[0], cfg.dim, dtype=num.acc, device=u.device)

@@ -130,6 +130,15 @@ def test_cuda_only_hardware_facts():
         'hardware.compute_capability=["sm90"]: entry \'sm90\' must look like \'9.0\' or \'10.\' (a major.minor prefix)']
 
 
+def test_side_stream_tokens_are_a_count_on_cuda_only():
+    assert check(hardware__side_stream_max_tokens=-1) == [
+        "hardware.side_stream_max_tokens=-1: must be >= 0 (0 keeps one stream)"]
+    assert check(hardware__side_stream_max_tokens=64) == [
+        "hardware.side_stream_max_tokens=64: a side stream needs hardware.accelerator=cuda (is cpu); use 0"]
+    assert check(hardware__accelerator=Accelerator.cuda, hardware__side_stream_max_tokens=64) == []
+    assert check(hardware__side_stream_max_tokens=0) == []
+
+
 def test_max_new_tokens_entries_must_name_datasets(resolved):
     found = violations(resolved, "+suite.max_new_tokens.hotpot_qa=64")
     assert len(found) == 1 and "has entries ['hotpot_qa'] that name no dataset" in found[0]
