@@ -53,18 +53,21 @@ def as_i32(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceCounters:
-    """Zeroed int32 counters, one set per device, for launches whose last program of a block is found by an
-    acquire-release counter (each launch leaves its counters zero again). The launches that share a set must run
-    one after another on one stream. A set is kept for the process, and so is every set a larger one replaced: a
-    CUDA graph captured with it may still replay it. ``counters(device, n)`` returns at least ``n`` of them."""
+    """Zeroed int32 counters, one set per device and stream, for launches whose last program of a block is found
+    by an acquire-release counter (each launch leaves its counters zero again). The launches that share a set run
+    one after another on their stream; a launch on another stream (``redknot.step.overlap``'s side stream, a graph
+    capture's stream) gets a set of its own, so two streams never count into the same words. A set is kept for the
+    process, and so is every set a larger one replaced: a CUDA graph captured with it may still replay it.
+    ``counters(device, n)`` returns at least ``n`` of them for the device's current stream."""
 
     def __init__(self, minimum: int):
         self.minimum = minimum
-        self.sets: Dict[Tuple[str, Any], torch.Tensor] = {}
+        self.sets: Dict[Tuple[str, Any, int], torch.Tensor] = {}
         self.outgrown: List[torch.Tensor] = []
 
     def __call__(self, device: torch.device, n: int) -> torch.Tensor:
-        key = (device.type, device.index)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (device.type, device.index, stream)
         c = self.sets.get(key)
         if c is None or c.numel() < n:
             if c is not None:

@@ -131,3 +131,18 @@ def test_gpu_v41_cut_step_on_two_streams_equals_one_stream(monkeypatch):
     assert torch.equal(e0, e1) and torch.equal(g0, g1)
     for x, y, z in zip(s0.tensors(), s1.tensors(), t1.tensors()):
         assert torch.equal(x, y) and torch.equal(x, z)
+
+
+@pytest.mark.gpu
+def test_gpu_each_stream_counts_into_its_own_counters():
+    """The last-program counters of the fused launches: a launch on the side stream never shares the words of a
+    launch on the current stream (both may run at once)."""
+    _needs_cuda()
+    from redknot.kernels.triton._common import DeviceCounters
+
+    counters, dev = DeviceCounters(8), torch.device("cuda")
+    here = counters(dev, 4)
+    overlap.use_side_stream(8)
+    with torch.cuda.stream(overlap._side(dev)):
+        there = counters(dev, 4)
+    assert there.data_ptr() != here.data_ptr() and counters(dev, 4) is here
