@@ -404,11 +404,15 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared, mix=None):
 
 
 def _q_kv(layer, u: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, tables):
-    """(qr, q, kv) through ``linear`` and the row functions (``fused_rows.q_kv_rows`` does not apply)."""
+    """(qr, q, kv) through ``linear`` and the row functions (``fused_rows.q_kv_rows`` does not apply); ``wkv``
+    on the side stream next to the q chain (``redknot.step.overlap``, where it is on)."""
     cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
-    qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
-    q = linear(qr, w, f"{p}.wq_b.weight", num).view(u.shape[0], cfg.n_heads, cfg.head_dim)
-    kv = linear(u, w, f"{p}.wkv.weight", num)
+
+    def q_chain():
+        qr = fused_rows.norm(linear(u, w, f"{p}.wq_a.weight", num), w, f"{p}.q_norm.weight", cfg.norm_eps)
+        return qr, linear(qr, w, f"{p}.wq_b.weight", num).view(u.shape[0], cfg.n_heads, cfg.head_dim)
+
+    (qr, q), kv = beside(u, q_chain, lambda: linear(u, w, f"{p}.wkv.weight", num))
     got = _rope_q_kv(w, q, kv, pos, inv, tables, f"{p}.kv_norm.weight", cfg.norm_eps)
     if got is not None:   # both row epilogues in one launch (the bits of the two below)
         return (qr, *got)
