@@ -28,6 +28,7 @@ B = TypeVar("B")
 
 _max_tokens = 0
 _streams: dict[int, torch.cuda.Stream] = {}
+_open = 0   # beside() calls under way: one inside another's branch runs in order (one side stream per device)
 
 
 def use_side_stream(max_tokens: int) -> None:
@@ -51,23 +52,28 @@ def _side(device: torch.device) -> torch.cuda.Stream:
 
 
 def concurrent(x: torch.Tensor) -> bool:
-    """Whether :func:`beside` would fork for a step whose rows are ``x``'s first dimension."""
-    return bool(_max_tokens) and x.is_cuda and 0 < x.shape[0] <= _max_tokens
+    """Whether :func:`beside` would fork for a step whose rows are ``x``'s first dimension (never inside the
+    branch of another fork: its side stream is the same stream, so a nested fork would only add waits)."""
+    return bool(_max_tokens) and not _open and x.is_cuda and 0 < x.shape[0] <= _max_tokens
 
 
 def beside(x: torch.Tensor, main: Callable[[], A], side: Callable[[], B]) -> tuple[A, B]:
     """(main(), side()): ``side`` on the side stream next to ``main`` where :func:`concurrent` holds for the
     step rows ``x``, else both in order on the current stream. Both must only read tensors that live until
-    this returns (their arguments) and must not depend on each other."""
+    this returns (their arguments) and must not depend on each other: neither may read what the other writes or
+    creates (a lazily made per-step tensor included) before the join."""
+    global _open
     if not concurrent(x):
         return main(), side()
     current = torch.cuda.current_stream(x.device)
     stream = _side(x.device)
     stream.wait_stream(current)          # fork: the side branch starts after everything queued so far
+    _open += 1
     try:
         with torch.cuda.stream(stream):
             b = side()
         a = main()
     finally:
+        _open -= 1
         current.wait_stream(stream)      # join: what follows on the current stream sees the side's writes
     return a, b

@@ -381,19 +381,26 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared, mix=None):
     """The attention sublayer's output [T, D]; with ``mix`` (grouped_output's) the pair (out, mixed)."""
     cfg, w, num, p = layer.cfg, layer.w, layer.num, layer.p
     pos = rows.pos
-    with region("attn.q_kv"):
-        inv = _shared_inv(layer, u)
-        index = cfg.is_index_source(layer.layer)
-        pack = step_kernels(w) and state.windows[layer.layer].shape[-1] == mx.window_row_bytes(cfg.head_dim)
-        got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, inv, shared["rope"], index, pack)   # few rows: 4 launches
-        if got is None:
-            got = (*_q_kv(layer, u, pos, inv, shared["rope"]), None, None)
-        qr, q, kv, shared["index_q"], packed = got
-        if packed is not None:   # kv's window rows, quantised by the kv epilogue (_attend_kernel's insert)
-            rows._memo[("packed", id(kv))] = packed
-    if cfg.is_kv_source(layer.layer):
+    inv = _shared_inv(layer, u)
+
+    def q_kv():
+        with region("attn.q_kv"):
+            index = cfg.is_index_source(layer.layer)
+            pack = step_kernels(w) and state.windows[layer.layer].shape[-1] == mx.window_row_bytes(cfg.head_dim)
+            # few rows: 4 launches
+            got = fused_rows.q_kv_rows(u, w, p, cfg, num, pos, inv, shared["rope"], index, pack)
+            return got if got is not None else (*_q_kv(layer, u, pos, inv, shared["rope"]), None, None)
+
+    def compress():   # the kv source's compressor reads u and writes its source's state only
         with region("compressor"):
             _compress(layer, u, rows, state)
+
+    # a kv source's compressor on the side stream next to the projections (redknot.step.overlap, where it is on;
+    # elsewhere wkv takes the side stream next to the q chain in _q_kv)
+    got = beside(u, q_kv, compress)[0] if cfg.is_kv_source(layer.layer) else q_kv()
+    qr, q, kv, shared["index_q"], packed = got
+    if packed is not None:   # kv's window rows, quantised by the kv epilogue (_attend_kernel's insert)
+        rows._memo[("packed", id(kv))] = packed
     if cfg.is_index_source(layer.layer):
         with region("indexer"):
             _index(layer, u, qr, rows, state, shared)

@@ -146,3 +146,22 @@ def test_gpu_each_stream_counts_into_its_own_counters():
     with torch.cuda.stream(overlap._side(dev)):
         there = counters(dev, 4)
     assert there.data_ptr() != here.data_ptr() and counters(dev, 4) is here
+
+
+@pytest.mark.gpu
+def test_gpu_a_fork_inside_a_branch_runs_in_order():
+    """Inside either branch of a fork a second beside() does not fork (the side stream is one per device): its
+    parts run on the branch's own stream."""
+    _needs_cuda()
+    x = torch.ones(8, 8, device="cuda")
+    overlap.use_side_stream(8)
+    seen = []
+
+    def branch():
+        seen.append((overlap.concurrent(x), torch.cuda.current_stream().cuda_stream))
+        return x + 1
+
+    overlap.beside(x, branch, branch)
+    side = overlap._side(x.device).cuda_stream
+    assert [c for c, _ in seen] == [False, False] and sorted(s == side for _, s in seen) == [False, True]
+    assert overlap.concurrent(x)
