@@ -34,10 +34,17 @@ def test_cpu_rows_run_in_order_on_one_stream():
 
 def test_engine_applies_its_hardware_value_per_step(tmp_path):
     """The runner owns the process-wide switch: off the GPU it keeps one stream whatever another engine set."""
-    from redknot.bench.typed import load_yaml_option
-    from redknot.config.schema import EngineConfig, FeaturesConfig, HardwareConfig, ModelConfig, SchedulerConfig
-    from redknot.engine import LLM
     from pathlib import Path
+
+    from redknot.bench.typed import load_yaml_option
+    from redknot.config.schema import (
+        EngineConfig,
+        FeaturesConfig,
+        HardwareConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
+    from redknot.engine import LLM
 
     conf = Path(__file__).resolve().parents[4] / "conf" / "model" / "tiny-v41.yaml"
     model = load_yaml_option(conf, ModelConfig)
@@ -88,6 +95,40 @@ def test_gpu_beside_in_a_graph_equals_the_parts_in_order():
 
 
 @pytest.mark.gpu
+def test_gpu_each_stream_counts_into_its_own_counters():
+    """The last-program counters of the fused launches: a launch on the side stream never shares the words of a
+    launch on the current stream (both may run at once)."""
+    _needs_cuda()
+    from redknot.kernels.triton._common import DeviceCounters
+
+    counters, dev = DeviceCounters(8), torch.device("cuda")
+    here = counters(dev, 4)
+    overlap.use_side_stream(8)
+    with torch.cuda.stream(overlap._side(dev)):
+        there = counters(dev, 4)
+    assert there.data_ptr() != here.data_ptr() and counters(dev, 4) is here
+
+
+@pytest.mark.gpu
+def test_gpu_a_fork_inside_a_branch_runs_in_order():
+    """Inside either branch of a fork a second beside() does not fork (the side stream is one per device): its
+    parts run on the branch's own stream."""
+    _needs_cuda()
+    x = torch.ones(8, 8, device="cuda")
+    overlap.use_side_stream(8)
+    seen = []
+
+    def branch():
+        seen.append((overlap.concurrent(x), torch.cuda.current_stream().cuda_stream))
+        return x + 1
+
+    overlap.beside(x, branch, branch)
+    side = overlap._side(x.device).cuda_stream
+    assert [c for c, _ in seen] == [False, False] and sorted(s == side for _, s in seen) == [False, True]
+    assert overlap.concurrent(x)
+
+
+@pytest.mark.gpu
 def test_gpu_v41_cut_step_on_two_streams_equals_one_stream(monkeypatch):
     """e2e_v41's toy cut on the GPU, every op on its Triton kernel, 24 decode rows (above the step kernels' 16:
     the MoE runs route + routed experts and the shared expert as separate launches): the tensor step with the side
@@ -129,39 +170,5 @@ def test_gpu_v41_cut_step_on_two_streams_equals_one_stream(monkeypatch):
     assert overlap._streams, "the side stream never forked"
     (e0, g0, s0, t0), (e1, g1, s1, t1) = runs[0], runs[64]
     assert torch.equal(e0, e1) and torch.equal(g0, g1)
-    for x, y, z in zip(s0.tensors(), s1.tensors(), t1.tensors()):
-        assert torch.equal(x, y) and torch.equal(x, z)
-
-
-@pytest.mark.gpu
-def test_gpu_each_stream_counts_into_its_own_counters():
-    """The last-program counters of the fused launches: a launch on the side stream never shares the words of a
-    launch on the current stream (both may run at once)."""
-    _needs_cuda()
-    from redknot.kernels.triton._common import DeviceCounters
-
-    counters, dev = DeviceCounters(8), torch.device("cuda")
-    here = counters(dev, 4)
-    overlap.use_side_stream(8)
-    with torch.cuda.stream(overlap._side(dev)):
-        there = counters(dev, 4)
-    assert there.data_ptr() != here.data_ptr() and counters(dev, 4) is here
-
-
-@pytest.mark.gpu
-def test_gpu_a_fork_inside_a_branch_runs_in_order():
-    """Inside either branch of a fork a second beside() does not fork (the side stream is one per device): its
-    parts run on the branch's own stream."""
-    _needs_cuda()
-    x = torch.ones(8, 8, device="cuda")
-    overlap.use_side_stream(8)
-    seen = []
-
-    def branch():
-        seen.append((overlap.concurrent(x), torch.cuda.current_stream().cuda_stream))
-        return x + 1
-
-    overlap.beside(x, branch, branch)
-    side = overlap._side(x.device).cuda_stream
-    assert [c for c, _ in seen] == [False, False] and sorted(s == side for _, s in seen) == [False, True]
-    assert overlap.concurrent(x)
+    for x, y, z, v in zip(s0.tensors(), s1.tensors(), t0.tensors(), t1.tensors()):
+        assert torch.equal(x, y) and torch.equal(x, z) and torch.equal(x, v)
