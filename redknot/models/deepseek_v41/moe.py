@@ -19,7 +19,7 @@ from redknot.models.deepseek_v41.ref_math import (
     linear,
     topk_ids,
 )
-from redknot.step.overlap import beside, concurrent
+from redknot.step.overlap import beside
 
 
 def route(u: torch.Tensor, w: Weights, prefix: str, cfg, acc: torch.dtype):
@@ -135,15 +135,10 @@ def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,
         out = routed.to(num.acc) + swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
         return out.to(num.dtype)
     ops = ops_of(w)
-    routed = shared = None
-    if ops is not None and concurrent(u):   # the shared expert on the side stream next to the routed experts
-        routed, shared = beside(u, lambda: ops.moe(u, ids, weights, w, prefix, cfg, num),
-                                lambda: swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None))
-    elif ops is not None:
-        routed = ops.moe(u, ids, weights, w, prefix, cfg, num)
+    # the shared expert on the side stream next to the routed experts (redknot.step.overlap, where it is on)
+    routed, shared = beside(u, lambda: None if ops is None else ops.moe(u, ids, weights, w, prefix, cfg, num),
+                            lambda: swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None))
     if routed is not None:  # MXFP4 experts through the registry's grouped kernel
-        if shared is None:
-            shared = swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
         return (routed.to(num.acc) + shared).to(num.dtype)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -158,7 +153,7 @@ def moe_forward(u: torch.Tensor, w: Weights, layer: int, cfg, num: Numerics,
             y = swiglu_expert(u[rows], w, f"{prefix}.experts.{e}", num, cfg.swiglu_limit, weights.flatten()[sel])
             out.index_add_(0, rows, y)
         start += c
-    out += swiglu_expert(u, w, f"{prefix}.shared_experts", num, cfg.swiglu_limit, None)
+    out += shared
     return out.to(num.dtype)
 
 
