@@ -338,8 +338,8 @@ def test_verify_layout_of_the_speculative_package(pair):
 @pytest.mark.gpu
 def test_gpu_engine_decodes_tiny_v41_in_cuda_graphs(tmp_path):
     """The engine's graph runner captures V4.1 decode (model=tiny-v41, fp64) and the greedy tokens
-    equal eager decode, the logits to 1e-9; decode crosses the 16-row window and closes ratio-2 groups
-    in the graphs. fp64: in fp32 the padded graph step and the eager step round differently on a GPU
+    equal eager decode, the logits to 1e-9, with one stream and with the side stream (up to 8 rows); decode
+    crosses the 16-row window and closes ratio-2 groups in the graphs. fp64: in fp32 the padded graph step and the eager step round differently on a GPU
     (other GEMM shapes), and this random-weight model's FP8/FP4 activation and cache rounding turns
     such last-bit differences into visible ones (see test_verify_graphs.py's GPU section), so only a
     comparison without fp32 rounding can ask for equal tokens."""
@@ -362,10 +362,10 @@ def test_gpu_engine_decodes_tiny_v41_in_cuda_graphs(tmp_path):
     prompts = {f"r{i}": [rng.randrange(3, 2000) for _ in range(rng.randrange(4, 60))] for i in range(5)}
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     outs = []
-    for graphs in (False, True):
+    for graphs, side in ((False, 0), (True, 0), (True, 8)):   # last: the side stream up to 8 rows
         hw = HardwareConfig(name="cuda-test", accelerator=Accelerator.cuda, dtype=DType.float64,
                             kv_cache_dtype=DType.float64, cuda_graphs=graphs, memory_utilization=0.5,
-                            cuda_graph_max_len=512)
+                            cuda_graph_max_len=512, side_stream_max_tokens=side)
         features = FeaturesConfig()
         features.dspark.method = "none"
         eng = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, block_size=16),
@@ -379,11 +379,12 @@ def test_gpu_engine_decodes_tiny_v41_in_cuda_graphs(tmp_path):
         outs.append((got, {rid: torch.cat([r.reshape(-1, r.shape[-1]) for r in rows])
                            for rid, rows in logits.items()}))
         llm.close()
-    (eager, eager_lg), (replayed, replayed_lg) = outs
+    (eager, eager_lg), (replayed, replayed_lg), (two, two_lg) = outs
     for rid in prompts:
-        assert eager[rid].token_ids == replayed[rid].token_ids, rid
+        assert eager[rid].token_ids == replayed[rid].token_ids == two[rid].token_ids, rid
         assert eager_lg[rid].dtype == torch.float64
         assert (replayed_lg[rid] - eager_lg[rid]).abs().max().item() <= 1e-9, rid
+        assert (two_lg[rid] - replayed_lg[rid]).abs().max().item() <= 1e-9, rid
 
 
 class _Replay:
