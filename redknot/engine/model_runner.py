@@ -75,7 +75,7 @@ class ModelRunner:
         # switch is process-wide and engines may share a process (mode=compare, tests): each applies its own
         # before every step, graph capture and profile (``_own_kernel_switches``), not only here.
         self._small_rows_class = not (features.batch_invariant.enabled or features.deterministic)
-        self._side_stream_tokens = hardware.side_stream_max_tokens if device.type == "cuda" else 0
+        self._side_stream_tokens = hardware.side_stream_max_tokens   # CPU rows never fork (overlap.concurrent)
         self._own_kernel_switches()
         self.model = family.build_model(model_cfg, hardware, engine.cache_dir, kernels=kernels, device=device,
                                         expert_rows=expert_rows)

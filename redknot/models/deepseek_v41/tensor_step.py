@@ -397,8 +397,7 @@ def _attention(layer, u: torch.Tensor, rows: _Rows, state, shared, mix=None):
 
     # a kv source's compressor on the side stream next to the projections (redknot.step.overlap, where it is on;
     # elsewhere wkv takes the side stream next to the q chain in _q_kv)
-    got = beside(u, q_kv, compress)[0] if cfg.is_kv_source(layer.layer) else q_kv()
-    qr, q, kv, shared["index_q"], packed = got
+    qr, q, kv, shared["index_q"], packed = beside(u, q_kv, compress)[0] if cfg.is_kv_source(layer.layer) else q_kv()
     if packed is not None:   # kv's window rows, quantised by the kv epilogue (_attend_kernel's insert)
         rows._memo[("packed", id(kv))] = packed
     if cfg.is_index_source(layer.layer):
