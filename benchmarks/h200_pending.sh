@@ -81,7 +81,8 @@ for s in "${STAGES[@]}"; do
         --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --side-stream-tokens ${SIDE_TOKENS:-128} --budget-s B \
         --log-level INFO ;;
     side_tests)  # the side stream's GPU tests (a graph of two streams; the toy cut's step on two streams, same bits)
-      stage side_tests 240 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py ;;
+      stage side_tests 420 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py \
+        tests/unit/model/v41_forward/test_v41_tensor_step.py::test_gpu_engine_decodes_tiny_v41_in_cuda_graphs ;;
     step_rows)  # b32 decode with the step's fused projection / MoE launches up to 32 rows (default 16): the `decode`
       # stage's b32 row is the comparison (DECODE_BATCHES=32 in the same call; H100 run 10: 6.88 against 6.72 ms)
       stage step_rows 200 python3 benchmarks/e2e_v41.py --out "$OUT/step_rows" --prefill '' --decode-context 8192 \
