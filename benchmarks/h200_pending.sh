@@ -51,7 +51,7 @@ GPU_TESTS_FIRST=(tests/kernels/test_slice_sum_gpu.py tests/kernels/test_step_b1_
 # the rest of the list (run 6's `tests` stage passed the first part, 269 tests in 423 s, and stopped here)
 GPU_TESTS_REST=(tests/unit/kernels/test_v4_attention_prefill.py
   tests/unit/kernels/test_prefill_rows_v41.py tests/unit/model/v41_forward/test_v41_prefill_rows.py
-  tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py
+  tests/kernels/test_moe_prefill_fp8_gpu.py tests/unit/kernels/test_tuner_graph_timing.py tests/unit/kernels/test_graph_capture.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
   tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
   tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from redknot.engine.inputs import StepInputs
+from redknot.kernels.capture import cuda_graph
 from redknot.step.metadata import StepMetadata
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class CudaGraphCapture:
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with cuda_graph(graph, pool=pool):
             outputs = tuple(fn())
         return CapturedStep(graph.replay, outputs, graph.pool())
 
@@ -181,7 +182,7 @@ class DecodeGraphs:
                 model.compute_logits(model.forward(meta, state)[meta.logits_indices])  # warm-up, eager
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with cuda_graph(graph, pool=pool):
                     out = model.compute_logits(model.forward(meta, state)[meta.logits_indices])
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, out

@@ -8,6 +8,8 @@ from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 
+from redknot.kernels.capture import cuda_graph
+
 log = logging.getLogger(__name__)
 
 LOG2E = 1.4426950408889634
@@ -359,7 +361,7 @@ def _replay_times(configs: Sequence[Any], run: Callable[[Any], Any]) -> List[Tup
     for cfg in configs:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with cuda_graph(graph):
                 run(cfg)
         except Exception as exc:
             log.info("graph timing: %s cannot be captured (%s: %s); the class keeps its eager timings", cfg,

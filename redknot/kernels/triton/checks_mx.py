@@ -19,6 +19,7 @@ import torch
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels import ref_v41 as ref
+from redknot.kernels.capture import cuda_graph
 from redknot.kernels.triton import ops_mx as fast
 
 
@@ -142,7 +143,7 @@ def capture_graph(fn: Callable[[], torch.Tensor]) -> Tuple["torch.cuda.CUDAGraph
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         out = fn()
     graph.replay()
     torch.cuda.synchronize()
