@@ -14,13 +14,14 @@ re-raises.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 
 @contextmanager
-def cuda_graph(graph: "torch.cuda.CUDAGraph", **kwargs: Any) -> Iterator[None]:
+def cuda_graph(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
     """``torch.cuda.graph(graph, **kwargs)``; if the capture raises, the current device's default generator
     and the current stream are restored before the exception propagates."""
     device = torch.cuda.current_device()

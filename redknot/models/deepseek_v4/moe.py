@@ -10,6 +10,7 @@ from torch import nn
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.layers import Linear
 from redknot.models.deepseek_v4.params import ParamFactory
+from redknot.step.overlap import beside
 
 
 class Router(nn.Module):
@@ -90,14 +91,17 @@ class MoE(nn.Module):
         self.dispatcher = None
 
     def forward(self, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        # the shared expert reads only x: on the side stream next to the router and the routed experts for
+        # steps within hardware.side_stream_max_tokens (redknot.step.overlap; same kernels, same bits)
+        routed, shared = beside(x, lambda: self._routed(ks, x, input_ids), lambda: self._shared(ks, x))
+        return routed + shared
+
+    def _routed(self, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, weights = self.gate(ks, x, input_ids)
         ex = self.experts
         if self.dispatcher is not None:
-            routed = self.dispatcher(ks, x, idx, weights, ex, self.limit)
-        else:
-            routed = ks.moe(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale,
-                            ex.w3_scale)
-        return routed + self._shared(ks, x)
+            return self.dispatcher(ks, x, idx, weights, ex, self.limit)
+        return ks.moe(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale, ex.w3_scale)
 
     def _shared(self, ks, x: torch.Tensor) -> torch.Tensor:
         """The shared expert, run as a one-expert MoE that every token selects with weight 1 (exact),

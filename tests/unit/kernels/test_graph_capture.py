@@ -13,10 +13,9 @@ def test_gpu_a_refused_capture_keeps_random_ops_and_the_stream():
     want = torch.randn(8, device="cuda")
     torch.cuda.manual_seed(1234)
     stream = torch.cuda.current_stream()
-    with pytest.raises(RuntimeError):
-        with cuda_graph(torch.cuda.CUDAGraph()):
-            x.mul_(2.0)
-            x.sum().item()                       # a host sync: the capture is invalidated
+    with pytest.raises(RuntimeError), cuda_graph(torch.cuda.CUDAGraph()):
+        x.mul_(2.0)
+        x.sum().item()                           # a host sync: the capture is invalidated
     assert torch.cuda.current_stream() == stream
     got = torch.randn(8, device="cuda")         # raised "Offset increment outside graph capture" before
     assert torch.equal(got, want)               # the seed and offset are those of before the capture
