@@ -197,8 +197,8 @@ class HardwareConfig:
     # Longest sequence a captured decode step serves (sizes the graphs' block tables); decode
     # steps with a longer sequence run eagerly.
     cuda_graph_max_len: int = 131072
-    # Steps of at most this many tokens run independent parts of a layer on a second CUDA stream (V4.1: the MoE's
-    # shared expert, a kv source's compressor, wkv; redknot.step.overlap); 0: one stream. Same bits.
+    # Steps of at most this many tokens run independent parts of a layer on a second CUDA stream (the MoE's shared
+    # expert; V4.1 also a kv source's compressor and wkv; redknot.step.overlap); 0: one stream. Same bits.
     side_stream_max_tokens: int = 0
     memory_utilization: float = 0.9           # fraction of free device memory the engine may take
     supports_batch_invariant: bool = True
