@@ -48,6 +48,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="v4", choices=["v4", "v41"],
                     help="v41: the DeepSeek-V4.1 cut; must come first, the rest goes to benchmarks/e2e_v41.py")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tiny,parity,prefill,decode,truth")
+    ap.add_argument("--profile-graph", type=int, default=0, metavar="N",
+                    help="profile N replays of each graph decode step (device time per kernel)")
     ap.add_argument("--side-stream-tokens", type=int, default=0,
                     help="also capture each graph decode step with the MoE's shared expert on a second stream for "
                          "batches up to N (hardware.side_stream_max_tokens) and time both graphs alternately")

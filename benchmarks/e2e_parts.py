@@ -441,10 +441,24 @@ def _graph_decode(run: Run, drv: CutDriver, seqs: List[int], rng: random.Random,
     row.update(graph_step_s=step, graph_roof=row["floor_s"] / step, graph_row_err=err)
     run.log(f"decode {row['n']} b{len(seqs)} in a CUDA graph: {step * 1e3:.2f} ms/step "
             f"({100 * row['floor_s'] / step:.1f}% of floor; first replay vs eager row err {err:.2e})")
+    if getattr(run.args, "profile_graph", 0):
+        _replay_profile(run, graph, row, step)
     side_tokens = getattr(run.args, "side_stream_tokens", 0)
     if side_tokens:
         _side_stream_ab(run, forward, graph, out, side_tokens, row)
     del graph
+
+
+def _replay_profile(run: Run, graph, row: dict, step_s: float) -> None:
+    """``--profile-graph N``: N replays of the captured step under torch.profiler (``step_profile_v41``'s replay
+    view: device time per kernel, busy time against the replay's wall time), logged as a table and kept in the
+    row (``replay_view``)."""
+    from step_profile_v41 import format_views, step_views
+
+    views = step_views(None, graph.replay, run.dev, run.args.profile_graph, step_s * 1e3)
+    row["replay_view"] = views.get("replay")
+    for line in format_views(views, f"V4 cut, decode b{row['batch']} at {row['n']}, graph replay")[:60]:
+        run.log(line)
 
 
 def _side_stream_ab(run: Run, forward: Callable[[], torch.Tensor], graph, out: torch.Tensor, side_tokens: int,
