@@ -19,6 +19,7 @@ from redknot.models.deepseek_v4.state import V4State
 from redknot.models.deepseek_v4.state_layout import StateLayout
 from redknot.models.deepseek_v4.synthetic import TINY_ARCHITECTURE, randomize_, synthetic_config
 from redknot.step.metadata import StepMetadata
+from redknot.kernels.capture import cuda_graph
 
 HF_PREFILL_S = {8192: 0.451, 32768: 1.63, 65536: 4.24, 131072: 12.7}  # transformers, same cut (performance.md)
 HF_DECODE_S = {8192: 0.0187}
@@ -421,7 +422,7 @@ def _graph_decode(run: Run, drv: CutDriver, seqs: List[int], rng: random.Random,
     forward()  # warm-up and launch-shape tuning at the captured shapes (rewrites the same positions)
     sync(run.dev)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         out = forward()
     graph.replay()
     eager = model.compute_logits(model(live, drv.state)[live.logits_indices])
@@ -474,7 +475,7 @@ def _side_stream_ab(run: Run, forward: Callable[[], torch.Tensor], graph, out: t
         forward()
         sync(run.dev)
         side = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(side):
+        with cuda_graph(side):
             side_out = forward()
     finally:
         use_side_stream(before)

@@ -11,6 +11,8 @@ from e2e_v41_cut import Batch, distinct_ids, distinct_rows, sync
 from e2e_v41_timing import decode_floor_s, op_shares, registry_shares
 from step_profile_v41 import step_views
 
+from redknot.kernels.capture import cuda_graph
+
 print = functools.partial(print, flush=True)  # progress unbuffered
 
 
@@ -42,7 +44,7 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, p
         graph = None
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with cuda_graph(graph):
                 out = tensor_forward(b.model, step, b.state)
             graph.replay()
         else:
@@ -87,7 +89,7 @@ def _side_stream_ab(b: Batch, step, graph, got: torch.Tensor, steps: int, side_t
         tensor_forward(b.model, step, b.state)     # eager once on two streams (position-addressed writes)
         torch.cuda.synchronize()
         side = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(side):
+        with cuda_graph(side):
             out = tensor_forward(b.model, step, b.state)
     finally:
         use_side_stream(before)

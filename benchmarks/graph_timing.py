@@ -15,6 +15,8 @@ def graph_ms(calls: Sequence[Callable[[], object]], device, reps: int, inner: in
     """Median ms per call of ``calls`` (thunks run in turn, ``inner`` times each) replayed as one CUDA graph."""
     import torch
 
+    from redknot.kernels.capture import cuda_graph
+
     if device.type != "cuda":
         t = time.perf_counter()
         for c in calls:
@@ -24,7 +26,7 @@ def graph_ms(calls: Sequence[Callable[[], object]], device, reps: int, inner: in
         c()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         for _ in range(inner):
             for c in calls:
                 c()

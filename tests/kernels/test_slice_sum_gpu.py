@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from redknot.kernels import mx_formats as mx
 from redknot.kernels import ref_v41
+from redknot.kernels.capture import cuda_graph
 from redknot.kernels.triton import gemm_mx, stream_guard, wo_a_v41
 
 if not torch.cuda.is_available():
@@ -34,7 +35,7 @@ def test_fused_streams_at_v41_shapes(n, k, rows, name):
     assert torch.equal(got, two)
     assert _rel(got, ref_v41.linear_mx(x, w, ws, 32)) <= 1e-2
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         gemm_mx._dense_stream(x, w, ws.view(torch.uint8), 32, out, name)
     for _ in range(3):
         out.zero_()

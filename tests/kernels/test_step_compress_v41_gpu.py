@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "kernels"))
 
 from redknot.kernels.triton.step_compress_v41 import insert_entries, pool_rows  # noqa: E402
+from redknot.kernels.capture import cuda_graph
 from test_step_compress_v41 import _insert_case, _insert_reference, _layout, _pool_reference  # noqa: E402
 from test_step_mx_kernels import _boundary_rows  # noqa: E402
 
@@ -90,7 +91,7 @@ def test_gpu_compressor_kernels_replay_in_a_graph():
     run(kv_ring.clone(), gate_ring.clone(), kc.clone(), ec.clone())          # warm-up (compile)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         out = run(kv_ring, gate_ring, kc, ec)
     g = torch.Generator().manual_seed(8)
     for step in range(3):

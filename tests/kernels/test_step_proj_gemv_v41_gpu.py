@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from redknot.kernels import mx_formats as mx
+from redknot.kernels.capture import cuda_graph
 from redknot.kernels.triton import gemm_mx, gemv_mx, stream_guard
 from redknot.kernels.triton.mhc import mhc_post
 from redknot.kernels.triton.quant_mx import cache_insert_mx
@@ -86,7 +87,7 @@ def test_gemv_forms_equal_linear_mx_gemv_then_epilogues_at_v41_sizes(name, rows)
     assert torch.equal(hp, mhc_post(gemm_mx.linear_mx(z, *wo, 32, decode=plan_name(name), path="splitk"), *mix))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         got = step(u, cos, sin, first, second, z, wo, mix, name)
     for _ in range(20 if name.startswith("fp") else 1):   # the block counters: every replay the same bits
         graph.replay()
@@ -103,7 +104,7 @@ def test_step_choice_is_the_same_in_a_graph(rows):
     eager = step(*args, None)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         got = step(*args, None)
     graph.replay()
     torch.cuda.synchronize()
@@ -146,7 +147,7 @@ def test_shared_expert_gate_up_gemv_at_v41_size(name, rows):
         assert torch.equal(got, gemv_mx.gemv_fp8(u, wt, st, 32, torch.empty(rows, 2304, device=DEV), plan))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         again = run()
     graph.replay()
     torch.cuda.synchronize()
@@ -195,7 +196,7 @@ def test_shared_expert_w2_gemv_at_v41_size(name, rows):
     assert torch.equal(mixed, mhc_post(out, h, post, comb))
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         again = run()
     for _ in range(20 if name.startswith("f") else 1):   # fpgemv / fgemv: the block counters, every replay
         graph.replay()
@@ -231,7 +232,7 @@ def test_wave_forms_at_v41_sizes(name):
     assert not [k for k in stream_guard.DECODE_ERRORS if k == ("step_proj", name)], stream_guard.DECODE_ERRORS
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         got = step(u, cos, sin, first, second, z, wo, mix, name)
     graph.replay()
     torch.cuda.synchronize()

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
 from redknot.kernels import mx_formats as mx
+from redknot.kernels.capture import cuda_graph
 from redknot.kernels.triton import gemm_mx
 from redknot.kernels.triton.quant_mx import cache_insert_mx
 from redknot.kernels.triton.step_proj_v41 import Proj, proj_rows
@@ -71,7 +72,7 @@ def test_proj_rows_equal_linear_mx_and_rope_rows_at_v41_sizes(rows):
     # a CUDA graph of both calls replays the eager results
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         a = proj_rows(u, first, cos, sin)
         b = proj_rows(qr, second, cos, sin)
     graph.replay()

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from redknot.kernels.triton.step_engram_v41 import engram_gate_rows  # noqa: E402
 from redknot.models.deepseek_v41 import fused_rows, tensor_step as ts  # noqa: E402
 from redknot.models.deepseek_v41.engram_hash import DEAD, EngramHasher, EngramLayout  # noqa: E402
+from redknot.kernels.capture import cuda_graph
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -88,7 +89,7 @@ def test_rows_and_hashes_replay_in_a_cuda_graph():
     eager_ring = state.engram_ids.clone()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         static = run()
     state.engram_ids.copy_(ring0)
     graph.replay()

@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from redknot.kernels import mx_formats as mx  # noqa: E402
 from redknot.kernels import ref_v41  # noqa: E402
+from redknot.kernels.capture import cuda_graph
 from redknot.kernels.triton import gemm_mx  # noqa: E402
 from redknot.kernels.triton.checks_mx import REAL_V41, moe_batch, moe_graph, moe_inputs  # noqa: E402
 
@@ -59,7 +60,7 @@ def test_linear_splitk_batch_invariant_and_graph_safe():
         gemm_mx.linear_mx(x, w, ws, 32, path="splitk")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         out = gemm_mx.linear_mx(x, w, ws, 32, path="splitk")
     graph.replay()
     torch.cuda.synchronize()
@@ -98,7 +99,7 @@ def test_moe_grouped_has_no_host_sync(moe_weights):
         gemm_mx.moe_mx(x, idx, wt, *moe_weights, 10.0, path="grouped")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         out = gemm_mx.moe_mx(x, idx, wt, *moe_weights, 10.0, path="grouped")
     graph.replay()
     torch.cuda.synchronize()

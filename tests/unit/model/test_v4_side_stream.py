@@ -4,6 +4,7 @@ import pytest
 import torch
 from v4_testutil import PARITY_CONFIG
 
+from redknot.kernels.capture import cuda_graph
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.moe import MoE
 from redknot.models.deepseek_v4.params import ParamFactory
@@ -44,7 +45,7 @@ def test_gpu_v4_moe_with_the_shared_expert_beside_equals_one_stream(hash_layer):
         eager = moe(ks, x, ids).clone()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with cuda_graph(graph):
             out = moe(ks, x, ids)
         graph.replay()
         torch.cuda.synchronize()

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from redknot.kernels.capture import cuda_graph
 from redknot.step import overlap
 
 
@@ -85,7 +86,7 @@ def test_gpu_beside_in_a_graph_equals_the_parts_in_order():
     overlap.beside(x, main, side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         a, b = overlap.beside(x, main, side)
     for seed in range(3):
         x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 1)))
@@ -162,7 +163,7 @@ def test_gpu_v41_cut_step_on_two_streams_equals_one_stream(monkeypatch):
         ts.tensor_forward(model, step, copy.deepcopy(batch.state))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with cuda_graph(graph):
             out = ts.tensor_forward(model, step, graph_state)
         graph.replay()
         torch.cuda.synchronize()

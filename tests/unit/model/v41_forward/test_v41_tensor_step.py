@@ -11,6 +11,7 @@ from typing import List, Sequence
 import pytest
 import torch
 
+from redknot.kernels.capture import cuda_graph
 from redknot.models.deepseek_v41.state import allocate_state
 from redknot.models.deepseek_v41.state_layout import create_state_layout
 from redknot.models.deepseek_v41.tensor_step import TensorStep, tensor_forward
@@ -278,7 +279,7 @@ def test_gpu_graph_replay_equals_eager(gpu_pair):
     tensor_forward(model, static, scratch)                    # warm-up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         out = tensor_forward(model, static, fast.state)
     # the capture wrote nothing real (recording launches no kernel): restore from the twin anyway
     for dst, src in zip(fast.state.tensors(), eager.state.tensors()):

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 import redknot.models.deepseek_v41.tensor_step as ts
 import redknot.models.deepseek_v41.tensor_step_sources as tss
 from redknot.kernels import KernelSet
+from redknot.kernels.capture import cuda_graph
 from redknot.models.deepseek_v41 import fused_rows
 from redknot.models.deepseek_v41.kernel_ops import V41Ops
 from redknot.models.deepseek_v41.model import DeepseekV41
@@ -236,7 +237,7 @@ def test_gpu_kernel_step_graph_replay_no_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with cuda_graph(graph):
         out = ts.tensor_forward(model, static, b.state)
     for step in range(3):
         counts = [shape[(i + step) % 3] for i in range(3)]
