@@ -467,6 +467,8 @@ def _side_stream_ab(run: Run, forward: Callable[[], torch.Tensor], graph, out: t
     """The same step captured again with the shared expert on the side stream (``hardware.side_stream_max_tokens``
     = ``side_tokens``): its replay against ``graph``'s on the same static inputs (bit for bit), then both timed in
     three alternating rounds (best of each). The replays rewrite the same positions, so the state is unchanged."""
+    from graph_timing import alternate_best_ms
+
     from redknot.step.overlap import side_stream_max_tokens, use_side_stream
 
     before = side_stream_max_tokens()
@@ -484,15 +486,11 @@ def _side_stream_ab(run: Run, forward: Callable[[], torch.Tensor], graph, out: t
     side.replay()
     sync(run.dev)
     same = bool(torch.equal(side_out, want))
-    best = {"one": float("inf"), "side": float("inf")}
-    for _ in range(3):
-        for name, g in (("one", graph), ("side", side)):
-            _, secs = run.timed(lambda g=g: [g.replay() for _ in range(DECODE_TIMED)])
-            best[name] = min(best[name], secs / DECODE_TIMED)
-    row.update(side_stream_tokens=side_tokens, side_same_bits=same, one_stream_best_s=best["one"],
-               side_stream_best_s=best["side"])
-    run.log(f"decode {row['n']} b{row['batch']}: side stream (up to {side_tokens} rows) "
-            f"{best['side'] * 1e3:.3f} ms/step ({100 * row['floor_s'] / best['side']:.1f} % of floor) against one "
-            f"stream {best['one'] * 1e3:.3f} ({100 * row['floor_s'] / best['one']:.1f} %), best of 3 alternating "
-            f"rounds; same bits: {same}")
+    best = alternate_best_ms({"one": graph, "side": side}, DECODE_TIMED)
+    row.update(side_stream_tokens=side_tokens, side_same_bits=same, one_stream_best_s=best["one"] / 1e3,
+               side_stream_best_s=best["side"] / 1e3)
+    floor_ms = row["floor_s"] * 1e3
+    run.log(f"decode {row['n']} b{row['batch']}: side stream (up to {side_tokens} rows) {best['side']:.3f} ms/step "
+            f"({100 * floor_ms / best['side']:.1f} % of floor) against one stream {best['one']:.3f} "
+            f"({100 * floor_ms / best['one']:.1f} %), best of 3 alternating rounds; same bits: {same}")
     del side

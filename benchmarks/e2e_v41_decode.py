@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from e2e_v41_cut import Batch, distinct_ids, distinct_rows, sync
 from e2e_v41_timing import decode_floor_s, op_shares, registry_shares
+from graph_timing import alternate_best_ms
 from step_profile_v41 import step_views
 
 from redknot.kernels.capture import cuda_graph
@@ -96,15 +97,7 @@ def _side_stream_ab(b: Batch, step, graph, got: torch.Tensor, steps: int, side_t
     side.replay()
     torch.cuda.synchronize()
     same = bool(torch.equal(out.float(), got))
-    best = {"one": float("inf"), "side": float("inf")}
-    for _ in range(3):
-        for name, g in (("one", graph), ("side", side)):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(steps):
-                g.replay()
-            torch.cuda.synchronize()
-            best[name] = min(best[name], (time.perf_counter() - t) / steps * 1e3)
+    best = alternate_best_ms({"one": graph, "side": side}, steps)
     del side, out
     return {"side_stream_tokens": side_tokens, "side_stream_same_bits": same,
             "one_stream_best_ms": best["one"], "side_stream_best_ms": best["side"]}

@@ -41,3 +41,21 @@ def graph_ms(calls: Sequence[Callable[[], object]], device, reps: int, inner: in
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / (len(calls) * inner))
     return statistics.median(times)
+
+
+def alternate_best_ms(graphs: dict, steps: int, rounds: int = 3) -> dict:
+    """Best ms per replay of each captured graph in ``graphs`` (name -> CUDA graph): ``rounds`` rounds that
+    replay every graph ``steps`` times in turn (host clock around a synchronised run), so the graphs compared
+    share the device's state (clocks, caches) as closely as two runs can."""
+    import torch
+
+    best = {name: float("inf") for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                g.replay()
+            torch.cuda.synchronize()
+            best[name] = min(best[name], (time.perf_counter() - t) / steps * 1e3)
+    return best
