@@ -7,7 +7,7 @@ step writes into per-slot rings.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Protocol, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -46,7 +46,15 @@ class StepContext:
             SeqSpan(b, s, n, c, slot) for b, (s, n, c, slot) in enumerate(
                 zip(meta.query_start_list, meta.num_tokens_per_seq, meta.context_lens, meta.seq_slot_list))]
         self._cos_sin: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._ring_rows: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ring_rows: Dict[int, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
+        self._memo: Dict[Hashable, Any] = {}
+
+    def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()`` once per step and ``key``: index arithmetic every layer (or every compressor) of the step would
+        otherwise redo from the same metadata, each op a launch of its own."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def cos_sin(self, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, r/2] at the step's positions for one of the model's rotary tables."""
@@ -54,14 +62,13 @@ class StepContext:
             self._cos_sin[kind] = self.rope.cos_sin(kind, self.meta.positions)
         return self._cos_sin[kind]
 
-    def ring_write_rows(self, ring: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(rows of the step, flat ring index slot*ring + pos % ring) for writing this step's rows
-        into per-slot rings of length ``ring``; only each sequence's last ``ring`` rows are kept,
-        so no ring index is written twice."""
+    def ring_write_rows(self, ring: int) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(rows of the step, or None for all of them in order; flat ring index slot*ring + pos % ring) for
+        writing this step's rows into per-slot rings of length ``ring``; only each sequence's last ``ring`` rows
+        are kept, so no ring index is written twice."""
         if ring not in self._ring_rows and self.meta.tensor_only:  # decode: row b is sequence b's token
             meta = self.meta
-            rows = torch.arange(meta.positions.shape[0], device=meta.positions.device)
-            self._ring_rows[ring] = (rows, meta.seq_slots.long() * ring + meta.positions % ring)
+            self._ring_rows[ring] = (None, meta.seq_slots.long() * ring + meta.positions % ring)
         if ring not in self._ring_rows:
             rows, dest = [], []
             for sp in self.spans:
@@ -77,7 +84,8 @@ class StepContext:
 def write_ring(ring_tensor: torch.Tensor, ctx: StepContext, values: torch.Tensor) -> None:
     """Store this step's rows values [T, C] into ring_tensor [S, R, C] at their positions."""
     rows, dest = ctx.ring_write_rows(ring_tensor.shape[1])
-    ring_tensor.view(-1, ring_tensor.shape[-1]).index_copy_(0, dest, values[rows].to(ring_tensor.dtype))
+    src = values if rows is None else values[rows]
+    ring_tensor.view(-1, ring_tensor.shape[-1]).index_copy_(0, dest, src.to(ring_tensor.dtype))
 
 
 __all__ = ["RopeTable", "SeqSpan", "StepContext", "write_ring"]

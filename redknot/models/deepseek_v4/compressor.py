@@ -88,15 +88,31 @@ class Compressor(nn.Module):
         write_ring(gate_ring, ctx, gate)
         meta, m, per_block = ctx.meta, self.ratio, pool.shape[1]
         pos = meta.positions  # [B]
-        pooled = pool_ring_windows(self, ks, kv_ring, gate_ring, pos, meta.seq_slots)  # [B, hd]
-        closes = (pos + 1) % m == 0  # [B]
-        w = ((pos + 1) // m - 1).clamp(min=0)  # the entry p closes (where it does)
-        cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
+        span = 2 * m if self.overlap else m
+        # the index arithmetic depends on the step's metadata and the compressor's shape only: once per step for
+        # every compressor of that shape (a CSA layer's two, every CSA layer's)
+        rows = ctx.memo(("ring windows", m, span, kv_ring.shape[1]),
+                        lambda: ring_window_rows(pos, meta.seq_slots, span, kv_ring.shape[1]))
+        pooled = pool_ring_windows(self, ks, kv_ring, gate_ring, pos, meta.seq_slots, rows)  # [B, hd]
+        closes, cos, sin, dest = ctx.memo(("closing entries", m, per_block),
+                                          lambda: _closing_entries(ctx, m, per_block))
         made = ks.rope(self.norm(ks, pooled), cos, sin)  # [B, hd]
-        block = meta.block_tables.gather(1, (w // per_block)[:, None].long())
-        dest = block.squeeze(1).long() * per_block + w % per_block  # [B]
         flat = pool.view(-1, self.head_dim)
-        flat.index_copy_(0, dest, torch.where(closes[:, None], made.to(pool.dtype), flat[dest]))
+        flat.index_copy_(0, dest, torch.where(closes, made.to(pool.dtype), flat[dest]))
+
+
+def _closing_entries(ctx: StepContext, m: int, per_block: int):
+    """(closes [B, 1]: whether position p_b closes a window of ``m``, the RoPE cos / sin at the window's first
+    position, dest [B]: the pool row of the entry p_b closes, or of entry 0 where it closes none) of a tensor-only
+    decode step."""
+    meta = ctx.meta
+    pos = meta.positions  # [B]
+    closes = (pos + 1) % m == 0  # [B]
+    w = ((pos + 1) // m - 1).clamp(min=0)  # the entry p closes (where it does)
+    cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
+    block = meta.block_tables.gather(1, (w // per_block)[:, None].long())
+    dest = block.squeeze(1).long() * per_block + w % per_block  # [B]
+    return closes[:, None], cos, sin, dest
 
 
 class Indexer(nn.Module):
@@ -120,17 +136,24 @@ class Indexer(nn.Module):
         return ks.indexer_topk(q, weights, keys, ctx.meta, self.ratio, self.topk, self.head_dim ** -0.5)
 
 
-def pool_ring_windows(comp, ks, kv_ring: torch.Tensor, gate_ring: torch.Tensor, pos: torch.Tensor,
-                      seq_slots: torch.Tensor) -> torch.Tensor:
-    """[R, hd]: for every row (a sequence slot at an absolute position, the rows already in the rings) the
-    compressor ``comp``'s pooled window ending at that position, with the window before it where windows
-    overlap; shapes independent of the positions (CUDA graphs)."""
-    m = comp.ratio
-    span = 2 * m if comp.overlap else m
-    ring, width = kv_ring.shape[1], kv_ring.shape[2]
+def ring_window_rows(pos: torch.Tensor, seq_slots: torch.Tensor, span: int, ring: int):
+    """(src [R·span]: the flat ring rows of the ``span`` positions ending at each row's position, valid
+    [R·span, 1]: the positions that are >= 0) for per-slot rings of length ``ring``."""
     row_pos = pos[:, None] - (span - 1) + torch.arange(span, device=pos.device)  # [R, span]
     src = (seq_slots.long()[:, None] * ring + row_pos.remainder(ring)).flatten()
-    valid = (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
+    return src, (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
+
+
+def pool_ring_windows(comp, ks, kv_ring: torch.Tensor, gate_ring: torch.Tensor, pos: torch.Tensor,
+                      seq_slots: torch.Tensor, rows=None) -> torch.Tensor:
+    """[R, hd]: for every row (a sequence slot at an absolute position, the rows already in the rings) the
+    compressor ``comp``'s pooled window ending at that position, with the window before it where windows
+    overlap; shapes independent of the positions (CUDA graphs). ``rows``: :func:`ring_window_rows` of these
+    positions, where the caller keeps them for the step."""
+    m = comp.ratio
+    span = 2 * m if comp.overlap else m
+    width = kv_ring.shape[2]
+    src, valid = rows if rows is not None else ring_window_rows(pos, seq_slots, span, kv_ring.shape[1])
     kv_rows = torch.where(valid, kv_ring.view(-1, width)[src], 0.0)  # [R*span, C]
     gate_rows = torch.where(valid, gate_ring.view(-1, width)[src], float("-inf"))
     # Without has_prev the op pools window j with window j-1 of the rows: the odd entries are each

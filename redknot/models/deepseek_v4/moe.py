@@ -103,12 +103,24 @@ class MoE(nn.Module):
             return self.dispatcher(ks, x, idx, weights, ex, self.limit)
         return ks.moe(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale, ex.w3_scale)
 
+    def _every_row_selects(self, rows: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [rows, 1] all 0, weights [rows, 1] all 1): constants the step only reads, kept per row
+        count and device so that a step does not fill them again in every layer. A pair first made inside a CUDA
+        graph capture is not kept (its fills run only at the replays)."""
+        kept = self.__dict__.setdefault("_one_expert_rows", {})
+        got = kept.get((rows, device))
+        if got is None:
+            got = (torch.zeros(rows, 1, dtype=torch.long, device=device),
+                   torch.ones(rows, 1, dtype=torch.float32, device=device))
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                kept[(rows, device)] = got
+        return got
+
     def _shared(self, ks, x: torch.Tensor) -> torch.Tensor:
         """The shared expert, run as a one-expert MoE that every token selects with weight 1 (exact),
         so that its GEMMs and clamped SwiGLU go through the same registered op as the routed ones."""
         sh = self.shared_experts
         one = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731  [1, ...] expert stack
-        idx = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)  # [T, 1]
-        w = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        idx, w = self._every_row_selects(x.shape[0], x.device)
         return ks.moe(x, idx, w, one(sh.w1.weight), one(sh.w2.weight), one(sh.w3.weight), self.limit,
                       one(sh.w1.scale), one(sh.w2.scale), one(sh.w3.scale))
