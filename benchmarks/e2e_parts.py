@@ -467,20 +467,9 @@ def _side_stream_ab(run: Run, forward: Callable[[], torch.Tensor], graph, out: t
     """The same step captured again with the shared expert on the side stream (``hardware.side_stream_max_tokens``
     = ``side_tokens``): its replay against ``graph``'s on the same static inputs (bit for bit), then both timed in
     three alternating rounds (best of each). The replays rewrite the same positions, so the state is unchanged."""
-    from graph_timing import alternate_best_ms
+    from graph_timing import alternate_best_ms, capture_on_side_stream
 
-    from redknot.step.overlap import side_stream_max_tokens, use_side_stream
-
-    before = side_stream_max_tokens()
-    use_side_stream(side_tokens)
-    try:
-        forward()
-        sync(run.dev)
-        side = torch.cuda.CUDAGraph()
-        with cuda_graph(side):
-            side_out = forward()
-    finally:
-        use_side_stream(before)
+    side, side_out = capture_on_side_stream(forward, side_tokens)
     graph.replay()
     want = out.clone()
     side.replay()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from e2e_v41_cut import Batch, distinct_ids, distinct_rows, sync
 from e2e_v41_timing import decode_floor_s, op_shares, registry_shares
-from graph_timing import alternate_best_ms
+from graph_timing import alternate_best_ms, capture_on_side_stream
 from step_profile_v41 import step_views
 
 from redknot.kernels.capture import cuda_graph
@@ -82,18 +82,9 @@ def graph_decode(b: Batch, bs: int, steps: int, device, profile: bool = False, p
 def _side_stream_ab(b: Batch, step, graph, got: torch.Tensor, steps: int, side_tokens: int) -> dict:
     """The step captured with the side stream on (``graph_decode``'s ``side_tokens``) against ``graph``."""
     from redknot.models.deepseek_v41.tensor_step import tensor_forward
-    from redknot.step.overlap import side_stream_max_tokens, use_side_stream
 
-    before = side_stream_max_tokens()
-    use_side_stream(side_tokens)
-    try:
-        tensor_forward(b.model, step, b.state)     # eager once on two streams (position-addressed writes)
-        torch.cuda.synchronize()
-        side = torch.cuda.CUDAGraph()
-        with cuda_graph(side):
-            out = tensor_forward(b.model, step, b.state)
-    finally:
-        use_side_stream(before)
+    # its eager run rewrites the step's positions (position-addressed writes)
+    side, out = capture_on_side_stream(lambda: tensor_forward(b.model, step, b.state), side_tokens)
     side.replay()
     torch.cuda.synchronize()
     same = bool(torch.equal(out.float(), got))

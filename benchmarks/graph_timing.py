@@ -59,3 +59,25 @@ def alternate_best_ms(graphs: dict, steps: int, rounds: int = 3) -> dict:
             torch.cuda.synchronize()
             best[name] = min(best[name], (time.perf_counter() - t) / steps * 1e3)
     return best
+
+
+def capture_on_side_stream(forward: Callable[[], object], side_tokens: int):
+    """(graph, its output) of ``forward`` captured with ``redknot.step.overlap``'s side stream on for steps of up
+    to ``side_tokens`` rows (``hardware.side_stream_max_tokens``), after one eager run on two streams (tuning and
+    lazy set-up outside the capture); the process's switch is put back afterwards."""
+    import torch
+
+    from redknot.kernels.capture import cuda_graph
+    from redknot.step.overlap import side_stream_max_tokens, use_side_stream
+
+    before = side_stream_max_tokens()
+    use_side_stream(side_tokens)
+    try:
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with cuda_graph(graph):
+            out = forward()
+    finally:
+        use_side_stream(before)
+    return graph, out

@@ -45,12 +45,10 @@ class StepContext:
         self.spans: List[SeqSpan] = [
             SeqSpan(b, s, n, c, slot) for b, (s, n, c, slot) in enumerate(
                 zip(meta.query_start_list, meta.num_tokens_per_seq, meta.context_lens, meta.seq_slot_list))]
-        self._cos_sin: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._ring_rows: Dict[int, Tuple[Optional[torch.Tensor], torch.Tensor]] = {}
         self._memo: Dict[Hashable, Any] = {}
 
     def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        """``make()`` once per step and ``key``: index arithmetic every layer (or every compressor) of the step would
+        """``make()`` once per step and ``key``: values every layer (or every compressor) of the step would
         otherwise redo from the same metadata, each op a launch of its own."""
         if key not in self._memo:
             self._memo[key] = make()
@@ -58,27 +56,25 @@ class StepContext:
 
     def cos_sin(self, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, r/2] at the step's positions for one of the model's rotary tables."""
-        if kind not in self._cos_sin:
-            self._cos_sin[kind] = self.rope.cos_sin(kind, self.meta.positions)
-        return self._cos_sin[kind]
+        return self.memo(("cos_sin", kind), lambda: self.rope.cos_sin(kind, self.meta.positions))
 
     def ring_write_rows(self, ring: int) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """(rows of the step, or None for all of them in order; flat ring index slot*ring + pos % ring) for
         writing this step's rows into per-slot rings of length ``ring``; only each sequence's last ``ring`` rows
         are kept, so no ring index is written twice."""
-        if ring not in self._ring_rows and self.meta.tensor_only:  # decode: row b is sequence b's token
-            meta = self.meta
-            self._ring_rows[ring] = (None, meta.seq_slots.long() * ring + meta.positions % ring)
-        if ring not in self._ring_rows:
-            rows, dest = [], []
-            for sp in self.spans:
-                first = max(sp.context_len, sp.end_pos - ring)
-                pos = torch.arange(first, sp.end_pos)
-                rows.append(pos - sp.context_len + sp.start)
-                dest.append(sp.slot * ring + pos % ring)
-            device = self.meta.positions.device
-            self._ring_rows[ring] = (torch.cat(rows).to(device), torch.cat(dest).to(device))
-        return self._ring_rows[ring]
+        return self.memo(("ring rows", ring), lambda: self._ring_rows(ring))
+
+    def _ring_rows(self, ring: int) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        meta = self.meta
+        if meta.tensor_only:  # decode: row b is sequence b's token
+            return None, meta.seq_slots.long() * ring + meta.positions % ring
+        rows, dest = [], []
+        for sp in self.spans:
+            first = max(sp.context_len, sp.end_pos - ring)
+            pos = torch.arange(first, sp.end_pos)
+            rows.append(pos - sp.context_len + sp.start)
+            dest.append(sp.slot * ring + pos % ring)
+        return torch.cat(rows).to(meta.positions.device), torch.cat(dest).to(meta.positions.device)
 
 
 def write_ring(ring_tensor: torch.Tensor, ctx: StepContext, values: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ second stream beside them, as SGLang's dual-stream MoE does for DeepSeek below i
 stream forked from the current stream before both and joined back after (event edges, so a CUDA graph
 captured around it holds both branches and replays them concurrently). The kernels and their inputs are
 the same either way, so the outputs are bit for bit those of the sequential order; only the overlap is new.
-The model family picks the pairs (V4.1: ``moe.py`` and ``tensor_step.py``).
+The model family picks the pairs (V4: ``moe.py``; V4.1: ``moe.py`` and ``tensor_step.py``).
 
 Memory: the side branch reads tensors the caller keeps alive until the join (``beside`` returns only after
 it), and what it allocates belongs to the side stream's pool; a block it frees is reused on the side

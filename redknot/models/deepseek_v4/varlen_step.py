@@ -86,11 +86,11 @@ class VarlenContext(StepContext):
         """(rows, flat ring index slot*ring + pos % ring): each request stores its last ``ring`` rows (as
         the eager path does), any earlier row goes to the spare slot so no index of a real slot is
         written twice."""
-        if ring not in self._ring_rows:
+        def rows():
             keep = (self.last - self.row) < ring
             slot = torch.where(keep, self.meta.seq_slots, torch.full_like(self.meta.seq_slots, self.spare_slot))
-            self._ring_rows[ring] = (self.row, slot * ring + self.meta.positions.remainder(ring))
-        return self._ring_rows[ring]
+            return self.row, slot * ring + self.meta.positions.remainder(ring)
+        return self.memo(("ring rows", ring), rows)
 
 
 def row_starts(t: int, device) -> torch.Tensor:
