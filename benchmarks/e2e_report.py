@@ -84,11 +84,12 @@ def tables(res: dict) -> List[str]:
 def tuned_lines() -> List[str]:
     """The launch shape each Triton kernel class chose, and every candidate's median ms."""
     try:
-        from redknot.kernels.triton import attention, fp8, indexer
+        from redknot.kernels.triton import attention, fp8, gemv_bf16, indexer
     except ImportError:
         return []
     lines = []
-    for tuner in (attention.ATTN_TUNER, attention.ATTN_PREFILL_TUNER, indexer.INDEXER_TUNER, fp8.GEMM_TUNER):
+    for tuner in (attention.ATTN_TUNER, attention.ATTN_PREFILL_TUNER, indexer.INDEXER_TUNER, fp8.GEMM_TUNER,
+                  gemv_bf16.LINEAR_SMALL_TUNER, gemv_bf16.MOE_SMALL_TUNER):
         for key, best in tuner.choices.items():
             cands = ", ".join(f"{_short(c)} {ms:.3f}" for c, ms in tuner.timings.get(key, []))
             fails = len(tuner.failures.get(key, []))

@@ -2,7 +2,7 @@
 # The H200 measurements the CPU-side kernels of benchmarks/NOTES.md are waiting for, in priority order.
 #
 #   bash benchmarks/h200_pending.sh [STAGE ...]        (default: every stage, in this order)
-#   STAGE: decode step_rows tests tests_rest prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
+#   STAGE: decode bf16_tests step_rows tests tests_rest prefill prefill_chunks attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer
 #          block_select indexer_tests v4_indexer v4_attention v4_cut dense_b32 attn_b32 b1_gaps linear_prefill
 #
 # From a cold tuning store the first stage spends most of its time in the tuners' first calls (on an H100, 2026-12-06:
@@ -55,7 +55,7 @@ GPU_TESTS_REST=(tests/unit/kernels/test_v4_attention_prefill.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
   tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
   tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py
-  tests/unit/model/v41_forward/test_v41_side_stream.py)
+  tests/unit/model/v41_forward/test_v41_side_stream.py tests/unit/kernels/test_gemv_bf16.py)
 # (tests/unit/kernels/test_v41_indexer_stream.py is the `indexer_tests` stage: with it this list did not finish in
 # 557 s on an H100, 2026-12-07)
 GPU_TESTS=("${GPU_TESTS_FIRST[@]}" "${GPU_TESTS_REST[@]}" tests/unit/kernels/test_v41_indexer_stream.py)
@@ -80,6 +80,8 @@ for s in "${STAGES[@]}"; do
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
         --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --side-stream-tokens ${SIDE_TOKENS:-128} --budget-s B \
         --log-level INFO ;;
+    bf16_tests)  # V4's bf16 GEMV streams at 1-4 rows (dense shapes and experts at V4 widths, in a graph) on the GPU
+      stage bf16_tests 240 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py ;;
     side_tests)  # the side stream's GPU tests (a graph of two streams; the toy cut's step on two streams, same bits)
       stage side_tests 420 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py \
         tests/unit/model/v41_forward/test_v41_tensor_step.py::test_gpu_engine_decodes_tiny_v41_in_cuda_graphs ;;
@@ -160,7 +162,7 @@ for s in "${STAGES[@]}"; do
         --budget-s B --out "$OUT/v4_attention" ;;
     v4_cut)  # the V4 real-dimension cut, prefill and decode (before/after against benchmarks/NOTES.md)
       stage v4_cut 600 python3 benchmarks/e2e_cut.py --out "$OUT/v4_cut" --skip ${V4_CUT_SKIP:-tiny,truth,parity} ${V4_CUT_ARGS:-} --budget-s B ;;
-    *) echo "unknown stage '$s'; stages: decode side_tests step_rows tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
+    *) echo "unknown stage '$s'; stages: decode bf16_tests side_tests step_rows tests tests_rest prefill prefill_chunks moe_unroll moe_gemv step_gemv b1_gaps dense_b32 attn_b32 select_b1 rope attention gemv moe_stream moe_prefill moe_fold moe_scaled moe_scaled_tests indexer block_select indexer_tests"\
          "v4_indexer v4_attention v4_cut"
        exit 2 ;;
   esac

@@ -14,7 +14,16 @@ from redknot.kernels import ref_attention, ref_moe
 from redknot.kernels import reference as ref
 from redknot.kernels.registry import register
 from redknot.kernels.step_index import step_tensors
-from redknot.kernels.triton import attention, fp8, indexer, mhc, moe, norm
+from redknot.kernels.triton import (
+    attention,
+    compress,
+    fp8,
+    gemv_bf16,
+    indexer,
+    mhc,
+    moe,
+    norm,
+)
 from redknot.kernels.triton._common import next_pow2
 
 BACKEND = "triton"
@@ -35,7 +44,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] 
     if weight.dtype == torch.float8_e4m3fn and scale is not None:
         return fp8.linear_fp8(x, weight, scale)
     if weight.is_floating_point() and weight.dtype != torch.float8_e4m3fn:
-        return F.linear(x, weight.to(x.dtype))  # cuBLAS is the fastest dense float GEMM there is
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (gemv_bf16.small_rows(x, rows) and x.dtype == torch.bfloat16
+                and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1):
+            # decode at batch 1-4: a GEMV stream where the tuner measured it faster than cuBLAS for this shape
+            x2 = x.reshape(rows, x.shape[-1])
+            choice = gemv_bf16.linear_choice(x2, weight, lambda xt: F.linear(xt, weight))
+            if choice != "cublas":
+                return gemv_bf16.gemv(x2, weight, plan=gemv_bf16.PLANS[choice]).view(*x.shape[:-1], -1)
+        return F.linear(x, weight.to(x.dtype))  # cuBLAS: the fastest dense float GEMM at 5+ rows
     return ref.linear(x, weight, scale)  # packed FP4: dequantised per call
 
 
@@ -67,6 +84,14 @@ def moe_op(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit: float, w1_scale=N
     if packed:
         return ref_moe.moe(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
     return moe.moe_experts(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
+
+
+@register("compressor", BACKEND)
+def compressor(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
+               has_prev: bool) -> torch.Tensor:
+    if compress.supported(kv, gate, ape, ratio):
+        return compress.compress(kv, gate, ape, ratio, overlap, has_prev)
+    return ref_attention.compressor(kv, gate, ape, ratio, overlap, has_prev)
 
 
 @register("indexer_topk", BACKEND)
