@@ -100,7 +100,8 @@ def tuned_lines() -> List[str]:
 
 
 def _short(cfg) -> str:
-    return "/".join(f"{v}" for v in vars(cfg).values())
+    """A launch shape as its field values joined by '/', or a named choice (a string) as it is."""
+    return cfg if isinstance(cfg, str) else "/".join(f"{v}" for v in vars(cfg).values())
 
 
 def save_partial(run) -> None:
