@@ -55,7 +55,8 @@ GPU_TESTS_REST=(tests/unit/kernels/test_v4_attention_prefill.py
   tests/unit/kernels/test_v4_indexer_stream.py tests/unit/kernels/test_radix_select.py
   tests/unit/kernels/test_linear_prefill_mx.py tests/unit/kernels/test_prefill_hash_v41.py
   tests/unit/kernels/test_step_attention_two_loads.py tests/unit/kernels/test_step_index_loop.py
-  tests/unit/model/v41_forward/test_v41_side_stream.py tests/unit/kernels/test_gemv_bf16.py)
+  tests/unit/model/v41_forward/test_v41_side_stream.py tests/unit/kernels/test_gemv_bf16.py
+  tests/unit/kernels/test_compress_v4.py)
 # (tests/unit/kernels/test_v41_indexer_stream.py is the `indexer_tests` stage: with it this list did not finish in
 # 557 s on an H100, 2026-12-07)
 GPU_TESTS=("${GPU_TESTS_FIRST[@]}" "${GPU_TESTS_REST[@]}" tests/unit/kernels/test_v41_indexer_stream.py)
@@ -80,8 +81,10 @@ for s in "${STAGES[@]}"; do
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
         --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --side-stream-tokens ${SIDE_TOKENS:-128} --budget-s B \
         --log-level INFO ;;
-    bf16_tests)  # V4's bf16 GEMV streams at 1-4 rows (dense shapes and experts at V4 widths, in a graph) on the GPU
-      stage bf16_tests 240 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py ;;
+    bf16_tests)  # V4's bf16 GEMV streams at 1-4 rows (dense shapes and experts at V4 widths, in a graph) and the
+      # compressor op's launch at V4 widths on the GPU
+      stage bf16_tests 240 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py \
+        tests/unit/kernels/test_compress_v4.py ;;
     side_tests)  # the side stream's GPU tests (a graph of two streams; the toy cut's step on two streams, same bits)
       stage side_tests 420 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py \
         tests/unit/model/v41_forward/test_v41_tensor_step.py::test_gpu_engine_decodes_tiny_v41_in_cuda_graphs ;;

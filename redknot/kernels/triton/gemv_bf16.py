@@ -9,8 +9,9 @@ spends about a dozen launches on routing a handful of pairs. Here:
 * ``gemv`` (dense): each program streams ``block_n`` weight rows over one K slice (16 bytes per thread and row
   per load) for every activation row at once, into elementwise fp32 accumulators added over K once at the end;
   the next K step's weights load before the current step's arithmetic (one step of register prefetch). K
-  slices (``gemv_plan.slices``: enough programs to cover the device several times) add their fp32 partials in
-  slice order in a second launch (``splitk_mx.reduce_rows``), none when one slice fills the device.
+  slices (``gemv_plan.slices``: enough programs to cover the device several times) store fp32 partials, and the
+  program that stores a column block's last one adds them in slice order in the same launch (``slice_sum``'s
+  counter pattern, ``reduce_rows``' arithmetic); one slice when it fills the device.
 * ``moe_gemv`` (experts, two launches): one program per (token, slot) pair and column block of the
   intermediate width streams the pair's expert rows of W1 and W3 against its token's row; the two sums are
   rounded to bf16 (what ``torch._grouped_mm`` stores) and the clamped SwiGLU (``moe.swiglu``'s arithmetic) is
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 
 from redknot.kernels import tuning_cache
+from redknot.kernels.triton import slice_sum
 from redknot.kernels.triton._common import (
     ConfigTuner,
     cdiv,
@@ -90,10 +92,12 @@ def _fma_rows(acc0, acc1, acc2, acc3, w, x_ptr, kk, stride_x, ROWS: tl.constexpr
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, p_ptr, N, K, KSPLIT, stride_x, stride_w, stride_ps, stride_pm, ROWS: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv(x_ptr, w_ptr, p_ptr, out_ptr, cnt_ptr, N, K, KSPLIT, stride_x, stride_w, stride_ps, stride_pm, stride_om,
+          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):
     """One program: BLOCK_N weight rows over one K slice of KSPLIT (a multiple of BLOCK_K, which divides K) for
-    ROWS activation rows -> p[slice, row, cols] (fp32 partials, or the output itself with one slice)."""
+    ROWS activation rows -> p[slice, row, cols] (fp32 partials, or the output itself with one slice). ``SUM``:
+    the program that stores a column block's last partial adds the block's partials in slice order into
+    ``out`` (``slice_sum``'s acquire-release counter per column block; ``reduce_rows``' arithmetic)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     kq = tl.max_contiguous(tl.arange(0, BLOCK_K), BLOCK_K)
@@ -120,6 +124,18 @@ def _gemv(x_ptr, w_ptr, p_ptr, N, K, KSPLIT, stride_x, stride_w, stride_ps, stri
         tl.store(base + 2 * stride_pm, tl.sum(acc2, 1).to(p_ptr.dtype.element_ty), mask=cmask)
     if ROWS > 3:
         tl.store(base + 3 * stride_pm, tl.sum(acc3, 1).to(p_ptr.dtype.element_ty), mask=cmask)
+    if SUM:
+        S = tl.num_programs(1)
+        tl.debug_barrier()   # every thread's partial stored before the release
+        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if done == S - 1:
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")  # zero for the next launch
+            for r in tl.static_range(ROWS):
+                y = tl.zeros([BLOCK_N], tl.float32)
+                for s in range(S):   # slice order 0..S-1, as reduce_rows
+                    y += tl.load(p_ptr + s * stride_ps + r * stride_pm + cols, mask=cmask, other=0.0,
+                                 cache_modifier=".cg")
+                tl.store(out_ptr + r * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -193,12 +209,11 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = N
     bk = _block_k(K, dense.block_k, least=8)
     S, ksplit = slices(N, K, GemvPlan(dense.block_n, bk, dense.min_steps), least=8)
     p = out if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x2.device)
-    _gemv[(cdiv(N, plan.block_n), S)](x2, weight, p, N, K, ksplit, x2.stride(0), weight.stride(0),
-                                      p.stride(0) if S > 1 else 0, p.stride(-2), ROWS=M, BLOCK_N=plan.block_n,
-                                      BLOCK_K=bk, num_warps=plan.num_warps)
-    if S > 1:
-        from redknot.kernels.triton.splitk_mx import reduce_rows
-        reduce_rows(p, out)
+    nb = cdiv(N, plan.block_n)
+    cnt = slice_sum.counters(x2.device, nb) if S > 1 else p
+    _gemv[(nb, S)](x2, weight, p, out, cnt, N, K, ksplit, x2.stride(0), weight.stride(0), p.stride(0) if S > 1 else 0,
+                   p.stride(-2), out.stride(0), ROWS=M, BLOCK_N=plan.block_n, BLOCK_K=bk, SUM=S > 1,
+                   num_warps=plan.num_warps)
     return out
 
 
