@@ -132,6 +132,15 @@ def _entry_rows(block_row: torch.Tensor, w: torch.Tensor, per_block: int) -> tor
     return block_row[w // per_block].long() * per_block + w % per_block
 
 
+@register("compressor_decode", BACKEND)
+def compressor_decode(kv, gate, kv_ring, gate_ring, ring_dest, window_src, window_valid, ape, norm_weight, eps,
+                      ratio, overlap, cos, sin, closes, pool_dest, pool) -> None:
+    """The reference composition over this backend's ``compressor`` and ``rms_norm``."""
+    ref_attention.compressor_decode_with(compressor, rms_norm, ref.rope, kv, gate, kv_ring, gate_ring,
+                                         ring_dest, window_src, window_valid, ape, norm_weight, eps, ratio, overlap,
+                                         cos, sin, closes, pool_dest, pool)
+
+
 @register("indexer_topk", BACKEND)
 def indexer_topk(q, weights, key_pool, meta, ratio: int, topk: int, scale: float, q_tile: int = 512):
     """Per query: scores over its own visible entries, stable descending sort, first ``topk``."""
@@ -195,4 +204,4 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 OPS: Tuple[str, ...] = ("rms_norm", "linear", "grouped_linear", "mhc_pre", "mhc_post", "mhc_head", "moe",
-                        "compressor", "indexer_topk", "sparse_attention", "router_scores")
+                        "compressor", "compressor_decode", "indexer_topk", "sparse_attention", "router_scores")

@@ -58,6 +58,48 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: i
     return (torch.softmax(slots_g, dim=1) * slots_kv).sum(dim=1)
 
 
+def compressor_decode_with(compressor_fn, rms_norm_fn, rope_fn, kv, gate, kv_ring, gate_ring, ring_dest,
+                           window_src, window_valid, ape, norm_weight, eps, ratio, overlap, cos, sin, closes,
+                           pool_dest, pool) -> None:
+    """``compressor_decode`` composed from a backend's ``compressor``, ``rms_norm`` and ``rope`` (the reference
+    op's body; the batch-invariant backend composes its own ops the same way)."""
+    width = kv.shape[1]
+    kv_flat, gate_flat = kv_ring.view(-1, width), gate_ring.view(-1, width)
+    kv_flat.index_copy_(0, ring_dest, kv.to(kv_ring.dtype))
+    gate_flat.index_copy_(0, ring_dest, gate.to(gate_ring.dtype))
+    kv_rows = torch.where(window_valid, kv_flat[window_src], 0.0)  # [B*span, C]
+    gate_rows = torch.where(window_valid, gate_flat[window_src], float("-inf"))
+    # Without has_prev the op pools window j with window j-1 of the rows: with overlapping windows the odd
+    # entries are each row's (previous, current) pair; the even ones straddle two rows.
+    pooled = compressor_fn(kv_rows, gate_rows, ape, ratio, overlap, False)
+    pooled = pooled[1::2] if overlap else pooled
+    made = rope_fn(rms_norm_fn(pooled, norm_weight, eps), cos, sin)  # [B, hd] fp32
+    flat = pool.view(-1, made.shape[1])
+    flat.index_copy_(0, pool_dest, torch.where(closes, made.to(pool.dtype), flat[pool_dest]))
+
+
+@register("compressor_decode")
+def compressor_decode(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch.Tensor, gate_ring: torch.Tensor,
+                      ring_dest: torch.Tensor, window_src: torch.Tensor, window_valid: torch.Tensor,
+                      ape: torch.Tensor, norm_weight: torch.Tensor, eps: float, ratio: int, overlap: bool,
+                      cos: torch.Tensor, sin: torch.Tensor, closes: torch.Tensor, pool_dest: torch.Tensor,
+                      pool: torch.Tensor) -> None:
+    """A tensor-only decode step's compressor update, in place (shapes independent of the positions: CUDA graphs).
+
+    kv, gate [B, C]: this step's projected rows (row b = sequence b's token), stored at the flat ring rows
+    ``ring_dest`` [B] of kv_ring / gate_ring [S, R, C]. Each row's window ending at its position (``span`` =
+    ``ratio``, or 2·ratio with ``overlap``: the window before it too) is read from the rings at ``window_src``
+    [B·span] (``window_valid`` [B·span, 1]: positions >= 0; the others pool as kv 0, gate -inf), pooled as
+    ``compressor`` pools it (with ``ape`` [ratio, C]), RMS-normed with ``norm_weight`` [hd] and ``eps``, roped
+    with cos / sin [B, r/2] (the angles of the window's first position), and written to the pool row
+    ``pool_dest`` [B] of pool [.., E, hd] where ``closes`` [B, 1] (the position closes a window); the other pool
+    rows keep their values."""
+    from redknot.kernels import reference
+    compressor_decode_with(compressor, reference.rms_norm, reference.rope, kv, gate, kv_ring, gate_ring, ring_dest,
+                           window_src, window_valid, ape, norm_weight, eps, ratio, overlap, cos, sin, closes,
+                           pool_dest, pool)
+
+
 @register("indexer_topk")
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, meta, ratio: int,
                  topk: int, scale: float, q_tile: int = 512) -> torch.Tensor:

@@ -15,6 +15,7 @@ mhc_pre / mhc_post  manifold-constrained hyper-connection weights (Sinkhorn) and
 mhc_head            final hyper-connection collapse (no Sinkhorn, no post)
 router_scores       MoE router affinities sqrt(softplus(x · Wᵀ)) in fp32
 compressor          softmax-gated pooling of raw projected rows into compressed entries
+compressor_decode   a decode step's compressor update: ring writes, pooling, norm, RoPE, pool write
 indexer_topk        lightning-indexer scores + top-k (ties: lower entry index first)
 sparse_attention    queries x (SWA window ∪ chosen compressed entries) + sink, one softmax
 moe                 routed experts: permutation, expert SwiGLU GEMMs, fixed-order combine

@@ -83,3 +83,115 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int
                                      out.stride(0), M=ratio, OVERLAP=overlap, HAS_PREV=has_prev, BLOCK_C=bc,
                                      num_warps=4)
     return out
+
+
+@triton.jit
+def _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, fresh_kv, fresh_g, b, s0, c0, hcols, m, l, acc, C,
+                  stride_ape, M: tl.constexpr, SPAN: tl.constexpr, SB: tl.constexpr):
+    """One block of SB window slots s0..s0+SB-1 of row b at channels c0 + hcols into the online softmax state
+    (m, l, acc) [BLOCK_HD]: rows from the flat rings at ``src`` (invalid rows: kv 0, gate -inf), the row's own
+    position (the window's last slot) from this step's values, gate + ape[slot % M]."""
+    s = s0 + tl.arange(0, SB)
+    rows = tl.load(src_ptr + b * SPAN + s).to(tl.int64)
+    ok = tl.load(valid_ptr + b * SPAN + s) != 0
+    off = rows[:, None] * C + c0 + hcols[None, :]
+    okb = ok[:, None] & (hcols[None, :] >= 0)
+    kv = tl.load(kvr_ptr + off, mask=okb, other=0.0).to(tl.float32)
+    g = tl.load(gr_ptr + off, mask=okb, other=float("-inf")).to(tl.float32)
+    last = (s == SPAN - 1)[:, None] & (hcols[None, :] >= 0)
+    kv = tl.where(last, fresh_kv[None, :], kv)
+    g = tl.where(last, fresh_g[None, :], g)
+    g += tl.load(ape_ptr + (s % M)[:, None] * stride_ape + c0 + hcols[None, :])
+    m_new = tl.maximum(m, tl.max(g, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # no slot so far: every weight 0, no NaN
+    alpha = tl.exp(m - m_safe)
+    e = tl.exp(g - m_safe[None, :])
+    return m_new, l * alpha + tl.sum(e, 0), acc * alpha + tl.sum(e * kv, 0)
+
+
+@triton.jit
+def _compress_decode(kv_ptr, g_ptr, kvr_ptr, gr_ptr, rd_ptr, src_ptr, valid_ptr, ape_ptr, w_ptr, cos_ptr, sin_ptr,
+                     closes_ptr, dest_ptr, pool_ptr, C, eps, stride_kv, stride_g, stride_ape, stride_cs,
+                     M: tl.constexpr, OVERLAP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                     SB: tl.constexpr):
+    """Program b: row b's ring writes, its window's pooled entry (online softmax over the slots per channel),
+    RMSNorm, RoPE of the last 2·HALF channels, and the pool write where its position closes a window."""
+    b = tl.program_id(0)
+    SPAN: tl.constexpr = 2 * M if OVERLAP else M
+    hcols = tl.arange(0, HD)
+    rd = tl.load(rd_ptr + b).to(tl.int64)
+    kv_row = kv_ptr + b.to(tl.int64) * stride_kv
+    g_row = g_ptr + b.to(tl.int64) * stride_g
+    m = tl.full([HD], float("-inf"), tl.float32)
+    l = tl.zeros([HD], tl.float32)
+    acc = tl.zeros([HD], tl.float32)
+    if OVERLAP:  # the previous window's slots pool the first HD channels, the current window's the second HD
+        f_kv = tl.load(kv_row + hcols).to(tl.float32)
+        f_g = tl.load(g_row + hcols).to(tl.float32)
+        tl.store(kvr_ptr + rd * C + hcols, f_kv.to(kvr_ptr.dtype.element_ty))
+        tl.store(gr_ptr + rd * C + hcols, f_g.to(gr_ptr.dtype.element_ty))
+        for s0 in tl.static_range(0, M, SB):
+            m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, f_kv, f_g, b, s0, 0, hcols,
+                                      m, l, acc, C, stride_ape, M, SPAN, SB)
+        c_kv = tl.load(kv_row + HD + hcols).to(tl.float32)
+        c_g = tl.load(g_row + HD + hcols).to(tl.float32)
+        tl.store(kvr_ptr + rd * C + HD + hcols, c_kv.to(kvr_ptr.dtype.element_ty))
+        tl.store(gr_ptr + rd * C + HD + hcols, c_g.to(gr_ptr.dtype.element_ty))
+        for s0 in tl.static_range(M, 2 * M, SB):
+            m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, HD, hcols,
+                                      m, l, acc, C, stride_ape, M, SPAN, SB)
+    else:
+        c_kv = tl.load(kv_row + hcols).to(tl.float32)
+        c_g = tl.load(g_row + hcols).to(tl.float32)
+        tl.store(kvr_ptr + rd * C + hcols, c_kv.to(kvr_ptr.dtype.element_ty))
+        tl.store(gr_ptr + rd * C + hcols, c_g.to(gr_ptr.dtype.element_ty))
+        for s0 in range(0, M, SB):
+            m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, 0, hcols,
+                                      m, l, acc, C, stride_ape, M, SPAN, SB)
+    y = acc / l
+    y = y * tl.rsqrt(tl.sum(y * y, 0) / HD + eps) * tl.load(w_ptr + hcols)
+    # RoPE on interleaved pairs of the last 2·HALF channels: (a, b) -> (a·c - b·s, a·s + b·c)
+    a, bb = tl.split(tl.reshape(y, (HD // 2, 2)))
+    pair = tl.arange(0, HD // 2)
+    first: tl.constexpr = HD // 2 - HALF
+    rot = pair >= first
+    j = tl.where(rot, pair - first, 0)
+    c = tl.load(cos_ptr + b * stride_cs + j, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + b * stride_cs + j, mask=rot, other=0.0)
+    out = tl.reshape(tl.join(tl.where(rot, a * c - bb * s, a), tl.where(rot, a * s + bb * c, bb)), (HD,))
+    closes = tl.load(closes_ptr + b + hcols * 0) != 0   # [HD]: the row's flag in every lane
+    dest = tl.load(dest_ptr + b).to(tl.int64)
+    tl.store(pool_ptr + dest * HD + hcols, out.to(pool_ptr.dtype.element_ty), mask=closes)
+
+
+def decode_supported(kv, gate, kv_ring, gate_ring, ape, norm_weight, ratio, cos, pool) -> bool:
+    """Whether ``compress_decode`` takes these inputs: a power-of-two ratio up to 128 and entry width (up to
+    1024), contiguous rows and rings, an fp32 ``ape`` and norm weight, RoPE pairs within the entry."""
+    c = kv.shape[-1]
+    hd = norm_weight.shape[0]
+    return (0 < ratio <= 128 and ratio & (ratio - 1) == 0 and 0 < hd <= 1024 and hd & (hd - 1) == 0
+            and c in (hd, 2 * hd) and gate.shape == kv.shape and kv_ring.shape == gate_ring.shape
+            and kv_ring.shape[-1] == c and ape.shape == (ratio, c) and 2 * cos.shape[-1] <= hd
+            and pool.shape[-1] == hd and ape.dtype == torch.float32 and norm_weight.dtype == torch.float32
+            and kv.stride(-1) == 1 and gate.stride(-1) == 1 and ape.stride(-1) == 1
+            and kv_ring.is_contiguous() and gate_ring.is_contiguous() and pool.is_contiguous())
+
+
+def compress_decode(kv, gate, kv_ring, gate_ring, ring_dest, window_src, window_valid, ape, norm_weight, eps: float,
+                    ratio: int, overlap: bool, cos, sin, closes, pool_dest, pool) -> None:
+    """``ref_attention.compressor_decode`` in one launch (one program per row)."""
+    B, C = kv.shape
+    hd = norm_weight.shape[0]
+    if B == 0:
+        return
+    cos = cos if cos.dtype == torch.float32 and cos.is_contiguous() else cos.float().contiguous()
+    sin = sin if sin.dtype == torch.float32 and sin.is_contiguous() else sin.float().contiguous()
+    valid = window_valid.reshape(-1)
+    valid = valid if valid.dtype != torch.bool else valid.view(torch.uint8)
+    cl = closes.reshape(-1)
+    cl = cl if cl.dtype != torch.bool else cl.view(torch.uint8)
+    sb = min(ratio, max(1, 4096 // hd))   # slots a block: at most 4096 values of a tile
+    _compress_decode[(B,)](kv, gate, kv_ring, gate_ring, ring_dest, window_src, valid, ape, norm_weight, cos, sin,
+                           cl, pool_dest, pool, C, float(eps), kv.stride(0), gate.stride(0), ape.stride(0),
+                           cos.stride(0), M=ratio, OVERLAP=overlap, HD=hd, HALF=cos.shape[-1], SB=sb,
+                           num_warps=4 if hd <= 256 else 8)

@@ -94,6 +94,17 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: i
     return ref_attention.compressor(kv, gate, ape, ratio, overlap, has_prev)
 
 
+@register("compressor_decode", BACKEND)
+def compressor_decode(kv, gate, kv_ring, gate_ring, ring_dest, window_src, window_valid, ape, norm_weight, eps,
+                      ratio, overlap, cos, sin, closes, pool_dest, pool) -> None:
+    if compress.decode_supported(kv, gate, kv_ring, gate_ring, ape, norm_weight, ratio, cos, pool):
+        return compress.compress_decode(kv, gate, kv_ring, gate_ring, ring_dest, window_src, window_valid, ape,
+                                        norm_weight, eps, ratio, overlap, cos, sin, closes, pool_dest, pool)
+    return ref_attention.compressor_decode_with(compressor, norm.rms_norm, norm.rope, kv, gate, kv_ring, gate_ring,
+                                                ring_dest, window_src, window_valid, ape, norm_weight, eps, ratio,
+                                                overlap, cos, sin, closes, pool_dest, pool)
+
+
 @register("indexer_topk", BACKEND)
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, meta, ratio: int, topk: int,
                  scale: float, q_tile: int = 512) -> torch.Tensor:

@@ -45,9 +45,12 @@ class Compressor(nn.Module):
     def update(self, ks, x: torch.Tensor, ctx: StepContext, kv_ring: torch.Tensor, gate_ring: torch.Tensor,
                pool: torch.Tensor) -> None:
         """Project this step's rows, emit the entries of every window they close, store the rows."""
-        kv = self.wkv(ks, x).float()  # [T, C]
-        gate = self.wgate(ks, x).float()
-        self.update_rows(ks, kv, gate, ctx, kv_ring, gate_ring, pool)
+        kv = self.wkv(ks, x)  # [T, C]
+        gate = self.wgate(ks, x)
+        if ctx.meta.tensor_only:  # the decode op reads the projections' dtype (no fp32 copies first)
+            self._update_decode(ks, kv, gate, ctx, kv_ring, gate_ring, pool)
+            return
+        self.update_rows(ks, kv.float(), gate.float(), ctx, kv_ring, gate_ring, pool)
 
     def update_rows(self, ks, kv: torch.Tensor, gate: torch.Tensor, ctx: StepContext, kv_ring: torch.Tensor,
                     gate_ring: torch.Tensor, pool: torch.Tensor) -> None:
@@ -83,22 +86,23 @@ class Compressor(nn.Module):
         """:meth:`update_rows` of a tensor-only decode step (row b = sequence b at position p_b), with
         shapes that do not depend on the positions (CUDA graphs): store the rows, pool the window
         ending at p_b (with the window before it when overlapping) for every sequence, and write
-        the entry where p_b closes a window; elsewhere the entry row keeps its value."""
-        write_ring(kv_ring, ctx, kv)
-        write_ring(gate_ring, ctx, gate)
+        the entry where p_b closes a window; elsewhere the entry row keeps its value. One registry op
+        (``compressor_decode``: a single launch on the Triton backend); kv, gate may be the projections'
+        dtype (the rings keep fp32)."""
         meta, m, per_block = ctx.meta, self.ratio, pool.shape[1]
         pos = meta.positions  # [B]
         span = 2 * m if self.overlap else m
+        ring_rows, ring_dest = ctx.ring_write_rows(kv_ring.shape[1])  # decode: every row, in order (rows None)
+        if ring_rows is not None:
+            kv, gate = kv[ring_rows], gate[ring_rows]
         # the index arithmetic depends on the step's metadata and the compressor's shape only: once per step for
         # every compressor of that shape (a CSA layer's two, every CSA layer's)
-        rows = ctx.memo(("ring windows", m, span, kv_ring.shape[1]),
-                        lambda: ring_window_rows(pos, meta.seq_slots, span, kv_ring.shape[1]))
-        pooled = pool_ring_windows(self, ks, kv_ring, gate_ring, pos, meta.seq_slots, rows)  # [B, hd]
+        src, valid = ctx.memo(("ring windows", m, span, kv_ring.shape[1]),
+                              lambda: ring_window_rows(pos, meta.seq_slots, span, kv_ring.shape[1]))
         closes, cos, sin, dest = ctx.memo(("closing entries", m, per_block),
                                           lambda: _closing_entries(ctx, m, per_block))
-        made = ks.rope(self.norm(ks, pooled), cos, sin)  # [B, hd]
-        flat = pool.view(-1, self.head_dim)
-        flat.index_copy_(0, dest, torch.where(closes, made.to(pool.dtype), flat[dest]))
+        ks.compressor_decode(kv, gate, kv_ring, gate_ring, ring_dest, src, valid, self.ape, self.norm.weight,
+                             self.norm.eps, m, self.overlap, cos, sin, closes, dest, pool)
 
 
 def _closing_entries(ctx: StepContext, m: int, per_block: int):

@@ -72,3 +72,99 @@ def test_gpu_compress_at_v4_widths():
                 got = compress.compress(kv, gate, ape, ratio, overlap, has_prev)
                 want = ref_attention.compressor(kv, gate, ape, ratio, overlap, has_prev)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _decode_state(ratio, overlap, hd, positions, device, ring_len=None, seed=0, dtype=torch.bfloat16):
+    """Rings, pool and one decode step's rows for sequences at ``positions`` (slots 0..B-1), with the index
+    tensors the model computes (``ring_window_rows``, ``_closing_entries``' arithmetic)."""
+    from redknot.models.deepseek_v4.compressor import ring_window_rows
+    g = torch.Generator(device=device).manual_seed(seed)
+    c = 2 * hd if overlap else hd
+    span = 2 * ratio if overlap else ratio
+    R = ring_len or span
+    B = len(positions)
+    pos = torch.tensor(positions, device=device)
+    slots = torch.arange(B, device=device)
+    kv_ring = torch.randn(B, R, c, generator=g, device=device)
+    gate_ring = 2 * torch.randn(B, R, c, generator=g, device=device)
+    pool = torch.randn(B * 8, 4, hd, generator=g, device=device).to(dtype)
+    kv = torch.randn(B, c, generator=g, device=device).to(dtype)  # the projections' dtype
+    gate = (2 * torch.randn(B, c, generator=g, device=device)).to(dtype)
+    ape = torch.randn(ratio, c, generator=g, device=device)
+    weight = 1 + 0.1 * torch.randn(hd, generator=g, device=device)
+    half = min(32, hd // 4)
+    ang = torch.rand(B, half, generator=g, device=device) * 6.28
+    ring_dest = slots * R + pos % R
+    src, valid = ring_window_rows(pos, slots, span, R)
+    closes = ((pos + 1) % ratio == 0)[:, None]
+    dest = torch.randperm(B * 8 * 4, generator=g, device=device)[:B]
+    return (kv, gate, kv_ring, gate_ring, ring_dest, src, valid, ape, weight, 1e-6, ratio, overlap, ang.cos(),
+            ang.sin(), closes, dest, pool)
+
+
+# (ratio, overlap, hd, positions): CSA-like windows of 4 with the window before (closing, not closing, the first
+# window: positions 3 and 1, before any previous window), HCA-like windows of 16 and 128 (one position closes)
+DECODE_CASES = [(4, True, 32, [11, 6, 3, 1]), (16, False, 64, [31, 40, 15]), (128, False, 32, [127, 300])]
+
+
+@pytest.mark.parametrize("ratio,overlap,hd,positions", DECODE_CASES,
+                         ids=[f"r{r}-{'csa' if o else 'hca'}-{h}" for r, o, h, _ in DECODE_CASES])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compress_decode_matches_the_reference_op(ratio, overlap, hd, positions, dtype, kernel_device):
+    """The decode launch against the reference composition: the rings get this step's rows exactly, the pool
+    rows of closing positions the normed, roped entry (fp32 sums in another order; bf16 rows and pool: one
+    rounding apart at most), every other pool row keeps its bits."""
+    args = _decode_state(ratio, overlap, hd, positions, kernel_device, dtype=dtype)
+    want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    ref_attention.compressor_decode(*want)
+    got = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    assert compress.decode_supported(got[0], got[1], got[2], got[3], got[7], got[8], ratio, got[12], got[16])
+    compress.compress_decode(*got)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])  # the rings
+    closes, dest = args[14].reshape(-1), args[15]
+    assert closes.any() and not closes.all()
+    pool_got, pool_want = got[16].view(-1, hd), want[16].view(-1, hd)
+    keep = torch.ones(pool_got.shape[0], dtype=torch.bool, device=kernel_device)
+    keep[dest[closes]] = False
+    assert torch.equal(pool_got[keep], pool_want[keep])
+    assert not torch.equal(pool_want[dest[closes]], args[16].view(-1, hd)[dest[closes]])  # the op wrote them
+    tol = 2e-6 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(pool_got[dest[closes]].float(), pool_want[dest[closes]].float(), rtol=tol, atol=tol)
+
+
+def test_the_decode_op_runs_in_the_model_and_falls_back(kernel_device):
+    """The Triton backend's ``compressor_decode`` takes the launch where it applies and the composition of its
+    own ops where it does not (an entry width that is not a power of two): both equal the reference op."""
+    args = _decode_state(4, True, 32, [7, 2], kernel_device, seed=5)
+    want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    ref_attention.compressor_decode(*want)
+    got = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    triton_ops.compressor_decode(*got)
+    torch.testing.assert_close(got[16].float(), want[16].float(), rtol=1.6e-2, atol=1e-2)
+    odd = _decode_state(4, True, 24, [7, 2], kernel_device, seed=5)
+    assert not compress.decode_supported(odd[0], odd[1], odd[2], odd[3], odd[7], odd[8], 4, odd[12], odd[16])
+    want = [a.clone() if isinstance(a, torch.Tensor) else a for a in odd]
+    ref_attention.compressor_decode(*want)
+    got = [a.clone() if isinstance(a, torch.Tensor) else a for a in odd]
+    triton_ops.compressor_decode(*got)
+    torch.testing.assert_close(got[16].float(), want[16].float(), rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.gpu
+def test_gpu_compress_decode_at_v4_widths():
+    """The decode launch at V4's widths on the GPU (CSA 512 + 512 channels, the indexer's 128 + 128, HCA 512 with
+    windows of 128; 32 rows at positions that close and that do not) against the reference op."""
+    for ratio, overlap, hd in [(4, True, 512), (4, True, 128), (128, False, 512)]:
+        span = 2 * ratio if overlap else ratio
+        positions = [(7 * i + (ratio - 1 if i % 3 == 0 else 1)) * span + span - 1 if i % 3 == 0 else 5 * i + 2
+                     for i in range(32)]
+        for dtype in (torch.float32, torch.bfloat16):
+            args = _decode_state(ratio, overlap, hd, positions, "cuda", ring_len=span, dtype=dtype)
+            want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            ref_attention.compressor_decode(*want)
+            got = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            compress.compress_decode(*got)
+            assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+            tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+            torch.testing.assert_close(got[16].float(), want[16].float(), rtol=tol, atol=tol)
