@@ -37,6 +37,7 @@ from redknot.kernels.triton._common import (
     cdiv,
     check_last_dim_contiguous,
     dot_precision,
+    interpreting,
     next_pow2,
     sm_count,
 )
@@ -274,12 +275,60 @@ def _indexer_select_x(q_ptr, w_ptr, kx_ptr, pos_ptr, tile_tok_ptr, tile_len_ptr,
                        CAP, BLOCK_T, BLOCK_N, False, False, 1, False, STAGES, False, False, PREC, True, CUT_SELECT)
 
 
+@triton.jit
+def _token_tiles(qsl_ptr, tok_ptr, len_ptr, seq_ptr, nseq, bound, BT: tl.constexpr, SP: tl.constexpr,
+                 BLOCK_J: tl.constexpr):
+    """Tiles j of one block: ``token_tiles_torch``'s arithmetic (int64) for every sequence at once (SP >= nseq
+    lanes: each sequence's tile count, their running sum; the tile's sequence is the count of running sums <= j)."""
+    s = tl.arange(0, SP)
+    sm = s < nseq
+    lo = tl.load(qsl_ptr + s, mask=sm, other=0).to(tl.int64)
+    hi = tl.load(qsl_ptr + s + 1, mask=sm, other=0).to(tl.int64)
+    per = tl.where(sm, (hi - lo + BT - 1) // BT, 0)
+    cum = tl.cumsum(per, 0)
+    total = tl.sum(per, 0)
+    j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    jm = j < bound
+    j64 = j.to(tl.int64)
+    b = tl.sum(((cum[None, :] <= j64[:, None]) & sm[None, :]).to(tl.int64), 1)
+    b = tl.minimum(b, nseq - 1)
+    before = tl.sum(tl.where(s[None, :] < b[:, None], per[None, :], 0), 1)   # cum[b] - per[b]
+    start = tl.load(qsl_ptr + b, mask=jm, other=0).to(tl.int64)
+    end = tl.load(qsl_ptr + b + 1, mask=jm, other=0).to(tl.int64)
+    tok0 = start + (j64 - before) * BT
+    length = tl.maximum(tl.minimum(end - tok0, BT), 0)
+    length = tl.where(j64 < total, length, 0)
+    tl.store(tok_ptr + j, tok0.to(tl.int32), mask=jm)
+    tl.store(len_ptr + j, length.to(tl.int32), mask=jm)
+    tl.store(seq_ptr + j, b.to(tl.int32), mask=jm)
+
+
 def token_tiles(query_start_loc: torch.Tensor, num_tokens: int, block_t: int):
     """Tiles of at most ``block_t`` consecutive tokens of one sequence, computed on the device.
 
     Returns (first token ``[n]``, tokens in the tile ``[n]``, sequence ``[n]``) int32, ``n`` an upper bound
-    (``cdiv(T, block_t) + B``); surplus tiles have 0 tokens.
+    (``cdiv(T, block_t) + B``); surplus tiles have 0 tokens. One launch (``_token_tiles``) on the GPU or under the
+    interpreter; ``token_tiles_torch`` (about twenty PyTorch launches) elsewhere, and as the tests' oracle.
     """
+    if not (query_start_loc.is_cuda or interpreting()) or query_start_loc.numel() < 2:
+        return token_tiles_torch(query_start_loc, num_tokens, block_t)
+    return token_tiles_launch(query_start_loc, num_tokens, block_t)
+
+
+def token_tiles_launch(query_start_loc: torch.Tensor, num_tokens: int, block_t: int):
+    """``token_tiles`` as the one launch (at least one sequence)."""
+    nseq = query_start_loc.numel() - 1
+    bound = cdiv(num_tokens, block_t) + nseq
+    out = torch.empty(3, bound, dtype=torch.int32, device=query_start_loc.device)
+    sp = next_pow2(nseq)
+    bj = max(16, min(1024, 8192 // sp))
+    _token_tiles[(cdiv(bound, bj),)](query_start_loc, out[0], out[1], out[2], nseq, bound, BT=block_t, SP=sp,
+                                     BLOCK_J=bj, num_warps=4)
+    return out[0], out[1], out[2], bound
+
+
+def token_tiles_torch(query_start_loc: torch.Tensor, num_tokens: int, block_t: int):
+    """``token_tiles`` in PyTorch ops."""
     qsl = query_start_loc.to(torch.int64)
     nseq = qsl.numel() - 1
     n = qsl[1:] - qsl[:-1]
