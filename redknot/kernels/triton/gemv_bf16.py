@@ -64,6 +64,12 @@ class Bf16Plan:
 PLANS = {"bgemv": Bf16Plan(4, 512, 4), "bgemv_n8": Bf16Plan(8, 256, 8), "bgemv_n2": Bf16Plan(2, 1024, 2),
          "bgemv_n16": Bf16Plan(16, 256, 8, num_warps=8)}
 
+# ``gemv``'s epilogues on the fp32 sums (the router's affinities: ``router_scores``).
+EPILOGUES = {"": 0, "softplus_sqrt": 1}
+# The router's affinities at 1-4 rows (``router_scores``, [256, 4096] for V4-Flash): the plan H100 run 13's tuner
+# chose for the bf16 linears of that shape (0.009 ms a call, cuBLAS 0.011).
+ROUTER_PLAN = PLANS["bgemv_n2"]
+
 # Per weight shape, calls of at most ``MAX_ROWS`` rows: the library path first (``cublas`` / ``grouped``: what
 # runs untimed off the GPU and under capture before a choice exists), then the GEMV plans, timed on one row.
 LINEAR_SMALL_TUNER = ConfigTuner("linear_bf16_small", ["cublas", *PLANS])
@@ -92,8 +98,25 @@ def _fma_rows(acc0, acc1, acc2, acc3, w, x_ptr, kk, stride_x, ROWS: tl.constexpr
 
 
 @triton.jit
+def _epilogue(y, EPI: tl.constexpr):
+    """EPI 0: y; 1: sqrt(softplus(y)) (the router's affinity: softplus as torch's, threshold 20, log1p exact)."""
+    if EPI == 1:
+        e = tl.exp(tl.minimum(y, 20.0))
+        u = 1.0 + e
+        lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))   # log1p(e) to a few ulps
+        y = tl.sqrt(tl.where(y > 20.0, y, lp))
+    return y
+
+
+@triton.jit
+def _store_row(base, acc, cmask, EPI: tl.constexpr):
+    tl.store(base, _epilogue(tl.sum(acc, 1), EPI).to(base.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
 def _gemv(x_ptr, w_ptr, p_ptr, out_ptr, cnt_ptr, N, K, KSPLIT, stride_x, stride_w, stride_ps, stride_pm, stride_om,
-          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr):
+          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM: tl.constexpr,
+          EPI: tl.constexpr):
     """One program: BLOCK_N weight rows over one K slice of KSPLIT (a multiple of BLOCK_K, which divides K) for
     ROWS activation rows -> p[slice, row, cols] (fp32 partials, or the output itself with one slice). ``SUM``:
     the program that stores a column block's last partial adds the block's partials in slice order into
@@ -117,13 +140,14 @@ def _gemv(x_ptr, w_ptr, p_ptr, out_ptr, cnt_ptr, N, K, KSPLIT, stride_x, stride_
                                            ROWS)
         w = w_n
     base = p_ptr + tl.program_id(1).to(tl.int64) * stride_ps + cols
-    tl.store(base, tl.sum(acc0, 1).to(p_ptr.dtype.element_ty), mask=cmask)
+    PE: tl.constexpr = 0 if SUM else EPI   # partials take no epilogue; one slice stores the output itself
+    _store_row(base, acc0, cmask, PE)
     if ROWS > 1:
-        tl.store(base + stride_pm, tl.sum(acc1, 1).to(p_ptr.dtype.element_ty), mask=cmask)
+        _store_row(base + stride_pm, acc1, cmask, PE)
     if ROWS > 2:
-        tl.store(base + 2 * stride_pm, tl.sum(acc2, 1).to(p_ptr.dtype.element_ty), mask=cmask)
+        _store_row(base + 2 * stride_pm, acc2, cmask, PE)
     if ROWS > 3:
-        tl.store(base + 3 * stride_pm, tl.sum(acc3, 1).to(p_ptr.dtype.element_ty), mask=cmask)
+        _store_row(base + 3 * stride_pm, acc3, cmask, PE)
     if SUM:
         S = tl.num_programs(1)
         tl.debug_barrier()   # every thread's partial stored before the release
@@ -135,7 +159,7 @@ def _gemv(x_ptr, w_ptr, p_ptr, out_ptr, cnt_ptr, N, K, KSPLIT, stride_x, stride_
                 for s in range(S):   # slice order 0..S-1, as reduce_rows
                     y += tl.load(p_ptr + s * stride_ps + r * stride_pm + cols, mask=cmask, other=0.0,
                                  cache_modifier=".cg")
-                tl.store(out_ptr + r * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
+                tl.store(out_ptr + r * stride_om + cols, _epilogue(y, EPI).to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
@@ -194,8 +218,9 @@ def _moe_down(act_ptr, ids_ptr, wt_ptr, w2_ptr, out_ptr, D, I, stride_a, stride_
 
 
 def gemv(x2: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None,
-         plan: Bf16Plan = PLANS["bgemv"]) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] · weightᵀ for M <= ``MAX_ROWS`` rows; x2 and weight [N, K] bf16 (K contiguous)."""
+         plan: Bf16Plan = PLANS["bgemv"], epilogue: str = "") -> torch.Tensor:
+    """out [M, N] = x2 [M, K] · weightᵀ for M <= ``MAX_ROWS`` rows; x2 (bf16 or fp32) and weight [N, K] bf16 (K
+    contiguous). ``epilogue`` "softplus_sqrt": sqrt(softplus(·)) of each fp32 sum before the store."""
     M, K = x2.shape
     N = weight.shape[0]
     if M > MAX_ROWS:
@@ -213,7 +238,7 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = N
     cnt = slice_sum.counters(x2.device, nb) if S > 1 else p
     _gemv[(nb, S)](x2, weight, p, out, cnt, N, K, ksplit, x2.stride(0), weight.stride(0), p.stride(0) if S > 1 else 0,
                    p.stride(-2), out.stride(0), ROWS=M, BLOCK_N=plan.block_n, BLOCK_K=bk, SUM=S > 1,
-                   num_warps=plan.num_warps)
+                   EPI=EPILOGUES[epilogue], num_warps=plan.num_warps)
     return out
 
 

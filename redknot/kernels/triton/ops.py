@@ -56,6 +56,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] 
     return ref.linear(x, weight, scale)  # packed FP4: dequantised per call
 
 
+@register("router_scores", BACKEND)
+def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    if (gemv_bf16.small_rows(x, rows) and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32)
+            and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1):
+        # decode at batch 1-4: one launch (fp32 sums of the exact products, softplus and sqrt in the epilogue)
+        # instead of the weight's fp32 copy, the GEMM and two elementwise launches
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32, device=x.device)
+        return gemv_bf16.gemv(x, weight, out, gemv_bf16.ROUTER_PLAN, epilogue="softplus_sqrt")
+    return ref.router_scores(x, weight)
+
+
 @register("mhc_pre", BACKEND)
 def mhc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     if streams.shape[1] & (streams.shape[1] - 1):

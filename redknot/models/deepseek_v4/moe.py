@@ -29,7 +29,7 @@ class Router(nn.Module):
 
     def forward(self, ks, x: torch.Tensor, input_ids: torch.Tensor):
         """-> (expert ids [T, k], weights [T, k] fp32)."""
-        scores = ks.router_scores(x.float(), self.weight)  # [T, E] fp32
+        scores = ks.router_scores(x, self.weight)  # [T, E] fp32 (the op computes in fp32 from x's values)
         if self.hash_layer:
             idx = self.tid2eid[input_ids].long()
         else:

@@ -197,3 +197,29 @@ def test_gpu_streams_at_v4_widths_and_in_a_graph(rows):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(again, out), (e, name)
+
+
+def test_router_scores_at_up_to_four_rows_match_the_reference(kernel_device):
+    """The ``router_scores`` op at 1-4 rows (one GEMV launch, softplus and sqrt in its epilogue) against the
+    reference op: bf16 and fp32 rows, logits past softplus's threshold of 20 and far below 0 included; 5+ rows
+    are the reference op itself."""
+    from redknot.kernels import reference
+    g = torch.Generator(device=kernel_device).manual_seed(4)
+    w = (torch.randn(64, 512, generator=g, device=kernel_device) / 8).to(torch.bfloat16)
+    x = torch.randn(6, 512, generator=g, device=kernel_device).to(torch.bfloat16)
+    x[1] *= 40   # logits up to |~100|: both sides of the threshold, and exp(-x) underflow
+    for rows in (1, 2, 4):
+        for xx in (x[:rows], x[:rows].float()):
+            got = triton_ops.router_scores(xx, w)
+            want = reference.router_scores(xx, w)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 sums of 512 products, another order
+    for plan in gemv_bf16.PLANS.values():   # the epilogue behind every launch shape, one slice and several
+        for k in (4096, 512):
+            wk = torch.randn(8, k, generator=g, device=kernel_device).to(torch.bfloat16) / 16
+            xk = torch.randn(2, k, generator=g, device=kernel_device).to(torch.bfloat16)
+            got = gemv_bf16.gemv(xk, wk, torch.empty(2, 8, device=kernel_device), plan, epilogue="softplus_sqrt")
+            torch.testing.assert_close(got, reference.router_scores(xk, wk), rtol=1e-5, atol=1e-5)
+    big = x[1:2].float() @ w.float().t()
+    assert (big > 20).any() and (big < -20).any()
+    assert torch.equal(triton_ops.router_scores(x, w), reference.router_scores(x, w))
