@@ -14,6 +14,7 @@ rope                interleaved rotation of the trailing 2*len(cos) dims (invers
 mhc_pre / mhc_post  manifold-constrained hyper-connection weights (Sinkhorn) and stream mixing
 mhc_head            final hyper-connection collapse (no Sinkhorn, no post)
 router_scores       MoE router affinities sqrt(softplus(x · Wᵀ)) in fp32
+route               expert ids (hash table or top-k of affinities + bias) and renormalised weights
 compressor          softmax-gated pooling of raw projected rows into compressed entries
 compressor_decode   a decode step's compressor update: ring writes, pooling, norm, RoPE, pool write
 indexer_topk        lightning-indexer scores + top-k (ties: lower entry index first)
@@ -119,6 +120,20 @@ def mhc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
 def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, D], router weight [E, D] -> [T, E] fp32 = sqrt(softplus(x · Wᵀ)) (logits in fp32)."""
     return F.softplus(F.linear(x.float(), weight.float())).sqrt()
+
+
+@register("route")
+def route(scores: torch.Tensor, bias: Optional[torch.Tensor], tid2eid: Optional[torch.Tensor],
+          input_ids: torch.Tensor, top_k: int, scaling: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing from the affinities scores [T, E] fp32: the experts ``tid2eid[input_ids]`` (hash layers) or the
+    top ``top_k`` of ``scores + bias`` (best first), and their scores renormalised to sum 1, times ``scaling``
+    -> (ids [T, k] int64, weights [T, k] fp32)."""
+    if tid2eid is not None:
+        idx = tid2eid[input_ids].long()
+    else:
+        idx = torch.topk(scores + bias, top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    return idx, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling
 
 
 # The remaining ops live in their own modules; importing them registers them.

@@ -23,6 +23,7 @@ from redknot.kernels.triton import (
     mhc,
     moe,
     norm,
+    route,
 )
 from redknot.kernels.triton._common import next_pow2
 
@@ -66,6 +67,15 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32, device=x.device)
         return gemv_bf16.gemv(x, weight, out, gemv_bf16.ROUTER_PLAN, epilogue="softplus_sqrt")
     return ref.router_scores(x, weight)
+
+
+@register("route", BACKEND)
+def route_op(scores, bias, tid2eid, input_ids, top_k: int, scaling: float):
+    hashed_ok = tid2eid is None or (tid2eid.dim() == 2 and tid2eid.shape[1] == top_k and tid2eid.stride(-1) == 1
+                                    and input_ids.dim() == 1)
+    if route.supported(scores, top_k) and hashed_ok and (bias is not None or tid2eid is not None):
+        return route.route(scores, bias, tid2eid, input_ids, top_k, scaling)
+    return ref.route(scores, bias, tid2eid, input_ids, top_k, scaling)
 
 
 @register("mhc_pre", BACKEND)

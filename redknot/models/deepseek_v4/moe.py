@@ -31,11 +31,8 @@ class Router(nn.Module):
         """-> (expert ids [T, k], weights [T, k] fp32)."""
         scores = ks.router_scores(x, self.weight)  # [T, E] fp32 (the op computes in fp32 from x's values)
         if self.hash_layer:
-            idx = self.tid2eid[input_ids].long()
-        else:
-            idx = torch.topk(scores + self.bias, self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        return idx, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+            return ks.route(scores, None, self.tid2eid, input_ids, self.top_k, self.scaling)
+        return ks.route(scores, self.bias, None, input_ids, self.top_k, self.scaling)
 
 
 class Experts(nn.Module):
