@@ -81,10 +81,11 @@ for s in "${STAGES[@]}"; do
       stage decode 540 python3 benchmarks/e2e_v41.py --out "$OUT/decode" --prefill '' --decode-context 8192 \
         --decode-batch ${DECODE_BATCHES:-1,32,128} --decode-synthetic --decode-graphs --skip-parity --profile-steps 5 --side-stream-tokens ${SIDE_TOKENS:-128} --budget-s B \
         --log-level INFO ;;
-    bf16_tests)  # V4's bf16 GEMV streams at 1-4 rows (dense shapes and experts at V4 widths, in a graph) and the
-      # compressor op's launch at V4 widths on the GPU
-      stage bf16_tests 240 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py \
-        tests/unit/kernels/test_compress_v4.py ;;
+    bf16_tests)  # V4's decode launches on the GPU, every test of their files (not only the -m gpu ones: the others run
+      # on the GPU too there): the bf16 GEMV streams at 1-4 rows and the router's affinities, the compressor's pooling
+      # and decode update, the routing, the indexer's token tiles
+      stage bf16_tests 300 python3 -m pytest -n 0 -m 'not slow' -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py \
+        tests/unit/kernels/test_compress_v4.py tests/unit/kernels/test_route_v4.py tests/unit/kernels/test_token_tiles.py ;;
     side_tests)  # the side stream's GPU tests (a graph of two streams; the toy cut's step on two streams, same bits)
       stage side_tests 420 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py \
         tests/unit/model/v41_forward/test_v41_tensor_step.py::test_gpu_engine_decodes_tiny_v41_in_cuda_graphs ;;
