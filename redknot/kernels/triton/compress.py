@@ -110,6 +110,16 @@ def _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, fresh_kv, fresh_
 
 
 @triton.jit
+def _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, c0, hcols):
+    """This step's kv and gate values of a row at channels c0 + hcols (fp32), stored into the rings' row ``rd``."""
+    kv = tl.load(kv_row + c0 + hcols).to(tl.float32)
+    g = tl.load(g_row + c0 + hcols).to(tl.float32)
+    tl.store(kvr_ptr + rd * C + c0 + hcols, kv.to(kvr_ptr.dtype.element_ty))
+    tl.store(gr_ptr + rd * C + c0 + hcols, g.to(gr_ptr.dtype.element_ty))
+    return kv, g
+
+
+@triton.jit
 def _compress_decode(kv_ptr, g_ptr, kvr_ptr, gr_ptr, rd_ptr, src_ptr, valid_ptr, ape_ptr, w_ptr, cos_ptr, sin_ptr,
                      closes_ptr, dest_ptr, pool_ptr, C, eps, stride_kv, stride_g, stride_ape, stride_cs,
                      M: tl.constexpr, OVERLAP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
@@ -126,25 +136,16 @@ def _compress_decode(kv_ptr, g_ptr, kvr_ptr, gr_ptr, rd_ptr, src_ptr, valid_ptr,
     l = tl.zeros([HD], tl.float32)
     acc = tl.zeros([HD], tl.float32)
     if OVERLAP:  # the previous window's slots pool the first HD channels, the current window's the second HD
-        f_kv = tl.load(kv_row + hcols).to(tl.float32)
-        f_g = tl.load(g_row + hcols).to(tl.float32)
-        tl.store(kvr_ptr + rd * C + hcols, f_kv.to(kvr_ptr.dtype.element_ty))
-        tl.store(gr_ptr + rd * C + hcols, f_g.to(gr_ptr.dtype.element_ty))
+        f_kv, f_g = _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, 0, hcols)
         for s0 in tl.static_range(0, M, SB):
             m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, f_kv, f_g, b, s0, 0, hcols,
                                       m, l, acc, C, stride_ape, M, SPAN, SB)
-        c_kv = tl.load(kv_row + HD + hcols).to(tl.float32)
-        c_g = tl.load(g_row + HD + hcols).to(tl.float32)
-        tl.store(kvr_ptr + rd * C + HD + hcols, c_kv.to(kvr_ptr.dtype.element_ty))
-        tl.store(gr_ptr + rd * C + HD + hcols, c_g.to(gr_ptr.dtype.element_ty))
+        c_kv, c_g = _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, HD, hcols)
         for s0 in tl.static_range(M, 2 * M, SB):
             m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, HD, hcols,
                                       m, l, acc, C, stride_ape, M, SPAN, SB)
     else:
-        c_kv = tl.load(kv_row + hcols).to(tl.float32)
-        c_g = tl.load(g_row + hcols).to(tl.float32)
-        tl.store(kvr_ptr + rd * C + hcols, c_kv.to(kvr_ptr.dtype.element_ty))
-        tl.store(gr_ptr + rd * C + hcols, c_g.to(gr_ptr.dtype.element_ty))
+        c_kv, c_g = _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, 0, hcols)
         for s0 in range(0, M, SB):
             m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, 0, hcols,
                                       m, l, acc, C, stride_ape, M, SPAN, SB)
