@@ -55,10 +55,6 @@ class Bf16Plan:
     num_warps: int = 4
     min_steps: int = 2
 
-    def dense(self) -> GemvPlan:
-        return GemvPlan(block_n=self.block_n, block_k=self.block_k, min_steps=self.min_steps,
-                        num_warps=self.num_warps)
-
 
 # The tuners' GEMV candidates by name (the tuning store keeps names).
 PLANS = {"bgemv": Bf16Plan(4, 512, 4), "bgemv_n8": Bf16Plan(8, 256, 8), "bgemv_n2": Bf16Plan(2, 1024, 2),
@@ -230,9 +226,8 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = N
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
     if M == 0:
         return out
-    dense = plan.dense()
-    bk = _block_k(K, dense.block_k, least=8)
-    S, ksplit = slices(N, K, GemvPlan(dense.block_n, bk, dense.min_steps), least=8)
+    bk = _block_k(K, plan.block_k, least=8)
+    S, ksplit = slices(N, K, GemvPlan(plan.block_n, bk, plan.min_steps), least=8)
     p = out if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x2.device)
     nb = cdiv(N, plan.block_n)
     cnt = slice_sum.counters(x2.device, nb) if S > 1 else p
