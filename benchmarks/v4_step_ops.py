@@ -155,6 +155,9 @@ def main(argv=None) -> int:
         print("\n| Triton launches | kernel |\n|---|---|")
         for name, n in kernels.most_common():
             print(f"| {n} | `{name}` |")
+        print("\n| PyTorch launches | source |\n|---|---|")
+        for where, n in counter.glue.most_common(a.top):
+            print(f"| {n} | `{where}` |")
         return 0
     counter, layers = count_step(a.backend, a.device, a.batch)
     glue = sum(counter.glue.values())

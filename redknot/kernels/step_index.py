@@ -42,6 +42,12 @@ def step_tensors(meta) -> StepTensors:
 
 def _compute(meta) -> StepTensors:
     qsl = meta.query_start_loc
+    if getattr(meta, "tensor_only", False):
+        # one row per sequence (StepMetadata checks it): row b is sequence b's only token, so the sequence of a
+        # row and the first row of a sequence are both 0..B-1 (query_start_loc[:-1]), and a sequence's first
+        # position is its row's position: two casts at most, where the general form takes about seven launches
+        starts = qsl[:-1].to(torch.int32)
+        return StepTensors(starts, meta.positions.to(torch.int32), starts)
     rows = torch.arange(meta.positions.shape[0], device=qsl.device, dtype=qsl.dtype)
     token_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).to(torch.int32)
     starts = qsl[:-1].to(torch.int32)
