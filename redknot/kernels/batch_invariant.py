@@ -70,6 +70,13 @@ def mhc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_e
     return tiled(ref.mhc_pre, [streams], fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
 
+@register("mhc_pre_norm", BACKEND)
+def mhc_pre_norm(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm_weight,
+                 rms_eps: float):
+    u, post, comb = mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(u, norm_weight, rms_eps), post, comb
+
+
 @register("mhc_post", BACKEND)
 def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[:, k] = post[:, k] * y + Σ_j comb[:, j, k] * streams[:, j], summed over j in order."""
@@ -203,5 +210,5 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return tiled(lambda rows, w: F.softplus(F.linear(rows, w)).sqrt(), [x.float()], weight.float())
 
 
-OPS: Tuple[str, ...] = ("rms_norm", "linear", "grouped_linear", "mhc_pre", "mhc_post", "mhc_head", "moe",
-                        "compressor", "compressor_decode", "indexer_topk", "sparse_attention", "router_scores")
+OPS: Tuple[str, ...] = ("rms_norm", "linear", "grouped_linear", "mhc_pre", "mhc_pre_norm", "mhc_post", "mhc_head",
+                        "moe", "compressor", "compressor_decode", "indexer_topk", "sparse_attention", "router_scores")

@@ -13,6 +13,7 @@ grouped_linear      x [T, G, K], W [G*R, K] (+ scale) -> [T, G, R] (block-diagon
 rope                interleaved rotation of the trailing 2*len(cos) dims (inverse: rotate by -angle)
 mhc_pre / mhc_post  manifold-constrained hyper-connection weights (Sinkhorn) and stream mixing
 mhc_head            final hyper-connection collapse (no Sinkhorn, no post)
+mhc_pre_norm        mhc_pre, then the sublayer's RMSNorm of the collapse
 router_scores       MoE router affinities sqrt(softplus(x · Wᵀ)) in fp32
 route               expert ids (hash table or top-k of affinities + bias) and renormalised weights
 compressor          softmax-gated pooling of raw projected rows into compressed entries
@@ -99,6 +100,16 @@ def mhc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
     return collapsed, post, comb
+
+
+@register("mhc_pre_norm")
+def mhc_pre_norm(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                 sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm_weight: Optional[torch.Tensor],
+                 rms_eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sublayer's input: ``mhc_pre``, then ``rms_norm(collapsed, norm_weight, rms_eps)`` (the collapse rounded
+    to streams.dtype first) -> (normalised input [T, D] in streams.dtype, post [T, n], comb [T, n, n])."""
+    u, post, comb = mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(u, norm_weight, rms_eps), post, comb
 
 
 @register("mhc_post")

@@ -24,6 +24,7 @@ from redknot.kernels.triton import (
     moe,
     norm,
     route,
+    step_mhc_v41,
 )
 from redknot.kernels.triton._common import next_pow2
 
@@ -83,6 +84,21 @@ def mhc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_e
     if streams.shape[1] & (streams.shape[1] - 1):
         return ref.mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
     return mhc.mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+@register("mhc_pre_norm", BACKEND)
+def mhc_pre_norm(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm_weight,
+                 rms_eps: float):
+    t, n, _ = streams.shape
+    if (gemv_bf16.small_rows(streams, t) and not n & (n - 1) and streams.dtype in (torch.bfloat16, torch.float16)
+            and norm_weight is not None):
+        # decode at 1-4 rows: the mixing pass and one finish per token that also collapses and normalises (two
+        # launches, where mhc_pre and rms_norm take three)
+        u, _pre, post, comb = step_mhc_v41.site_pre(streams, None, fn, base, scale, norm_weight, sinkhorn_iters,
+                                                    hc_eps, norm_eps, rms_eps=rms_eps)
+        return u, post, comb
+    u, post, comb = mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(u, norm_weight, rms_eps), post, comb
 
 
 @register("mhc_post", BACKEND)

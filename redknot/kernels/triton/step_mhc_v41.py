@@ -75,9 +75,10 @@ def _mix_collapse(s_ptr, fn_ptr, pin_ptr, part_ptr, ssq_ptr, u_ptr, uss_ptr, T, 
 def _site_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, pre_in_ptr, norm_ptr, u_ptr, pre_ptr, post_ptr,
                  comb_ptr, T, D, nsplit, stride_st, stride_sn, stride_ut, iters, hc_eps, norm_eps, rms_eps, uss_ptr,
                  N: tl.constexpr, NMIX: tl.constexpr, G_P2: tl.constexpr, BLOCK_D: tl.constexpr,
-                 GIVEN: tl.constexpr, NSP2: tl.constexpr = 0):
+                 GIVEN: tl.constexpr, NSP2: tl.constexpr = 0, OWN_PRE: tl.constexpr = False):
     """NSP2 (a power of two >= nsplit): the slices' partials loaded at once and added as a tree (one load latency
-    instead of nsplit dependent ones; another fp32 order); 0: added one after another in slice order."""
+    instead of nsplit dependent ones; another fp32 order); 0: added one after another in slice order. OWN_PRE (V4's
+    site, not lagged): the collapse takes this site's own ``pre``; ``pre_in_ptr`` is not read."""
     MIXP: tl.constexpr = G_P2 * N
     tok = tl.program_id(0)
     t64 = tok.to(tl.int64)
@@ -132,7 +133,10 @@ def _site_finish(s_ptr, part_ptr, ssq_ptr, base_ptr, scale_ptr, pre_in_ptr, norm
             wg = tl.load(norm_ptr + dd, mask=dm, other=0.0).to(tl.float32)
             tl.store(u_ptr + t64 * stride_ut + dd, (wg * (ug * rg)).to(u_ptr.dtype.element_ty), mask=dm)
     else:
-        pin = tl.load(pre_in_ptr + t64 * N + offs_n)
+        if OWN_PRE:
+            pin = pre
+        else:
+            pin = tl.load(pre_in_ptr + t64 * N + offs_n)
         acc = tl.zeros([BLOCK_D], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             dd = d0 + tl.arange(0, BLOCK_D)
@@ -168,23 +172,30 @@ SITE_FORMS = {"split": (False, False, 0, 4, 64), "split_v": (False, True, 0, 4, 
               "one_pass_v_w8": (True, True, 2048, 8, 64), "one_pass_v_w2": (True, True, 2048, 2, 64),
               "one_pass_v_w1": (True, True, 2048, 1, 64), "one_pass_v_s256": (True, True, 0, 4, 256)}
 SITE_TUNER = ConfigTuner("step_mhc_site_small", list(SITE_FORMS))
+# V4's site (``pre_in=None``: the collapse takes the site's own pre, known only after the mixing pass): the forms
+# that collapse in the finish. Not measured on the H200.
+SITE_OWN_TUNER = ConfigTuner("mhc_site_norm_small", [f for f, form in SITE_FORMS.items() if not form[0]])
 
 
 def _site_form(args, kw) -> str:
     """``SITE_TUNER``'s form for ``site_pre(*args, **kw)`` at fewer than ``ONE_PASS_MIN_ROWS`` rows."""
     h = args[0]
+    tuner = SITE_OWN_TUNER if args[1] is None else SITE_TUNER
     key = (h.shape[0], h.shape[1], h.shape[2], str(h.dtype).replace("torch.", ""))
-    if key not in SITE_TUNER.choices and h.is_cuda and torch.cuda.is_current_stream_capturing():
-        SITE_TUNER.choices[key] = SITE_TUNER.candidates[0]   # eager and graph steps: one choice
-    return SITE_TUNER.pick(key, lambda c: site_pre(*args, **kw, form=c), h.device)
+    if key not in tuner.choices and h.is_cuda and torch.cuda.is_current_stream_capturing():
+        tuner.choices[key] = tuner.candidates[0]   # eager and graph steps: one choice
+    return tuner.pick(key, lambda c: site_pre(*args, **kw, form=c), h.device)
 
 
-def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-             norm_w: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, one_pass: bool = True,
-             form: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def site_pre(h: torch.Tensor, pre_in: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
+             scale: torch.Tensor, norm_w: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
+             one_pass: bool = True, form: str | None = None, rms_eps: float | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [T, n, D] (bf16 or fp32), pre_in [T, n] -> (u = rms_norm(collapse(h, pre_in), norm_w) [T, D] in
-    h.dtype, pre [T, n], post [T, n], C [T, n, n] fp32). ``norm_eps`` is the eps of the mixing RMS factor
-    and of the norm (the model uses one ``norm_eps`` for both). ``one_pass`` (16-bit streams, at least
+    h.dtype, pre [T, n], post [T, n], C [T, n, n] fp32). ``pre_in=None`` (V4's site, not lagged): the collapse
+    takes the site's own ``pre``, so only the forms that collapse in the finish run (``SITE_OWN_TUNER``).
+    ``norm_eps`` is the eps of the mixing RMS factor and, unless ``rms_eps`` is given, of the norm (V4.1 uses one
+    ``norm_eps`` for both). ``one_pass`` (16-bit streams, at least
     ``ONE_PASS_MIN_ROWS`` rows): the collapse comes out of the mixing pass (``_mix_collapse``), so the streams
     are read once instead of three times (0.67 GB less per site at 8192 rows of 4 x 5120; not measured on the
     H200); the same arithmetic in another summation order. Fewer rows (16-bit, ``one_pass``): the ``SITE_FORMS``
@@ -204,12 +215,17 @@ def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torc
     g_p2 = max(next_pow2(groups), cdiv(16, n))                  # the mixing dot needs >= 16 columns
     mixp, K = g_p2 * n, n * D
     split_fn = h.dtype in (torch.bfloat16, torch.float16)
-    if one_pass and split_fn and T >= ONE_PASS_MIN_ROWS:
+    own = pre_in is None
+    if one_pass and split_fn and T >= ONE_PASS_MIN_ROWS and not own:
         return _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb,
                                   g_p2, groups)
-    if form is None and one_pass and split_fn:
-        form = _site_form((h, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps), {"one_pass": True})
+    if form is None and one_pass and split_fn and T < ONE_PASS_MIN_ROWS:
+        form = _site_form((h, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps),
+                          {"one_pass": True, "rms_eps": rms_eps})
     collapse, vec, fin_d, warps, most = SITE_FORMS[form or "split"]
+    if collapse and own:
+        raise ValueError(f"site_pre: form {form!r} collapses with pre_in in the mixing pass; pre_in=None takes "
+                         f"one of {SITE_OWN_TUNER.candidates}")
     if collapse:
         return _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb,
                                   g_p2, groups, vec, fin_d, warps, most)
@@ -227,9 +243,10 @@ def site_pre(h: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torc
     block_d = min(fin_d or 1024, next_pow2(D))
     extra = {"NSP2": next_pow2(nsplit)} if vec else {}
     _site_finish[(T,)](s, part, ssq, base.float().contiguous(), scale.float().contiguous(),
-                       pre_in.float().contiguous(), norm_w.contiguous(), u, pre, post, comb, T, D, nsplit,
-                       s.stride(0), s.stride(1), u.stride(0), iters, hc_eps, norm_eps, norm_eps, ssq, N=n,
-                       NMIX=groups * n, G_P2=g_p2, BLOCK_D=block_d, GIVEN=False, num_warps=warps, **extra)
+                       pre if own else pre_in.float().contiguous(), norm_w.contiguous(), u, pre, post, comb, T, D,
+                       nsplit, s.stride(0), s.stride(1), u.stride(0), iters, hc_eps, norm_eps,
+                       norm_eps if rms_eps is None else rms_eps, ssq, N=n, NMIX=groups * n, G_P2=g_p2,
+                       BLOCK_D=block_d, GIVEN=False, OWN_PRE=own, num_warps=warps, **extra)
     return u, pre, post, comb
 
 

@@ -30,19 +30,21 @@ class Block(nn.Module):
         self.attn = Attention(f, cfg, ratio)
         self.ffn = MoE(f, cfg, hash_layer)
 
-    def _pre(self, ks, streams: torch.Tensor, site: str):
-        cfg = self.cfg
-        return ks.mhc_pre(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                          getattr(self, f"hc_{site}_scale"), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    def pre_norm(self, ks, streams: torch.Tensor, site: str):
+        """(the site's sublayer input: its norm of the mHC collapse, post, comb), one registry op."""
+        cfg, norm = self.cfg, getattr(self, f"{site}_norm")
+        return ks.mhc_pre_norm(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                               getattr(self, f"hc_{site}_scale"), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
+                               norm.weight, norm.eps)
 
     def forward(self, ks, streams: torch.Tensor, ctx: StepContext, st: LayerState,
                 input_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, n, D] -> [T, n, D]."""
-        u, post, comb = self._pre(ks, streams, "attn")
-        a = self.attn(ks, self.attn_norm(ks, u), ctx, st)
+        x, post, comb = self.pre_norm(ks, streams, "attn")
+        a = self.attn(ks, x, ctx, st)
         streams = ks.mhc_post(a, streams, post, comb)
-        v, post, comb = self._pre(ks, streams, "ffn")
-        y = self.ffn(ks, self.ffn_norm(ks, v), input_ids)
+        x, post, comb = self.pre_norm(ks, streams, "ffn")
+        y = self.ffn(ks, x, input_ids)
         return ks.mhc_post(y, streams, post, comb)
 
 

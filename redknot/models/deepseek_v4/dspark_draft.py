@@ -139,11 +139,11 @@ class DSparkStage(Block):
     def run(self, ks, streams: torch.Tensor, ring_kv: torch.Tensor, ring_valid: torch.Tensor, cos, sin,
             input_ids: torch.Tensor, causal: bool = False) -> torch.Tensor:
         """streams [B*g, n, D] -> [B*g, n, D]."""
-        u, post, comb = self._pre(ks, streams, "attn")
-        a = self.attn.block(ks, self.attn_norm(ks, u), ring_kv, ring_valid, cos, sin, causal)
+        x, post, comb = self.pre_norm(ks, streams, "attn")
+        a = self.attn.block(ks, x, ring_kv, ring_valid, cos, sin, causal)
         streams = ks.mhc_post(a, streams, post, comb)
-        v, post, comb = self._pre(ks, streams, "ffn")
-        y = self.ffn(ks, self.ffn_norm(ks, v), input_ids)
+        x, post, comb = self.pre_norm(ks, streams, "ffn")
+        y = self.ffn(ks, x, input_ids)
         return ks.mhc_post(y, streams, post, comb)
 
 

@@ -165,11 +165,11 @@ def moe(ffn, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 
 def block(layer, ks, streams: torch.Tensor, ctx: VarlenContext, st, input_ids: torch.Tensor) -> torch.Tensor:
     """:meth:`Block.forward` of a varlen step: streams [T, n, D] -> [T, n, D]."""
-    u, post, comb = layer._pre(ks, streams, "attn")
-    a = attention(layer.attn, ks, layer.attn_norm(ks, u), ctx, st)
+    x, post, comb = layer.pre_norm(ks, streams, "attn")
+    a = attention(layer.attn, ks, x, ctx, st)
     streams = ks.mhc_post(a, streams, post, comb)
-    v, post, comb = layer._pre(ks, streams, "ffn")
-    y = moe(layer.ffn, ks, layer.ffn_norm(ks, v), input_ids)
+    x, post, comb = layer.pre_norm(ks, streams, "ffn")
+    y = moe(layer.ffn, ks, x, input_ids)
     return ks.mhc_post(y, streams, post, comb)
 
 
