@@ -91,6 +91,13 @@ def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: t
     return torch.stack(outs, dim=1).to(streams.dtype)
 
 
+@register("mhc_post_pre_norm", BACKEND)
+def mhc_post_pre_norm(y, streams, post, comb, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                      norm_weight, rms_eps: float):
+    out = mhc_post(y, streams, post, comb)
+    return (out,) + mhc_pre_norm(out, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps)
+
+
 @register("mhc_head", BACKEND)
 def mhc_head(streams, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
     return tiled(ref.mhc_head, [streams], fn, base, scale, hc_eps, norm_eps)
@@ -210,5 +217,6 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return tiled(lambda rows, w: F.softplus(F.linear(rows, w)).sqrt(), [x.float()], weight.float())
 
 
-OPS: Tuple[str, ...] = ("rms_norm", "linear", "grouped_linear", "mhc_pre", "mhc_pre_norm", "mhc_post", "mhc_head",
-                        "moe", "compressor", "compressor_decode", "indexer_topk", "sparse_attention", "router_scores")
+OPS: Tuple[str, ...] = ("rms_norm", "linear", "grouped_linear", "mhc_pre", "mhc_pre_norm", "mhc_post",
+                        "mhc_post_pre_norm", "mhc_head", "moe", "compressor", "compressor_decode", "indexer_topk",
+                        "sparse_attention", "router_scores")

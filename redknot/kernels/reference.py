@@ -14,6 +14,7 @@ rope                interleaved rotation of the trailing 2*len(cos) dims (invers
 mhc_pre / mhc_post  manifold-constrained hyper-connection weights (Sinkhorn) and stream mixing
 mhc_head            final hyper-connection collapse (no Sinkhorn, no post)
 mhc_pre_norm        mhc_pre, then the sublayer's RMSNorm of the collapse
+mhc_post_pre_norm   mhc_post of a sublayer's output, then the next site's mhc_pre_norm
 router_scores       MoE router affinities sqrt(softplus(x · Wᵀ)) in fp32
 route               expert ids (hash table or top-k of affinities + bias) and renormalised weights
 compressor          softmax-gated pooling of raw projected rows into compressed entries
@@ -117,6 +118,17 @@ def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: t
     """out[:, k] = post[:, k] * y + Σ_j comb[:, j, k] * streams[:, j]   (fp32 mix, streams.dtype out)."""
     mixed = torch.einsum("tjk,tjd->tkd", comb.float(), streams.float())
     return (post.float().unsqueeze(-1) * y.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
+@register("mhc_post_pre_norm")
+def mhc_post_pre_norm(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, hc_eps: float,
+                      norm_eps: float, norm_weight: Optional[torch.Tensor], rms_eps: float
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mhc_post(y, streams, post, comb)``, then the next site's ``mhc_pre_norm`` of the new streams ->
+    (new streams [T, n, D], the next sublayer's input [T, D], its post [T, n], its comb [T, n, n])."""
+    out = mhc_post(y, streams, post, comb)
+    return (out,) + mhc_pre_norm(out, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps)
 
 
 @register("mhc_head")

@@ -108,6 +108,22 @@ def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: t
     return mhc.mhc_post(y, streams, post, comb)
 
 
+@register("mhc_post_pre_norm", BACKEND)
+def mhc_post_pre_norm(y, streams, post, comb, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                      norm_weight, rms_eps: float):
+    t, n, _ = streams.shape
+    if (gemv_bf16.small_rows(streams, t) and not n & (n - 1) and streams.dtype in (torch.bfloat16, torch.float16)
+            and norm_weight is not None and y.dtype == streams.dtype):
+        # decode at 1-4 rows: the post mix and the next site's mixing dots in one pass, then its finish (two
+        # launches, where mhc_post, mhc_pre and rms_norm take four)
+        out, u, _pre, post2, comb2 = step_mhc_v41.post_site_pre(y, streams, post, comb, fn, base, scale,
+                                                                norm_weight, sinkhorn_iters, hc_eps, norm_eps,
+                                                                rms_eps)
+        return out, u, post2, comb2
+    out = mhc_post(y, streams, post, comb)
+    return (out,) + mhc_pre_norm(out, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, rms_eps)
+
+
 @register("mhc_head", BACKEND)
 def mhc_head(streams, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
     if streams.shape[1] & (streams.shape[1] - 1):

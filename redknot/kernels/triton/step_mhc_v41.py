@@ -282,6 +282,96 @@ def site_post(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 @triton.jit
+def _post_mix_part(y_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, part_ptr, ssq_ptr, T, D, stride_y, stride_st,
+                   stride_sn, stride_ot, stride_on, d_chunk, N: tl.constexpr, NMIX: tl.constexpr, MIXP: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """One token's post mix over one slice of D of every stream (``_post_mix``'s arithmetic), stored in the stream
+    dtype, and in the same pass the next site's partial mixing dots ``z · fnᵀ`` and ``Σ z²`` over the stored
+    values of that slice (fp32 FMA), in ``_site_finish``'s partial layout (row ``slice · T + token``)."""
+    tok = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    d_lo = sp * d_chunk
+    d_hi = tl.minimum(d_lo + d_chunk, D)
+    K = N * D
+    offs_n = tl.arange(0, N)
+    offs_m = tl.arange(0, MIXP)
+    cm = tl.load(comb_ptr + tok * N * N + offs_n[:, None] * N + offs_n[None, :])   # [N(j), N(k)]
+    p = tl.load(post_ptr + tok * N + offs_n)
+    mix = tl.zeros([MIXP], tl.float32)
+    ssq = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        dm = dd < d_hi
+        y = tl.load(y_ptr + tok * stride_y + dd, mask=dm, other=0.0).to(tl.float32)
+        x = tl.load(s_ptr + tok * stride_st + offs_n[:, None] * stride_sn + dd[None, :], mask=dm[None, :],
+                    other=0.0).to(tl.float32)                                   # [N(j), BLOCK_D]
+        o = p[:, None] * y[None, :] + tl.sum(cm[:, :, None] * x[:, None, :], 0)   # [N(k), BLOCK_D]
+        ob = o.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + tok * stride_ot + offs_n[:, None] * stride_on + dd[None, :], ob, mask=dm[None, :])
+        z = ob.to(tl.float32)
+        ssq += tl.sum(z * z, 0)
+        f = tl.load(fn_ptr + offs_m[:, None, None].to(tl.int64) * K + offs_n[None, :, None] * D + dd[None, None, :],
+                    mask=(offs_m[:, None, None] < NMIX) & dm[None, None, :], other=0.0)   # [MIXP, N, BLOCK_D]
+        mix += tl.sum(tl.sum(f * z[None, :, :], 2), 1)
+    row = (sp * T + tok).to(tl.int64)
+    tl.store(part_ptr + row * MIXP + offs_m, mix)
+    tl.store(ssq_ptr + row, tl.sum(ssq, 0))
+
+
+# ``post_site_pre``'s forms at 1-4 rows: ``SITE_FORMS``' finish forms (the partial sums loaded at once, the finish's
+# D block, its warps, the most slices of the mixing pass). Not measured on a GPU.
+POST_SITE_TUNER = ConfigTuner("mhc_post_site_small", list(SITE_OWN_TUNER.candidates))
+
+
+def post_site_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                  base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, iters: int, hc_eps: float,
+                  norm_eps: float, rms_eps: float | None = None, form: str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The post mix of a sublayer's output ``y`` into the streams ``h`` [T, n, D] (16-bit) and the next V4 site's
+    input in two launches: ``_post_mix_part`` (the new streams and the next site's partial mixing dots in one pass)
+    and ``_site_finish`` (Sinkhorn, the collapse with the site's own pre, the norm). -> (h' [T, n, D], u [T, D],
+    pre, post', comb'). ``form``: a ``POST_SITE_TUNER`` candidate (None: its choice)."""
+    T, n, D = h.shape
+    if n & (n - 1) or h.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"post_site_pre: streams of a power-of-two count in 16 bits, got {n} of {h.dtype}")
+    if form is None:
+        key = (T, n, D, str(h.dtype).replace("torch.", ""))
+        if key not in POST_SITE_TUNER.choices and h.is_cuda and torch.cuda.is_current_stream_capturing():
+            POST_SITE_TUNER.choices[key] = POST_SITE_TUNER.candidates[0]
+        form = POST_SITE_TUNER.pick(key, lambda c: post_site_pre(y, h, post, comb, fn, base, scale, norm_w, iters,
+                                                                 hc_eps, norm_eps, rms_eps, form=c), h.device)
+    _, vec, fin_d, warps, most = SITE_FORMS[form]
+    dev = h.device
+    s, yc = h.contiguous(), y.contiguous()
+    out = torch.empty_like(s)
+    u = torch.empty(T, D, dtype=h.dtype, device=dev)
+    pre_new = torch.empty(T, n, dtype=torch.float32, device=dev)
+    post_new = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb_new = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if T == 0:
+        return out, u, pre_new, post_new, comb_new
+    groups = 2 + n
+    g_p2 = max(next_pow2(groups), cdiv(16, n))
+    mixp = g_p2 * n
+    block_d = 64
+    d_blocks = cdiv(D, block_d)
+    nsplit = max(1, min(cdiv(2 * sm_count(h), T), d_blocks, most))
+    d_chunk = cdiv(d_blocks, nsplit) * block_d
+    nsplit = cdiv(D, d_chunk)
+    part = torch.empty(nsplit * T, mixp, dtype=torch.float32, device=dev)
+    ssq = torch.empty(nsplit * T, dtype=torch.float32, device=dev)
+    _post_mix_part[(T, nsplit)](yc, s, post.float().contiguous(), comb.float().contiguous(), out, fn.float().contiguous(),
+                                part, ssq, T, D, yc.stride(0), s.stride(0), s.stride(1), out.stride(0), out.stride(1),
+                                d_chunk, N=n, NMIX=groups * n, MIXP=mixp, BLOCK_D=block_d, num_warps=4)
+    _site_finish[(T,)](out, part, ssq, base.float().contiguous(), scale.float().contiguous(), pre_new,
+                       norm_w.contiguous(), u, pre_new, post_new, comb_new, T, D, nsplit, out.stride(0),
+                       out.stride(1), u.stride(0), iters, hc_eps, norm_eps, norm_eps if rms_eps is None else rms_eps,
+                       ssq, N=n, NMIX=groups * n, G_P2=g_p2, BLOCK_D=min(fin_d or 1024, next_pow2(D)), GIVEN=False,
+                       OWN_PRE=True, num_warps=warps, **({"NSP2": next_pow2(nsplit)} if vec else {}))
+    return out, u, pre_new, post_new, comb_new
+
+
+@triton.jit
 def _embed_streams(ids_ptr, table_ptr, out_ptr, D, stride_t, stride_o, N: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     src = table_ptr + tl.load(ids_ptr + t).to(tl.int64) * stride_t

@@ -30,20 +30,28 @@ class Block(nn.Module):
         self.attn = Attention(f, cfg, ratio)
         self.ffn = MoE(f, cfg, hash_layer)
 
+    def _site(self, site: str):
+        """The mHC and norm arguments of site ``site`` (attn, ffn) after its streams."""
+        cfg, norm = self.cfg, getattr(self, f"{site}_norm")
+        return (getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"), getattr(self, f"hc_{site}_scale"),
+                cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, norm.weight, norm.eps)
+
     def pre_norm(self, ks, streams: torch.Tensor, site: str):
         """(the site's sublayer input: its norm of the mHC collapse, post, comb), one registry op."""
-        cfg, norm = self.cfg, getattr(self, f"{site}_norm")
-        return ks.mhc_pre_norm(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                               getattr(self, f"hc_{site}_scale"), cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
-                               norm.weight, norm.eps)
+        return ks.mhc_pre_norm(streams, *self._site(site))
+
+    def post_pre_norm(self, ks, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                      site: str):
+        """(the streams after the sublayer output ``y``'s post mix, then :meth:`pre_norm`'s three of the next site
+        ``site``), one registry op."""
+        return ks.mhc_post_pre_norm(y, streams, post, comb, *self._site(site))
 
     def forward(self, ks, streams: torch.Tensor, ctx: StepContext, st: LayerState,
                 input_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, n, D] -> [T, n, D]."""
         x, post, comb = self.pre_norm(ks, streams, "attn")
         a = self.attn(ks, x, ctx, st)
-        streams = ks.mhc_post(a, streams, post, comb)
-        x, post, comb = self.pre_norm(ks, streams, "ffn")
+        streams, x, post, comb = self.post_pre_norm(ks, a, streams, post, comb, "ffn")
         y = self.ffn(ks, x, input_ids)
         return ks.mhc_post(y, streams, post, comb)
 

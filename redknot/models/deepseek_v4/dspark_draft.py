@@ -141,8 +141,7 @@ class DSparkStage(Block):
         """streams [B*g, n, D] -> [B*g, n, D]."""
         x, post, comb = self.pre_norm(ks, streams, "attn")
         a = self.attn.block(ks, x, ring_kv, ring_valid, cos, sin, causal)
-        streams = ks.mhc_post(a, streams, post, comb)
-        x, post, comb = self.pre_norm(ks, streams, "ffn")
+        streams, x, post, comb = self.post_pre_norm(ks, a, streams, post, comb, "ffn")
         y = self.ffn(ks, x, input_ids)
         return ks.mhc_post(y, streams, post, comb)
 

@@ -167,8 +167,7 @@ def block(layer, ks, streams: torch.Tensor, ctx: VarlenContext, st, input_ids: t
     """:meth:`Block.forward` of a varlen step: streams [T, n, D] -> [T, n, D]."""
     x, post, comb = layer.pre_norm(ks, streams, "attn")
     a = attention(layer.attn, ks, x, ctx, st)
-    streams = ks.mhc_post(a, streams, post, comb)
-    x, post, comb = layer.pre_norm(ks, streams, "ffn")
+    streams, x, post, comb = layer.post_pre_norm(ks, a, streams, post, comb, "ffn")
     y = moe(layer.ffn, ks, x, input_ids)
     return ks.mhc_post(y, streams, post, comb)
 
