@@ -42,9 +42,10 @@ def _check(got, want, t, d):
         assert a.shape == b.shape and a.dtype == torch.float32
         assert (a - b).abs().max().item() < 2e-5, (a - b).abs().max().item()
     assert u.shape == (t, d) and u.dtype == wu.dtype
-    # the collapse's fp32 sums in another order may round to the neighbouring bf16 value before the norm
+    # the collapse's fp32 sums in another order may round to the neighbouring bf16 value before the norm (up to
+    # 2^-7 relative), and the normalised value's own rounding may then flip too: two bf16 ulps
     err = ((u.float() - wu.float()).abs() / wu.float().abs().clamp(min=1e-2)).max().item()
-    assert err <= 2 ** -7, err
+    assert err <= 2 ** -6, err
     assert (u.float() != wu.float()).float().mean().item() < 0.03
 
 
