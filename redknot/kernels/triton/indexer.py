@@ -191,20 +191,44 @@ def _indexer_select(q_ptr, w_ptr, keys_ptr, bt_ptr, pos_ptr, tile_tok_ptr, tile_
 
 
 @triton.jit
+def _sort_bitonic_desc(x, K: tl.constexpr, LOG_K: tl.constexpr):
+    """A bitonic sequence ``x`` [K] (K = 2**LOG_K) in descending order: LOG_K half-cleaner stages, each a
+    compare-exchange of the elements ``d`` apart (d = K/2, K/4, .., 1), the larger one first."""
+    side = tl.arange(0, 2)[None, :, None]
+    for i in tl.static_range(LOG_K):   # stage i: 2**i groups of two halves of K >> (i + 1)
+        x3 = tl.reshape(x, [1 << i, 2, K >> (i + 1)])
+        a = tl.sum(tl.where(side == 0, x3, 0), 1)   # one term is not zero: the sum is that element
+        b = tl.sum(tl.where(side == 1, x3, 0), 1)
+        x = tl.reshape(tl.where(side == 0, tl.maximum(a, b)[:, None, :], tl.minimum(a, b)[:, None, :]), [K])
+    return x
+
+
+@triton.jit
 def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, CAP: tl.constexpr,
-                   ONE_SPLIT: tl.constexpr, SORT: tl.constexpr):
+                   ONE_SPLIT: tl.constexpr, SORT: tl.constexpr, SORTED_SPLITS: tl.constexpr = False,
+                   LOG_K: tl.constexpr = 0):
     """Stream the per-split lists of one token through the same thresholded buffer, then unpack ids.
     ``ONE_SPLIT`` (``nsplit == 1``): the token's one list is already its best K, padded with the empty key;
     its ids are unpacked directly (no buffer, no second top-k), in the list's order: descending where the
     stream's last cut sorted it (``_store_best``), any order otherwise, which only a caller that sorts the ids
     afterwards may take (V4.1's ``stream_topk``); ``SORT`` puts the K keys in descending order first (a sort of
-    K keys where the buffer pass took a top-K of CAP): the order the buffer pass gives."""
+    K keys where the buffer pass took a top-K of CAP): the order the buffer pass gives. ``SORTED_SPLITS`` (every
+    split's list descending, K = 2**LOG_K): the keys are distinct (the id is in the low bits), so the best K of
+    two descending lists are the elementwise maxima of one and the other reversed (a bitonic sequence), put in
+    order by a bitonic merge: LOG_K compare-exchange stages per further split, where the buffer takes a top-K of
+    CAP keys per split (no buffer)."""
     tok = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, K)
     if ONE_SPLIT:
         best = tl.load(cand_ptr + tok * K + offs_k)[None, :]   # [1, K]
         if SORT:
             best = tl.sort(best, dim=1, descending=True)
+    elif SORTED_SPLITS:
+        acc = tl.load(cand_ptr + (tok * nsplit) * K + offs_k)                         # [K], descending
+        for s in range(1, nsplit):
+            rev = tl.load(cand_ptr + (tok * nsplit + s) * K + (K - 1 - offs_k))       # ascending
+            acc = _sort_bitonic_desc(tl.maximum(acc, rev), K, LOG_K)
+        best = acc[None, :]
     else:
         buf = buf_ptr + (tok * nsplit) * CAP + tl.zeros([1, 1], tl.int64)  # this token's first scratch row
         one = tl.full([1], True, tl.int1)
@@ -427,8 +451,9 @@ def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys,
         H=H, HP=max(next_pow2(H), cdiv(16, block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=block_t, BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype),
         PREFETCH=cfg.prefetch, HEADS_ON_N=cfg.heads_on_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # every split's list is descending (``_store_best``): the bitonic merge
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, ONE_SPLIT=nsplit == 1,
-                         SORT=False, num_warps=4)
+                         SORT=False, SORTED_SPLITS=True, LOG_K=topk.bit_length() - 1, num_warps=4)
     return out
 
 
