@@ -124,45 +124,49 @@ def _compress_decode(kv_ptr, g_ptr, kvr_ptr, gr_ptr, rd_ptr, src_ptr, valid_ptr,
                      closes_ptr, dest_ptr, pool_ptr, C, eps, stride_kv, stride_g, stride_ape, stride_cs,
                      M: tl.constexpr, OVERLAP: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
                      SB: tl.constexpr):
-    """Program b: row b's ring writes, its window's pooled entry (online softmax over the slots per channel),
-    RMSNorm, RoPE of the last 2·HALF channels, and the pool write where its position closes a window."""
+    """Program b: row b's ring writes; where its position closes a window (the only rows whose pooled entry is
+    stored), the window's pooled entry (online softmax over the slots per channel), RMSNorm, RoPE of the last
+    2·HALF channels and the pool write. A row that closes no window (ratio - 1 of every ratio steps) reads no
+    slot."""
     b = tl.program_id(0)
     SPAN: tl.constexpr = 2 * M if OVERLAP else M
     hcols = tl.arange(0, HD)
     rd = tl.load(rd_ptr + b).to(tl.int64)
     kv_row = kv_ptr + b.to(tl.int64) * stride_kv
     g_row = g_ptr + b.to(tl.int64) * stride_g
-    m = tl.full([HD], float("-inf"), tl.float32)
-    l = tl.zeros([HD], tl.float32)
-    acc = tl.zeros([HD], tl.float32)
-    if OVERLAP:  # the previous window's slots pool the first HD channels, the current window's the second HD
-        f_kv, f_g = _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, 0, hcols)
-        for s0 in tl.static_range(0, M, SB):
-            m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, f_kv, f_g, b, s0, 0, hcols,
-                                      m, l, acc, C, stride_ape, M, SPAN, SB)
+    # OVERLAP: the previous window's slots pool the first HD channels, the current window's the second HD
+    c_kv, c_g = _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, 0, hcols)
+    if OVERLAP:
+        f_kv, f_g = c_kv, c_g
         c_kv, c_g = _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, HD, hcols)
-        for s0 in tl.static_range(M, 2 * M, SB):
-            m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, HD, hcols,
-                                      m, l, acc, C, stride_ape, M, SPAN, SB)
-    else:
-        c_kv, c_g = _fresh_half(kv_row, g_row, kvr_ptr, gr_ptr, rd, C, 0, hcols)
-        for s0 in range(0, M, SB):
-            m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, 0, hcols,
-                                      m, l, acc, C, stride_ape, M, SPAN, SB)
-    y = acc / l
-    y = y * tl.rsqrt(tl.sum(y * y, 0) / HD + eps) * tl.load(w_ptr + hcols)
-    # RoPE on interleaved pairs of the last 2·HALF channels: (a, b) -> (a·c - b·s, a·s + b·c)
-    a, bb = tl.split(tl.reshape(y, (HD // 2, 2)))
-    pair = tl.arange(0, HD // 2)
-    first: tl.constexpr = HD // 2 - HALF
-    rot = pair >= first
-    j = tl.where(rot, pair - first, 0)
-    c = tl.load(cos_ptr + b * stride_cs + j, mask=rot, other=1.0)
-    s = tl.load(sin_ptr + b * stride_cs + j, mask=rot, other=0.0)
-    out = tl.reshape(tl.join(tl.where(rot, a * c - bb * s, a), tl.where(rot, a * s + bb * c, bb)), (HD,))
-    closes = tl.load(closes_ptr + b + hcols * 0) != 0   # [HD]: the row's flag in every lane
-    dest = tl.load(dest_ptr + b).to(tl.int64)
-    tl.store(pool_ptr + dest * HD + hcols, out.to(pool_ptr.dtype.element_ty), mask=closes)
+    if tl.load(closes_ptr + b) != 0:
+        m = tl.full([HD], float("-inf"), tl.float32)
+        l = tl.zeros([HD], tl.float32)
+        acc = tl.zeros([HD], tl.float32)
+        if OVERLAP:
+            for s0 in tl.static_range(0, M, SB):
+                m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, f_kv, f_g, b, s0, 0, hcols,
+                                          m, l, acc, C, stride_ape, M, SPAN, SB)
+            for s0 in tl.static_range(M, 2 * M, SB):
+                m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, HD, hcols,
+                                          m, l, acc, C, stride_ape, M, SPAN, SB)
+        else:
+            for s0 in range(0, M, SB):
+                m, l, acc = _decode_slots(kvr_ptr, gr_ptr, ape_ptr, src_ptr, valid_ptr, c_kv, c_g, b, s0, 0, hcols,
+                                          m, l, acc, C, stride_ape, M, SPAN, SB)
+        y = acc / l
+        y = y * tl.rsqrt(tl.sum(y * y, 0) / HD + eps) * tl.load(w_ptr + hcols)
+        # RoPE on interleaved pairs of the last 2·HALF channels: (a, b) -> (a·c - b·s, a·s + b·c)
+        a, bb = tl.split(tl.reshape(y, (HD // 2, 2)))
+        pair = tl.arange(0, HD // 2)
+        first: tl.constexpr = HD // 2 - HALF
+        rot = pair >= first
+        j = tl.where(rot, pair - first, 0)
+        c = tl.load(cos_ptr + b * stride_cs + j, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + b * stride_cs + j, mask=rot, other=0.0)
+        out = tl.reshape(tl.join(tl.where(rot, a * c - bb * s, a), tl.where(rot, a * s + bb * c, bb)), (HD,))
+        dest = tl.load(dest_ptr + b).to(tl.int64)
+        tl.store(pool_ptr + dest * HD + hcols, out.to(pool_ptr.dtype.element_ty))
 
 
 def decode_supported(kv, gate, kv_ring, gate_ring, ape, norm_weight, ratio, cos, pool) -> bool:
