@@ -58,6 +58,36 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: i
     return (torch.softmax(slots_g, dim=1) * slots_kv).sum(dim=1)
 
 
+def ring_window_rows(pos: torch.Tensor, seq_slots: torch.Tensor, span: int, ring: int):
+    """(src [R·span]: the flat ring rows of the ``span`` positions ending at each row's position, valid
+    [R·span, 1]: the positions that are >= 0) for per-slot rings of length ``ring``."""
+    row_pos = pos[:, None] - (span - 1) + torch.arange(span, device=pos.device)  # [R, span]
+    src = (seq_slots.long()[:, None] * ring + row_pos.remainder(ring)).flatten()
+    return src, (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
+
+
+@register("compressor_decode_rows")
+def compressor_decode_rows(positions: torch.Tensor, seq_slots: torch.Tensor, block_tables: torch.Tensor,
+                           ring_len: int, ratio: int, overlap: bool, per_block: int, rope_inv: torch.Tensor):
+    """The index tensors ``compressor_decode`` takes, for a tensor-only decode step (row b = sequence b at
+    position p_b, slot ``seq_slots[b]``) and a compressor of ``ratio`` (``overlap``: windows of 2·ratio) with
+    rings of ``ring_len`` rows and ``per_block`` pool entries a block: (ring_dest [B]: the ring row of p_b,
+    window_src [B·span] and window_valid [B·span, 1]: :func:`ring_window_rows`, cos, sin [B, r/2]: the compressed
+    RoPE (inverse frequencies ``rope_inv`` [r/2]) at the first position of the window p_b closes, closes [B, 1]:
+    whether it closes one, pool_dest [B]: the pool row of that entry, of entry 0 where it closes none)."""
+    pos = positions.long()
+    slots = seq_slots.long()
+    span = 2 * ratio if overlap else ratio
+    ring_dest = slots * ring_len + pos % ring_len
+    src, valid = ring_window_rows(pos, slots, span, ring_len)
+    closes = (pos + 1) % ratio == 0
+    w = ((pos + 1) // ratio - 1).clamp(min=0)  # the entry p closes (where it does)
+    angles = (w * ratio).float()[:, None] * rope_inv.float()[None, :]
+    block = block_tables.gather(1, (w // per_block)[:, None])
+    dest = block.squeeze(1).long() * per_block + w % per_block
+    return ring_dest, src, valid, angles.cos(), angles.sin(), closes[:, None], dest
+
+
 def compressor_decode_with(compressor_fn, rms_norm_fn, rope_fn, kv, gate, kv_ring, gate_ring, ring_dest,
                            window_src, window_valid, ape, norm_weight, eps, ratio, overlap, cos, sin, closes,
                            pool_dest, pool) -> None:

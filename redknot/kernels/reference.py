@@ -19,6 +19,7 @@ router_scores       MoE router affinities sqrt(softplus(x · Wᵀ)) in fp32
 route               expert ids (hash table or top-k of affinities + bias) and renormalised weights
 compressor          softmax-gated pooling of raw projected rows into compressed entries
 compressor_decode   a decode step's compressor update: ring writes, pooling, norm, RoPE, pool write
+compressor_decode_rows  the index tensors compressor_decode takes, from the step's positions, slots, block tables
 indexer_topk        lightning-indexer scores + top-k (ties: lower entry index first)
 sparse_attention    queries x (SWA window ∪ chosen compressed entries) + sink, one softmax
 moe                 routed experts: permutation, expert SwiGLU GEMMs, fixed-order combine

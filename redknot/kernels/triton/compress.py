@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import cdiv, interpreting, next_pow2
+from redknot.kernels.triton.step_compress_v41 import _LIBDEVICE, _cos_sin
 
 
 @triton.jit
@@ -200,3 +201,49 @@ def compress_decode(kv, gate, kv_ring, gate_ring, ring_dest, window_src, window_
                            cl, pool_dest, pool, C, float(eps), kv.stride(0), gate.stride(0), ape.stride(0),
                            cos.stride(0), M=ratio, OVERLAP=overlap, HD=hd, HALF=cos.shape[-1], SB=sb,
                            num_warps=4 if hd <= 256 else 8)
+
+
+@triton.jit
+def _decode_rows(pos_ptr, slot_ptr, bt_ptr, inv_ptr, ring_dest_ptr, src_ptr, valid_ptr, cos_ptr, sin_ptr,
+                 closes_ptr, dest_ptr, stride_bt, R, M, per_block, HALF, SPAN: tl.constexpr, SPAN_P2: tl.constexpr,
+                 HALF_P2: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Program b: ``ref_attention.compressor_decode_rows`` of row b (integer arithmetic on its position, slot and
+    block table row; the angles one fp32 product each, as the reference)."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    tl.store(ring_dest_ptr + b, slot * R + p % R)
+    s = tl.arange(0, SPAN_P2)
+    rp = p - (SPAN - 1) + s
+    tl.store(src_ptr + b * SPAN + s, slot * R + ((rp % R) + R) % R, mask=s < SPAN)   # a remainder >= 0
+    tl.store(valid_ptr + b * SPAN + s, (rp >= 0).to(tl.int8), mask=s < SPAN)
+    tl.store(closes_ptr + b, ((p + 1) % M == 0).to(tl.int8))
+    w = tl.maximum((p + 1) // M - 1, 0)
+    blk = tl.load(bt_ptr + b * stride_bt + w // per_block).to(tl.int64)
+    tl.store(dest_ptr + b, blk * per_block + w % per_block)
+    i = tl.arange(0, HALF_P2)
+    angle = (w * M).to(tl.float32) * tl.load(inv_ptr + i, mask=i < HALF, other=0.0)
+    c, sn = _cos_sin(angle, LIBDEVICE)
+    tl.store(cos_ptr + b * HALF + i, c, mask=i < HALF)
+    tl.store(sin_ptr + b * HALF + i, sn, mask=i < HALF)
+
+
+def decode_rows(positions: torch.Tensor, seq_slots: torch.Tensor, block_tables: torch.Tensor, ring_len: int,
+                ratio: int, overlap: bool, per_block: int, rope_inv: torch.Tensor):
+    """``ref_attention.compressor_decode_rows`` in one launch (one program per row)."""
+    B, dev = positions.shape[0], positions.device
+    span, half = (2 * ratio if overlap else ratio), rope_inv.shape[0]
+    ring_dest = torch.empty(B, dtype=torch.long, device=dev)
+    src = torch.empty(B * span, dtype=torch.long, device=dev)
+    valid = torch.empty(B * span, 1, dtype=torch.bool, device=dev)
+    cos = torch.empty(B, half, dtype=torch.float32, device=dev)
+    sin = torch.empty(B, half, dtype=torch.float32, device=dev)
+    closes = torch.empty(B, 1, dtype=torch.bool, device=dev)
+    dest = torch.empty(B, dtype=torch.long, device=dev)
+    if B:
+        inv = rope_inv if rope_inv.dtype == torch.float32 and rope_inv.is_contiguous() else rope_inv.float().contiguous()
+        _decode_rows[(B,)](positions, seq_slots, block_tables, inv, ring_dest, src, valid.view(torch.int8), cos, sin,
+                           closes.view(torch.int8), dest, block_tables.stride(0), ring_len, ratio, per_block, half,
+                           SPAN=span, SPAN_P2=next_pow2(span), HALF_P2=next_pow2(max(half, 1)),
+                           LIBDEVICE=_LIBDEVICE and not interpreting(), num_warps=1)
+    return ring_dest, src, valid, cos, sin, closes, dest

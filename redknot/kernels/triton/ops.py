@@ -26,7 +26,7 @@ from redknot.kernels.triton import (
     route,
     step_mhc_v41,
 )
-from redknot.kernels.triton._common import next_pow2
+from redknot.kernels.triton._common import interpreting, next_pow2
 
 BACKEND = "triton"
 
@@ -157,6 +157,16 @@ def compressor_decode(kv, gate, kv_ring, gate_ring, ring_dest, window_src, windo
     return ref_attention.compressor_decode_with(compressor, norm.rms_norm, norm.rope, kv, gate, kv_ring, gate_ring,
                                                 ring_dest, window_src, window_valid, ape, norm_weight, eps, ratio,
                                                 overlap, cos, sin, closes, pool_dest, pool)
+
+
+@register("compressor_decode_rows", BACKEND)
+def compressor_decode_rows(positions, seq_slots, block_tables, ring_len: int, ratio: int, overlap: bool,
+                           per_block: int, rope_inv):
+    if (positions.is_cuda or interpreting()) and positions.dim() == 1 and block_tables.stride(-1) == 1:
+        return compress.decode_rows(positions, seq_slots, block_tables, ring_len, ratio, overlap, per_block,
+                                    rope_inv)
+    return ref_attention.compressor_decode_rows(positions, seq_slots, block_tables, ring_len, ratio, overlap,
+                                                per_block, rope_inv)
 
 
 @register("indexer_topk", BACKEND)

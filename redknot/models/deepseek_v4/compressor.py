@@ -7,6 +7,7 @@ from typing import List
 import torch
 from torch import nn
 
+from redknot.kernels.ref_attention import ring_window_rows
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.layers import Linear, Norm
 from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
@@ -89,34 +90,16 @@ class Compressor(nn.Module):
         the entry where p_b closes a window; elsewhere the entry row keeps its value. One registry op
         (``compressor_decode``: a single launch on the Triton backend); kv, gate may be the projections'
         dtype (the rings keep fp32)."""
-        meta, m, per_block = ctx.meta, self.ratio, pool.shape[1]
-        pos = meta.positions  # [B]
-        span = 2 * m if self.overlap else m
-        ring_rows, ring_dest = ctx.ring_write_rows(kv_ring.shape[1])  # decode: every row, in order (rows None)
-        if ring_rows is not None:
-            kv, gate = kv[ring_rows], gate[ring_rows]
-        # the index arithmetic depends on the step's metadata and the compressor's shape only: once per step for
-        # every compressor of that shape (a CSA layer's two, every CSA layer's)
-        src, valid = ctx.memo(("ring windows", m, span, kv_ring.shape[1]),
-                              lambda: ring_window_rows(pos, meta.seq_slots, span, kv_ring.shape[1]))
-        closes, cos, sin, dest = ctx.memo(("closing entries", m, per_block),
-                                          lambda: _closing_entries(ctx, m, per_block))
+        meta, m, per_block, ring = ctx.meta, self.ratio, pool.shape[1], kv_ring.shape[1]
+        # the index tensors depend on the step's metadata and the compressor's shape only: one registry op (one
+        # launch on the Triton backend) once per step for every compressor of that shape (a CSA layer's two,
+        # every CSA layer's)
+        rows = ctx.memo(("compressor decode rows", m, self.overlap, ring, per_block),
+                        lambda: ks.compressor_decode_rows(meta.positions, meta.seq_slots, meta.block_tables, ring, m,
+                                                          self.overlap, per_block, ctx.rope.inv[COMPRESS]))
+        ring_dest, src, valid, cos, sin, closes, dest = rows
         ks.compressor_decode(kv, gate, kv_ring, gate_ring, ring_dest, src, valid, self.ape, self.norm.weight,
                              self.norm.eps, m, self.overlap, cos, sin, closes, dest, pool)
-
-
-def _closing_entries(ctx: StepContext, m: int, per_block: int):
-    """(closes [B, 1]: whether position p_b closes a window of ``m``, the RoPE cos / sin at the window's first
-    position, dest [B]: the pool row of the entry p_b closes, or of entry 0 where it closes none) of a tensor-only
-    decode step."""
-    meta = ctx.meta
-    pos = meta.positions  # [B]
-    closes = (pos + 1) % m == 0  # [B]
-    w = ((pos + 1) // m - 1).clamp(min=0)  # the entry p closes (where it does)
-    cos, sin = ctx.rope.cos_sin(COMPRESS, w * m)
-    block = meta.block_tables.gather(1, (w // per_block)[:, None].long())
-    dest = block.squeeze(1).long() * per_block + w % per_block  # [B]
-    return closes[:, None], cos, sin, dest
 
 
 class Indexer(nn.Module):
@@ -138,14 +121,6 @@ class Indexer(nn.Module):
         q = ks.rope(q, *ctx.cos_sin(COMPRESS))
         weights = self.weights_proj(ks, x).float() * self.n_heads ** -0.5  # [T, IH]
         return ks.indexer_topk(q, weights, keys, ctx.meta, self.ratio, self.topk, self.head_dim ** -0.5)
-
-
-def ring_window_rows(pos: torch.Tensor, seq_slots: torch.Tensor, span: int, ring: int):
-    """(src [R·span]: the flat ring rows of the ``span`` positions ending at each row's position, valid
-    [R·span, 1]: the positions that are >= 0) for per-slot rings of length ``ring``."""
-    row_pos = pos[:, None] - (span - 1) + torch.arange(span, device=pos.device)  # [R, span]
-    src = (seq_slots.long()[:, None] * ring + row_pos.remainder(ring)).flatten()
-    return src, (row_pos >= 0).flatten()[:, None]  # rows before position 0 take no weight
 
 
 def pool_ring_windows(comp, ks, kv_ring: torch.Tensor, gate_ring: torch.Tensor, pos: torch.Tensor,

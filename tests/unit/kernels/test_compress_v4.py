@@ -75,9 +75,9 @@ def test_gpu_compress_at_v4_widths():
 
 
 def _decode_state(ratio, overlap, hd, positions, device, ring_len=None, seed=0, dtype=torch.bfloat16):
-    """Rings, pool and one decode step's rows for sequences at ``positions`` (slots 0..B-1), with the index
-    tensors the model computes (``ring_window_rows``, ``_closing_entries``' arithmetic)."""
-    from redknot.models.deepseek_v4.compressor import ring_window_rows
+    """Rings, pool and one decode step's rows for sequences at ``positions`` (slots 0..B-1), with index tensors
+    as ``compressor_decode_rows`` makes them (random pool rows and angles)."""
+    from redknot.kernels.ref_attention import ring_window_rows
     g = torch.Generator(device=device).manual_seed(seed)
     c = 2 * hd if overlap else hd
     span = 2 * ratio if overlap else ratio
@@ -168,3 +168,32 @@ def test_gpu_compress_decode_at_v4_widths():
             assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
             tol = 1e-5 if dtype == torch.float32 else 1.6e-2
             torch.testing.assert_close(got[16].float(), want[16].float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("ratio,overlap,ring,per_block", [(4, True, 8, 16), (4, True, 128, 4), (128, False, 128, 2)])
+def test_decode_rows_match_the_reference_op(ratio, overlap, ring, per_block, kernel_device):
+    """The compressor's per-step index tensors in one launch against the reference op: rows before position 0,
+    positions that close a window and that do not, shuffled slots, block tables, far positions' angles."""
+    g = torch.Generator().manual_seed(ratio + ring)
+    positions = torch.tensor([0, 2, ratio - 1, 2 * ratio - 1, 5 * ratio + 1, 40 * ratio - 1, 300000 * ratio - 1],
+                             dtype=torch.long)
+    b = positions.shape[0]
+    slots = torch.randperm(b + 2, generator=g)[:b].to(torch.int32)
+    blocks = (positions // ratio) // per_block + 2
+    tables = torch.randint(0, 1000, (b, int(blocks.max())), generator=g, dtype=torch.int32)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    args = [x.to(kernel_device) for x in (positions, slots, tables)]
+    want = ref_attention.compressor_decode_rows(*args, ring, ratio, overlap, per_block, inv.to(kernel_device))
+    got = triton_ops.compressor_decode_rows(*args, ring, ratio, overlap, per_block, inv.to(kernel_device))
+    names = ("ring_dest", "window_src", "window_valid", "cos", "sin", "closes", "pool_dest")
+    for name, x, y in zip(names, got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype, name
+        if name in ("cos", "sin"):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(x, y), name
+    assert want[5].any() and not want[5].all() and not want[2].all()
+    # positions 32 bits wide (a graph's buffer): the same tensors
+    again = triton_ops.compressor_decode_rows(args[0].to(torch.int32), *args[1:], ring, ratio, overlap, per_block,
+                                              inv.to(kernel_device))
+    assert all(torch.equal(x, y) for x, y in zip(again, got))
