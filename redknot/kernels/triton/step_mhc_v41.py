@@ -173,7 +173,9 @@ SITE_FORMS = {"split": (False, False, 0, 4, 64), "split_v": (False, True, 0, 4, 
               "one_pass_v_w1": (True, True, 2048, 1, 64), "one_pass_v_s256": (True, True, 0, 4, 256)}
 SITE_TUNER = ConfigTuner("step_mhc_site_small", list(SITE_FORMS))
 # V4's site (``pre_in=None``: the collapse takes the site's own pre, known only after the mixing pass): the forms
-# that collapse in the finish. Not measured on the H200.
+# that collapse in the finish, and finishes of 1-2 warps (the Sinkhorn rounds' reductions without a barrier
+# between warps; D blocks that fit their registers). Not measured on the H200.
+SITE_FORMS.update({"split_v_w2": (False, True, 1024, 2, 64), "split_v_w1": (False, True, 512, 1, 64)})
 SITE_OWN_TUNER = ConfigTuner("mhc_site_norm_small", [f for f, form in SITE_FORMS.items() if not form[0]])
 
 
