@@ -60,7 +60,9 @@ class Attention(nn.Module):
             return None, None
         self.compressor.update(ks, x, ctx, st.kv_rows, st.gate_rows, st.entries)
         if self.indexer is None:
-            return st.entries, visible_entries(ctx, self.ratio, st.entries.shape[1])
+            per_block = st.entries.shape[1]   # the same ids for every HCA layer of the step: made once
+            return st.entries, ctx.memo(("visible entries", self.ratio, per_block),
+                                        lambda: visible_entries(ctx, self.ratio, per_block))
         self.indexer.compressor.update(ks, x, ctx, st.idx_kv_rows, st.idx_gate_rows, st.idx_keys)
         return st.entries, self.indexer.select(ks, x, c_q, ctx, st.idx_keys)
 
