@@ -87,7 +87,7 @@ for s in "${STAGES[@]}"; do
       stage bf16_tests 300 python3 -m pytest -n 0 -m 'not slow' -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py \
         tests/unit/kernels/test_compress_v4.py tests/unit/kernels/test_route_v4.py tests/unit/kernels/test_token_tiles.py \
         tests/unit/kernels/test_mhc_pre_norm_v4.py tests/unit/kernels/test_kernel_helpers.py \
-        tests/unit/kernels/test_indexer_merge.py ;;
+        tests/unit/kernels/test_indexer_merge.py tests/unit/kernels/test_norm_rope.py ;;
     side_tests)  # the side stream's GPU tests (a graph of two streams; the toy cut's step on two streams, same bits)
       stage side_tests 420 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py \
         tests/unit/model/v41_forward/test_v41_tensor_step.py::test_gpu_engine_decodes_tiny_v41_in_cuda_graphs ;;

@@ -53,6 +53,12 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
     return tiled(ref.rms_norm, [flat], weight, eps).view(*lead, -1)
 
 
+@register("rms_norm_rope", BACKEND)
+def rms_norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    return ref.rope(rms_norm(x, weight, eps), cos, sin)
+
+
 @register("linear", BACKEND)
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     w = dequantize(weight, scale, x.dtype)  # once per call, not per tile
@@ -217,6 +223,6 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return tiled(lambda rows, w: F.softplus(F.linear(rows, w)).sqrt(), [x.float()], weight.float())
 
 
-OPS: Tuple[str, ...] = ("rms_norm", "linear", "grouped_linear", "mhc_pre", "mhc_pre_norm", "mhc_post",
-                        "mhc_post_pre_norm", "mhc_head", "moe", "compressor", "compressor_decode", "indexer_topk",
+OPS: Tuple[str, ...] = ("rms_norm", "rms_norm_rope", "linear", "grouped_linear", "mhc_pre", "mhc_pre_norm",
+                        "mhc_post", "mhc_post_pre_norm", "mhc_head", "moe", "compressor", "compressor_decode", "indexer_topk",
                         "sparse_attention", "router_scores")

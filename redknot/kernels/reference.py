@@ -11,6 +11,7 @@ rms_norm            x [..., N], weight [N] | None, eps -> x.dtype
 linear              x [T, K] · W[N, K]ᵀ; W float, FP8 (+ block scale) or packed FP4 (+ group scale)
 grouped_linear      x [T, G, K], W [G*R, K] (+ scale) -> [T, G, R] (block-diagonal projection)
 rope                interleaved rotation of the trailing 2*len(cos) dims (inverse: rotate by -angle)
+rms_norm_rope       rms_norm, then rope (a query's or a key's norm and rotation)
 mhc_pre / mhc_post  manifold-constrained hyper-connection weights (Sinkhorn) and stream mixing
 mhc_head            final hyper-connection collapse (no Sinkhorn, no post)
 mhc_pre_norm        mhc_pre, then the sublayer's RMSNorm of the collapse
@@ -74,6 +75,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+
+
+@register("rms_norm_rope")
+def rms_norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """``rope(rms_norm(x, weight, eps), cos, sin)``: the norm rounded to x.dtype, then the rotation."""
+    return rope(rms_norm(x, weight, eps), cos, sin)
 
 
 def _hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:

@@ -48,6 +48,54 @@ def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, rows_per_token, HALF: tl.const
     tl.store(out_ptr + base + cols[None, :], y, mask=mask)
 
 
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, M, rows_per_token, eps, N: tl.constexpr, HALF: tl.constexpr,
+               HAS_W: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``_rms_norm`` of BLOCK_M rows of N (a power of two), rounded to the output dtype, then ``_rope``'s rotation
+    of their last HALF pairs in the same pass (a row's pairs split out of its registers, not loaded again)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, N)
+    rmask = rows < M
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 1) / N + eps)[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols).to(tl.float32)[None, :]
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    a, b = tl.split(tl.reshape(y, (BLOCK_M, N // 2, 2)))
+    pair = tl.arange(0, N // 2)
+    first: tl.constexpr = N // 2 - HALF
+    rot = (pair >= first)[None, :] & rmask[:, None]
+    j = tl.where(pair >= first, pair - first, 0)
+    tok = (rows // rows_per_token).to(tl.int64)
+    c = tl.load(cos_ptr + tok[:, None] * HALF + j[None, :], mask=rot, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * HALF + j[None, :], mask=rot, other=0.0)
+    out = tl.reshape(tl.join(tl.where(rot, a * c - b * s, a), tl.where(rot, a * s + b * c, b)), (BLOCK_M, N))
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def norm_rope_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether ``norm_rope`` takes x [T, ..., N]: N a power of two from 4 to 4096 holding the rotated pairs."""
+    n = x.shape[-1]
+    return 4 <= n <= 4096 and n & (n - 1) == 0 and 0 < 2 * cos.shape[-1] <= n and x.shape[0] == cos.shape[0]
+
+
+def norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """``rope(rms_norm(x, weight, eps), cos, sin)`` in one launch (x [T, ..., N]; see ``norm_rope_supported``)."""
+    n = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    m = xc.numel() // n
+    if m == 0:
+        return out
+    block_m = max(1, min(16, 2048 // n))
+    _norm_rope[(cdiv(m, block_m),)](xc, weight if weight is not None else xc, cos.float().contiguous(),
+                                    sin.float().contiguous(), out, m, m // x.shape[0], eps, N=n, HALF=cos.shape[-1],
+                                    HAS_W=weight is not None, BLOCK_M=block_m, num_warps=4 if n <= 1024 else 8)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x · rsqrt(mean(x²) + eps) (· weight)`` over the last dim, fp32 math, x's dtype out."""

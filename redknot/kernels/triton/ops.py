@@ -79,6 +79,14 @@ def route_op(scores, bias, tid2eid, input_ids, top_k: int, scaling: float):
     return ref.route(scores, bias, tid2eid, input_ids, top_k, scaling)
 
 
+@register("rms_norm_rope", BACKEND)
+def rms_norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    if norm.norm_rope_supported(x, cos) and (x.is_cuda or interpreting()):
+        return norm.norm_rope(x, weight, eps, cos, sin)
+    return norm.rope(norm.rms_norm(x, weight, eps), cos, sin)
+
+
 @register("mhc_pre", BACKEND)
 def mhc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     if streams.shape[1] & (streams.shape[1] - 1):

@@ -74,10 +74,10 @@ class Attention(nn.Module):
         t, cfg = x.shape[0], self.cfg
         cos, sin = ctx.cos_sin(self.rope_kind)
         c_q = self.q_norm(ks, self.wq_a(ks, x))  # [T, q_lora]
-        kv = ks.rope(self.kv_norm(ks, self.wkv(ks, x)), cos, sin)  # [T, hd], both K and V
+        kv = ks.rms_norm_rope(self.wkv(ks, x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [T, hd]: K = V
         pool, idx = self._extra(ks, x, c_q, ctx, st)
         q = self.wq_b(ks, c_q).view(t, self.num_heads, self.head_dim)  # [T, H, hd]
-        q = ks.rope(ks.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+        q = ks.rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)
         o = ks.sparse_attention(q, kv, st.swa, self.attn_sink, self.head_dim ** -0.5, cfg.sliding_window,
                                 ctx.meta, pool, idx)  # [T, H, hd]
         write_ring(st.swa, ctx, kv)

@@ -65,7 +65,7 @@ def attention(step, attn, ks, x: torch.Tensor, ctx: StepContext, st) -> torch.Te
     full = step.full_context(ctx)
     cos, sin = ctx.cos_sin(attn.rope_kind)
     c_q = attn.q_norm(ks, attn.wq_a(ks, x))  # [T_local, q_lora]
-    kv = ks.rope(attn.kv_norm(ks, attn.wkv(ks, x)), cos, sin)  # [T_local, hd]
+    kv = ks.rms_norm_rope(attn.wkv(ks, x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)  # [T_local, hd]
     full_kv = step.gather(kv)  # [T, hd]
     ring = step.scratch_ring(st.swa, full_kv, cfg.sliding_window)  # read before the ring write
     pool = idx = None
@@ -79,7 +79,7 @@ def attention(step, attn, ks, x: torch.Tensor, ctx: StepContext, st) -> torch.Te
         elif t:
             idx = visible_entries(ctx, attn.ratio, st.entries.shape[1])
     q = attn.wq_b(ks, c_q).view(t, attn.num_heads, attn.head_dim)  # [T_local, H, hd]
-    q = ks.rope(ks.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+    q = ks.rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)
     o = q
     if t:
         o = ks.sparse_attention(q, kv, ring, attn.attn_sink, attn.head_dim ** -0.5, cfg.sliding_window,

@@ -87,7 +87,7 @@ class DSparkAttention(Attention):
 
     def context_kv(self, ks, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """main_x [T, D] -> ring rows [T, hd] (kv_norm, RoPE at each row's own position)."""
-        return ks.rope(self.kv_norm(ks, self.wkv(ks, main_x)), cos, sin)
+        return ks.rms_norm_rope(self.wkv(ks, main_x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)
 
     def block(self, ks, x: torch.Tensor, ring_kv: torch.Tensor, ring_valid: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, causal: bool = False) -> torch.Tensor:
@@ -97,8 +97,8 @@ class DSparkAttention(Attention):
         g, h = x.shape[0] // b, self.num_heads
         c_q = self.q_norm(ks, self.wq_a(ks, x))
         q = self.wq_b(ks, c_q).view(b * g, h, hd)
-        q = ks.rope(ks.rms_norm(q, None, self.cfg.rms_norm_eps), cos, sin)  # [B*g, H, hd]
-        kv = ks.rope(self.kv_norm(ks, self.wkv(ks, x)), cos, sin)  # [B*g, hd]
+        q = ks.rms_norm_rope(q, None, self.cfg.rms_norm_eps, cos, sin)  # [B*g, H, hd]
+        kv = ks.rms_norm_rope(self.wkv(ks, x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [B*g, hd]
         keys = torch.cat([ring_kv.to(kv.dtype), kv.view(b, g, hd)], dim=1).float()  # [B, W+g, hd]
         valid = torch.cat([ring_valid, torch.ones(b, g, dtype=torch.bool, device=x.device)], dim=1)
         logits = torch.einsum("bqhd,bkd->bqhk", q.view(b, g, h, hd).float(), keys) * hd ** -0.5

@@ -125,7 +125,7 @@ def attention(attn, ks, x: torch.Tensor, ctx: VarlenContext, st) -> torch.Tensor
     t, cfg = x.shape[0], attn.cfg
     cos, sin = ctx.cos_sin(attn.rope_kind)
     c_q = attn.q_norm(ks, attn.wq_a(ks, x))  # [T, q_lora]
-    kv = ks.rope(attn.kv_norm(ks, attn.wkv(ks, x)), cos, sin)  # [T, hd], both K and V
+    kv = ks.rms_norm_rope(attn.wkv(ks, x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)  # [T, hd]: K = V
     pool: Optional[torch.Tensor] = None
     idx: Optional[torch.Tensor] = None
     if attn.compressor is not None:
@@ -137,7 +137,7 @@ def attention(attn, ks, x: torch.Tensor, ctx: VarlenContext, st) -> torch.Tensor
             compressor_update(attn.indexer.compressor, ks, x, ctx, st.idx_kv_rows, st.idx_gate_rows, st.idx_keys)
             idx = attn.indexer.select(ks, x, c_q, ctx, st.idx_keys)
     q = attn.wq_b(ks, c_q).view(t, attn.num_heads, attn.head_dim)  # [T, H, hd]
-    q = ks.rope(ks.rms_norm(q, None, cfg.rms_norm_eps), cos, sin)
+    q = ks.rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)
     write_ring(st.swa, ctx, kv)  # first: the window of a row may reach earlier rows of this step
     o = ks.sparse_attention(q, kv, st.swa, attn.attn_sink, attn.head_dim ** -0.5, cfg.sliding_window,
                             ctx.meta, pool, idx)  # [T, H, hd]
