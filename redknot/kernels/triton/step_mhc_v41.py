@@ -252,6 +252,15 @@ def site_pre(h: torch.Tensor, pre_in: torch.Tensor | None, fn: torch.Tensor, bas
     return u, pre, post, comb
 
 
+def _d_slices(t: torch.Tensor, D: int, block_d: int, tiles: int, most: int) -> tuple[int, int]:
+    """(slices, D values a slice) of a mixing pass over ``tiles`` token tiles that splits D in blocks of ``block_d``
+    into at most ``most`` slices, enough to give the device two programs an SM."""
+    d_blocks = cdiv(D, block_d)
+    nsplit = max(1, min(cdiv(2 * sm_count(t), tiles), d_blocks, most))
+    d_chunk = cdiv(d_blocks, nsplit) * block_d
+    return cdiv(D, d_chunk), d_chunk
+
+
 def _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_eps, u, pre, post, comb, g_p2, groups,
                        vec: bool = False, fin_d: int = 0, warps: int = 4, most: int = 64):
     T, n, D = s.shape
@@ -259,10 +268,7 @@ def _site_pre_one_pass(s, pre_in, fn, base, scale, norm_w, iters, hc_eps, norm_e
     mixp = g_p2 * n
     block_t, block_d = 64, 32   # 128 registers on sm_90a (64 x 64: 227, occupancy halved)
     tiles = cdiv(T, block_t)
-    d_blocks = cdiv(D, block_d)
-    nsplit = max(1, min(cdiv(2 * sm_count(s), tiles), d_blocks, most))
-    d_chunk = cdiv(d_blocks, nsplit) * block_d
-    nsplit = cdiv(D, d_chunk)
+    nsplit, d_chunk = _d_slices(s, D, block_d, tiles, most)
     part = torch.empty(nsplit * T, mixp, dtype=torch.float32, device=dev)
     ssq = torch.empty(nsplit * T, dtype=torch.float32, device=dev)
     uss = torch.empty(nsplit * T, dtype=torch.float32, device=dev)
@@ -356,10 +362,7 @@ def post_site_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: to
     g_p2 = max(next_pow2(groups), cdiv(16, n))
     mixp = g_p2 * n
     block_d = 64
-    d_blocks = cdiv(D, block_d)
-    nsplit = max(1, min(cdiv(2 * sm_count(h), T), d_blocks, most))
-    d_chunk = cdiv(d_blocks, nsplit) * block_d
-    nsplit = cdiv(D, d_chunk)
+    nsplit, d_chunk = _d_slices(h, D, block_d, T, most)
     part = torch.empty(nsplit * T, mixp, dtype=torch.float32, device=dev)
     ssq = torch.empty(nsplit * T, dtype=torch.float32, device=dev)
     _post_mix_part[(T, nsplit)](yc, s, post.float().contiguous(), comb.float().contiguous(), out, fn.float().contiguous(),
