@@ -224,5 +224,5 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 OPS: Tuple[str, ...] = ("rms_norm", "rms_norm_rope", "linear", "grouped_linear", "mhc_pre", "mhc_pre_norm",
-                        "mhc_post", "mhc_post_pre_norm", "mhc_head", "moe", "compressor", "compressor_decode", "indexer_topk",
-                        "sparse_attention", "router_scores")
+                        "mhc_post", "mhc_post_pre_norm", "mhc_head", "moe", "compressor", "compressor_decode",
+                        "indexer_topk", "sparse_attention", "router_scores")

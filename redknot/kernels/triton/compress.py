@@ -241,7 +241,7 @@ def decode_rows(positions: torch.Tensor, seq_slots: torch.Tensor, block_tables: 
     closes = torch.empty(B, 1, dtype=torch.bool, device=dev)
     dest = torch.empty(B, dtype=torch.long, device=dev)
     if B:
-        inv = rope_inv if rope_inv.dtype == torch.float32 and rope_inv.is_contiguous() else rope_inv.float().contiguous()
+        inv = rope_inv.float().contiguous()   # (a no-op for the model's fp32 table)
         _decode_rows[(B,)](positions, seq_slots, block_tables, inv, ring_dest, src, valid.view(torch.int8), cos, sin,
                            closes.view(torch.int8), dest, block_tables.stride(0), ring_len, ratio, per_block, half,
                            SPAN=span, SPAN_P2=next_pow2(span), HALF_P2=next_pow2(max(half, 1)),

@@ -365,9 +365,9 @@ def post_site_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: to
     nsplit, d_chunk = _d_slices(h, D, block_d, T, most)
     part = torch.empty(nsplit * T, mixp, dtype=torch.float32, device=dev)
     ssq = torch.empty(nsplit * T, dtype=torch.float32, device=dev)
-    _post_mix_part[(T, nsplit)](yc, s, post.float().contiguous(), comb.float().contiguous(), out, fn.float().contiguous(),
-                                part, ssq, T, D, yc.stride(0), s.stride(0), s.stride(1), out.stride(0), out.stride(1),
-                                d_chunk, N=n, NMIX=groups * n, MIXP=mixp, BLOCK_D=block_d, num_warps=4)
+    _post_mix_part[(T, nsplit)](yc, s, post.float().contiguous(), comb.float().contiguous(), out,
+                                fn.float().contiguous(), part, ssq, T, D, yc.stride(0), s.stride(0), s.stride(1),
+                                out.stride(0), out.stride(1), d_chunk, N=n, NMIX=groups * n, MIXP=mixp, BLOCK_D=block_d, num_warps=4)
     _site_finish[(T,)](out, part, ssq, base.float().contiguous(), scale.float().contiguous(), pre_new,
                        norm_w.contiguous(), u, pre_new, post_new, comb_new, T, D, nsplit, out.stride(0),
                        out.stride(1), u.stride(0), iters, hc_eps, norm_eps, norm_eps if rms_eps is None else rms_eps,
