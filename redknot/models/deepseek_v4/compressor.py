@@ -88,7 +88,8 @@ class Compressor(nn.Module):
         shapes that do not depend on the positions (CUDA graphs): store the rows, pool the window
         ending at p_b (with the window before it when overlapping) for every sequence, and write
         the entry where p_b closes a window; elsewhere the entry row keeps its value. One registry op
-        (``compressor_decode``: a single launch on the Triton backend); kv, gate may be the projections'
+        (``compressor_decode``: a single launch on the Triton backend) after the step's index tensors
+        (``compressor_decode_rows``, once per step and compressor shape); kv, gate may be the projections'
         dtype (the rings keep fp32)."""
         meta, m, per_block, ring = ctx.meta, self.ratio, pool.shape[1], kv_ring.shape[1]
         # the index tensors depend on the step's metadata and the compressor's shape only: one registry op (one
