@@ -11,7 +11,7 @@ def test_compressor_decode_rows_once_per_step_and_shape(monkeypatch):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import v4_step_ops
 
-    from redknot.kernels import registry
+    from redknot.kernels import ref_attention, registry  # noqa: F401  (ref_attention registers the reference op)
     calls = []
     real = registry._OPS["compressor_decode_rows"]["reference"]
 
