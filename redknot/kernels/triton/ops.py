@@ -94,12 +94,18 @@ def mhc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_e
     return mhc.mhc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
 
+def _small_site(streams: torch.Tensor, norm_weight) -> bool:
+    """Whether a V4 site takes the two-launch forms of ``step_mhc_v41``: 1-4 rows of a power-of-two count of 16-bit
+    streams, and a norm weight."""
+    t, n, _ = streams.shape
+    return (gemv_bf16.small_rows(streams, t) and not n & (n - 1) and streams.dtype in (torch.bfloat16, torch.float16)
+            and norm_weight is not None)
+
+
 @register("mhc_pre_norm", BACKEND)
 def mhc_pre_norm(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm_weight,
                  rms_eps: float):
-    t, n, _ = streams.shape
-    if (gemv_bf16.small_rows(streams, t) and not n & (n - 1) and streams.dtype in (torch.bfloat16, torch.float16)
-            and norm_weight is not None):
+    if _small_site(streams, norm_weight):
         # decode at 1-4 rows: the mixing pass and one finish per token that also collapses and normalises (two
         # launches, where mhc_pre and rms_norm take three)
         u, _pre, post, comb = step_mhc_v41.site_pre(streams, None, fn, base, scale, norm_weight, sinkhorn_iters,
@@ -119,9 +125,7 @@ def mhc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: t
 @register("mhc_post_pre_norm", BACKEND)
 def mhc_post_pre_norm(y, streams, post, comb, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
                       norm_weight, rms_eps: float):
-    t, n, _ = streams.shape
-    if (gemv_bf16.small_rows(streams, t) and not n & (n - 1) and streams.dtype in (torch.bfloat16, torch.float16)
-            and norm_weight is not None and y.dtype == streams.dtype):
+    if _small_site(streams, norm_weight) and y.dtype == streams.dtype:
         # decode at 1-4 rows: the post mix and the next site's mixing dots in one pass, then its finish (two
         # launches, where mhc_post, mhc_pre and rms_norm take four)
         out, u, _pre, post2, comb2 = step_mhc_v41.post_site_pre(y, streams, post, comb, fn, base, scale,

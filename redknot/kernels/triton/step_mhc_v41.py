@@ -179,14 +179,20 @@ SITE_FORMS.update({"split_v_w2": (False, True, 1024, 2, 64), "split_v_w1": (Fals
 SITE_OWN_TUNER = ConfigTuner("mhc_site_norm_small", [f for f, form in SITE_FORMS.items() if not form[0]])
 
 
-def _site_form(args, kw) -> str:
-    """``SITE_TUNER``'s form for ``site_pre(*args, **kw)`` at fewer than ``ONE_PASS_MIN_ROWS`` rows."""
-    h = args[0]
-    tuner = SITE_OWN_TUNER if args[1] is None else SITE_TUNER
+def _pick_form(tuner: ConfigTuner, h: torch.Tensor, run) -> str:
+    """``tuner``'s form for streams ``h`` (key: rows, streams, D, dtype); ``run(form)`` runs one. A class first met
+    under CUDA-graph capture takes the first candidate, so eager and graph steps keep one choice."""
     key = (h.shape[0], h.shape[1], h.shape[2], str(h.dtype).replace("torch.", ""))
     if key not in tuner.choices and h.is_cuda and torch.cuda.is_current_stream_capturing():
-        tuner.choices[key] = tuner.candidates[0]   # eager and graph steps: one choice
-    return tuner.pick(key, lambda c: site_pre(*args, **kw, form=c), h.device)
+        tuner.choices[key] = tuner.candidates[0]
+    return tuner.pick(key, run, h.device)
+
+
+def _site_form(args, kw) -> str:
+    """``SITE_TUNER``'s form (``SITE_OWN_TUNER``'s without ``pre_in``) for ``site_pre(*args, **kw)`` at fewer than
+    ``ONE_PASS_MIN_ROWS`` rows."""
+    tuner = SITE_OWN_TUNER if args[1] is None else SITE_TUNER
+    return _pick_form(tuner, args[0], lambda c: site_pre(*args, **kw, form=c))
 
 
 def site_pre(h: torch.Tensor, pre_in: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor,
@@ -343,11 +349,8 @@ def post_site_pre(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: to
     if n & (n - 1) or h.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"post_site_pre: streams of a power-of-two count in 16 bits, got {n} of {h.dtype}")
     if form is None:
-        key = (T, n, D, str(h.dtype).replace("torch.", ""))
-        if key not in POST_SITE_TUNER.choices and h.is_cuda and torch.cuda.is_current_stream_capturing():
-            POST_SITE_TUNER.choices[key] = POST_SITE_TUNER.candidates[0]
-        form = POST_SITE_TUNER.pick(key, lambda c: post_site_pre(y, h, post, comb, fn, base, scale, norm_w, iters,
-                                                                 hc_eps, norm_eps, rms_eps, form=c), h.device)
+        form = _pick_form(POST_SITE_TUNER, h, lambda c: post_site_pre(y, h, post, comb, fn, base, scale, norm_w,
+                                                                      iters, hc_eps, norm_eps, rms_eps, form=c))
     _, vec, fin_d, warps, most = SITE_FORMS[form]
     dev = h.device
     s, yc = h.contiguous(), y.contiguous()
