@@ -295,7 +295,8 @@ def main(argv=None) -> int:
     failed_checks = [c for c in runner.checks if not c.ok]
     failed_rows = [r for r in runner.rows if r.get("status") == "FAIL"]
     tuned = {t.name: {str(k): str(v) for k, v in t.choices.items()}
-             for t in (attention.ATTN_TUNER, attention.ATTN_PREFILL_TUNER, indexer.INDEXER_TUNER, fp8.GEMM_TUNER)}
+             for t in (attention.ATTN_TUNER, attention.ATTN_DECODE_TUNER, attention.ATTN_PREFILL_TUNER,
+                       indexer.INDEXER_TUNER, fp8.GEMM_TUNER)}
     tuned_ms = {f"{t.name} {k}": ", ".join([f"{c}: {ms:.3f} ms" for c, ms in v]
                                            + [f"{c}: failed ({why})" for c, why in t.failures.get(k, [])])
                 for t in (attention.ATTN_PREFILL_TUNER, indexer.INDEXER_TUNER) for k, v in t.timings.items()}

@@ -43,6 +43,15 @@ class AttnConfig:
 
 
 @dataclass(frozen=True)
+class AttnDecodeConfig(AttnConfig):
+    """A decode-step launch shape whose key splits may be as short as ``split_keys`` keys (``AttnConfig``: four
+    key blocks at least). At batch 1 a step's 128-640 keys otherwise make one to five programs of 64 heads,
+    each walking its blocks one after another; short splits and fewer heads per program spread the same reads
+    over more SMs, for a merge of more partial rows."""
+    split_keys: int = 32
+
+
+@dataclass(frozen=True)
 class PrefillTConfig:
     """Launch shape of the transposed prefill kernel (``attention_prefill``: keys on the MMA's M side), a
     candidate of ``ATTN_PREFILL_TUNER`` only (unsplit launches, bf16 rows)."""
@@ -248,8 +257,10 @@ def _choose_splits(cfg: AttnConfig, num_tokens: int, num_hblocks: int, max_keys:
     if programs >= 2 * device_sms:
         return 1
     want = cdiv(2 * device_sms, programs)
-    # Each split should still own a few key blocks, or the merge costs more than it saves.
-    return max(1, min(want, cdiv(max_keys, 4 * cfg.block_n), 64))
+    # Each split should still own a few key blocks, or the merge costs more than it saves (a decode shape
+    # names its own floor).
+    per_split = max(cfg.block_n, getattr(cfg, "split_keys", 4 * cfg.block_n))
+    return max(1, min(want, cdiv(max_keys, per_split), 64))
 
 
 ATTN_TUNER = ConfigTuner("sparse_attention", [
@@ -265,6 +276,13 @@ ATTN_TUNER = ConfigTuner("sparse_attention", [
 # (``attention_prefill``, 128 keys per step over two warpgroups, the rows in four column chunks): 64 heads with
 # the row pointers in step or a block ahead, 32 heads (no spills, every row read twice per query); each only
 # after its first-use check against the oracle. Not measured on the H200.
+# Decode classes (few query rows): the same shapes, then splits of one or two key blocks with 16-64 heads a
+# program. Not measured on the H200 yet.
+ATTN_DECODE_TUNER = ConfigTuner("sparse_attention_decode", ATTN_TUNER.candidates + [
+    AttnDecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=1, split_keys=32),
+    AttnDecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=1, split_keys=32),
+    AttnDecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1, split_keys=64),
+    AttnDecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=1, split_keys=64)])
 ATTN_PREFILL_TUNER = ConfigTuner("sparse_attention_prefill", ATTN_TUNER.candidates + [
     PrefillTConfig(128, 8, 4, 64), PrefillTConfig(128, 8, 4, 64, prefetch=True), PrefillTConfig(128, 8, 4, 32)])
 
@@ -305,7 +323,10 @@ def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torc
         comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
         phase = "decode" if T * H < 128 * sm_count(q) else "prefill"
         key = (comp, phase, H, D, str(q.dtype), rope_cos is not None)
-        tuner = ATTN_PREFILL_TUNER if phase == "prefill" and q.dtype == torch.bfloat16 else ATTN_TUNER
+        if phase == "decode":  # batch 1 and batch 32 want different splits: the row count's power of two
+            key += (next_pow2(T),)
+        tuner = (ATTN_DECODE_TUNER if phase == "decode" else
+                 ATTN_PREFILL_TUNER if q.dtype == torch.bfloat16 else ATTN_TUNER)
         config = tuner.pick(key, lambda cfg: _run(cfg, args), q.device)
     return _run(config, args)
 
