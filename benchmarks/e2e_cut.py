@@ -47,6 +47,8 @@ def parse_args(argv=None):
                     "itself quickly on a CPU)")
     ap.add_argument("--model", default="v4", choices=["v4", "v41"],
                     help="v41: the DeepSeek-V4.1 cut; must come first, the rest goes to benchmarks/e2e_v41.py")
+    ap.add_argument("--unfused-projections", action="store_true",
+                    help="V4: run each attention linear on its own (no fuse_projections; the before of an A/B)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tiny,parity,prefill,decode,truth")
     ap.add_argument("--profile-graph", type=int, default=0, metavar="N",
                     help="profile N replays of each graph decode step (device time per kernel)")

@@ -194,7 +194,9 @@ def cut_model(run: Run, dtype: torch.dtype) -> DeepseekV4:
         cfg = cfg.with_overrides({"index_topk": 16, "sliding_window": 32})
     model, secs = run.timed(lambda: DeepseekV4(cfg, dtype, device=run.dev, with_mtp=False))
     _, secs2 = run.timed(lambda: randomize_(model, seed=0))
-    run.log(f"cut model {dtype}: {model.num_parameters() / 1e9:.2f} B parameters, built in {secs + secs2:.1f} s")
+    fused = 0 if getattr(run.args, "unfused_projections", False) else model.fuse_projections()
+    run.log(f"cut model {dtype}: {model.num_parameters() / 1e9:.2f} B parameters, built in {secs + secs2:.1f} s; "
+            f"projection groups save {fused} linear launches a step")
     return model
 
 
@@ -242,6 +244,7 @@ def _tiny_greedy(run: Run) -> int:
     randomize_(ref, seed=0)
     fast = DeepseekV4(cfg, torch.float32, device=run.dev, kernels=KernelSet(default=run.args.backend), with_mtp=False)
     fast.load_state_dict(ref.state_dict())
+    fast.fuse_projections()  # the engine's model: build_model fuses the projection groups
     lengths, new = ((150,), 2) if run.args.smoke else ((300, 517, 700), 8)
     out = {}
     for name, model in (("reference", ref), ("triton", fast)):

@@ -3,14 +3,14 @@ sliding window + compressed entries (CSA: indexer-selected, HCA: all visible) wi
 sinks in one softmax, inverse RoPE on the output, grouped output projection."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
 from redknot.models.deepseek_v4.compressor import Compressor, Indexer
 from redknot.models.deepseek_v4.config import V4Config
-from redknot.models.deepseek_v4.layers import Linear, Norm
+from redknot.models.deepseek_v4.layers import Linear, LinearGroup, Norm
 from redknot.models.deepseek_v4.params import ParamFactory
 from redknot.models.deepseek_v4.rope import rope_kind
 from redknot.models.deepseek_v4.state import LayerState
@@ -29,6 +29,17 @@ def visible_entries(ctx: StepContext, ratio: int, per_block: int) -> Optional[to
     w = torch.arange(most, device=ctx.meta.positions.device)
     visible = (ctx.meta.positions + 1) // ratio  # [T]
     return torch.where(w[None, :] < visible[:, None], w[None, :], torch.full_like(w[None, :], -1))
+
+
+class XProjections(NamedTuple):
+    """An attention layer's projections of its input x [T, D]: the q latent before its norm, the kv latent
+    before its norm and RoPE, the compressor's (kv, gate), the indexer compressor's (kv, gate) and the indexer's
+    head weights before their scale (None where the layer has no such part)."""
+    q_latent: torch.Tensor
+    kv: torch.Tensor
+    compressor: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    index_compressor: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    index_weights: Optional[torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -52,19 +63,46 @@ class Attention(nn.Module):
         self.attn_sink = f.fp32(cfg.num_heads)
         self.compressor = Compressor(f, cfg, ratio, hd, overlap=ratio == cfg.csa_ratio) if ratio else None
         self.indexer = Indexer(f, cfg, lin) if ratio == cfg.csa_ratio else None
+        # The linears that read x, and the two that read the q latent: one launch per storage format each once
+        # the model's ``fuse_projections`` has run (the q group at decode sizes only: its wide outputs' column
+        # slices would be copied by the next ops)
+        x_members = [self.wq_a, self.wkv]
+        if self.compressor is not None:
+            x_members += [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            ic = self.indexer.compressor
+            x_members += [ic.wkv, ic.wgate, self.indexer.weights_proj]
+        self.x_proj = LinearGroup(x_members)
+        self.q_proj = LinearGroup([self.wq_b, self.indexer.wq_b], max_rows=16) if self.indexer is not None else None
 
-    def _extra(self, ks, x: torch.Tensor, c_q: torch.Tensor, ctx: StepContext, st: LayerState
-               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def projections(self, ks, x: torch.Tensor) -> XProjections:
+        """This layer's projections of x, by its projection group."""
+        y = self.x_proj(ks, x)
+        comp = (y[2], y[3]) if self.compressor is not None else None
+        idx = (y[4], y[5]) if self.indexer is not None else None
+        return XProjections(y[0], y[1], comp, idx, y[6] if self.indexer is not None else None)
+
+    def queries(self, ks, c_q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(wq_b(c_q) [T, H, hd], the indexer's wq_b(c_q) or None), by the q projection group."""
+        t = c_q.shape[0]
+        if self.q_proj is None:
+            return self.wq_b(ks, c_q).view(t, self.num_heads, self.head_dim), None
+        q, q_idx = self.q_proj(ks, c_q)
+        return q.view(t, self.num_heads, self.head_dim), q_idx
+
+    def _extra(self, ks, p: XProjections, c_q: torch.Tensor, q_idx: Optional[torch.Tensor], ctx: StepContext,
+               st: LayerState) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Update the compressed state; return (entry pool, per-query entry ids) for attention."""
         if self.compressor is None:
             return None, None
-        self.compressor.update(ks, x, ctx, st.kv_rows, st.gate_rows, st.entries)
+        self.compressor.update_projected(ks, *p.compressor, ctx, st.kv_rows, st.gate_rows, st.entries)
         if self.indexer is None:
             per_block = st.entries.shape[1]   # the same ids for every HCA layer of the step: made once
             return st.entries, ctx.memo(("visible entries", self.ratio, per_block),
                                         lambda: visible_entries(ctx, self.ratio, per_block))
-        self.indexer.compressor.update(ks, x, ctx, st.idx_kv_rows, st.idx_gate_rows, st.idx_keys)
-        return st.entries, self.indexer.select(ks, x, c_q, ctx, st.idx_keys)
+        self.indexer.compressor.update_projected(ks, *p.index_compressor, ctx, st.idx_kv_rows, st.idx_gate_rows,
+                                                 st.idx_keys)
+        return st.entries, self.indexer.select(ks, None, c_q, ctx, st.idx_keys, q=q_idx, weights=p.index_weights)
 
     def forward(self, ks, x: torch.Tensor, ctx: StepContext, st: LayerState) -> torch.Tensor:
         # Context parallel (redknot.parallel.cp) marks its per-rank step metadata with its plan.
@@ -73,10 +111,11 @@ class Attention(nn.Module):
             return cp.attention(self, ks, x, ctx, st)
         t, cfg = x.shape[0], self.cfg
         cos, sin = ctx.cos_sin(self.rope_kind)
-        c_q = self.q_norm(ks, self.wq_a(ks, x))  # [T, q_lora]
-        kv = ks.rms_norm_rope(self.wkv(ks, x), self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [T, hd]: K = V
-        pool, idx = self._extra(ks, x, c_q, ctx, st)
-        q = self.wq_b(ks, c_q).view(t, self.num_heads, self.head_dim)  # [T, H, hd]
+        p = self.projections(ks, x)
+        c_q = self.q_norm(ks, p.q_latent)  # [T, q_lora]
+        kv = ks.rms_norm_rope(p.kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin)  # [T, hd]: K = V
+        q, q_idx = self.queries(ks, c_q)  # [T, H, hd]
+        pool, idx = self._extra(ks, p, c_q, q_idx, ctx, st)
         q = ks.rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)
         o = ks.sparse_attention(q, kv, st.swa, self.attn_sink, self.head_dim ** -0.5, cfg.sliding_window,
                                 ctx.meta, pool, idx)  # [T, H, hd]

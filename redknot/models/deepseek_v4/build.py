@@ -66,4 +66,5 @@ def build_model(model, hardware, cache_dir: str, kernels: Optional[KernelSet] = 
             layer.ffn.experts.keep_only(expert_rows(i, cfg.n_routed_experts))
     net.to_empty(device=device)
     load_checkpoint(net, path, progress=bool(model.path) if progress is None else progress)
+    net.fuse_projections()
     return net.eval()

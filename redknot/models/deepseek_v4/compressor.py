@@ -2,7 +2,7 @@
 indexer, as incremental updates of the paged state (reference §4.7-4.9)."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -46,8 +46,12 @@ class Compressor(nn.Module):
     def update(self, ks, x: torch.Tensor, ctx: StepContext, kv_ring: torch.Tensor, gate_ring: torch.Tensor,
                pool: torch.Tensor) -> None:
         """Project this step's rows, emit the entries of every window they close, store the rows."""
-        kv = self.wkv(ks, x)  # [T, C]
-        gate = self.wgate(ks, x)
+        self.update_projected(ks, self.wkv(ks, x), self.wgate(ks, x), ctx, kv_ring, gate_ring, pool)
+
+    def update_projected(self, ks, kv: torch.Tensor, gate: torch.Tensor, ctx: StepContext, kv_ring: torch.Tensor,
+                         gate_ring: torch.Tensor, pool: torch.Tensor) -> None:
+        """:meth:`update` from this step's projections kv = wkv(x), gate = wgate(x) [T, C] (their dtype; the
+        attention layer's projection group makes them with its other projections of x)."""
         if ctx.meta.tensor_only:  # the decode op reads the projections' dtype (no fp32 copies first)
             self._update_decode(ks, kv, gate, ctx, kv_ring, gate_ring, pool)
             return
@@ -115,12 +119,14 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(f, self.n_heads, cfg.hidden_size, FLOAT)
         self.compressor = Compressor(f, cfg, cfg.csa_ratio, self.head_dim, overlap=True)
 
-    def select(self, ks, x: torch.Tensor, c_q: torch.Tensor, ctx: StepContext, keys: torch.Tensor) -> torch.Tensor:
-        """[T, index_topk] entry ids chosen for each query (-1 = none)."""
-        t = x.shape[0]
-        q = self.wq_b(ks, c_q).view(t, self.n_heads, self.head_dim)  # [T, IH, ID]
+    def select(self, ks, x: Optional[torch.Tensor], c_q: torch.Tensor, ctx: StepContext, keys: torch.Tensor,
+               q: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[T, index_topk] entry ids chosen for each query (-1 = none). ``q`` = wq_b(c_q) and ``weights`` =
+        weights_proj(x) where the caller has projected them already (x may then be None)."""
+        t = c_q.shape[0]
+        q = (self.wq_b(ks, c_q) if q is None else q).view(t, self.n_heads, self.head_dim)  # [T, IH, ID]
         q = ks.rope(q, *ctx.cos_sin(COMPRESS))
-        weights = self.weights_proj(ks, x).float() * self.n_heads ** -0.5  # [T, IH]
+        weights = (self.weights_proj(ks, x) if weights is None else weights).float() * self.n_heads ** -0.5
         return ks.indexer_topk(q, weights, keys, ctx.meta, self.ratio, self.topk, self.head_dim ** -0.5)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4.block import Block, MTPLayer
 from redknot.models.deepseek_v4.config import V4Config
-from redknot.models.deepseek_v4.layers import Embedding, Linear, Norm
+from redknot.models.deepseek_v4.layers import Embedding, Linear, LinearGroup, Norm
 from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
 from redknot.models.deepseek_v4.rope import RopeTables
 from redknot.models.deepseek_v4.state import V4State
@@ -123,6 +123,12 @@ class DeepseekV4(nn.Module):
             return streams, torch.empty(0, self.cfg.vocab_size, dtype=torch.float32, device=streams.device)
         logits = self._head(rows, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
         return streams, logits
+
+    def fuse_projections(self) -> int:
+        """Concatenate the weights of the linears that read one input (each attention layer's projections of
+        x, and of the q latent) so that each group runs as one linear per storage format; the parameters keep
+        their names and view the concatenations. Returns the launches a step saves (0 on the meta device)."""
+        return sum(m.fuse() for m in self.modules() if isinstance(m, LinearGroup))
 
     def set_kernels(self, kernels: KernelSet) -> None:
         self.ks = kernels

@@ -98,13 +98,12 @@ def row_starts(t: int, device) -> torch.Tensor:
     return torch.arange(t + 1, dtype=torch.int32, device=device)
 
 
-def compressor_update(comp, ks, x: torch.Tensor, ctx: VarlenContext, kv_ring: torch.Tensor,
+def compressor_update(comp, ks, kv: torch.Tensor, gate: torch.Tensor, ctx: VarlenContext, kv_ring: torch.Tensor,
                       gate_ring: torch.Tensor, pool: torch.Tensor) -> None:
-    """:meth:`Compressor.update` of a varlen step: store the rows, pool the window ending at every row's
-    position (with the window before it where windows overlap), store the entries of the closing rows
-    and send every other row's entry to the spare block."""
-    kv = comp.wkv(ks, x).float()      # [T, C]
-    gate = comp.wgate(ks, x).float()
+    """:meth:`Compressor.update_projected` of a varlen step (kv, gate: the step's projections [T, C]): store the
+    rows, pool the window ending at every row's position (with the window before it where windows overlap),
+    store the entries of the closing rows and send every other row's entry to the spare block."""
+    kv, gate = kv.float(), gate.float()  # [T, C]
     write_ring(kv_ring, ctx, kv)      # first: a row's windows may reach earlier rows of this step
     write_ring(gate_ring, ctx, gate)
     meta, m, per_block = ctx.meta, comp.ratio, pool.shape[1]
@@ -124,19 +123,21 @@ def attention(attn, ks, x: torch.Tensor, ctx: VarlenContext, st) -> torch.Tensor
     """:meth:`Attention.forward` of a varlen step (window ring stored before the attention reads it)."""
     t, cfg = x.shape[0], attn.cfg
     cos, sin = ctx.cos_sin(attn.rope_kind)
-    c_q = attn.q_norm(ks, attn.wq_a(ks, x))  # [T, q_lora]
-    kv = ks.rms_norm_rope(attn.wkv(ks, x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)  # [T, hd]: K = V
+    p = attn.projections(ks, x)
+    c_q = attn.q_norm(ks, p.q_latent)  # [T, q_lora]
+    kv = ks.rms_norm_rope(p.kv, attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)  # [T, hd]: K = V
+    q, q_idx = attn.queries(ks, c_q)  # [T, H, hd]
     pool: Optional[torch.Tensor] = None
     idx: Optional[torch.Tensor] = None
     if attn.compressor is not None:
-        compressor_update(attn.compressor, ks, x, ctx, st.kv_rows, st.gate_rows, st.entries)
+        compressor_update(attn.compressor, ks, *p.compressor, ctx, st.kv_rows, st.gate_rows, st.entries)
         pool = st.entries
         if attn.indexer is None:
             idx = visible_entries(ctx, attn.ratio, st.entries.shape[1])
         else:
-            compressor_update(attn.indexer.compressor, ks, x, ctx, st.idx_kv_rows, st.idx_gate_rows, st.idx_keys)
-            idx = attn.indexer.select(ks, x, c_q, ctx, st.idx_keys)
-    q = attn.wq_b(ks, c_q).view(t, attn.num_heads, attn.head_dim)  # [T, H, hd]
+            compressor_update(attn.indexer.compressor, ks, *p.index_compressor, ctx, st.idx_kv_rows,
+                              st.idx_gate_rows, st.idx_keys)
+            idx = attn.indexer.select(ks, None, c_q, ctx, st.idx_keys, q=q_idx, weights=p.index_weights)
     q = ks.rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)
     write_ring(st.swa, ctx, kv)  # first: the window of a row may reach earlier rows of this step
     o = ks.sparse_attention(q, kv, st.swa, attn.attn_sink, attn.head_dim ** -0.5, cfg.sliding_window,
