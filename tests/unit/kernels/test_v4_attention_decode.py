@@ -66,3 +66,19 @@ def test_decode_classes_use_their_own_tuner(monkeypatch, kernel_device):
     args = prefill.check_inputs(kernel_device, seed=3, comp="topk", **{**TOY, "new": 2})
     attention.sparse_attention_paged(**{k: v for k, v in args.items() if k != "out"})
     assert seen == [("sparse_attention_decode", (1, "decode", 20, 64, "torch.bfloat16", False, 4))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("comp", ["topk", "all", "none"])
+@pytest.mark.parametrize("cfg", [c for c in attention.ATTN_DECODE_TUNER.candidates if isinstance(c, AttnDecodeConfig)],
+                         ids=str)
+def test_decode_shapes_at_v4_width_on_the_gpu(cfg, comp):
+    """V4's widths (64 heads x 512, window 128, 512 top-k entries, RoPE 64) on the GPU, fresh inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    seed = _fresh_seed()
+    args = prefill.check_inputs("cuda", seed=seed, comp=comp, rope=True, heads=64, dim=512, window=128, ratio=4,
+                                block_size=64, topk=512, ctx=3000, new=1)
+    want = oracle.sparse_attention_paged(**{k: v for k, v in args.items() if k != "out"})
+    got = attention.sparse_attention_paged(**args, config=cfg)
+    assert _rel(got, want) < 1e-2, (cfg, seed)
