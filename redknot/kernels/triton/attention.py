@@ -225,29 +225,46 @@ def _sparse_attn_fwd(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, pacc_ptr, prop
 @triton.jit
 def _sparse_attn_merge(pacc_ptr, prope_ptr, pml_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr, stride_ot, stride_oh,
                        nsplit, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
-                       BLOCK_H: tl.constexpr,
-                       HAS_SINK: tl.constexpr, ROPE: tl.constexpr):
+                       NSP2: tl.constexpr, DC: tl.constexpr, HAS_SINK: tl.constexpr, ROPE: tl.constexpr):
+    """One (query row, head, column chunk) of a split launch: every split's partial loaded at once ([NSP2, DC]:
+    one load latency, not one per split) and summed with the splits' softmax weights, then the sink and the
+    normalisation as ``_finalize``. Chunks 0 .. D/DC-1 are the plain columns; with ROPE a last chunk is the rope
+    columns, rotated back from the two partial sums (``acc_r``, ``acc_sw``)."""
     tok = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, D)
-    offs_r = tl.arange(0, RD)
-    m_g = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(nsplit):
-        m_g = tl.maximum(m_g, tl.load(pml_ptr + ((tok.to(tl.int64) * nsplit + s) * HP + offs_h) * 2))
-    l_g = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    acc_r = tl.zeros([BLOCK_H, RD], tl.float32)
-    acc_sw = tl.zeros([BLOCK_H, RD], tl.float32)
-    for s in range(nsplit):
-        part = (tok.to(tl.int64) * nsplit + s) * HP + offs_h
-        w = tl.exp2(tl.load(pml_ptr + part * 2) - m_g)  # an empty split has m = -inf, weight 0
-        l_g += w * tl.load(pml_ptr + part * 2 + 1)
-        acc += w[:, None] * tl.load(pacc_ptr + part[:, None] * D + offs_d[None, :])
-        if ROPE:
-            acc_r += w[:, None] * tl.load(prope_ptr + part[:, None] * (2 * RD) + offs_r[None, :])
-            acc_sw += w[:, None] * tl.load(prope_ptr + part[:, None] * (2 * RD) + RD + offs_r[None, :])
-    _finalize(acc, acc_r, acc_sw, m_g, l_g, sink_ptr, cos_ptr, sin_ptr, out_ptr, tok, offs_h, offs_d, offs_r,
-              stride_ot, stride_oh, H, D, RD, HAS_SINK, ROPE)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    sp = tl.arange(0, NSP2)
+    smask = sp < nsplit
+    part = (tok.to(tl.int64) * nsplit + sp) * HP + h  # [NSP2]
+    m = tl.load(pml_ptr + part * 2, mask=smask, other=float("-inf"))
+    l = tl.load(pml_ptr + part * 2 + 1, mask=smask, other=0.0)
+    m_g = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_g == float("-inf"), 0.0, m_g))  # an empty split (m = -inf) weighs 0
+    l_g = tl.sum(w * l, 0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_g, sink)
+        factor = tl.exp2(m_g - m_f) / (l_g * tl.exp2(m_g - m_f) + tl.exp2(sink - m_f))
+    else:
+        factor = 1.0 / l_g
+    row = out_ptr + tok.to(tl.int64) * stride_ot + h * stride_oh
+    if c < D // DC:
+        cols = c * DC + tl.arange(0, DC)
+        acc = tl.sum(w[:, None] * tl.load(pacc_ptr + part[:, None] * D + cols[None, :], mask=smask[:, None],
+                                          other=0.0), 0)
+        keep = cols < (D - RD if ROPE else D)
+        tl.store(row + cols, (acc * factor).to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        offs_r = tl.arange(0, RD)
+        base = prope_ptr + part[:, None] * (2 * RD) + offs_r[None, :]
+        acc_r = tl.sum(w[:, None] * tl.load(base, mask=smask[:, None], other=0.0), 0)
+        acc_sw = tl.sum(w[:, None] * tl.load(base + RD, mask=smask[:, None], other=0.0), 0)
+        half = offs_r // 2
+        cs = tl.load(cos_ptr + tok.to(tl.int64) * (RD // 2) + half)
+        sn = tl.load(sin_ptr + tok.to(tl.int64) * (RD // 2) + half)
+        sign = tl.where(offs_r % 2 == 0, 1.0, -1.0)
+        rot = acc_r * factor * cs + acc_sw * factor * (sign * sn)
+        tl.store(row + (D - RD) + offs_r, rot.to(out_ptr.dtype.element_ty))
 
 
 def _choose_splits(cfg: AttnConfig, num_tokens: int, num_hblocks: int, max_keys: int, device_sms: int) -> int:
@@ -384,7 +401,9 @@ def _launch(cfg: AttnConfig, *, q, kv, token_seq, positions, context_lens, query
         HAS_RING=ring is not None, HAS_SINK=sink is not None, ROPE=rope, PREC=dot_precision(q.dtype),
         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if nsplit > 1:
-        _sparse_attn_merge[(T, n_hblocks)](
+        dc = min(128, D)
+        _sparse_attn_merge[(T, H, D // dc + (1 if rope else 0))](
             pacc, prope, pml, sink_t, cos, sin, out, out.stride(0), out.stride(1), nsplit,
-            H=H, HP=hp, D=D, RD=rd, BLOCK_H=block_h, HAS_SINK=sink is not None, ROPE=rope, num_warps=cfg.num_warps)
+            H=H, HP=hp, D=D, RD=rd, NSP2=next_pow2(nsplit), DC=dc, HAS_SINK=sink is not None, ROPE=rope,
+            num_warps=4)
     return out
