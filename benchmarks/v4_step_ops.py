@@ -74,6 +74,7 @@ def count_step(backend: str, device: str, batch: int, dtype: torch.dtype = torch
     model = DeepseekV4(cfg, dtype, device="cpu", kernels=KernelSet(backend), with_mtp=False)
     randomize_(model, seed=3)
     model = model.to(device)
+    model.fuse_projections()  # the engine's model (build_model fuses the projection groups)
     layout = StateLayout.create(cfg, block_size=math.lcm(*[r for r in cfg.ratios if r]),
                                 kv_bytes=torch.finfo(dtype).bits // 8)
     prompt = 40

@@ -21,6 +21,8 @@ route               expert ids (hash table or top-k of affinities + bias) and re
 compressor          softmax-gated pooling of raw projected rows into compressed entries
 compressor_decode   a decode step's compressor update: ring writes, pooling, norm, RoPE, pool write
 compressor_decode_rows  the index tensors compressor_decode takes, from the step's positions, slots, block tables
+rope_cos_sin        cos / sin [T, r/2] fp32 of one fp32 angle product position · inverse frequency
+ring_write          a decode step's rows into per-slot rings at position mod ring length
 indexer_topk        lightning-indexer scores + top-k (ties: lower entry index first)
 sparse_attention    queries x (SWA window ∪ chosen compressed entries) + sink, one softmax
 moe                 routed experts: permutation, expert SwiGLU GEMMs, fixed-order combine
@@ -59,6 +61,22 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.
     t, g, k = x.shape
     w = dequantize(weight, scale, x.dtype).view(g, -1, k)  # [G, R, K]
     return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+
+@register("rope_cos_sin")
+def rope_cos_sin(positions: torch.Tensor, inv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] (integers), inverse frequencies inv [r/2] -> cos, sin [T, r/2] fp32; angle = fp32(position)
+    · inv, one fp32 product."""
+    angles = positions.float()[:, None] * inv.float()[None, :]
+    return angles.cos(), angles.sin()
+
+
+@register("ring_write")
+def ring_write(values: torch.Tensor, ring: torch.Tensor, seq_slots: torch.Tensor, positions: torch.Tensor) -> None:
+    """A decode step (row b = sequence b's token): values [B, C] into ring [S, R, C] at row
+    ``seq_slots[b] · R + positions[b] mod R``, cast to the ring's dtype."""
+    dest = seq_slots.long() * ring.shape[1] + positions.long() % ring.shape[1]
+    ring.view(-1, ring.shape[-1]).index_copy_(0, dest, values.to(ring.dtype))
 
 
 @register("rope")

@@ -77,8 +77,12 @@ class StepContext:
         return torch.cat(rows).to(meta.positions.device), torch.cat(dest).to(meta.positions.device)
 
 
-def write_ring(ring_tensor: torch.Tensor, ctx: StepContext, values: torch.Tensor) -> None:
-    """Store this step's rows values [T, C] into ring_tensor [S, R, C] at their positions."""
+def write_ring(ring_tensor: torch.Tensor, ctx: StepContext, values: torch.Tensor, ks=None) -> None:
+    """Store this step's rows values [T, C] into ring_tensor [S, R, C] at their positions. A tensor-only decode
+    step with a kernel set ``ks``: its ``ring_write`` op (one launch, no index tensors)."""
+    if ks is not None and ctx.meta.tensor_only:
+        ks.ring_write(values, ring_tensor, ctx.meta.seq_slots, ctx.meta.positions)
+        return
     rows, dest = ctx.ring_write_rows(ring_tensor.shape[1])
     src = values if rows is None else values[rows]
     ring_tensor.view(-1, ring_tensor.shape[-1]).index_copy_(0, dest, src.to(ring_tensor.dtype))

@@ -25,6 +25,7 @@ from redknot.kernels.triton import (
     norm,
     route,
     step_mhc_v41,
+    step_tables,
 )
 from redknot.kernels.triton._common import interpreting, next_pow2
 
@@ -77,6 +78,20 @@ def route_op(scores, bias, tid2eid, input_ids, top_k: int, scaling: float):
     if route.supported(scores, top_k) and hashed_ok and (bias is not None or tid2eid is not None):
         return route.route(scores, bias, tid2eid, input_ids, top_k, scaling)
     return ref.route(scores, bias, tid2eid, input_ids, top_k, scaling)
+
+
+@register("rope_cos_sin", BACKEND)
+def rope_cos_sin(positions: torch.Tensor, inv: torch.Tensor):
+    if positions.dim() == 1 and inv.dim() == 1 and (positions.is_cuda or interpreting()):
+        return step_tables.cos_sin_rows(positions, inv)
+    return ref.rope_cos_sin(positions, inv)
+
+
+@register("ring_write", BACKEND)
+def ring_write(values: torch.Tensor, ring: torch.Tensor, seq_slots: torch.Tensor, positions: torch.Tensor) -> None:
+    if step_tables.supported_ring_write(values, ring, seq_slots, positions):
+        return step_tables.ring_write(values, ring, seq_slots, positions)
+    return ref.ring_write(values, ring, seq_slots, positions)
 
 
 @register("rms_norm_rope", BACKEND)

@@ -66,6 +66,7 @@ class DeepseekV4(nn.Module):
     def rope(self) -> RopeTables:
         if self._rope is None or self._rope.inv["main"].device != self.device:
             self._rope = RopeTables(self.cfg, self.device)
+        self._rope.kernels = self.ks
         return self._rope
 
     def _context(self, meta: StepMetadata) -> StepContext:

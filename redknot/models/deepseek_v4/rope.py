@@ -37,6 +37,7 @@ class RopeTables:
     def __init__(self, cfg: V4Config, device=None):
         self.inv = {MAIN: inv_freq(cfg.rope_theta, cfg.rope_dim, None).to(device),
                     COMPRESS: inv_freq(cfg.compress_rope_theta, cfg.rope_dim, cfg.yarn).to(device)}
+        self.kernels = None  # the model's kernel set: cos / sin by its ``rope_cos_sin`` op (one launch)
 
     def to(self, device) -> "RopeTables":
         self.inv = {k: v.to(device) for k, v in self.inv.items()}
@@ -44,6 +45,8 @@ class RopeTables:
 
     def cos_sin(self, kind: str, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rope_dim/2] fp32 (angle = position · θ_i in fp32)."""
+        if self.kernels is not None:
+            return self.kernels.rope_cos_sin(positions, self.inv[kind])
         angles = positions.float()[:, None] * self.inv[kind][None, :]
         return angles.cos(), angles.sin()
 
