@@ -40,6 +40,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.glue: collections.Counter = collections.Counter()
         self.in_ops = 0
+        self.op_sources: collections.Counter = collections.Counter()   # registry-op launches by kernels line
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not str(func).startswith(_NO_LAUNCH):
@@ -50,6 +51,8 @@ class OpCounter(TorchDispatchMode):
             model = [f for f in frames if "/redknot/models/" in f.filename or "/redknot/step/" in f.filename]
             if frames and "/redknot/kernels/" in frames[-1].filename:
                 self.in_ops += 1
+                f = frames[-1]
+                self.op_sources[f"{f.filename.split('/redknot/')[1]}:{f.lineno} {f.name} ({str(func)})"] += 1
             elif model:
                 f = model[-1]
                 self.glue[f"{f.filename.split('/redknot/')[1]}:{f.lineno} {f.name}"] += 1
@@ -158,6 +161,9 @@ def main(argv=None) -> int:
             print(f"| {n} | `{name}` |")
         print("\n| PyTorch launches | source |\n|---|---|")
         for where, n in counter.glue.most_common(a.top):
+            print(f"| {n} | `{where}` |")
+        print("\n| PyTorch launches inside registry ops | source (ATen op) |\n|---|---|")
+        for where, n in counter.op_sources.most_common(a.top):
             print(f"| {n} | `{where}` |")
         return 0
     counter, layers = count_step(a.backend, a.device, a.batch)

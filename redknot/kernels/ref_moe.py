@@ -63,6 +63,32 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: 
     return routed_slots(x, topk_idx, topk_weight, w1.shape[0], expert).sum(dim=1).to(x.dtype)
 
 
+def moe_shared_with(moe_fn, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale,
+                    shared_w1, shared_w2, shared_w3, shared_w1_scale, shared_w2_scale, shared_w3_scale, shared_idx,
+                    shared_weight) -> torch.Tensor:
+    """``moe_shared`` composed from a backend's ``moe`` (the reference op's body)."""
+    one = lambda t: None if t is None else t.unsqueeze(0)  # noqa: E731  [1, ...] expert stack
+    routed = moe_fn(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
+    shared = moe_fn(x, shared_idx, shared_weight, one(shared_w1), one(shared_w2), one(shared_w3), swiglu_limit,
+                    one(shared_w1_scale), one(shared_w2_scale), one(shared_w3_scale))
+    return routed + shared
+
+
+@register("moe_shared")
+def moe_shared(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
+               w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float, w1_scale: Optional[torch.Tensor],
+               w2_scale: Optional[torch.Tensor], w3_scale: Optional[torch.Tensor], shared_w1: torch.Tensor,
+               shared_w2: torch.Tensor, shared_w3: torch.Tensor, shared_w1_scale: Optional[torch.Tensor],
+               shared_w2_scale: Optional[torch.Tensor], shared_w3_scale: Optional[torch.Tensor],
+               shared_idx: torch.Tensor, shared_weight: torch.Tensor) -> torch.Tensor:
+    """:func:`moe` of the routed experts plus the shared expert (shared_w1/w3 [I, D], shared_w2 [D, I]) as a
+    one-expert :func:`moe` that every row selects (``shared_idx`` [T, 1] zeros, ``shared_weight`` [T, 1] ones),
+    the two rows added in x's dtype."""
+    return moe_shared_with(moe, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale,
+                           shared_w1, shared_w2, shared_w3, shared_w1_scale, shared_w2_scale, shared_w3_scale,
+                           shared_idx, shared_weight)
+
+
 def _moe_every_expert(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale):
     """:func:`moe` without a host sync (CUDA-graph capture): every expert runs on every row and
     each slot keeps the rows that chose it; same per-slot math and slot-order sum."""

@@ -18,6 +18,7 @@ class StepTensors:
     token_seq: torch.Tensor     # [T] int32 sequence index of each row
     context_lens: torch.Tensor  # [B] int32 first position of each sequence in the step
     query_start: torch.Tensor   # [B] int32 first row of each sequence
+    positions: torch.Tensor     # [T] int32 position of each row
 
 
 _CACHE: Dict[int, Tuple[weakref.ref, StepTensors]] = {}
@@ -25,10 +26,17 @@ _CACHE: Dict[int, Tuple[weakref.ref, StepTensors]] = {}
 
 def step_tensors(meta) -> StepTensors:
     """The :class:`StepTensors` of ``meta`` (computed on its first use). A ``tensor_only`` step's
-    tensors change in place between uses (CUDA-graph buffers), so its indices are never cached:
-    a captured graph must record their computation."""
+    tensors change in place between uses (CUDA-graph buffers), so its indices are kept for one forward only
+    (``meta.forward_memo``, emptied by each forward's ``StepContext``): a captured graph records their
+    computation once, and every layer of the step reads it."""
     if getattr(meta, "tensor_only", False):
-        return _compute(meta)
+        memo = getattr(meta, "forward_memo", None)
+        if memo is None:
+            return _compute(meta)
+        st = memo.get("step_tensors")
+        if st is None:
+            st = memo["step_tensors"] = _compute(meta)
+        return st
     hit = _CACHE.get(id(meta))
     if hit is not None and hit[0]() is meta:
         return hit[1]
@@ -47,10 +55,12 @@ def _compute(meta) -> StepTensors:
         # row and the first row of a sequence are both 0..B-1 (query_start_loc[:-1]), and a sequence's first
         # position is its row's position: two casts at most, where the general form takes about seven launches
         starts = qsl[:-1].to(torch.int32)
-        return StepTensors(starts, meta.positions.to(torch.int32), starts)
+        pos = meta.positions.to(torch.int32)
+        return StepTensors(starts, pos, starts, pos)
     rows = torch.arange(meta.positions.shape[0], device=qsl.device, dtype=qsl.dtype)
     token_seq = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).to(torch.int32)
     starts = qsl[:-1].to(torch.int32)
     last = max(meta.positions.shape[0] - 1, 0)
-    ctx = meta.positions.index_select(0, starts.clamp(max=last).long()).to(torch.int32)
-    return StepTensors(token_seq, ctx, starts)
+    pos = meta.positions.to(torch.int32)
+    ctx = pos.index_select(0, starts.clamp(max=last).long())
+    return StepTensors(token_seq, ctx, starts, pos)

@@ -46,6 +46,7 @@ class StepContext:
             SeqSpan(b, s, n, c, slot) for b, (s, n, c, slot) in enumerate(
                 zip(meta.query_start_list, meta.num_tokens_per_seq, meta.context_lens, meta.seq_slot_list))]
         self._memo: Dict[Hashable, Any] = {}
+        meta.forward_memo.clear()  # the kernels' per-forward values of the metadata (step_index) start afresh
 
     def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()`` once per step and ``key``: values every layer (or every compressor) of the step would
@@ -57,6 +58,12 @@ class StepContext:
     def cos_sin(self, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, r/2] at the step's positions for one of the model's rotary tables."""
         return self.memo(("cos_sin", kind), lambda: self.rope.cos_sin(kind, self.meta.positions))
+
+    @property
+    def direct_ring_writes(self) -> bool:
+        """Whether row b of the step goes to ring row ``seq_slots[b] · R + positions[b] mod R`` with no row left
+        out (a tensor-only decode step: one row per sequence), as the ``ring_write`` op writes it."""
+        return self.meta.tensor_only
 
     def ring_write_rows(self, ring: int) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """(rows of the step, or None for all of them in order; flat ring index slot*ring + pos % ring) for
@@ -80,7 +87,7 @@ class StepContext:
 def write_ring(ring_tensor: torch.Tensor, ctx: StepContext, values: torch.Tensor, ks=None) -> None:
     """Store this step's rows values [T, C] into ring_tensor [S, R, C] at their positions. A tensor-only decode
     step with a kernel set ``ks``: its ``ring_write`` op (one launch, no index tensors)."""
-    if ks is not None and ctx.meta.tensor_only:
+    if ks is not None and ctx.direct_ring_writes:
         ks.ring_write(values, ring_tensor, ctx.meta.seq_slots, ctx.meta.positions)
         return
     rows, dest = ctx.ring_write_rows(ring_tensor.shape[1])

@@ -9,7 +9,7 @@ model family's layers and by the kernels. See :mod:`redknot.step` for the whole 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,6 +34,9 @@ class StepMetadata:
     # tensors only: the python lists above describe shapes, not this step's values. CUDA-graph
     # capture sets it, so a replay with fresh tensor contents computes the right step.
     tensor_only: bool = False
+    # Values the ops derive from this step's tensors, kept for one forward (a tensor-only step's tensors change in
+    # place between forwards and CUDA-graph captures): each ``StepContext`` empties it when the forward starts.
+    forward_memo: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.seq_slot_list:

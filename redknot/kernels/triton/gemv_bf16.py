@@ -175,17 +175,26 @@ def _row_sum(wrow, x_row, K, cmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 
 @triton.jit
 def _moe_up(x_ptr, ids_ptr, w1_ptr, w3_ptr, act_ptr, I, K, stride_x, stride_we, stride_wn, stride_a, limit,
-            TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            sw1_ptr, sw3_ptr, stride_swn, n_pairs,
+            TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            SHARED: tl.constexpr = False):
     """Program (column block, pair): act[pair, cols] = swiglu(bf16(W1_e x_t), bf16(W3_e x_t)) for the pair's
-    expert e and token t = pair // TOPK."""
+    expert e and token t = pair // TOPK. ``SHARED``: pairs n_pairs + t are token t's shared expert (sw1, sw3)."""
     pair = tl.program_id(1)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < I
-    off = e * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
-    g = _row_sum(w1_ptr + off, x_row, K, cmask, BLOCK_N, BLOCK_K).to(tl.bfloat16).to(tl.float32)
-    u = _row_sum(w3_ptr + off, x_row, K, cmask, BLOCK_N, BLOCK_K).to(tl.bfloat16).to(tl.float32)
+    if SHARED and pair >= n_pairs:
+        x_row = x_ptr + (pair - n_pairs).to(tl.int64) * stride_x
+        p1 = sw1_ptr + cols.to(tl.int64)[:, None] * stride_swn
+        p3 = sw3_ptr + cols.to(tl.int64)[:, None] * stride_swn
+    else:
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        off = e * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_x
+        p1 = w1_ptr + off
+        p3 = w3_ptr + off
+    g = _row_sum(p1, x_row, K, cmask, BLOCK_N, BLOCK_K).to(tl.bfloat16).to(tl.float32)
+    u = _row_sum(p3, x_row, K, cmask, BLOCK_N, BLOCK_K).to(tl.bfloat16).to(tl.float32)
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -195,9 +204,11 @@ def _moe_up(x_ptr, ids_ptr, w1_ptr, w3_ptr, act_ptr, I, K, stride_x, stride_we, 
 
 @triton.jit
 def _moe_down(act_ptr, ids_ptr, wt_ptr, w2_ptr, out_ptr, D, I, stride_a, stride_we, stride_wn, stride_o,
-              TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              sw2_ptr, stride_swn, n_pairs,
+              TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr = False):
     """Program (column block, token): out[t, cols] = Σ_j wt[t, j] · bf16(W2_e act[t·TOPK + j]) over the
-    token's slots in slot order (fp32, one rounding at the store)."""
+    token's slots in slot order (fp32, one rounding at the store). ``SHARED``: + the shared expert's
+    bf16(W2_s act[n_pairs + t]), added as two bf16 rows are (the routed sum rounded first)."""
     t = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < D
@@ -210,6 +221,11 @@ def _moe_down(act_ptr, ids_ptr, wt_ptr, w2_ptr, out_ptr, D, I, stride_a, stride_
         y = _row_sum(w2_ptr + e * stride_we + rows, act_ptr + pair.to(tl.int64) * stride_a, I, cmask, BLOCK_N,
                      BLOCK_K)
         res += wt * y.to(tl.bfloat16).to(tl.float32)
+    if SHARED:
+        ys = _row_sum(sw2_ptr + cols.to(tl.int64)[:, None] * stride_swn,
+                      act_ptr + (n_pairs + t).to(tl.int64) * stride_a, I, cmask, BLOCK_N, BLOCK_K)
+        res = (res.to(out_ptr.dtype.element_ty).to(tl.float32)
+               + ys.to(tl.bfloat16).to(out_ptr.dtype.element_ty).to(tl.float32))
     tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, res.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -239,9 +255,11 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = N
 
 def moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
              w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: Optional[float], out: Optional[torch.Tensor] = None,
-             plan: Bf16Plan = PLANS["bgemv"]) -> torch.Tensor:
+             plan: Bf16Plan = PLANS["bgemv"], shared=None) -> torch.Tensor:
     """``moe.moe_experts`` for at most ``MAX_ROWS`` tokens with bf16 experts w1 / w3 [E, I, D], w2 [E, D, I]:
-    two launches, no routing (see the module docstring)."""
+    two launches, no routing (see the module docstring). ``shared`` = (w1, w2, w3) [I, D] / [D, I] / [I, D]: every
+    token's shared expert too, in the same two launches, added to the routed rows as ``ref_moe.moe_shared`` adds
+    them (the routed rows rounded to bf16 first)."""
     T, D = x.shape
     k = topk_ids.shape[1]
     E, inter = w1.shape[0], w1.shape[1]
@@ -257,14 +275,27 @@ def moe_gemv(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = topk_ids.contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
-    act = torch.empty(T * k, inter, dtype=x.dtype, device=x.device)
-    _moe_up[(cdiv(inter, plan.up_block_n), T * k)](
+    sh = shared is not None
+    if sh:
+        s1, s2, s3 = shared
+        if s1.shape != w1.shape[1:] or s3.shape != w1.shape[1:] or s2.shape != w2.shape[1:]:
+            raise ValueError(f"gemv_bf16.moe_gemv: shared expert {tuple(s1.shape)} / {tuple(s2.shape)} / "
+                             f"{tuple(s3.shape)} against routed experts {tuple(w1.shape)} / {tuple(w2.shape)}")
+        if s3.stride() != s1.stride():
+            raise ValueError("gemv_bf16.moe_gemv: the shared w1 and w3 must share strides")
+        for name, w in (("shared w1", s1), ("shared w2", s2), ("shared w3", s3)):
+            check_last_dim_contiguous(f"gemv_bf16.moe_gemv {name}", w)
+    else:
+        s1 = s2 = s3 = w1
+    act = torch.empty(T * (k + sh), inter, dtype=x.dtype, device=x.device)
+    _moe_up[(cdiv(inter, plan.up_block_n), T * (k + sh))](
         x, ids, w1, w3, act, inter, D, x.stride(0), w1.stride(0) if E > 1 else 0, w1.stride(1), act.stride(0),
-        float(swiglu_limit or 0.0), TOPK=k, HAS_LIMIT=swiglu_limit is not None, BLOCK_N=plan.up_block_n,
-        BLOCK_K=_block_k(D, plan.block_k, least=8), num_warps=plan.num_warps)
+        float(swiglu_limit or 0.0), s1, s3, s1.stride(-2), T * k, TOPK=k, HAS_LIMIT=swiglu_limit is not None,
+        BLOCK_N=plan.up_block_n, BLOCK_K=_block_k(D, plan.block_k, least=8), SHARED=sh, num_warps=plan.num_warps)
     _moe_down[(cdiv(D, plan.block_n), T)](
         act, ids, wts, w2, out, D, inter, act.stride(0), w2.stride(0) if E > 1 else 0, w2.stride(1), out.stride(0),
-        TOPK=k, BLOCK_N=plan.block_n, BLOCK_K=_block_k(inter, plan.block_k, least=8), num_warps=plan.num_warps)
+        s2, s2.stride(-2), T * k, TOPK=k, BLOCK_N=plan.block_n, BLOCK_K=_block_k(inter, plan.block_k, least=8),
+        SHARED=sh, num_warps=plan.num_warps)
     return out
 
 

@@ -123,17 +123,31 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out = torch.empty(T, D, dtype=x.dtype, device=x.device) if out is None else out
     if T == 0:
         return out
-    if (gemv_bf16.small_rows(x, T) and x.dtype == torch.bfloat16 and w1_scale is None
-            and all(w.dtype == torch.bfloat16 for w in (w1, w2, w3))):
+    if w1_scale is None and gemv_shapes(x, w1, w2, w3):
         # decode at batch 1-4: the two-launch GEMV stream where the tuner measured it faster, per expert shape
-        def grouped(xg, ids, wts):
-            return _moe_rows(xg, ids, wts, w1, w2, w3, swiglu_limit, None, None, None,
-                             torch.empty(xg.shape[0], D, dtype=x.dtype, device=x.device))
-        choice = gemv_bf16.moe_choice(x, k, w1, w2, w3, swiglu_limit, grouped)
-        if choice != "grouped":
-            return gemv_bf16.moe_gemv(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, out,
-                                      gemv_bf16.PLANS[choice])
+        plan = gemv_plan(x, k, w1, w2, w3, swiglu_limit)
+        if plan is not None:
+            return gemv_bf16.moe_gemv(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, out, plan)
     return _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale, out)
+
+
+def gemv_shapes(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> bool:
+    """Whether ``moe_experts`` of these rows and float experts may take the GEMV stream (bf16 rows and experts, a
+    small-row call)."""
+    return (gemv_bf16.small_rows(x, x.shape[0]) and x.dtype == torch.bfloat16
+            and all(w.dtype == torch.bfloat16 for w in (w1, w2, w3)))
+
+
+def gemv_plan(x: torch.Tensor, k: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+              swiglu_limit: Optional[float]):
+    """The GEMV plan the tuner chose for these expert shapes and ``k`` slots, or None where the library GEMMs won."""
+    D = w2.shape[1]
+
+    def grouped(xg, ids, wts):
+        return _moe_rows(xg, ids, wts, w1, w2, w3, swiglu_limit, None, None, None,
+                         torch.empty(xg.shape[0], D, dtype=x.dtype, device=x.device))
+    choice = gemv_bf16.moe_choice(x, k, w1, w2, w3, swiglu_limit, grouped)
+    return None if choice == "grouped" else gemv_bf16.PLANS[choice]
 
 
 def _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale, out):

@@ -167,6 +167,25 @@ def moe_op(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit: float, w1_scale=N
     return moe.moe_experts(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale)
 
 
+@register("moe_shared", BACKEND)
+def moe_shared(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit: float, w1_scale, w2_scale, w3_scale, shared_w1,
+               shared_w2, shared_w3, shared_w1_scale, shared_w2_scale, shared_w3_scale, shared_idx,
+               shared_weight) -> torch.Tensor:
+    plain = [w1_scale, w2_scale, w3_scale, shared_w1_scale, shared_w2_scale, shared_w3_scale] == [None] * 6
+    if (plain and moe.gemv_shapes(x, w1, w2, w3) and shared_w1.shape == w1.shape[1:]
+            and shared_w2.shape == w2.shape[1:] and shared_w3.shape == w3.shape[1:]
+            and all(w.dtype == torch.bfloat16 for w in (shared_w1, shared_w2, shared_w3))):
+        # decode at batch 1-4: the shared expert in the routed experts' two GEMV launches, where the tuner chose
+        # the GEMV stream for the routed ones
+        plan = moe.gemv_plan(x, topk_idx.shape[1], w1, w2, w3, swiglu_limit)
+        if plan is not None:
+            return gemv_bf16.moe_gemv(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, plan=plan,
+                                      shared=(shared_w1, shared_w2, shared_w3))
+    return ref_moe.moe_shared_with(moe_op, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale,
+                                   w3_scale, shared_w1, shared_w2, shared_w3, shared_w1_scale, shared_w2_scale,
+                                   shared_w3_scale, shared_idx, shared_weight)
+
+
 @register("compressor", BACKEND)
 def compressor(kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool,
                has_prev: bool) -> torch.Tensor:
@@ -201,7 +220,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor,
                  scale: float, q_tile: int = 512) -> torch.Tensor:
     k2 = next_pow2(topk)  # the selection runs on a power of two; the best `topk` lead its list
     ids = torch.empty(q.shape[0], k2, dtype=torch.long, device=q.device)  # [T, topk]
-    indexer.indexer_topk_paged(q.contiguous(), weights.contiguous(), positions=meta.positions,
+    indexer.indexer_topk_paged(q.contiguous(), weights.contiguous(), positions=step_tensors(meta).positions,
                                query_start_loc=meta.query_start_loc, keys=key_pool, block_table=meta.block_tables,
                                ratio=ratio, block_size=ratio * key_pool.shape[1], topk=k2, scale=scale, out=ids)
     return ids[:, :topk]
@@ -218,7 +237,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, swa_ring: torch.Tensor, 
     st = step_tensors(meta)
     use_pool = extra_idx is not None and extra_pool is not None
     return attention.sparse_attention_paged(
-        q.contiguous(), kv.contiguous(), token_seq=st.token_seq, positions=meta.positions,
+        q.contiguous(), kv.contiguous(), token_seq=st.token_seq, positions=st.positions,
         context_lens=st.context_lens, query_start=st.query_start, window=window, sink=sinks, scale=scale,
         ring=swa_ring, seq_slots=meta.seq_slots, cache=extra_pool if use_pool else None,
         block_table=meta.block_tables if use_pool else None, ratio=1,

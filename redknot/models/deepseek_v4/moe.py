@@ -10,7 +10,13 @@ from torch import nn
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.layers import Linear
 from redknot.models.deepseek_v4.params import ParamFactory
-from redknot.step.overlap import beside
+from redknot.step.overlap import beside, concurrent
+
+
+def _one_backend(ks, *ops: str) -> bool:
+    """Whether the kernel set resolves ``ops`` to one backend (a composed op then runs the backend's own parts)."""
+    choice = getattr(ks, "choice", None)
+    return choice is not None and len({choice.get(op) for op in ops}) == 1
 
 
 class Router(nn.Module):
@@ -90,6 +96,13 @@ class MoE(nn.Module):
     def forward(self, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         # the shared expert reads only x: on the side stream next to the router and the routed experts for
         # steps within hardware.side_stream_max_tokens (redknot.step.overlap; same kernels, same bits)
+        if self.dispatcher is None and not concurrent(x) and _one_backend(ks, "moe", "moe_shared"):
+            # else one op: the Triton backend runs the shared expert in the routed experts' launches at 1-4 rows
+            idx, weights = self.gate(ks, x, input_ids)
+            ex, sh = self.experts, self.shared_experts
+            return ks.moe_shared(x, idx, weights, ex.w1, ex.w2, ex.w3, self.limit, ex.w1_scale, ex.w2_scale,
+                                 ex.w3_scale, sh.w1.weight, sh.w2.weight, sh.w3.weight, sh.w1.scale, sh.w2.scale,
+                                 sh.w3.scale, *self._every_row_selects(x.shape[0], x.device))
         routed, shared = beside(x, lambda: self._routed(ks, x, input_ids), lambda: self._shared(ks, x))
         return routed + shared
 

@@ -82,6 +82,8 @@ class VarlenContext(StepContext):
                             query_start_list=list(range(t)), tensor_only=True)
         super().__init__(meta, model.rope, model.dtype)
 
+    direct_ring_writes = False  # rows of one request share a slot: ring_write_rows sends the early ones away
+
     def ring_write_rows(self, ring: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(rows, flat ring index slot*ring + pos % ring): each request stores its last ``ring`` rows (as
         the eager path does), any earlier row goes to the spare slot so no index of a real slot is

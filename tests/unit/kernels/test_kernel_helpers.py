@@ -48,16 +48,20 @@ def test_step_tensors_of_a_decode_capture_equal_the_general_form():
     import dataclasses
 
     from redknot.kernels import step_index
+    from redknot.step.context import StepContext
     step = paged_step([9, 0, 130, 4], [1, 1, 1, 1], 16, "cpu", torch.Generator().manual_seed(1))
     general = step_index._compute(step.meta)
     captured = dataclasses.replace(step.meta, tensor_only=True)
     fast = ops.step_tensors(captured)
-    for name in ("token_seq", "context_lens", "query_start"):
+    for name in ("token_seq", "context_lens", "query_start", "positions"):
         got, want = getattr(fast, name), getattr(general, name)
         assert got.dtype == want.dtype == torch.int32, name
         assert got.tolist() == want.tolist(), name
-    captured.positions.add_(5)  # a replay's fresh positions are read, not a copy of the capture's
-    assert ops.step_tensors(captured).context_lens.tolist() == [14, 5, 135, 9]
+    assert ops.step_tensors(captured) is fast  # every layer of one forward reads the same tensors
+    captured.positions.add_(5)  # the next forward (a replay's fresh positions) reads them again
+    StepContext(captured, None, torch.float32)
+    again = ops.step_tensors(captured)
+    assert again.context_lens.tolist() == again.positions.tolist() == [14, 5, 135, 9]
 
 
 def test_topk_validation_rejects_a_worse_entry_and_accepts_near_ties():
