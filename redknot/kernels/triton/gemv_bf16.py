@@ -70,6 +70,7 @@ ROUTER_PLAN = PLANS["bgemv_n2"]
 # runs untimed off the GPU and under capture before a choice exists), then the GEMV plans, timed on one row.
 LINEAR_SMALL_TUNER = ConfigTuner("linear_bf16_small", ["cublas", *PLANS])
 MOE_SMALL_TUNER = ConfigTuner("moe_bf16_small", ["grouped", *PLANS])
+GROUPED_SMALL_TUNER = ConfigTuner("grouped_linear_bf16_small", ["bmm", *PLANS])
 SMALL_ROWS_CLASS = True
 
 
@@ -227,6 +228,52 @@ def _moe_down(act_ptr, ids_ptr, wt_ptr, w2_ptr, out_ptr, D, I, stride_a, stride_
         res = (res.to(out_ptr.dtype.element_ty).to(tl.float32)
                + ys.to(tl.bfloat16).to(out_ptr.dtype.element_ty).to(tl.float32))
     tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, res.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _group_gemv(x_ptr, w_ptr, out_ptr, R, K, stride_xt, stride_xg, stride_wn, stride_ot, stride_og,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (column block, group g, row t): out[t, g, cols] = W[g·R + cols] · x[t, g] (fp32 sums, one rounding at
+    the store)."""
+    g = tl.program_id(1)
+    t = tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < R
+    wrow = w_ptr + (g * R + cols).to(tl.int64)[:, None] * stride_wn
+    y = _row_sum(wrow, x_ptr + t * stride_xt + g * stride_xg, K, cmask, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + t * stride_ot + g * stride_og + cols, y.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def group_gemv(x: torch.Tensor, weight: torch.Tensor, plan: Bf16Plan = PLANS["bgemv"]) -> torch.Tensor:
+    """``reference.grouped_linear`` (x [T, G, K], W [G·R, K] bf16 -> [T, G, R]) for at most ``MAX_ROWS`` rows: one
+    launch of G GEMV streams, each group's weight rows read once."""
+    T, G, K = x.shape
+    if T > MAX_ROWS:
+        raise ValueError(f"gemv_bf16.group_gemv: {T} rows; at most {MAX_ROWS}")
+    if weight.shape[0] % G or weight.shape[1] != K:
+        raise ValueError(f"gemv_bf16.group_gemv: weight {tuple(weight.shape)} for {G} groups of {K} columns")
+    check_last_dim_contiguous("gemv_bf16.group_gemv weight", weight)
+    R = weight.shape[0] // G
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(T, G, R, dtype=x.dtype, device=x.device)
+    if T:
+        _group_gemv[(cdiv(R, plan.block_n), G, T)](
+            x, weight, out, R, K, x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
+            BLOCK_N=plan.block_n, BLOCK_K=_block_k(K, plan.block_k, least=8), num_warps=plan.num_warps)
+    return out
+
+
+def grouped_choice(x: torch.Tensor, weight: torch.Tensor, library: Callable[[torch.Tensor], torch.Tensor]) -> str:
+    """``GROUPED_SMALL_TUNER``'s choice for this weight shape and group count (timed on one row on the class's
+    first call): ``bmm`` (the library) or a plan of :func:`group_gemv`."""
+    G, K = x.shape[1], x.shape[2]
+    made = {}
+
+    def run(choice: str) -> torch.Tensor:
+        if "x" not in made:
+            made["x"] = _tuning_input(x.device, G, K, x.dtype).view(1, G, K)
+        return library(made["x"]) if choice == "bmm" else group_gemv(made["x"], weight, PLANS[choice])
+    return GROUPED_SMALL_TUNER.pick((G, tuple(weight.shape), str(weight.dtype)), run, x.device)
 
 
 def gemv(x2: torch.Tensor, weight: torch.Tensor, out: Optional[torch.Tensor] = None,

@@ -59,6 +59,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] 
     return ref.linear(x, weight, scale)  # packed FP4: dequantised per call
 
 
+@register("grouped_linear", BACKEND)
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if (scale is None and x.dim() == 3 and gemv_bf16.small_rows(x, x.shape[0]) and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1 and weight.shape[0] % x.shape[1] == 0
+            and weight.shape[1] == x.shape[2]):
+        # decode at batch 1-4 (V4's wo_a): G GEMV streams in one launch where the tuner measured it faster
+        choice = gemv_bf16.grouped_choice(x, weight, lambda xt: ref.grouped_linear(xt, weight))
+        if choice != "bmm":
+            return gemv_bf16.group_gemv(x, weight, gemv_bf16.PLANS[choice])
+    return ref.grouped_linear(x, weight, scale)
+
+
 @register("router_scores", BACKEND)
 def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]

@@ -223,3 +223,42 @@ def test_router_scores_at_up_to_four_rows_match_the_reference(kernel_device):
     big = x[1:2].float() @ w.float().t()
     assert (big > 20).any() and (big < -20).any()
     assert torch.equal(triton_ops.router_scores(x, w), reference.router_scores(x, w))
+
+
+@pytest.mark.parametrize("plan", ["bgemv", "bgemv_n8", "bgemv_n2", "bgemv_n16"])
+@pytest.mark.parametrize("rows,groups,r,k", [(1, 8, 40, 256), (3, 2, 24, 512), (4, 3, 17, 640)])
+def test_group_gemv_matches_float64_and_the_bmm(plan, rows, groups, r, k, kernel_device):
+    """V4's wo_a at 1-4 rows: each group's rows against its own weight rows (fp64 sums; the library bmm within bf16
+    rounding), a row alone gives its bits among the others, a strided input (the attention output's view)."""
+    from redknot.kernels import reference as ref
+    g = torch.Generator().manual_seed(rows * 100 + groups * 10 + r)
+    w = (torch.randn(groups * r, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(kernel_device)
+    wide = torch.randn(rows, groups, k + 64, generator=g).to(torch.bfloat16).to(kernel_device)
+    x = wide[:, :, 32:32 + k]   # rows not contiguous
+    got = gemv_bf16.group_gemv(x, w, gemv_bf16.PLANS[plan])
+    exact = torch.einsum("tgk,grk->tgr", x.double(), w.double().view(groups, r, k))
+    assert got.shape == (rows, groups, r) and got.dtype == torch.bfloat16
+    assert _rel(got, exact) <= 4e-3
+    assert _rel(got, ref.grouped_linear(x, w)) <= 8e-3
+    for t in range(rows):
+        assert torch.equal(gemv_bf16.group_gemv(x[t:t + 1], w, gemv_bf16.PLANS[plan]), got[t:t + 1])
+
+
+def test_grouped_linear_op_takes_the_gemv_choice_at_up_to_four_rows(kernel_device, monkeypatch):
+    """The ``grouped_linear`` op asks ``GROUPED_SMALL_TUNER`` at 1-4 bf16 rows and runs its GEMV choice; 5+ rows
+    or a ``bmm`` choice run the library bmm."""
+    from redknot.kernels import reference as ref
+    from redknot.kernels.triton import ops as triton_ops
+    tuner = _Pick("g", ["bmm", "bgemv"], "bgemv")
+    monkeypatch.setattr(gemv_bf16, "GROUPED_SMALL_TUNER", tuner)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(4 * 16, 128, generator=g) / 128 ** 0.5).to(torch.bfloat16).to(kernel_device)
+    x = torch.randn(6, 4, 128, generator=g).to(torch.bfloat16).to(kernel_device)
+    y = triton_ops.grouped_linear(x[:2], w)
+    assert tuner.asked == [(4, (64, 128), "torch.bfloat16")]
+    assert torch.equal(y, gemv_bf16.group_gemv(x[:2], w))
+    assert torch.equal(triton_ops.grouped_linear(x, w), ref.grouped_linear(x, w)) and len(tuner.asked) == 1
+    tuner.choice = "bmm"
+    tuner.asked.clear()
+    monkeypatch.setattr(gemv_bf16, "GROUPED_SMALL_TUNER", tuner)
+    assert torch.equal(triton_ops.grouped_linear(x[:1], w), ref.grouped_linear(x[:1], w))
