@@ -89,7 +89,8 @@ def tuned_lines() -> List[str]:
         return []
     lines = []
     for tuner in (attention.ATTN_TUNER, attention.ATTN_DECODE_TUNER, attention.ATTN_PREFILL_TUNER,
-                  indexer.INDEXER_TUNER, fp8.GEMM_TUNER, gemv_bf16.LINEAR_SMALL_TUNER, gemv_bf16.MOE_SMALL_TUNER):
+                  indexer.INDEXER_TUNER, fp8.GEMM_TUNER, gemv_bf16.LINEAR_SMALL_TUNER, gemv_bf16.MOE_SMALL_TUNER,
+                  gemv_bf16.GROUPED_SMALL_TUNER):
         for key, best in tuner.choices.items():
             cands = ", ".join(f"{_short(c)} {ms:.3f}" for c, ms in tuner.timings.get(key, []))
             fails = len(tuner.failures.get(key, []))
