@@ -98,6 +98,8 @@ class OpTimer:
 
     def __getattr__(self, op: str):
         fn = getattr(self._ks, op)
+        if not callable(fn):  # the kernel set's own attributes (``choice``, ``default``): as they are
+            return fn
 
         def timed(*a, **k):
             if self._dev.type == "cuda":

@@ -16,7 +16,7 @@ from redknot.step.overlap import beside, concurrent
 def _one_backend(ks, *ops: str) -> bool:
     """Whether the kernel set resolves ``ops`` to one backend (a composed op then runs the backend's own parts)."""
     choice = getattr(ks, "choice", None)
-    return choice is not None and len({choice.get(op) for op in ops}) == 1
+    return isinstance(choice, dict) and len({choice.get(op) for op in ops}) == 1
 
 
 class Router(nn.Module):

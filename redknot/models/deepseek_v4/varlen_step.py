@@ -152,7 +152,8 @@ def attention(attn, ks, x: torch.Tensor, ctx: VarlenContext, st) -> torch.Tensor
 def moe(ffn, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """:meth:`MoE.forward` without a host read: the reference op's capture path (every expert on every
     row, each slot keeping the rows that chose it) unless the kernel set's ``moe`` is another op."""
-    if getattr(ks, "choice", {}).get("moe", "reference") != "reference":
+    choice = getattr(ks, "choice", None)
+    if not isinstance(choice, dict) or choice.get("moe", "reference") != "reference":
         return ffn(ks, x, input_ids)
     idx, weights = ffn.gate(ks, x, input_ids)
     ex, sh = ffn.experts, ffn.shared_experts
