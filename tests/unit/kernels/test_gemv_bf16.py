@@ -262,3 +262,26 @@ def test_grouped_linear_op_takes_the_gemv_choice_at_up_to_four_rows(kernel_devic
     tuner.asked.clear()
     monkeypatch.setattr(gemv_bf16, "GROUPED_SMALL_TUNER", tuner)
     assert torch.equal(triton_ops.grouped_linear(x[:1], w), ref.grouped_linear(x[:1], w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_group_gemv_at_v4_wo_a(rows):
+    """V4-Flash's wo_a (8 groups of 1024 rows x 4096) on the GPU: every plan against fp64 sums, and replayed from a
+    CUDA graph with the eager bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from redknot.kernels.capture import cuda_graph
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    w = (torch.randn(8 * 1024, 4096, generator=g, device="cuda") / 64).to(torch.bfloat16)
+    x = torch.randn(rows, 8, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    exact = torch.einsum("tgk,grk->tgr", x.double(), w.double().view(8, 1024, 4096))
+    for name, plan in gemv_bf16.PLANS.items():
+        got = gemv_bf16.group_gemv(x, w, plan)
+        assert _rel(got, exact) <= 4e-3, name
+        graph = torch.cuda.CUDAGraph()
+        with cuda_graph(graph):
+            replayed = gemv_bf16.group_gemv(x, w, plan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, got), name
