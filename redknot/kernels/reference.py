@@ -23,6 +23,7 @@ compressor_decode   a decode step's compressor update: ring writes, pooling, nor
 compressor_decode_rows  the index tensors compressor_decode takes, from the step's positions, slots, block tables
 rope_cos_sin        cos / sin [T, r/2] fp32 of one fp32 angle product position · inverse frequency
 ring_write          a decode step's rows into per-slot rings at position mod ring length
+visible_entries     the ids of the compressed entries each row sees (every entry whose window has closed)
 indexer_topk        lightning-indexer scores + top-k (ties: lower entry index first)
 sparse_attention    queries x (SWA window ∪ chosen compressed entries) + sink, one softmax
 moe                 routed experts: permutation, expert SwiGLU GEMMs, fixed-order combine
@@ -77,6 +78,14 @@ def ring_write(values: torch.Tensor, ring: torch.Tensor, seq_slots: torch.Tensor
     ``seq_slots[b] · R + positions[b] mod R``, cast to the ring's dtype."""
     dest = seq_slots.long() * ring.shape[1] + positions.long() % ring.shape[1]
     ring.view(-1, ring.shape[-1]).index_copy_(0, dest, values.to(ring.dtype))
+
+
+@register("visible_entries")
+def visible_entries(positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    """[T, width] int64: row t's entry ids 0 .. (positions[t] + 1) // ratio - 1 in order, then -1."""
+    w = torch.arange(width, device=positions.device)
+    visible = (positions + 1) // ratio  # [T]
+    return torch.where(w[None, :] < visible[:, None], w[None, :], torch.full_like(w[None, :], -1))
 
 
 @register("rope")

@@ -106,6 +106,13 @@ def ring_write(values: torch.Tensor, ring: torch.Tensor, seq_slots: torch.Tensor
     return ref.ring_write(values, ring, seq_slots, positions)
 
 
+@register("visible_entries", BACKEND)
+def visible_entries(positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    if positions.dim() == 1 and (positions.is_cuda or interpreting()):
+        return step_tables.visible_entries(positions, ratio, width)
+    return ref.visible_entries(positions, ratio, width)
+
+
 @register("rms_norm_rope", BACKEND)
 def rms_norm_rope(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, cos: torch.Tensor,
                   sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Per-step tables of a V4 step in one launch each: the rotary cos / sin at the step's positions
-(``rope_cos_sin``), and a decode step's window-ring write (``ring_write``). Each replaces a handful of PyTorch
-elementwise launches (a cast, the angle product, cos, sin; a cast, two products, a remainder, a sum and the
-``index_copy``) that a batch-1 step in a CUDA graph pays one launch latency each for."""
+(``rope_cos_sin``), a decode step's window-ring write (``ring_write``) and the compressed entries every row sees
+(``visible_entries``). Each replaces a handful of PyTorch elementwise launches (a cast, the angle product, cos,
+sin; a cast, two products, a remainder, a sum and the ``index_copy``; an arange, a sum, a division, a fill and a
+select) that a batch-1 step in a CUDA graph pays one launch latency each for."""
 from __future__ import annotations
 
 import torch
@@ -66,3 +67,22 @@ def ring_write(values: torch.Tensor, ring: torch.Tensor, seq_slots: torch.Tensor
         block_c = min(1024, next_pow2(C))
         _ring_write[(B, cdiv(C, block_c))](values, ring, seq_slots, positions, C, ring.shape[1], values.stride(0),
                                            BLOCK_C=block_c, num_warps=4)
+
+
+@triton.jit
+def _visible_entries(pos_ptr, out_ptr, width, ratio, BLOCK: tl.constexpr):
+    """Row t, ``BLOCK`` ids at a time: w where w < (p_t + 1) // ratio, else -1."""
+    t = tl.program_id(0).to(tl.int64)
+    w = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seen = (tl.load(pos_ptr + t).to(tl.int64) + 1) // ratio
+    tl.store(out_ptr + t * width + w, tl.where(w < seen, w, -1).to(tl.int64), mask=w < width)
+
+
+def visible_entries(positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    """``reference.visible_entries`` in one launch."""
+    T = positions.shape[0]
+    out = torch.empty(T, width, dtype=torch.long, device=positions.device)
+    if T and width:
+        block = min(1024, next_pow2(width))
+        _visible_entries[(T, cdiv(width, block))](positions, out, width, ratio, BLOCK=block, num_warps=4)
+    return out

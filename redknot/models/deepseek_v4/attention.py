@@ -17,18 +17,17 @@ from redknot.models.deepseek_v4.state import LayerState
 from redknot.step.context import StepContext, write_ring
 
 
-def visible_entries(ctx: StepContext, ratio: int, per_block: int) -> Optional[torch.Tensor]:
-    """[T, max visible] ids of all entries w < (t+1)//ratio of each query (-1 pads), or None.
-    A tensor-only step sizes the width by its block tables (``per_block`` entries per block)."""
+def visible_entries(ctx: StepContext, ratio: int, per_block: int, ks) -> Optional[torch.Tensor]:
+    """[T, max visible] ids of all entries w < (t+1)//ratio of each query (-1 pads), or None (the kernel set's
+    ``visible_entries``). A tensor-only step sizes the width by its block tables (``per_block`` entries per
+    block)."""
     if ctx.meta.tensor_only:
         most = ctx.meta.block_tables.shape[1] * per_block
     else:
         most = max(sp.end_pos // ratio for sp in ctx.spans)
     if most == 0:
         return None
-    w = torch.arange(most, device=ctx.meta.positions.device)
-    visible = (ctx.meta.positions + 1) // ratio  # [T]
-    return torch.where(w[None, :] < visible[:, None], w[None, :], torch.full_like(w[None, :], -1))
+    return ks.visible_entries(ctx.meta.positions, ratio, most)
 
 
 class XProjections(NamedTuple):
@@ -99,7 +98,7 @@ class Attention(nn.Module):
         if self.indexer is None:
             per_block = st.entries.shape[1]   # the same ids for every HCA layer of the step: made once
             return st.entries, ctx.memo(("visible entries", self.ratio, per_block),
-                                        lambda: visible_entries(ctx, self.ratio, per_block))
+                                        lambda: visible_entries(ctx, self.ratio, per_block, ks))
         self.indexer.compressor.update_projected(ks, *p.index_compressor, ctx, st.idx_kv_rows, st.idx_gate_rows,
                                                  st.idx_keys)
         return st.entries, self.indexer.select(ks, None, c_q, ctx, st.idx_keys, q=q_idx, weights=p.index_weights)

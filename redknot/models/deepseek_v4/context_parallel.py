@@ -77,7 +77,7 @@ def attention(step, attn, ks, x: torch.Tensor, ctx: StepContext, st) -> torch.Te
                         st.idx_keys)
             idx = attn.indexer.select(ks, x, c_q, ctx, st.idx_keys) if t else None
         elif t:
-            idx = visible_entries(ctx, attn.ratio, st.entries.shape[1])
+            idx = visible_entries(ctx, attn.ratio, st.entries.shape[1], ks)
     q = attn.wq_b(ks, c_q).view(t, attn.num_heads, attn.head_dim)  # [T_local, H, hd]
     q = ks.rms_norm_rope(q, None, cfg.rms_norm_eps, cos, sin)
     o = q

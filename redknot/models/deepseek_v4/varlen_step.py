@@ -135,7 +135,7 @@ def attention(attn, ks, x: torch.Tensor, ctx: VarlenContext, st) -> torch.Tensor
         compressor_update(attn.compressor, ks, *p.compressor, ctx, st.kv_rows, st.gate_rows, st.entries)
         pool = st.entries
         if attn.indexer is None:
-            idx = visible_entries(ctx, attn.ratio, st.entries.shape[1])
+            idx = visible_entries(ctx, attn.ratio, st.entries.shape[1], ks)
         else:
             compressor_update(attn.indexer.compressor, ks, *p.index_compressor, ctx, st.idx_kv_rows,
                               st.idx_gate_rows, st.idx_keys)

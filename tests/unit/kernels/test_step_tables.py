@@ -48,3 +48,15 @@ def test_ring_write_matches_the_reference(ring_dtype, val_dtype, width, kernel_d
     triton_ops.ring_write(args[0], got, *args[1:])
     assert torch.equal(got, want)
     assert not torch.equal(want.cpu(), ring)  # rows were written
+
+
+@pytest.mark.parametrize("ratio,width", [(128, 64), (4, 2048), (8, 3)])
+def test_visible_entries_match_the_reference(ratio, width, kernel_device):
+    """Rows before their first entry (all -1), rows that see part of the width and rows past it."""
+    g = torch.Generator().manual_seed(_seed())
+    pos = torch.cat([torch.tensor([0, ratio - 2, ratio - 1]), torch.randint(0, ratio * width * 2, (5,), generator=g)])
+    p = pos.to(kernel_device)
+    want = ref.visible_entries(p, ratio, width)
+    got = triton_ops.visible_entries(p, ratio, width)
+    assert got.dtype == want.dtype == torch.long and torch.equal(got, want)
+    assert (want[0] == -1).all() and want[2, 0] == 0
