@@ -13,10 +13,17 @@ from redknot.models.deepseek_v4.params import ParamFactory
 from redknot.step.overlap import beside, concurrent
 
 
+def kernel_backend(ks, op: str) -> Optional[str]:
+    """The backend a kernel set resolved ``op`` to, or None for a stand-in without a ``choice`` table (a profiler's
+    wrapper)."""
+    choice = getattr(ks, "choice", None)
+    return choice.get(op, "reference") if isinstance(choice, dict) else None
+
+
 def _one_backend(ks, *ops: str) -> bool:
     """Whether the kernel set resolves ``ops`` to one backend (a composed op then runs the backend's own parts)."""
-    choice = getattr(ks, "choice", None)
-    return isinstance(choice, dict) and len({choice.get(op) for op in ops}) == 1
+    backends = {kernel_backend(ks, op) for op in ops}
+    return None not in backends and len(backends) == 1
 
 
 class Router(nn.Module):

@@ -44,6 +44,7 @@ import torch
 from redknot.kernels.ref_moe import _moe_every_expert
 from redknot.models.deepseek_v4.attention import visible_entries
 from redknot.models.deepseek_v4.compressor import pool_ring_windows
+from redknot.models.deepseek_v4.moe import kernel_backend
 from redknot.models.deepseek_v4.rope import COMPRESS
 from redknot.step.context import StepContext, write_ring
 from redknot.step.metadata import StepMetadata
@@ -152,8 +153,7 @@ def attention(attn, ks, x: torch.Tensor, ctx: VarlenContext, st) -> torch.Tensor
 def moe(ffn, ks, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """:meth:`MoE.forward` without a host read: the reference op's capture path (every expert on every
     row, each slot keeping the rows that chose it) unless the kernel set's ``moe`` is another op."""
-    choice = getattr(ks, "choice", None)
-    if not isinstance(choice, dict) or choice.get("moe", "reference") != "reference":
+    if kernel_backend(ks, "moe") != "reference":
         return ffn(ks, x, input_ids)
     idx, weights = ffn.gate(ks, x, input_ids)
     ex, sh = ffn.experts, ffn.shared_experts
