@@ -52,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--skip", default="", help="comma list of sections to skip: tiny,parity,prefill,decode,truth")
     ap.add_argument("--profile-graph", type=int, default=0, metavar="N",
                     help="profile N replays of each graph decode step (device time per kernel)")
+    ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                    help="profile N runs of the last prefill chunk at every prefill context (device time per kernel)")
     ap.add_argument("--side-stream-tokens", type=int, default=0,
                     help="also capture each graph decode step with the MoE's shared expert on a second stream for "
                          "batches up to N (hardware.side_stream_max_tokens) and time both graphs alternately")

@@ -359,8 +359,8 @@ def prefill_sweep(run: Run, model: DeepseekV4, decode: bool = True) -> None:
             HF_PREFILL_S else None, peak_gib=peak, first_chunk_s=chunk_s[0], last_chunk_s=chunk_s[-1], in_sweep=
             n in run.args.prefill))
         run.log(f"prefill {n}: {secs:.3f} s ({100 * pre.floor_s() / secs:.1f}% of floor), peak {peak:.1f} GiB")
-        if n >= 131072 or n == max(run.args.prefill, default=-1):
-            _chunk_breakdown(run, drv, ids, n)
+        if n >= 131072 or n == max(run.args.prefill, default=-1) or getattr(run.args, "profile_prefill", 0):
+            _chunk_breakdown(run, drv, ids, n, chunk_s[-1])
         if decode:
             drv.fork(bmax - 1, steps)
             for b in run.args.batches:
@@ -369,11 +369,29 @@ def prefill_sweep(run: Run, model: DeepseekV4, decode: bool = True) -> None:
     free(run.dev)
 
 
-def _chunk_breakdown(run: Run, drv: CutDriver, ids: List[int], n: int) -> None:
-    """Re-run the last chunk (same positions: the state is rewritten with the same values) with op timing."""
+def _chunk_breakdown(run: Run, drv: CutDriver, ids: List[int], n: int, chunk_s: float) -> None:
+    """Re-run the last chunk (same positions: the state is rewritten with the same values) with op timing;
+    with ``--profile-prefill N`` then N more runs of it under torch.profiler (device time per kernel)."""
     last = ids[(len(ids) - 1) // run.args.chunk * run.args.chunk:]
     drv.ctx[0] -= len(last)
     _timed_step(run, drv, [last], [0], f"prefill chunk {len(last)} at {n}")
+    steps = getattr(run.args, "profile_prefill", 0)
+    if not steps:
+        return
+    from step_profile_v41 import format_views, step_views
+
+    start = drv.ctx[0] - len(last)
+    drv.ctx[0] = start
+    meta = drv.meta([last], [0])
+
+    def chunk():
+        drv.run(meta, [0])
+        drv.ctx[0] = start
+    views = step_views(chunk, None, run.dev, steps, chunk_s * 1e3)
+    drv.ctx[0] = start + len(last)
+    run.results.setdefault("prefill_profile", []).append(dict(n=n, chunk=len(last), view=views.get("eager")))
+    for line in format_views(views, f"V4 cut, prefill chunk {len(last)} at {n}", "Prefill chunk profile")[:60]:
+        run.log(line)
 
 
 def _timed_step(run: Run, drv: CutDriver, tokens, seqs, label: str) -> None:

@@ -186,10 +186,10 @@ def _f(x, fmt=".3f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def format_views(views: dict, title: str) -> list[str]:
+def format_views(views: dict, title: str, heading: str = "Decode step profile") -> list[str]:
     """Markdown: a summary line per view, then the eager view's tables by region and by kernel, and the
     replay view's table by kernel (each sorted by device time)."""
-    lines = ["", f"## Decode step profile: {title}", ""]
+    lines = ["", f"## {heading}: {title}", ""]
     lines += [("| view | what | steps | launches/step | launch calls on host (matched) | device ms/step | "
               "busy ms/step | span ms/step | replay wall ms/step | wall - busy (launch gaps) ms/step | "
               "busy/wall |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
