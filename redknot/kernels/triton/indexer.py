@@ -206,7 +206,7 @@ def _sort_bitonic_desc(x, K: tl.constexpr, LOG_K: tl.constexpr):
 @triton.jit
 def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexpr, CAP: tl.constexpr,
                    ONE_SPLIT: tl.constexpr, SORT: tl.constexpr, SORTED_SPLITS: tl.constexpr = False,
-                   LOG_K: tl.constexpr = 0):
+                   LOG_K: tl.constexpr = 0, PACKED: tl.constexpr = False):
     """Stream the per-split lists of one token through the same thresholded buffer, then unpack ids.
     ``ONE_SPLIT`` (``nsplit == 1``): the token's one list is already its best K, padded with the empty key;
     its ids are unpacked directly (no buffer, no second top-k), in the list's order: descending where the
@@ -216,7 +216,8 @@ def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexp
     split's list descending, K = 2**LOG_K): the keys are distinct (the id is in the low bits), so the best K of
     two descending lists are the elementwise maxima of one and the other reversed (a bitonic sequence), put in
     order by a bitonic merge: LOG_K compare-exchange stages per further split, where the buffer takes a top-K of
-    CAP keys per split (no buffer)."""
+    CAP keys per split (no buffer). ``PACKED``: the best K keys themselves (descending) go to ``out_ptr``'s row
+    (int64), not their ids: one level of a merge tree, whose program ``p`` merges lists ``p·nsplit ..``."""
     tok = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, K)
     if ONE_SPLIT:
@@ -245,8 +246,11 @@ def _indexer_merge(cand_ptr, buf_ptr, out_ptr, stride_ot, nsplit, K: tl.constexp
             count += tl.sum(keep.to(tl.int32), 1)
         count, theta = _compact(buf, count, one, 1, CAP, K)
         best = tl.load(buf + offs_k[None, :], mask=offs_k[None, :] < count[:, None], other=_EMPTY)
-    ids = tl.where(best == _EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF))
-    tl.store(out_ptr + tok * stride_ot + offs_k[None, :], ids.to(out_ptr.dtype.element_ty))
+    if PACKED:
+        tl.store(out_ptr + tok * stride_ot + offs_k[None, :], best)
+    else:
+        ids = tl.where(best == _EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF))
+        tl.store(out_ptr + tok * stride_ot + offs_k[None, :], ids.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -451,9 +455,32 @@ def _launch(cfg: IndexerConfig, *, q, weights, positions, query_start_loc, keys,
         H=H, HP=max(next_pow2(H), cdiv(16, block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=block_t, BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype),
         PREFETCH=cfg.prefetch, HEADS_ON_N=cfg.heads_on_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    # every split's list is descending (``_store_best``): the bitonic merge
+    return merge_sorted_splits(cand, buf, out, nsplit, topk, cap)
+
+
+MERGE_FAN_IN = 4   # lists a first-level program merges, where a token's splits are many (``merge_sorted_splits``)
+
+
+def merge_sorted_splits(cand: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, nsplit: int, topk: int,
+                        cap: int) -> torch.Tensor:
+    """The ids of each token's best ``topk`` over its ``nsplit`` descending lists (``cand`` [T·nsplit, topk], a
+    token's lists adjacent) into ``out`` [T, topk]. One program a token merges the lists one after another
+    (nsplit - 1 bitonic merges in series); with many splits (a long decode row: 32 at 128K) a first launch merges
+    groups of ``MERGE_FAN_IN`` lists in parallel and the second merges the groups' lists (32 splits: 3 + 7 merges
+    in series instead of 31). Each merge keeps the best ``topk`` of distinct keys, so the tree's result is the
+    one-level result."""
+    T = out.shape[0]
+    log_k = topk.bit_length() - 1
+    g = MERGE_FAN_IN
+    if nsplit >= 2 * g and nsplit % g == 0:
+        part = torch.empty(T * (nsplit // g), topk, dtype=torch.int64, device=cand.device)
+        _indexer_merge[(T * (nsplit // g),)](cand, buf, part, part.stride(0), g, K=topk, CAP=cap, ONE_SPLIT=False,
+                                             SORT=False, SORTED_SPLITS=True, LOG_K=log_k, PACKED=True,
+                                             num_warps=4)
+        cand, nsplit = part, nsplit // g
+    # every list is descending (``_store_best``, or the first level's merges): the bitonic merge
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), nsplit, K=topk, CAP=cap, ONE_SPLIT=nsplit == 1,
-                         SORT=False, SORTED_SPLITS=True, LOG_K=topk.bit_length() - 1, num_warps=4)
+                         SORT=False, SORTED_SPLITS=True, LOG_K=log_k, num_warps=4)
     return out
 
 

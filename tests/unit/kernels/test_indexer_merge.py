@@ -66,7 +66,7 @@ def test_a_merge_that_skips_the_order_fails(kernel_device):
     assert not torch.equal(wrong.sort(1, descending=True).values, right)
 
 
-@pytest.mark.parametrize("nsplit", [3, 8])
+@pytest.mark.parametrize("nsplit", [3, 8, 12])
 def test_decode_with_many_splits_keeps_the_exact_order(nsplit, kernel_device):
     """Decode rows (one query per sequence) over many entries split ``nsplit`` ways, integer-valued scores:
     exactly the float64 order, ties by the lower id."""
@@ -93,3 +93,17 @@ def test_bitonic_merge_at_v4_width(kernel_device):
     got = _merge(cand, 2, 32, 512, True)
     best = cand.view(2, 32 * 512).topk(512, dim=1).values
     assert torch.equal(got.long(), torch.where(best == EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF)))
+
+
+@pytest.mark.parametrize("tokens,nsplit,k", [(3, 8, 16), (2, 12, 32), (2, 32, 512), (2, 6, 16)])
+def test_merge_tree_equals_the_union_topk(tokens, nsplit, k, kernel_device):
+    """``merge_sorted_splits``: with many splits a first launch merges groups of lists and a second the groups'
+    lists (8, 12, 32 splits); with few (6: not a multiple of the fan-in) one launch. Either way the ids of the
+    best K keys of the union, in descending key order."""
+    cand = _lists(tokens, nsplit, k, 7 * nsplit + k, kernel_device)
+    out = torch.full((tokens, k), -7, dtype=torch.int32, device=kernel_device)
+    buf = torch.empty(tokens * nsplit, 2 * k, dtype=torch.int64, device=kernel_device)
+    got = indexer.merge_sorted_splits(cand, buf, out, nsplit, k, 2 * k)
+    best = cand.view(tokens, nsplit * k).topk(k, dim=1).values
+    assert torch.equal(got.long(), torch.where(best == EMPTY, -1, 2147483647 - (best & 0xFFFFFFFF)))
+    assert torch.equal(got, _merge(cand, tokens, nsplit, k, True))
