@@ -11,6 +11,7 @@ rms_norm            x [..., N], weight [N] | None, eps -> x.dtype
 linear              x [T, K] · W[N, K]ᵀ; W float, FP8 (+ block scale) or packed FP4 (+ group scale)
 grouped_linear      x [T, G, K], W [G*R, K] (+ scale) -> [T, G, R] (block-diagonal projection)
 rope                interleaved rotation of the trailing 2*len(cos) dims (inverse: rotate by -angle)
+rope_inplace        rope written into x's own trailing dims (the other dims neither read nor written)
 rms_norm_rope       rms_norm, then rope (a query's or a key's norm and rotation)
 mhc_pre / mhc_post  manifold-constrained hyper-connection weights (Sinkhorn) and stream mixing
 mhc_head            final hyper-connection collapse (no Sinkhorn, no post)
@@ -102,6 +103,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
+
+
+@register("rope_inplace")
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """:func:`rope` of ``x`` written into ``x``'s own trailing ``2*cos.shape[-1]`` dims (the other dims are left
+    as they are); returns ``x``. For a tensor nothing else reads, such as an attention output before its
+    inverse rotation: only the rotated columns move through memory."""
+    r = 2 * cos.shape[-1]
+    x[..., -r:] = rope(x[..., -r:], cos, sin, inverse)
+    return x
 
 
 @register("rms_norm_rope")

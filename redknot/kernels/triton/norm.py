@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton._common import cdiv, next_pow2
+from redknot.kernels.triton._common import cdiv, interpreting, next_pow2
 
 
 @triton.jit
@@ -46,6 +46,55 @@ def _rope(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, rows_per_token, HALF: tl.const
     rot = x.to(tl.float32) * c + sign[None, :] * partner * s
     y = tl.where(is_rot, rot.to(out_ptr.dtype.element_ty), x)
     tl.store(out_ptr + base + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _rope_tail(x_ptr, cos_ptr, sin_ptr, M, rows_per_token, stride_x, first, HALF: tl.constexpr,
+               INVERSE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``_rope``'s rotation of the last HALF pairs of BLOCK_M rows, in place: only those 2·HALF columns are read
+    and written (row ``r`` at ``x_ptr + r·stride_x``, its rotated columns from ``first``)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, 2 * HALF)
+    mask = (rows < M)[:, None]
+    base = x_ptr + rows[:, None].to(tl.int64) * stride_x + first
+    x = tl.load(base + cols[None, :], mask=mask, other=0.0)
+    partner = tl.load(base + (cols ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    tok = (rows // rows_per_token).to(tl.int64)
+    pair = cols // 2
+    c = tl.load(cos_ptr + tok[:, None] * HALF + pair[None, :], mask=mask, other=1.0)
+    s = tl.load(sin_ptr + tok[:, None] * HALF + pair[None, :], mask=mask, other=0.0)
+    sign = tl.where(cols % 2 == 0, -1.0, 1.0)   # as ``_rope``: even a·cos − b·sin, odd a·sin + b·cos
+    if INVERSE:
+        sign = -sign
+    rot = x.to(tl.float32) * c + sign[None, :] * partner * s
+    tl.store(base + cols[None, :], rot.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_inplace_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """``rope_inplace``'s launch: rows of x viewable as [M, D] with unit column stride, a power-of-two pair count."""
+    half = cos.shape[-1]
+    if x.dim() < 2 or x.stride(-1) != 1 or half < 1 or half & (half - 1) or 2 * half > x.shape[-1]:
+        return False
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return False
+    return x.is_cuda or interpreting()
+
+
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``rope``'s values written into x's trailing ``2·cos.shape[-1]`` columns, in one launch that moves only
+    those columns; returns x (see ``rope_inplace_supported``)."""
+    d, half = x.shape[-1], cos.shape[-1]
+    rows = x.view(-1, d)
+    m, t = rows.shape[0], x.shape[0]
+    if m == 0:
+        return x
+    block_m = max(1, min(64, 2048 // (2 * half)))
+    _rope_tail[(cdiv(m, block_m),)](rows, cos.float().contiguous(), sin.float().contiguous(), m, m // t,
+                                    rows.stride(0), d - 2 * half, HALF=half, INVERSE=inverse, BLOCK_M=block_m,
+                                    num_warps=4)
+    return x
 
 
 @triton.jit

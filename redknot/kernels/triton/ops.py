@@ -42,6 +42,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
     return norm.rope(x, cos, sin, inverse)
 
 
+@register("rope_inplace", BACKEND)
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    if norm.rope_inplace_supported(x, cos):
+        return norm.rope_inplace(x, cos, sin, inverse)
+    return ref.rope_inplace(x, cos, sin, inverse)
+
+
 @register("linear", BACKEND)
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     if weight.dtype == torch.float8_e4m3fn and scale is not None:

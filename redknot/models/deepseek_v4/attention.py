@@ -119,6 +119,6 @@ class Attention(nn.Module):
         o = ks.sparse_attention(q, kv, st.swa, self.attn_sink, self.head_dim ** -0.5, cfg.sliding_window,
                                 ctx.meta, pool, idx)  # [T, H, hd]
         write_ring(st.swa, ctx, kv, ks)
-        o = ks.rope(o, cos, sin, inverse=True)
+        o = ks.rope_inplace(o, cos, sin, inverse=True)
         o = ks.grouped_linear(o.view(t, cfg.o_groups, -1), self.wo_a.weight, self.wo_a.scale)  # [T, G, R]
         return self.wo_b(ks, o.flatten(1))

@@ -85,6 +85,6 @@ def attention(step, attn, ks, x: torch.Tensor, ctx: StepContext, st) -> torch.Te
         o = ks.sparse_attention(q, kv, ring, attn.attn_sink, attn.head_dim ** -0.5, cfg.sliding_window,
                                 ctx.meta, pool, idx)
     write_ring(st.swa, full, full_kv)
-    o = ks.rope(o, cos, sin, inverse=True)
+    o = ks.rope_inplace(o, cos, sin, inverse=True)
     o = ks.grouped_linear(o.view(t, cfg.o_groups, -1), attn.wo_a.weight, attn.wo_a.scale)  # [T_local, G, R]
     return attn.wo_b(ks, o.flatten(1))

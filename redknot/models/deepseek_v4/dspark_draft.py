@@ -109,7 +109,7 @@ class DSparkAttention(Attention):
         sink = self.attn_sink.float().view(1, 1, h, 1).expand(b, g, h, 1)
         probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]  # the sink only divides
         o = torch.einsum("bqhk,bkd->bqhd", probs, keys).to(x.dtype).reshape(b * g, h, hd)
-        o = ks.rope(o, cos, sin, inverse=True)
+        o = ks.rope_inplace(o, cos, sin, inverse=True)
         o = ks.grouped_linear(o.view(b * g, self.cfg.o_groups, -1), self.wo_a.weight, self.wo_a.scale)
         return self.wo_b(ks, o.flatten(1))
 

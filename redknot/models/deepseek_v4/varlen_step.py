@@ -145,7 +145,7 @@ def attention(attn, ks, x: torch.Tensor, ctx: VarlenContext, st) -> torch.Tensor
     write_ring(st.swa, ctx, kv)  # first: the window of a row may reach earlier rows of this step
     o = ks.sparse_attention(q, kv, st.swa, attn.attn_sink, attn.head_dim ** -0.5, cfg.sliding_window,
                             ctx.meta, pool, idx)  # [T, H, hd]
-    o = ks.rope(o, cos, sin, inverse=True)
+    o = ks.rope_inplace(o, cos, sin, inverse=True)
     o = ks.grouped_linear(o.view(t, cfg.o_groups, -1), attn.wo_a.weight, attn.wo_a.scale)  # [T, G, R]
     return attn.wo_b(ks, o.flatten(1))
 

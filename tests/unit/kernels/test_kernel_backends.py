@@ -94,7 +94,7 @@ def test_fast_backends_keep_the_reference_signatures():
 def test_triton_kernel_set_resolves_accelerated_ops_and_falls_back_to_reference(monkeypatch):
     pytest.importorskip("triton")
     ks = KernelSet(default="triton")
-    fast = {"sparse_attention", "indexer_topk", "moe", "linear", "rms_norm", "rms_norm_rope", "rope", "mhc_pre", "mhc_pre_norm", "mhc_post", "mhc_post_pre_norm",
+    fast = {"sparse_attention", "indexer_topk", "moe", "linear", "rms_norm", "rms_norm_rope", "rope", "rope_inplace", "mhc_pre", "mhc_pre_norm", "mhc_post", "mhc_post_pre_norm",
             "compressor", "compressor_decode", "compressor_decode_rows", "rope_cos_sin", "ring_write", "visible_entries", "moe_shared", "grouped_linear", "router_scores", "route", "mhc_head", "act_quant_mx", "linear_mx", "moe_mx", "cache_insert_mx", "sparse_attention_mx",
             "indexer_topk_mx", "indexer_candidates_mx", "indexer_source_mx", "engram_gather_mx"}
     assert {op for op, b in ks.choice.items() if b == "triton"} == fast & set(_OPS)

@@ -58,3 +58,47 @@ def test_gpu_norm_rope_at_v4_widths():
         want = ref.rms_norm_rope(x, w, 1e-6, cos, sin)
         err = ((got.float() - want.float()).abs() / want.float().abs().clamp(min=1e-1)).max().item()
         assert err <= 2 ** -6, (shape, err)
+
+
+@pytest.mark.parametrize("shape,half", [((3, 64), 8), ((2, 4, 128), 32), ((5, 3, 32), 16), ((7, 6, 512), 32)])
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rope_inplace_equals_rope_and_leaves_the_other_columns(shape, half, inverse, dtype, kernel_device):
+    """``rope_inplace``: the trailing pairs bit for bit the Triton ``rope``'s (the same arithmetic), within rounding
+    of the reference op; the columns before them untouched; x itself returned."""
+    x, _w, cos, sin = _case(shape, half, False, dtype, kernel_device, 11 * shape[-1] + half + inverse)
+    assert norm.rope_inplace_supported(x, cos)
+    before = x.clone()
+    got = triton_ops.rope_inplace(x, cos, sin, inverse)
+    assert got is x
+    first = shape[-1] - 2 * half
+    assert torch.equal(x[..., :first], before[..., :first])
+    assert torch.equal(x, triton_ops.rope(before, cos, sin, inverse))
+    torch.testing.assert_close(x.float(), ref.rope(before, cos, sin, inverse).float(),
+                               rtol=2 ** -7 if dtype == torch.bfloat16 else 2e-6, atol=1e-5)
+    assert not torch.equal(x[..., first:], before[..., first:])   # it did rotate
+
+
+def test_rope_inplace_on_a_strided_view_and_the_fallback(kernel_device):
+    """Rows with a stride past their width go through the launch (a 2-D column slice, a 3-D one whose rows merge);
+    a 3-D slice that cannot be viewed as rows takes the reference op; each writes only the view's trailing pairs."""
+    big, _w, cos, sin = _case((4, 96), 8, False, torch.float32, kernel_device, 5)
+    keep = big.clone()
+    view = big[:, :64]
+    assert norm.rope_inplace_supported(view, cos)
+    want = ref.rope(view.clone(), cos, sin)
+    triton_ops.rope_inplace(view, cos, sin)
+    torch.testing.assert_close(view, want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(big[:, 64:], keep[:, 64:])
+    big3, _w, cos3, sin3 = _case((2, 3, 48), 8, False, torch.float32, kernel_device, 6)
+    cos3, sin3 = cos3[:1].expand(3, 8).contiguous(), sin3[:1].expand(3, 8).contiguous()
+    keep3 = big3.clone()
+    view3 = big3.transpose(0, 1)[:, :, :32]   # [3 tokens, 2, 32]: no [rows, 32] view
+    torch.testing.assert_close(triton_ops.rope_inplace(big3[:, :, :32], cos3[:2], sin3[:2]),
+                               ref.rope(keep3[:, :, :32], cos3[:2], sin3[:2]), rtol=2e-6, atol=2e-6)
+    big3.copy_(keep3)
+    assert not norm.rope_inplace_supported(view3, cos3)
+    want3 = ref.rope(view3.clone(), cos3, sin3, True)
+    assert triton_ops.rope_inplace(view3, cos3, sin3, True) is view3
+    torch.testing.assert_close(view3, want3, rtol=2e-6, atol=2e-6)
+    assert torch.equal(big3[..., 32:], keep3[..., 32:])
