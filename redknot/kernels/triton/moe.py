@@ -39,7 +39,11 @@ def _swiglu(g_ptr, u_ptr, out_ptr, M, I, stride_g, stride_u, stride_o, limit, HA
 
 
 @triton.jit
-def _combine(y_ptr, inv_ptr, w_ptr, out_ptr, D, stride_y, stride_o, K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine(y_ptr, inv_ptr, w_ptr, out_ptr, add_ptr, add_w_ptr, D, stride_y, stride_o, stride_a, K: tl.constexpr,
+             BLOCK_D: tl.constexpr, ADD: tl.constexpr = False):
+    """A token's K expert rows weighted and summed in slot order, rounded to the output dtype. ``ADD`` (the shared
+    expert's row ``a`` and weight ``w_a``): then ``out + round(a·w_a)`` rounded again, the two rows added as two
+    rows of the output dtype are added (``moe_shared``'s composition, bit for bit)."""
     tok = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -48,7 +52,12 @@ def _combine(y_ptr, inv_ptr, w_ptr, out_ptr, D, stride_y, stride_o, K: tl.conste
         r = tl.load(inv_ptr + tok * K + j).to(tl.int64)
         wt = tl.load(w_ptr + tok * K + j).to(tl.float32)
         acc += wt * tl.load(y_ptr + r * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if ADD:
+        wa = tl.load(add_w_ptr + tok).to(tl.float32)
+        a = tl.load(add_ptr + tok.to(tl.int64) * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (y.to(tl.float32) + (a * wa).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok.to(tl.int64) * stride_o + cols, y, mask=mask)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: Optional[float],
@@ -150,13 +159,22 @@ def gemv_plan(x: torch.Tensor, k: int, w1: torch.Tensor, w2: torch.Tensor, w3: t
     return None if choice == "grouped" else gemv_bf16.PLANS[choice]
 
 
-def _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale, out):
-    """``moe_experts`` through the library GEMMs: the one-expert GEMMs, or the routed grouped GEMMs."""
+def one_expert_rows(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                    swiglu_limit: Optional[float]) -> torch.Tensor:
+    """One expert's ``W2 swiglu(W1 x, W3 x)`` for every row (three library GEMMs and the SwiGLU), unweighted:
+    ``[T, D]`` in x's dtype."""
+    return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), swiglu_limit), w2)
+
+
+def _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, w1_scale, w2_scale, w3_scale, out,
+              add: Optional[torch.Tensor] = None, add_weight: Optional[torch.Tensor] = None):
+    """``moe_experts`` through the library GEMMs: the one-expert GEMMs, or the routed grouped GEMMs. ``add`` /
+    ``add_weight`` ([T, D] rows and [T, 1] weights; routed experts only): the combine adds ``add·add_weight`` to
+    each token's sum as ``moe_shared`` adds the shared expert's rows (see ``_combine``)."""
     T, k, D = x.shape[0], topk_ids.shape[1], w2.shape[1]
-    if w1.shape[0] == 1 and w1.dtype == x.dtype and w1_scale is None:  # one expert (the shared one): no routing
-        act = swiglu(F.linear(x, w1[0]), F.linear(x, w3[0]), swiglu_limit)  # [T, I]
+    if w1.shape[0] == 1 and w1.dtype == x.dtype and w1_scale is None and add is None:  # one expert: no routing
         weight = topk_weights.to(torch.float32).sum(dim=1, keepdim=True)  # [T, 1]
-        return out.copy_((F.linear(act, w2[0]).float() * weight).to(out.dtype))
+        return out.copy_((one_expert_rows(x, w1[0], w2[0], w3[0], swiglu_limit).float() * weight).to(out.dtype))
     rows, inv, offs = route_by_expert(topk_ids, w1.shape[0])
     xs = x.index_select(0, rows)  # [T*k, D] sorted by expert
     act = swiglu(grouped_linear(xs, w1, offs, w1_scale), grouped_linear(xs, w3, offs, w3_scale),
@@ -164,6 +182,19 @@ def _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, w1_scale, w2_
     y = grouped_linear(act, w2, offs, w2_scale)  # [T*k, D]
     bd = min(1024, next_pow2(D))
     weights = topk_weights.to(torch.float32).contiguous()
-    _combine[(T, triton.cdiv(D, bd))](y, inv, weights, out, D, y.stride(0), out.stride(0), K=k, BLOCK_D=bd,
-                                      num_warps=4)
+    aw = None if add is None else add_weight.reshape(T).to(torch.float32).contiguous()
+    _combine[(T, triton.cdiv(D, bd))](y, inv, weights, out, y if add is None else add, weights if aw is None else aw,
+                                      D, y.stride(0), out.stride(0), 0 if add is None else add.stride(0), K=k,
+                                      BLOCK_D=bd, ADD=add is not None, num_warps=4)
     return out
+
+
+def moe_shared_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, shared_w1, shared_w2, shared_w3,
+                    shared_weight) -> torch.Tensor:
+    """``moe_shared`` of float experts at rows the library GEMMs take: the shared expert's rows by its three GEMMs,
+    then the routed experts with those rows added in their combine (no separate weighting, rounding and add
+    passes over [T, D]); bit for bit ``moe_experts`` of each added as rows of x's dtype."""
+    shared = one_expert_rows(x, shared_w1, shared_w2, shared_w3, swiglu_limit)
+    out = torch.empty(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    return _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, None, None, None, out, add=shared,
+                     add_weight=shared_weight)

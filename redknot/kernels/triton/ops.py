@@ -207,6 +207,13 @@ def moe_shared(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit: float, w1_sca
         if plan is not None:
             return gemv_bf16.moe_gemv(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, plan=plan,
                                       shared=(shared_w1, shared_w2, shared_w3))
+    if (plain and x.dim() == 2 and x.shape[0] > 0 and not moe.gemv_shapes(x, w1, w2, w3) and w1.shape[0] > 1
+            and x.is_floating_point() and all(w.dtype == x.dtype for w in (w1, w2, w3, shared_w1, shared_w2, shared_w3))
+            and shared_idx.shape[1] == 1):
+        # rows the library GEMMs take (more than the GEMV streams' 4): the shared expert's rows added in the routed
+        # experts' combine
+        return moe.moe_shared_rows(x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, shared_w1, shared_w2,
+                                   shared_w3, shared_weight)
     return ref_moe.moe_shared_with(moe_op, x, topk_idx, topk_weight, w1, w2, w3, swiglu_limit, w1_scale, w2_scale,
                                    w3_scale, shared_w1, shared_w2, shared_w3, shared_w1_scale, shared_w2_scale,
                                    shared_w3_scale, shared_idx, shared_weight)

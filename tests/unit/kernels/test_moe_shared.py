@@ -112,3 +112,27 @@ def test_the_v4_moe_layer_runs_one_op_with_the_same_rows(monkeypatch):
             fn = getattr(ks, name)
             return lambda *a, **k: fn(*a, **k)
     assert torch.equal(layer(Wrapped(), x, ids), two)
+
+
+@pytest.mark.parametrize("tokens,k,limit,dtype", [(5, 2, None, torch.bfloat16), (9, 3, 0.6, torch.bfloat16),
+                                                  (33, 4, 8.0, torch.bfloat16), (6, 2, 1.5, torch.float32)])
+def test_shared_rows_in_the_routed_combine_equal_the_composition(tokens, k, limit, dtype, kernel_device):
+    """Past the GEMV streams' 4 rows the op runs the shared expert's three GEMMs and adds its weighted rows in the
+    routed experts' combine: bit for bit the backend's ``moe`` of each, added as rows of x's dtype (the shared
+    weights here not all one, so the weighting is exercised too)."""
+    x, ids, wts, (w1, w2, w3), (s1, s2, s3) = _experts(7, 48, 96, tokens, k, 3 * tokens + k, kernel_device)
+    x, w1, w2, w3, s1, s2, s3 = (t.to(dtype) for t in (x, w1, w2, w3, s1, s2, s3))
+    zi = torch.zeros(tokens, 1, dtype=torch.long, device=kernel_device)
+    sw = torch.rand(tokens, 1, generator=torch.Generator().manual_seed(tokens)).to(kernel_device) + 0.5
+    args = (x, ids, wts, w1, w2, w3, limit, None, None, None, s1, s2, s3, None, None, None, zi, sw)
+    seen = []
+    real = moe.moe_shared_rows
+    got = triton_ops.moe_shared(*args)
+    want = ref_moe.moe_shared_with(triton_ops.moe_op, *args)
+    assert torch.equal(got, want)
+    import unittest.mock as um
+    with um.patch.object(moe, "moe_shared_rows", lambda *a: seen.append(1) or real(*a)):
+        triton_ops.moe_shared(*args)
+    assert seen == [1]   # this path, not the composition
+    if limit is not None:  # the reference op clamps: compare where it does
+        assert _rel(got, ref_moe.moe_shared(*args)) <= (8e-3 if dtype == torch.bfloat16 else 1e-5)
