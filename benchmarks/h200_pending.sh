@@ -84,7 +84,8 @@ for s in "${STAGES[@]}"; do
     bf16_tests)  # V4's decode launches on the GPU, every test of their files (not only the -m gpu ones: the others run
       # on the GPU too there): the bf16 GEMV streams at 1-4 rows and the router's affinities, the compressor's pooling
       # and decode update, the routing, the indexer's token tiles, the mHC site with its norm, the step's indices, the
-      # attention's decode shapes, the projection groups, the step tables, the shared expert in the routed launches
+      # attention's decode shapes, the projection groups, the step tables, the shared expert in the routed launches,
+      # the indexer's merge tree, the in-place inverse rotation, the shared expert's rows in the routed combine
       stage bf16_tests 300 python3 -m pytest -n 0 -m 'not slow' -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py \
         tests/unit/kernels/test_compress_v4.py tests/unit/kernels/test_route_v4.py tests/unit/kernels/test_token_tiles.py \
         tests/unit/kernels/test_mhc_pre_norm_v4.py tests/unit/kernels/test_kernel_helpers.py \
