@@ -253,7 +253,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor,
                  scale: float, q_tile: int = 512) -> torch.Tensor:
     k2 = next_pow2(topk)  # the selection runs on a power of two; the best `topk` lead its list
     ids = torch.empty(q.shape[0], k2, dtype=torch.long, device=q.device)  # [T, topk]
-    indexer.indexer_topk_paged(q.contiguous(), weights.contiguous(), positions=step_tensors(meta).positions,
+    w = weights if weights.stride(-1) == 1 else weights.contiguous()   # the kernels take a row stride
+    indexer.indexer_topk_paged(q.contiguous(), w, positions=step_tensors(meta).positions,
                                query_start_loc=meta.query_start_loc, keys=key_pool, block_table=meta.block_tables,
                                ratio=ratio, block_size=ratio * key_pool.shape[1], topk=k2, scale=scale, out=ids)
     return ids[:, :topk]

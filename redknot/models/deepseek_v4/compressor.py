@@ -2,6 +2,8 @@
 indexer, as incremental updates of the paged state (reference §4.7-4.9)."""
 from __future__ import annotations
 
+import math
+
 from typing import List, Optional
 
 import torch
@@ -126,8 +128,14 @@ class Indexer(nn.Module):
         t = c_q.shape[0]
         q = (self.wq_b(ks, c_q) if q is None else q).view(t, self.n_heads, self.head_dim)  # [T, IH, ID]
         q = ks.rope(q, *ctx.cos_sin(COMPRESS))
-        weights = (self.weights_proj(ks, x) if weights is None else weights).float() * self.n_heads ** -0.5
-        return ks.indexer_topk(q, weights, keys, ctx.meta, self.ratio, self.topk, self.head_dim ** -0.5)
+        weights = self.weights_proj(ks, x) if weights is None else weights
+        head_scale, scale = self.n_heads ** -0.5, self.head_dim ** -0.5
+        if math.frexp(head_scale)[0] == 0.5:
+            # 1/sqrt(heads) a power of two (64 heads: 1/8): it moves into the score's scale exactly (each term
+            # scale·w·relu(q·k) scaled by a power of two either way), and the weights go in as projected (no cast
+            # and scale launches; the kernels widen them to fp32 as they load)
+            return ks.indexer_topk(q, weights, keys, ctx.meta, self.ratio, self.topk, scale * head_scale)
+        return ks.indexer_topk(q, weights.float() * head_scale, keys, ctx.meta, self.ratio, self.topk, scale)
 
 
 def pool_ring_windows(comp, ks, kv_ring: torch.Tensor, gate_ring: torch.Tensor, pos: torch.Tensor,

@@ -34,3 +34,51 @@ def test_the_op_count_benchmark_prints_its_table():
                          capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "model glue" in res.stdout and "| glue ops | source |" in res.stdout
+
+
+def test_the_indexer_weights_go_in_as_projected_with_the_head_scale_in_the_score_scale(monkeypatch):
+    """Index heads a power of four (the tiny model's 16, V4's 64): 1/sqrt(heads) is a power of two, so the indexer
+    takes its weights as projected (bf16, no cast or scale launches) and the score scale carries the head scale.
+    Every score term is then the same fp32 value as with the weights scaled first: the scores bit for bit, and
+    the selections, of each call the model makes (prefill and decode, bf16)."""
+    import torch
+
+    from redknot.kernels import KernelSet, ref_attention, registry
+    from redknot.models.deepseek_v4.model import DeepseekV4
+    from redknot.models.deepseek_v4.state import V4State
+    from redknot.models.deepseek_v4.state_layout import StateLayout
+    from redknot.models.deepseek_v4.synthetic import TINY_ARCHITECTURE, randomize_, synthetic_config
+    from redknot.step.metadata import StepMetadata
+
+    cfg = synthetic_config(TINY_ARCHITECTURE, quantize_fp8=False)
+    heads = cfg.index_n_heads
+    calls = []
+    real = registry._OPS["indexer_topk"]["reference"]
+
+    def spy(q, weights, key_pool, meta, ratio, topk, scale, *rest):
+        calls.append((q, weights, key_pool.clone(), meta, ratio, topk, scale))
+        return real(q, weights, key_pool, meta, ratio, topk, scale, *rest)
+
+    monkeypatch.setitem(registry._OPS["indexer_topk"], "reference", spy)
+    model = DeepseekV4(cfg, torch.bfloat16, device="cpu", kernels=KernelSet("reference"), with_mtp=False)
+    randomize_(model, seed=5)
+    model.fuse_projections()
+    layout = StateLayout.create(cfg, block_size=128, kv_bytes=2)
+    state = V4State.allocate(cfg, layout, 1, layout.blocks_for(80), "cpu", torch.bfloat16)
+    tables = [list(range(layout.blocks_for(80)))]
+    ids = [3 + (11 * i) % (cfg.vocab_size - 3) for i in range(72)]
+    model(StepMetadata.build([ids], [0], [0], tables, device="cpu"), state)
+    model(StepMetadata.build([[5]], [72], [0], tables, device="cpu"), state)
+    assert len(calls) >= 2
+    g = torch.Generator().manual_seed(0)
+    for q, w, pool, meta, ratio, topk, scale in calls:
+        assert w.dtype == torch.bfloat16 and scale == cfg.index_head_dim ** -0.5 * heads ** -0.5
+        keys = torch.randn(50, q.shape[-1], generator=g)
+        base = torch.relu(torch.einsum("qhd,ed->qhe", q.float(), keys))
+        folded = (base * scale * w.float().unsqueeze(-1)).sum(1)
+        scaled_first = (base * (cfg.index_head_dim ** -0.5) * (w.float() * heads ** -0.5).unsqueeze(-1)).sum(1)
+        assert torch.equal(folded, scaled_first)
+        assert not torch.equal(folded, (base * scale * (w.float() * 1.01).unsqueeze(-1)).sum(1))  # it can fail
+        assert torch.equal(ref_attention.indexer_topk(q, w, pool, meta, ratio, topk, scale),
+                           ref_attention.indexer_topk(q, w.float() * heads ** -0.5, pool, meta, ratio, topk,
+                                                      cfg.index_head_dim ** -0.5))
