@@ -463,12 +463,9 @@ MERGE_FAN_IN = 4   # lists a first-level program merges, where a token's splits 
 
 def merge_sorted_splits(cand: torch.Tensor, buf: torch.Tensor, out: torch.Tensor, nsplit: int, topk: int,
                         cap: int) -> torch.Tensor:
-    """The ids of each token's best ``topk`` over its ``nsplit`` descending lists (``cand`` [T·nsplit, topk], a
-    token's lists adjacent) into ``out`` [T, topk]. One program a token merges the lists one after another
-    (nsplit - 1 bitonic merges in series); with many splits (a long decode row: 32 at 128K) a first launch merges
-    groups of ``MERGE_FAN_IN`` lists in parallel and the second merges the groups' lists (32 splits: 3 + 7 merges
-    in series instead of 31). Each merge keeps the best ``topk`` of distinct keys, so the tree's result is the
-    one-level result."""
+    """Ids of each token's best ``topk`` over its ``nsplit`` descending lists (``cand`` [T·nsplit, topk]) into ``out``.
+    Many splits (32 at 128K): a first launch merges groups of ``MERGE_FAN_IN`` lists in parallel, the second the
+    groups' lists (3 + 7 bitonic merges in series, not 31); each merge keeps the best of distinct keys: same result."""
     T = out.shape[0]
     log_k = topk.bit_length() - 1
     g = MERGE_FAN_IN
