@@ -85,13 +85,14 @@ for s in "${STAGES[@]}"; do
       # on the GPU too there): the bf16 GEMV streams at 1-4 rows and the router's affinities, the compressor's pooling
       # and decode update, the routing, the indexer's token tiles, the mHC site with its norm, the step's indices, the
       # attention's decode shapes, the projection groups, the step tables, the shared expert in the routed launches,
-      # the indexer's merge tree, the in-place inverse rotation, the shared expert's rows in the routed combine
+      # the indexer's merge tree, the in-place inverse rotation, the shared expert's rows in the routed combine, the
+      # router's affinities as one GEMM past the GEMV rows
       stage bf16_tests 300 python3 -m pytest -n 0 -m 'not slow' -v -rfE -p no:cacheprovider tests/unit/kernels/test_gemv_bf16.py \
         tests/unit/kernels/test_compress_v4.py tests/unit/kernels/test_route_v4.py tests/unit/kernels/test_token_tiles.py \
         tests/unit/kernels/test_mhc_pre_norm_v4.py tests/unit/kernels/test_kernel_helpers.py \
         tests/unit/kernels/test_indexer_merge.py tests/unit/kernels/test_norm_rope.py \
         tests/unit/kernels/test_v4_attention_decode.py tests/unit/model/test_v4_linear_group.py \
-        tests/unit/kernels/test_step_tables.py tests/unit/kernels/test_moe_shared.py ;;
+        tests/unit/kernels/test_step_tables.py tests/unit/kernels/test_moe_shared.py tests/unit/kernels/test_router_mm.py ;;
     side_tests)  # the side stream's GPU tests (a graph of two streams; the toy cut's step on two streams, same bits)
       stage side_tests 420 python3 -m pytest -n 0 -m gpu -v -rfE -p no:cacheprovider tests/unit/model/v41_forward/test_v41_side_stream.py \
         tests/unit/model/v41_forward/test_v41_tensor_step.py::test_gpu_engine_decodes_tiny_v41_in_cuda_graphs ;;

@@ -87,6 +87,12 @@ def router_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # instead of the weight's fp32 copy, the GEMM and two elementwise launches
         out = torch.empty(rows, weight.shape[0], dtype=torch.float32, device=x.device)
         return gemv_bf16.gemv(x, weight, out, gemv_bf16.ROUTER_PLAN, epilogue="softplus_sqrt")
+    if rows and (x.is_cuda or interpreting()) and route.router_mm_supported(x, weight):
+        # more rows (prefill, b32): one tensor-core GEMM with the epilogue, where the tuner timed it faster than
+        # the reference's fp32 copies, FMA GEMM and elementwise passes
+        choice = route.router_choice(x, weight, ref.router_scores)
+        if choice != "reference":
+            return route.router_mm(x, weight, choice)
     return ref.router_scores(x, weight)
 
 
