@@ -73,13 +73,15 @@ class IndexerXConfig:
     num_warps: int = 4
     num_stages: int = 3
     cut: str = ""   # "select": buffer cuts by counting (``indexer_kernels_mx._kth_largest``), not by sorting
+    max_regs: int = 0   # registers a thread at most (ptxas ``.maxnreg``; 0: the compiler's choice)
 
     def __repr__(self) -> str:
-        """Stored tuning choices name configurations by this text: without ``cut`` it stays the text of the
-        shapes that predate it."""
+        """Stored tuning choices name configurations by this text: without ``cut`` / ``max_regs`` it stays the
+        text of the shapes that predate them."""
         text = (f"IndexerXConfig(block_t={self.block_t}, block_n={self.block_n}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}")
-        return text + (f", cut={self.cut!r})" if self.cut else ")")
+        text += f", cut={self.cut!r}" if self.cut else ""
+        return text + (f", max_regs={self.max_regs})" if self.max_regs else ")")
 
 
 @triton.jit
@@ -386,6 +388,10 @@ INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
     IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
     IndexerXConfig(2, 64, 4, 3), IndexerXConfig(4, 64, 8, 3), IndexerXConfig(2, 128, 8, 3),
     IndexerXConfig(2, 64, 4, 3, cut="select"),
+    # two key stages (66 KB of shared memory a program) and at most 168 registers a thread (the compiler takes 234):
+    # three programs an SM where two fit, twelve warps to hide the epilogue's latency; sm_90a: no spills in the
+    # stream's loop (80 bytes of stack outside it). V4.1's expanded stream in this form took 15.4 -> 12.9 ms (H100).
+    IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168),
 ])
 # Measured on the H200 (ms; prefill chunk of 8192 queries at 8K / decode b2 at 8K): heads on N 2.44 / 0.57;
 # heads on M 2.87 / 0.39; heads on M, 128-entry blocks 3.13 / 0.36. Dropped after measuring: 4 tokens per
@@ -527,7 +533,7 @@ def _launch_x(cfg: IndexerXConfig, *, q, weights, positions, query_start_loc, ke
         q.stride(0), q.stride(1), weights.stride(0), kx.stride(0), scale, ratio,
         H=H, HP=max(next_pow2(H), cdiv(16, cfg.block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype), STAGES=cfg.num_stages, CUT_SELECT=cfg.cut == "select",
-        num_warps=cfg.num_warps)
+        num_warps=cfg.num_warps, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
     # SORT: the stream's last cut sorts only the rows holding more than K keys (none with cut="select"); the
     # merge sorts every row's K keys into descending order
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), 1, K=topk, CAP=cap, ONE_SPLIT=True, SORT=True, num_warps=4)

@@ -29,7 +29,7 @@ CANDIDATES = [c for c in indexer.INDEXER_TUNER.candidates if isinstance(c, Index
 # interpreter-sized shapes: one and four tokens per tile, two stages; 16-entry steps so that short streams cut;
 # the last cuts by counting
 SHAPES = [IndexerXConfig(1, 16, 4, 2), IndexerXConfig(2, 16, 4, 3), IndexerXConfig(4, 32, 4, 2),
-          IndexerXConfig(2, 16, 4, 3, cut="select")]
+          IndexerXConfig(2, 16, 4, 3, cut="select"), IndexerXConfig(2, 16, 4, 2, cut="select", max_regs=168)]
 RATIO, BLOCK, HEADS, DIM = 4, 16, 5, 32   # 4 entries a page; 5 heads pad to 8 (or 16 / BLOCK_T)
 
 
@@ -72,6 +72,16 @@ def test_the_tuner_offers_the_pipelined_form_after_the_paged_shapes():
     assert all(isinstance(c, IndexerXConfig) for c in cands[first_x:])
     assert isinstance(cands[0], IndexerConfig)   # the untuned default (CPU, graph capture) stays the paged kernel
     assert indexer.INDEXER_TUNER.name != "indexer_topk"   # stored choices of the old list are timed again
+
+
+def test_config_text_keeps_the_stored_names_and_names_the_register_cap():
+    """Stored tuning choices name shapes by their text: the older fields' text is unchanged, ``max_regs`` appears
+    only when set, and the capped shape is a candidate of the tuner."""
+    assert repr(IndexerXConfig(2, 64, 4, 3)) == "IndexerXConfig(block_t=2, block_n=64, num_warps=4, num_stages=3)"
+    assert repr(IndexerXConfig(2, 64, 4, 3, cut="select")).endswith("num_stages=3, cut='select')")
+    capped = IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168)
+    assert repr(capped).endswith("cut='select', max_regs=168)")
+    assert capped in CANDIDATES
 
 
 CASES = [  # (context lengths, new tokens per sequence): ragged, rows seeing no entry, short rows
