@@ -120,7 +120,7 @@ def router_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] == weight.shape[1] and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
-def router_mm(x: torch.Tensor, weight: torch.Tensor, plan: RouterPlan, out: Optional[torch.Tensor] = None
+def router_mm(x: torch.Tensor, weight: torch.Tensor, plan: RouterPlan, out: torch.Tensor | None = None
               ) -> torch.Tensor:
     """``sqrt(softplus(x · weightᵀ))`` [T, E] fp32 for bf16 x [T, D] and weight [E, D] (``router_mm_supported``)."""
     if not router_mm_supported(x, weight):

@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 from redknot.kernels import reference
-from redknot.kernels.triton import route
 from redknot.kernels.triton import ops as triton_ops
+from redknot.kernels.triton import route
 
 PLANS = [c for c in route.ROUTER_TUNER.candidates if isinstance(c, route.RouterPlan)]
 
