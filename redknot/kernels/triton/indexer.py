@@ -75,9 +75,7 @@ class IndexerXConfig:
     cut: str = ""   # "select": buffer cuts by counting (``indexer_kernels_mx._kth_largest``), not by sorting
     max_regs: int = 0   # registers a thread at most (ptxas ``.maxnreg``; 0: the compiler's choice)
 
-    def __repr__(self) -> str:
-        """Stored tuning choices name configurations by this text: without ``cut`` / ``max_regs`` it stays the
-        text of the shapes that predate them."""
+    def __repr__(self) -> str:   # stored choices name shapes by this text: unset new fields leave it as it was
         text = (f"IndexerXConfig(block_t={self.block_t}, block_n={self.block_n}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}")
         text += f", cut={self.cut!r}" if self.cut else ""
@@ -388,9 +386,7 @@ INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
     IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
     IndexerXConfig(2, 64, 4, 3), IndexerXConfig(4, 64, 8, 3), IndexerXConfig(2, 128, 8, 3),
     IndexerXConfig(2, 64, 4, 3, cut="select"),
-    # two key stages (66 KB of shared memory a program) and at most 168 registers a thread (the compiler takes 234):
-    # three programs an SM where two fit, twelve warps to hide the epilogue's latency; sm_90a: no spills in the
-    # stream's loop (80 bytes of stack outside it). V4.1's expanded stream in this form took 15.4 -> 12.9 ms (H100).
+    # 2 key stages (66 KB shared) and <= 168 registers (234 uncapped; no spills in the loop): 3 programs an SM, not 2
     IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168),
 ])
 # Measured on the H200 (ms; prefill chunk of 8192 queries at 8K / decode b2 at 8K): heads on N 2.44 / 0.57;
