@@ -65,21 +65,21 @@ class IndexerConfig:
 
 @dataclass(frozen=True)
 class IndexerXConfig:
-    """Launch shape of the pipelined prefill form (``_gather_keys`` + ``_indexer_select_x``): ``block_t`` tokens
-    of one sequence per program, ``block_n`` entries per step, ``num_stages`` key tiles in flight. Prefill-sized
-    steps only (one program per tile of tokens, no entry split)."""
+    """The pipelined prefill form's launch shape (``_gather_keys`` + ``_indexer_select_x``; no entry split)."""
     block_t: int = 2
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     cut: str = ""   # "select": buffer cuts by counting (``indexer_kernels_mx._kth_largest``), not by sorting
     max_regs: int = 0   # registers a thread at most (ptxas ``.maxnreg``; 0: the compiler's choice)
+    late_keys: bool = False   # packed keys and masks only in blocks where a score reaches a bar (``_stream_x_rows``)
 
     def __repr__(self) -> str:   # stored choices name shapes by this text: unset new fields leave it as it was
         text = (f"IndexerXConfig(block_t={self.block_t}, block_n={self.block_n}, num_warps={self.num_warps}, "
                 f"num_stages={self.num_stages}")
         text += f", cut={self.cut!r}" if self.cut else ""
-        return text + (f", max_regs={self.max_regs})" if self.max_regs else ")")
+        text += f", max_regs={self.max_regs}" if self.max_regs else ""
+        return text + (", late_keys=True)" if self.late_keys else ")")
 
 
 @triton.jit
@@ -275,7 +275,7 @@ def _indexer_select_x(q_ptr, w_ptr, kx_ptr, pos_ptr, tile_tok_ptr, tile_len_ptr,
                       stride_qt, stride_qh, stride_wt, stride_kxb, scale, ratio,
                       H: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                      CUT_SELECT: tl.constexpr):
+                      CUT_SELECT: tl.constexpr, LATE_KEYS: tl.constexpr = False):
     """``_indexer_select``'s selection for one tile of tokens (one sequence, no entry split) over the sequence's
     plain key rows ``kx_ptr + b · stride_kxb`` (``_gather_keys``): V4.1's expanded stream (``_stream_x_rows``:
     entries on the MMA's M axis, (token, head) columns on N, key tiles software-pipelined over ``STAGES`` steps,
@@ -300,7 +300,8 @@ def _indexer_select_x(q_ptr, w_ptr, kx_ptr, pos_ptr, tile_tok_ptr, tile_len_ptr,
     w = tl.reshape(w, (BLOCK_T * HP,))
     _kx._stream_x_rows(kx_ptr + b.to(tl.int64) * stride_kxb, q_t, w, rows_ok, t64, vis, t64, 0, n_max,
                        tl.cdiv(n_max, BLOCK_N), buf_ptr, cand_ptr, cand_ptr, cand_ptr, 0, 0, 0, 0, scale, HP, DI, K,
-                       CAP, BLOCK_T, BLOCK_N, False, False, 1, False, STAGES, False, False, PREC, True, CUT_SELECT)
+                       CAP, BLOCK_T, BLOCK_N, False, False, 1, False, STAGES, False, False, PREC, True, CUT_SELECT,
+                       LATE_KEYS)
 
 
 @triton.jit
@@ -385,18 +386,18 @@ INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
     IndexerConfig(block_t=2, block_n=64, num_warps=4, num_stages=2),
     IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
     IndexerXConfig(2, 64, 4, 3), IndexerXConfig(4, 64, 8, 3), IndexerXConfig(2, 128, 8, 3),
-    IndexerXConfig(2, 64, 4, 3, cut="select"),
-    # 2 key stages (66 KB shared) and <= 168 registers (234 uncapped; no spills in the loop): 3 programs an SM, not 2
-    IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168),
+    IndexerXConfig(2, 64, 4, 3, cut="select"), IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168),
+    IndexerXConfig(2, 64, 4, 3, cut="select", late_keys=True),
+    IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168, late_keys=True),
 ])
 # Measured on the H200 (ms; prefill chunk of 8192 queries at 8K / decode b2 at 8K): heads on N 2.44 / 0.57;
 # heads on M 2.87 / 0.39; heads on M, 128-entry blocks 3.13 / 0.36. Dropped after measuring: 4 tokens per
 # tile with heads on N 2.55; 4 pipeline stages 2.88; block-table lookups a block ahead (``prefetch``) 2.87.
-# The ``IndexerXConfig`` shapes (the pipelined prefill form) are not measured on the H200 yet: they run only in
-# prefill classes (a decode class skips them as failures) after a first-use check against the float64 oracle,
-# and the tuner keeps them only where they measure faster. The stored name carries a version so that a tuning
-# store filled before they existed times the class again. ``cut="select"`` (buffer cuts by counting) took V4.1's
-# expanded stream from 22.1 to 17.6 ms (8192 queries x 65536 entries, H100, 2026-12-06); not measured for V4.
+# The ``IndexerXConfig`` shapes (the pipelined prefill form) run only in prefill classes (a decode class skips
+# them as failures) after a first-use check against the float64 oracle. ``cut="select"`` took V4.1's expanded
+# stream from 22.1 to 17.6 ms (H100, 2026-12-06). Not measured for V4 (sm_90a, V4 width): ``max_regs=168`` at 2
+# stages, 168 registers (234 uncapped; no spills in the loop) and 66 KB: 3 programs an SM, not 2 (V4.1: 15.4 ->
+# 12.9 ms); ``late_keys``, 3 barriers and ~386 SASS a common loop step instead of 6 and ~411.
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: torch.Tensor,
@@ -529,9 +530,8 @@ def _launch_x(cfg: IndexerXConfig, *, q, weights, positions, query_start_loc, ke
         q.stride(0), q.stride(1), weights.stride(0), kx.stride(0), scale, ratio,
         H=H, HP=max(next_pow2(H), cdiv(16, cfg.block_t)), DI=DI, K=topk, CAP=cap, BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n, PREC=dot_precision(q.dtype), STAGES=cfg.num_stages, CUT_SELECT=cfg.cut == "select",
-        num_warps=cfg.num_warps, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
-    # SORT: the stream's last cut sorts only the rows holding more than K keys (none with cut="select"); the
-    # merge sorts every row's K keys into descending order
+        LATE_KEYS=cfg.late_keys, num_warps=cfg.num_warps, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
+    # SORT: the merge sorts every row's K keys into descending order (the stream's last cut may leave them unsorted)
     _indexer_merge[(T,)](cand, buf, out, out.stride(0), 1, K=topk, CAP=cap, ONE_SPLIT=True, SORT=True, num_warps=4)
     return out
 

@@ -318,12 +318,21 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
 
 
 @triton.jit
+def _append_kept(buf, count, key, keep):
+    """Each row's kept keys (``keep`` [BT, BN]) appended to its buffer row (``buf`` [BT, 1] bases) in block order;
+    returns the new counts."""
+    slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
+    tl.store(buf + slot, key, mask=keep)
+    return count + tl.sum(keep.to(tl.int32), 1)
+
+
+@triton.jit
 def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks, buf_ptr, cand_ptr, bm_ptr, cb_ptr,
                    NB, NKEYS, stride_bm, stride_cb, scale, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr,
                    CAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr,
                    BLOCKMAX: tl.constexpr, BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr,
                    BF16_MUL: tl.constexpr, HSUM_MMA: tl.constexpr, PREC: tl.constexpr, SCALE: tl.constexpr,
-                   CUT_SELECT: tl.constexpr):
+                   CUT_SELECT: tl.constexpr, LATE_KEYS: tl.constexpr = False):
     """The expanded stream of one tile of tokens once its queries are in registers: ``q_t`` [DI, BT·HP] (the
     MMA's second operand), ``w`` [BT·HP] the head weights, keys ``kx_ptr + ents · DI`` (one sequence's plain
     rows), scratch / candidate rows ``rows``; blocks ``e_lo .. e_hi`` newest first in segments between buffer
@@ -331,7 +340,10 @@ def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks
     ``indexer._indexer_select_x``; ``PREC`` is the dot's input precision, ``SCALE`` multiplies each fp32 head
     sum by ``scale`` (V4's score; V4.1 passes False); ``CUT_SELECT``: buffer cuts by ``_kth_largest`` (counting)
     instead of a bitonic top-k, leaving each row's best keys in buffer order, not sorted (V4.1 sorts its ids by
-    id; V4's merge pass sorts by score)."""
+    id; V4's merge pass sorts by score). ``LATE_KEYS`` (not with ``BLOCKMAX``): a block first only tests whether
+    any visible score's order bits reach a row's bar's high word (a key above the bar needs that), and builds the
+    packed keys, the keep mask and their store layouts only in blocks that pass; the same keys are kept."""
+    tl.static_assert(not (LATE_KEYS and BLOCKMAX), "LATE_KEYS skips blocks: their block maxima would be missing")
     offs_d = tl.arange(0, DI)
     if HSUM_MMA:   # ones[k, c] = 1 where head row k belongs to token c (columns past BLOCK_T stay 0)
         ones = tl.where(tl.arange(0, BLOCK_T * HP)[:, None] // HP == tl.arange(0, _HSUM_N)[None, :], 1.0, 0.0)
@@ -369,12 +381,20 @@ def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks
                 s = s * scale
             if BF16:
                 s = s.to(tl.bfloat16).to(tl.float32)
-            key, keep = _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j, NB,
-                                   BLOCK_T, BLOCK_N, BS, BLOCKMAX)
-            if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:   # most blocks of a long stream keep nothing
-                slot = count[:, None] + tl.cumsum(keep.to(tl.int32), 1) - 1
-                tl.store(buf + slot, key, mask=keep)
-                count += tl.sum(keep.to(tl.int32), 1)
+            if LATE_KEYS:   # the order bits of _pack against the bars' high words: no key beats a bar without
+                bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+                high = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                seen = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None]
+                near = seen & (high >= (theta >> 32).to(tl.int32)[:, None])
+                if tl.max(tl.max(near.to(tl.int32), 1), 0) > 0:   # keys, masks and their layouts only here
+                    key, keep = _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks,
+                                           j, NB, BLOCK_T, BLOCK_N, BS, BLOCKMAX)
+                    count = _append_kept(buf, count, key, keep)
+            else:
+                key, keep = _keys_kept(s, ents, ok, vis, rows_ok, theta, t64, bm_ptr, stride_bm, e_lo, n_blocks, j,
+                                       NB, BLOCK_T, BLOCK_N, BS, BLOCKMAX)
+                if tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0:   # most blocks of a long stream keep nothing
+                    count = _append_kept(buf, count, key, keep)
     count, theta = _cut_rows(buf_ptr, rows, count, theta, rows_ok, K, BLOCK_T, CAP, K, CUT_SELECT)
     offs_k = tl.arange(0, K)
     best = tl.load(buf + offs_k[None, :], mask=(offs_k[None, :] < count[:, None]) & rows_ok[:, None],

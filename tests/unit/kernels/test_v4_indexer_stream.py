@@ -29,7 +29,8 @@ CANDIDATES = [c for c in indexer.INDEXER_TUNER.candidates if isinstance(c, Index
 # interpreter-sized shapes: one and four tokens per tile, two stages; 16-entry steps so that short streams cut;
 # the last cuts by counting
 SHAPES = [IndexerXConfig(1, 16, 4, 2), IndexerXConfig(2, 16, 4, 3), IndexerXConfig(4, 32, 4, 2),
-          IndexerXConfig(2, 16, 4, 3, cut="select"), IndexerXConfig(2, 16, 4, 2, cut="select", max_regs=168)]
+          IndexerXConfig(2, 16, 4, 3, cut="select"), IndexerXConfig(2, 16, 4, 2, cut="select", max_regs=168),
+          IndexerXConfig(2, 16, 4, 3, cut="select", late_keys=True), IndexerXConfig(4, 32, 4, 2, late_keys=True)]
 RATIO, BLOCK, HEADS, DIM = 4, 16, 5, 32   # 4 entries a page; 5 heads pad to 8 (or 16 / BLOCK_T)
 
 
@@ -82,6 +83,8 @@ def test_config_text_keeps_the_stored_names_and_names_the_register_cap():
     capped = IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168)
     assert repr(capped).endswith("cut='select', max_regs=168)")
     assert capped in CANDIDATES
+    late = IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168, late_keys=True)
+    assert repr(late).endswith("cut='select', max_regs=168, late_keys=True)") and late in CANDIDATES
 
 
 CASES = [  # (context lengths, new tokens per sequence): ragged, rows seeing no entry, short rows
@@ -107,6 +110,21 @@ def test_integer_valued_ties_follow_the_exact_order(cfg, kernel_device):
     the order of the output: the counting cut leaves the keys unsorted, the merge sorts them)."""
     seed = _fresh_seed()
     meta, q, w, keys = _inputs(kernel_device, [170, 9], [3, 4], seed, integer=True)
+    got = _select(cfg, meta, q, w, keys, 8)
+    want = _exact_order(exact_scores(q, w, keys, meta, RATIO, DIM ** -0.5), 8)
+    assert torch.equal(got.long(), want.to(got.device).long()), seed
+
+
+@pytest.mark.parametrize("cfg", [c for c in SHAPES if c.cut == "select" or c.late_keys], ids=str)
+def test_ties_through_many_buffer_cuts_follow_the_exact_order(cfg, kernel_device):
+    """Streams of ~600 entries whose keys are copies of four integer-valued rows: a row's scores take four values,
+    the buffer is cut many times, and after the first cut every later block's best entries tie the bar's score
+    with lower ids, so they beat it (``late_keys`` tests the bar's high word before packing keys: equal passes)."""
+    seed = _fresh_seed()
+    meta, q, w, keys = _inputs(kernel_device, [2400, 40], [3, 2], seed, integer=True)
+    gen = torch.Generator().manual_seed(seed)
+    protos = torch.randint(-2, 3, (4, DIM), generator=gen).float()
+    keys = protos[torch.randint(0, 4, keys.shape[:2], generator=gen)].to(keys.device)
     got = _select(cfg, meta, q, w, keys, 8)
     want = _exact_order(exact_scores(q, w, keys, meta, RATIO, DIM ** -0.5), 8)
     assert torch.equal(got.long(), want.to(got.device).long()), seed
