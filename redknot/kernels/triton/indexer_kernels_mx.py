@@ -279,7 +279,7 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
                     HI: tl.constexpr, HP: tl.constexpr, DI: tl.constexpr, K: tl.constexpr, CAP: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BF16: tl.constexpr, BLOCKMAX: tl.constexpr,
                     BS: tl.constexpr, CAND: tl.constexpr, STAGES: tl.constexpr, BF16_MUL: tl.constexpr,
-                    HSUM_MMA: tl.constexpr, CUT_SELECT: tl.constexpr):
+                    HSUM_MMA: tl.constexpr, CUT_SELECT: tl.constexpr, LATE_KEYS: tl.constexpr = False):
     """``_index_stream`` over keys already expanded to bf16 (``_expand_keys``, ``kx_ptr`` [N, DI]): the same
     products, MMA and score arithmetic, selection and block maxima, but each step's key load is a plain
     tile (``ents · DI + d``) that the compiler software-pipelines over ``STAGES`` steps, nothing is decoded
@@ -314,7 +314,7 @@ def _index_stream_x(q_ptr, w_ptr, kx_ptr, vis_ptr, buf_ptr, cand_ptr, bm_ptr, cb
     w = tl.reshape(w, (BLOCK_T * HP,))
     _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, t64 * nsplit + pid_s, e_lo, e_hi, n_blocks, buf_ptr, cand_ptr,
                    bm_ptr, cb_ptr, NB, NKEYS, stride_bm, stride_cb, 1.0, HP, DI, K, CAP, BLOCK_T, BLOCK_N, BF16,
-                   BLOCKMAX, BS, CAND, STAGES, BF16_MUL, HSUM_MMA, None, False, CUT_SELECT)
+                   BLOCKMAX, BS, CAND, STAGES, BF16_MUL, HSUM_MMA, None, False, CUT_SELECT, LATE_KEYS)
 
 
 @triton.jit

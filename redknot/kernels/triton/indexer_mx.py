@@ -57,6 +57,7 @@ class StreamConfig:
     head_sum: str = ""          # "expanded" with bf16 scores: "mma" sums the heads' terms by a second MMA
     cut: str = ""               # "expanded": "select" cuts the buffer by counting (``_kth_largest``), not by sorting
     max_regs: int = 0           # "expanded": registers a thread at most (ptxas ``.maxnreg``; 0: the compiler's choice)
+    late_keys: bool = False     # "expanded" without block maxima: keys packed only in blocks a score may enter
 
     def __repr__(self) -> str:
         """The stored tuning choices name configurations by this text: without ``prefetch`` / ``num_stages``
@@ -67,7 +68,8 @@ class StreamConfig:
         text += f", num_stages={self.num_stages}" if self.num_stages else ""
         text += f", head_sum={self.head_sum!r}" if self.head_sum else ""
         text += f", cut={self.cut!r}" if self.cut else ""
-        return text + (f", max_regs={self.max_regs})" if self.max_regs else ")")
+        text += f", max_regs={self.max_regs}" if self.max_regs else ""
+        return text + (", late_keys=True)" if self.late_keys else ")")
 
 
 # More tokens per program decode each key block for more query rows, and the ``scaled`` decode makes
@@ -102,6 +104,10 @@ STREAM_TUNER = ConfigTuner("indexer_stream_mx.2", [
     StreamConfig(4, 128, 8, decode="expanded", num_stages=3, head_sum="mma"),
     StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum="mma", cut="select"),
     StreamConfig(4, 64, 4, decode="expanded", num_stages=2, head_sum="mma", cut="select", max_regs=168),
+    # keys, keep masks and their store layouts only in blocks where a score reaches a bar's high word
+    # (``_stream_x_rows``' LATE_KEYS; the same keys kept; with block maxima it is the shape above)
+    StreamConfig(4, 64, 4, decode="expanded", num_stages=2, head_sum="mma", cut="select", max_regs=168,
+                 late_keys=True),
 ])
 # Tuning classes: token counts from 1024 up share one (prefill chunks and their sub-chunks), entry counts
 # above 65536 share one; each class is measured at its first, smallest problem (the per-block work is
@@ -208,6 +214,7 @@ def stream_topk(q: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor
             BLOCK_N=config.block_n, BF16=bf16_scores, BLOCKMAX=block_scores is not None, BS=block_size,
             CAND=cand_blocks is not None, STAGES=config.num_stages or 3, BF16_MUL=_native_bf16(),
             HSUM_MMA=config.head_sum == "mma" and bf16_scores and bt <= 16, CUT_SELECT=config.cut == "select",
+            LATE_KEYS=config.late_keys and block_scores is None,
             num_warps=config.num_warps, **({"maxnreg": config.max_regs} if config.max_regs else {}))
     else:
         _index_stream[(cdiv(T, bt), nsplit)](

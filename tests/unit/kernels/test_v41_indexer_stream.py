@@ -303,15 +303,19 @@ def test_the_key_expansion_is_exact():
 
 
 # fp32 scores run by default; the bf16 forms (~15 s each interpreted) with -m slow and on the GPU test
-@pytest.mark.parametrize("bf16,head_sum", [(False, ""), pytest.param(True, "", marks=pytest.mark.slow),
-                                           pytest.param(True, "mma", marks=pytest.mark.slow)])
-def test_the_expanded_stream_cuts_each_row_between_segments(bf16, head_sum):
+@pytest.mark.parametrize("bf16,head_sum,late", [(False, "", False), (False, "", True),
+                                                pytest.param(True, "", False, marks=pytest.mark.slow),
+                                                pytest.param(True, "mma", False, marks=pytest.mark.slow),
+                                                pytest.param(True, "mma", True, marks=pytest.mark.slow)])
+def test_the_expanded_stream_cuts_each_row_between_segments(bf16, head_sum, late):
     """The expanded stream cuts a row's buffer only between pipelined segments, one row at a time: many
     entries (several cuts of every row), rows that see few entries or none, a partial tile, ties of the
     bf16 arithmetic at the cut; with and without the block maxima of the same pass; the heads' bf16 terms
-    added by a second MMA (``head_sum="mma"``) or by adds."""
+    added by a second MMA (``head_sum="mma"``) or by adds; ``late_keys`` (counting cuts; its test before the keys
+    are packed is off in the block-maxima pass)."""
     q, w, keys, vis = _inputs(7, 2100, seed=int(torch.randint(0, 2**31 - 1, ()).item()))
-    cfg = indexer_mx.StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum=head_sum)
+    cfg = indexer_mx.StreamConfig(4, 64, 4, decode="expanded", num_stages=3, head_sum=head_sum,
+                                  cut="select" if late else "", late_keys=late)
     _assert_selects(indexer_mx.stream_topk(q, w, keys, vis, 16, bf16, config=cfg), q, w, keys, vis, 16, bf16,
                     "expanded")
     bs = 8
