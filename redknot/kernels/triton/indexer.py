@@ -397,7 +397,7 @@ INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
 # them as failures) after a first-use check against the float64 oracle. ``cut="select"`` took V4.1's expanded
 # stream from 22.1 to 17.6 ms (H100, 2026-12-06). Not measured for V4 (sm_90a, V4 width): ``max_regs=168`` at 2
 # stages, 168 registers (234 uncapped; no spills in the loop) and 66 KB: 3 programs an SM, not 2 (V4.1: 15.4 ->
-# 12.9 ms); ``late_keys``, 3 barriers and ~386 SASS a common loop step instead of 6 and ~411.
+# 12.9 ms); ``late_keys``, 3 barriers and 384 SASS a common loop step instead of 6 and 409.
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: torch.Tensor,
