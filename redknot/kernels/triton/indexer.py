@@ -83,10 +83,14 @@ class IndexerXConfig:
 
 
 @triton.jit
-def _pack(score, ids):
+def _order_bits(score):   # fp32 scores as int32 in the same order: the high word of ``_pack``'s key
     bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered.to(tl.int64) << 32) | (2147483647 - ids.to(tl.int64))
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _pack(score, ids):
+    return (_order_bits(score).to(tl.int64) << 32) | (2147483647 - ids.to(tl.int64))
 
 
 @triton.jit
@@ -391,13 +395,9 @@ INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
     IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168, late_keys=True),
 ])
 # Measured on the H200 (ms; prefill chunk of 8192 queries at 8K / decode b2 at 8K): heads on N 2.44 / 0.57;
-# heads on M 2.87 / 0.39; heads on M, 128-entry blocks 3.13 / 0.36. Dropped after measuring: 4 tokens per
-# tile with heads on N 2.55; 4 pipeline stages 2.88; block-table lookups a block ahead (``prefetch``) 2.87.
-# The ``IndexerXConfig`` shapes (the pipelined prefill form) run only in prefill classes (a decode class skips
-# them as failures) after a first-use check against the float64 oracle. ``cut="select"`` took V4.1's expanded
-# stream from 22.1 to 17.6 ms (H100, 2026-12-06). Not measured for V4 (sm_90a, V4 width): ``max_regs=168`` at 2
-# stages, 168 registers (234 uncapped; no spills in the loop) and 66 KB: 3 programs an SM, not 2 (V4.1: 15.4 ->
-# 12.9 ms); ``late_keys``, 3 barriers and 384 SASS a common loop step instead of 6 and 409.
+# heads on M 2.87 / 0.39; heads on M, 128-entry blocks 3.13 / 0.36. Dropped: 4 tokens a tile, heads on N 2.55;
+# 4 stages 2.88; ``prefetch`` 2.87. ``IndexerXConfig``: prefill classes only, after a first-use check; V4.1's stream
+# (H100): select 22.1 -> 17.6 ms, max_regs 15.4 -> 12.9. V4 untimed (sm_90a: max_regs 3 programs an SM, not 2).
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: torch.Tensor,

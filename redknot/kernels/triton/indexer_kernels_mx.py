@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from redknot.kernels.triton.indexer import _EMPTY, _append, _pack, _store_best
+from redknot.kernels.triton.indexer import _EMPTY, _append, _order_bits, _pack, _store_best
 from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
 
 
@@ -382,8 +382,7 @@ def _stream_x_rows(kx_ptr, q_t, w, rows_ok, t64, vis, rows, e_lo, e_hi, n_blocks
             if BF16:
                 s = s.to(tl.bfloat16).to(tl.float32)
             if LATE_KEYS:   # the order bits of _pack against the bars' high words: no key beats a bar without
-                bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
-                high = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                high = _order_bits(tl.where(s == 0.0, 0.0, s))
                 seen = ok[None, :] & (ents[None, :] < vis[:, None]) & rows_ok[:, None]
                 near = seen & (high >= (theta >> 32).to(tl.int32)[:, None])
                 if tl.max(tl.max(near.to(tl.int32), 1), 0) > 0:   # keys, masks and their layouts only here
