@@ -398,17 +398,25 @@ INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
 # heads on M 2.87 / 0.39; heads on M, 128-entry blocks 3.13 / 0.36. Dropped: 4 tokens a tile, heads on N 2.55;
 # 4 stages 2.88; ``prefetch`` 2.87. ``IndexerXConfig``: prefill classes only, after a first-use check; V4.1's stream
 # (H100): select 22.1 -> 17.6 ms, max_regs 15.4 -> 12.9. V4 untimed (sm_90a: max_regs 3 programs an SM, not 2).
+TUNE_ENTRIES = 1 << 16   # prefill classes: the longest stream's entries as a power of two, counts above merged
+
+
+def prefill_entry_class(max_entries: int | None) -> int:
+    """The stream-length part of a prefill tuning class (0: not known on the host, one class for every length)."""
+    return 0 if max_entries is None else min(next_pow2(max(int(max_entries), 1)), TUNE_ENTRIES)
 
 
 def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: torch.Tensor,
                        query_start_loc: torch.Tensor, keys: torch.Tensor, block_table: torch.Tensor, ratio: int,
                        block_size: int, topk: int, scale: float, out: torch.Tensor | None = None,
-                       config: IndexerConfig | IndexerXConfig | None = None) -> torch.Tensor:
+                       config: IndexerConfig | IndexerXConfig | None = None,
+                       max_entries: int | None = None) -> torch.Tensor:
     """Top-``topk`` entry ids per token, ``[T, topk]`` (int32 unless ``out`` says otherwise), ``-1`` padded.
 
     q ``[T, H, DI]`` (roped indexer queries), weights ``[T, H]``, keys ``[num_blocks, block_size // ratio,
     DI]`` paged through ``block_table [B, max_blocks]``; positions ``[T]``; ``query_start_loc [B+1]``.
-    ``config=None`` picks the launch shape by measurement per problem class.
+    ``config=None`` picks the launch shape by measurement per problem class; ``max_entries`` (the most entries a
+    token sees, from the host's context lengths) splits prefill classes by stream length (``prefill_entry_class``).
     """
     T, H, DI = q.shape
     check_last_dim_contiguous("q", q)
@@ -422,7 +430,8 @@ def indexer_topk_paged(q: torch.Tensor, weights: torch.Tensor, *, positions: tor
             "keys": keys, "block_table": block_table, "ratio": ratio, "block_size": block_size, "topk": topk,
             "scale": scale, "out": out}
     if config is None:
-        key = ("decode" if T < 2 * sm_count(q) else "prefill", H, DI, topk, str(q.dtype))
+        key = ("decode", H, DI, topk, str(q.dtype)) if T < 2 * sm_count(q) else \
+            ("prefill", H, DI, topk, str(q.dtype)) + ((prefill_entry_class(max_entries),) if max_entries else ())
         config = INDEXER_TUNER.pick(key, lambda cfg: _run(cfg, args), q.device)
     return _run(config, args)
 
@@ -550,11 +559,12 @@ def first_use_ok(cfg: IndexerXConfig, device: torch.device, dtype: torch.dtype =
         return False  # no check inside a CUDA-graph capture: run the shape once before capturing it
     if key not in _FIRST_USE:
         try:
-            args, scores = check_inputs(device, dtype, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
             from redknot.kernels.triton.checks.indexer import (
                 RTOL_RANDOM,
+                check_inputs,
                 topk_violations,
             )
+            args, scores = check_inputs(device, dtype, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF)
             got = _launch_x(cfg, **args)
             bad = topk_violations(got, scores, args["positions"], args["ratio"], args["topk"], rtol=RTOL_RANDOM)
             if bad:
@@ -565,36 +575,6 @@ def first_use_ok(cfg: IndexerXConfig, device: torch.device, dtype: torch.dtype =
                         type(exc).__name__, str(exc).splitlines()[0][:160] if str(exc) else "")
             _FIRST_USE[key] = False
     return _FIRST_USE[key]
-
-
-def check_inputs(device, dtype=torch.bfloat16, *, seed: int, heads: int = 64, dim: int = 128, topk: int = 512,
-                 ratio: int = 4, block_size: int = 256, ctx: int = 12000, new: int = 48, short: int = 16):
-    """``_launch_x`` keyword arguments for two sequences (``new`` queries after ``ctx`` tokens; ``short`` queries
-    from position 0) over a shuffled paged pool of fresh random keys, and their float64 scores ``[T, N]``."""
-    g = torch.Generator().manual_seed(seed)
-    lens = [ctx + new, short]
-    pages = [cdiv(n, block_size) + 1 for n in lens]
-    perm = torch.randperm(sum(pages) + 2, generator=g)
-    width = max(pages)
-    bt = torch.zeros(2, width, dtype=torch.int32)
-    bt[0, :pages[0]], bt[1, :pages[1]] = perm[:pages[0]].int(), perm[pages[0]:pages[0] + pages[1]].int()
-    pos = torch.cat([torch.arange(ctx, ctx + new), torch.arange(short)]).int()
-    t = new + short
-    q = torch.randn(t, heads, dim, generator=g).to(dtype)
-    w = torch.randn(t, heads, generator=g)
-    keys = torch.randn(sum(pages) + 2, block_size // ratio, dim, generator=g).to(dtype)
-    scores = torch.full((t, (ctx + new) // ratio), float("-inf"), dtype=torch.float64)
-    for i in range(t):
-        b = 0 if i < new else 1
-        n = (int(pos[i]) + 1) // ratio
-        e = torch.arange(n)
-        rows = keys[bt[b, (e * ratio) // block_size].long(), e % (block_size // ratio)].double()   # [n, dim]
-        scores[i, :n] = (torch.relu(q[i].double() @ rows.T) * w[i].double()[:, None]).sum(0) * dim ** -0.5
-    args = {"q": q.to(device), "weights": w.to(device), "positions": pos.to(device),
-            "query_start_loc": torch.tensor([0, new, t], dtype=torch.int32, device=device), "keys": keys.to(device),
-            "block_table": bt.to(device), "ratio": ratio, "block_size": block_size, "topk": topk,
-            "scale": dim ** -0.5, "out": torch.empty(t, topk, dtype=torch.int32, device=device)}
-    return args, scores.to(device)
 
 
 from redknot.kernels.triton import indexer_kernels_mx as _kx

@@ -260,9 +260,13 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor,
     k2 = next_pow2(topk)  # the selection runs on a power of two; the best `topk` lead its list
     ids = torch.empty(q.shape[0], k2, dtype=torch.long, device=q.device)  # [T, topk]
     w = weights if weights.stride(-1) == 1 else weights.contiguous()   # the kernels take a row stride
+    # the longest stream, from the host's lists (a tensor-only step's lists describe shapes, not this step)
+    longest = None if meta.tensor_only else max((c + n) // ratio for c, n in zip(meta.context_lens,
+                                                                               meta.num_tokens_per_seq))
     indexer.indexer_topk_paged(q.contiguous(), w, positions=step_tensors(meta).positions,
                                query_start_loc=meta.query_start_loc, keys=key_pool, block_table=meta.block_tables,
-                               ratio=ratio, block_size=ratio * key_pool.shape[1], topk=k2, scale=scale, out=ids)
+                               ratio=ratio, block_size=ratio * key_pool.shape[1], topk=k2, scale=scale, out=ids,
+                               max_entries=longest)
     return ids[:, :topk]
 
 

@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from redknot.kernels.triton import indexer
+from redknot.kernels.triton.checks import indexer as indexer_checks
 from redknot.kernels.triton.checks.common import paged_step
 from redknot.kernels.triton.checks.indexer import (
     RTOL_RANDOM,
@@ -85,6 +86,35 @@ def test_config_text_keeps_the_stored_names_and_names_the_register_cap():
     assert capped in CANDIDATES
     late = IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168, late_keys=True)
     assert repr(late).endswith("cut='select', max_regs=168, late_keys=True)") and late in CANDIDATES
+
+
+def test_the_stream_length_class_rounds_up_to_a_power_of_two_and_merges_long_streams():
+    assert indexer.prefill_entry_class(None) == 0
+    assert [indexer.prefill_entry_class(n) for n in (0, 1, 3, 78, 2048, 2049)] == [1, 1, 4, 128, 2048, 4096]
+    assert indexer.prefill_entry_class(indexer.TUNE_ENTRIES + 1) == indexer.TUNE_ENTRIES
+    assert indexer.prefill_entry_class(1 << 20) == indexer.TUNE_ENTRIES
+
+
+def test_the_op_tunes_prefill_chunks_per_stream_length_and_decode_steps_in_one_class(kernel_device, monkeypatch):
+    """The op reads the longest stream from the step's host lists (no device sync): chunks deeper into a context
+    are timed as their own class, so a shape that wins only on long streams can be picked there. Decode-sized
+    steps keep one class. The tuner itself runs (a spy records its keys); the ids stay a valid top-k."""
+    from redknot.kernels.triton import ops
+    keys_seen = []
+    real_pick = indexer.INDEXER_TUNER.pick
+
+    def spy(key, run, device):
+        keys_seen.append(key)
+        return real_pick(key, run, device)
+    monkeypatch.setattr(indexer.INDEXER_TUNER, "pick", spy)
+    seed = _fresh_seed()
+    for ctx, new in (([300, 40], [12, 4]), ([1000, 40], [12, 4]), ([40, 9], [1, 1])):
+        meta, q, w, keys = _inputs(kernel_device, ctx, new, seed)
+        got = ops.indexer_topk(q, w, keys, meta, RATIO, 8, DIM ** -0.5)
+        _assert_valid(got, meta, q, w, keys, 8)
+    base = (HEADS, DIM, 8, "torch.float32")
+    # 16 tokens on the CPU's nominal 8 SMs: prefill; longest streams 312 // 4 = 78 and 1012 // 4 = 253 entries
+    assert keys_seen == [("prefill", *base, 128), ("prefill", *base, 256), ("decode", *base)]
 
 
 CASES = [  # (context lengths, new tokens per sequence): ragged, rows seeing no entry, short rows
@@ -168,12 +198,12 @@ def test_negative_control_a_wrong_selection_fails(kernel_device):
     assert topk_violations(swapped, scores, meta.positions, RATIO, 8, rtol=RTOL_RANDOM), seed
 
 
-_toy_check_inputs = functools.partial(indexer.check_inputs, heads=HEADS, dim=DIM, topk=8, block_size=BLOCK, ctx=300,
-                                      new=4, short=3)   # the first-use inputs at interpreter size
+_toy_check_inputs = functools.partial(indexer_checks.check_inputs, heads=HEADS, dim=DIM, topk=8, block_size=BLOCK,
+                                      ctx=300, new=4, short=3)   # the first-use inputs at interpreter size
 
 
 def test_the_first_use_check_passes_a_right_kernel_and_fails_a_wrong_one(kernel_device, monkeypatch):
-    monkeypatch.setattr(indexer, "check_inputs", _toy_check_inputs)
+    monkeypatch.setattr(indexer_checks, "check_inputs", _toy_check_inputs)
     monkeypatch.setattr(indexer, "_FIRST_USE", {})
     assert indexer.first_use_ok(SHAPES[1], torch.device(kernel_device), torch.float32)
     wrong = IndexerXConfig(2, 16, 4, 2)

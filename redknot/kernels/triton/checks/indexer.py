@@ -177,3 +177,33 @@ def _indexer_poisoned_row(d: Dims, meta, q, w, keys, exact: Optional[torch.Tenso
     bad = topk_violations(out, scores, meta.positions, d.csa_ratio, d.topk, rtol=RTOL_RANDOM)
     return CheckResult("indexer_topk", f"2 splits, poisoned: {case}", dt, unwritten == 0 and not bad,
                        len(bad) / max(q.shape[0], 1), 0.0, f"{unwritten} unwritten; " + ("; ".join(bad[:2]) or "valid"))
+
+
+def check_inputs(device, dtype=torch.bfloat16, *, seed: int, heads: int = 64, dim: int = 128, topk: int = 512,
+                 ratio: int = 4, block_size: int = 256, ctx: int = 12000, new: int = 48, short: int = 16):
+    """``_launch_x`` keyword arguments for two sequences (``new`` queries after ``ctx`` tokens; ``short`` queries
+    from position 0) over a shuffled paged pool of fresh random keys, and their float64 scores ``[T, N]``."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [ctx + new, short]
+    pages = [indexer.cdiv(n, block_size) + 1 for n in lens]
+    perm = torch.randperm(sum(pages) + 2, generator=g)
+    width = max(pages)
+    bt = torch.zeros(2, width, dtype=torch.int32)
+    bt[0, :pages[0]], bt[1, :pages[1]] = perm[:pages[0]].int(), perm[pages[0]:pages[0] + pages[1]].int()
+    pos = torch.cat([torch.arange(ctx, ctx + new), torch.arange(short)]).int()
+    t = new + short
+    q = torch.randn(t, heads, dim, generator=g).to(dtype)
+    w = torch.randn(t, heads, generator=g)
+    keys = torch.randn(sum(pages) + 2, block_size // ratio, dim, generator=g).to(dtype)
+    scores = torch.full((t, (ctx + new) // ratio), float("-inf"), dtype=torch.float64)
+    for i in range(t):
+        b = 0 if i < new else 1
+        n = (int(pos[i]) + 1) // ratio
+        e = torch.arange(n)
+        rows = keys[bt[b, (e * ratio) // block_size].long(), e % (block_size // ratio)].double()   # [n, dim]
+        scores[i, :n] = (torch.relu(q[i].double() @ rows.T) * w[i].double()[:, None]).sum(0) * dim ** -0.5
+    args = {"q": q.to(device), "weights": w.to(device), "positions": pos.to(device),
+            "query_start_loc": torch.tensor([0, new, t], dtype=torch.int32, device=device), "keys": keys.to(device),
+            "block_table": bt.to(device), "ratio": ratio, "block_size": block_size, "topk": topk,
+            "scale": dim ** -0.5, "out": torch.empty(t, topk, dtype=torch.int32, device=device)}
+    return args, scores.to(device)
