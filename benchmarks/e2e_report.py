@@ -59,17 +59,21 @@ def tables(res: dict) -> List[str]:
                          f"{100 * p['roof']:6.1f}% {_x(p['hf_s'], '6.2f'):>6} {_speedup(p['speedup']):>8} "
                          f"{p['peak_gib']:8.1f} {1e3 * p['last_chunk_s']:13.1f}")
     if res["decode"]:
-        lines += ["", f"decode step (mean of 8 steps, eager and replayed from a CUDA graph; floor = weights + "
-                      f"caches read once at {H200.hbm_bytes_per_s / 1e12:.2f} TB/s)",
+        lines += ["", f"decode step (mean of 8 steps, eager and replayed from a CUDA graph, each step synced; b2b: 8 "
+                      f"replays back to back, inputs copied on the device; floor = weights + caches read once at "
+                      f"{H200.hbm_bytes_per_s / 1e12:.2f} TB/s)",
                   f"{'context':>7} {'batch':>5} {'step ms':>8} {'min-max ms':>13} {'floor ms':>8} {'% roof':>7} "
-                  f"{'tok/s':>8} {'HF ms':>6} {'speedup':>8} {'graph ms':>8} {'% roof':>7} {'graph err':>9}"]
+                  f"{'tok/s':>8} {'HF ms':>6} {'speedup':>8} {'graph ms':>8} {'% roof':>7} {'graph err':>9} "
+                  f"{'b2b ms':>7} {'% roof':>7}"]
         for d in res["decode"]:
             spread = f"{1e3 * d.get('min_s', d['step_s']):.1f}-{1e3 * d.get('max_s', d['step_s']):.1f}"
             lines.append(f"{d['n']:>7} {d['batch']:>5} {1e3 * d['step_s']:8.2f} {spread:>13} {1e3 * d['floor_s']:8.3f} "
                          f"{100 * d['roof']:6.1f}% {d['tokens_per_s']:8.0f} {_x(d['hf_s'] and 1e3 * d['hf_s'], '6.1f'):>6} "
                          f"{_speedup(d['speedup']):>8} {_x(d.get('graph_step_s') and 1e3 * d['graph_step_s'], '8.2f'):>8} "
                          f"{_x(d.get('graph_roof') and 100 * d['graph_roof'], '6.1f'):>6}% "
-                         f"{_x(d.get('graph_row_err'), '9.2e'):>9}")
+                         f"{_x(d.get('graph_row_err'), '9.2e'):>9} "
+                         f"{_x(d.get('graph_b2b_s') and 1e3 * d['graph_b2b_s'], '7.2f'):>7} "
+                         f"{_x(d.get('graph_b2b_roof') and 100 * d['graph_b2b_roof'], '6.1f'):>6}%")
     if res["ops"]:
         lines += ["", "time per registry op in one step (CUDA events; share of the step's wall time)"]
         for case in dict.fromkeys(o["case"] for o in res["ops"]):
@@ -122,11 +126,13 @@ def report(run) -> int:
         out = Path(run.args.out)
         save_partial(run)
         (out / "e2e.txt").write_text(text + "\n")
-        rows = ["kind,context,batch,seconds,floor_s,roof,hf_s,speedup,peak_gib,graph_seconds,graph_roof"]
+        rows = ["kind,context,batch,seconds,floor_s,roof,hf_s,speedup,peak_gib,graph_seconds,graph_roof,"
+                "graph_b2b_seconds,graph_b2b_roof"]
         rows += [f"prefill,{p['n']},1,{p['seconds']},{p['floor_s']},{p['roof']},{p['hf_s'] or ''},"
-                 f"{p['speedup'] or ''},{p['peak_gib']},," for p in res["prefill"]]
+                 f"{p['speedup'] or ''},{p['peak_gib']},,,," for p in res["prefill"]]
         rows += [f"decode,{d['n']},{d['batch']},{d['step_s']},{d['floor_s']},{d['roof']},{d['hf_s'] or ''},"
-                 f"{d['speedup'] or ''},,{d.get('graph_step_s', '')},{d.get('graph_roof', '')}" for d in res["decode"]]
+                 f"{d['speedup'] or ''},,{d.get('graph_step_s', '')},{d.get('graph_roof', '')},"
+                 f"{d.get('graph_b2b_s', '')},{d.get('graph_b2b_roof', '')}" for d in res["decode"]]
         (out / "e2e.csv").write_text("\n".join(rows) + "\n")
     bad_parity = any(p["path"] == "check" and not p["ok"] for p in res["parity"])
     bad_tiny = any(not t["equal"] for t in res["tiny"])
