@@ -210,7 +210,7 @@ def build_cut(run: Run, dtype: torch.dtype) -> DeepseekV4:
     # the first at a position that closes a CSA and an HCA window (the compressors' decode-time shapes).
     # A full chunk first: the sweep's first context is then timed without the compilations and tuning of a
     # chunk one row longer than the warm-up's below.
-    n = min(8192, max(list(run.args.prefill) + list(run.args.decode) or [8192]))
+    n = min(max(8192, run.args.chunk), max(list(run.args.prefill) + list(run.args.decode) or [8192]))
     full = CutDriver(model, 1, n)
     full.prefill(random_ids(n, model.cfg.vocab_size, 2), min(run.args.chunk, n))
     del full
