@@ -90,6 +90,19 @@ def route_by_expert(topk_ids: torch.Tensor, num_experts: int):
     return order // topk_ids.shape[1], inv, offs
 
 
+def gate_up_stack(w1: torch.Tensor, w3: torch.Tensor) -> Optional[torch.Tensor]:
+    """``[E, 2I, D]``: w1 and w3 as one stack, where each expert's w3 rows follow its w1 rows in one storage
+    (``Experts.fuse_gate_up``); None otherwise."""
+    if w1.dim() != 3 or w1.shape != w3.shape or w1.dtype != w3.dtype or w1.stride() != w3.stride():
+        return None
+    e, inter, d = w1.shape
+    if w1.stride() != (2 * inter * d, d, 1) or w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return None
+    if w3.storage_offset() != w1.storage_offset() + inter * d:
+        return None
+    return w1.as_strided((e, 2 * inter, d), w1.stride())
+
+
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
                    w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows of ``a`` grouped by ``offs`` (ends) times their group's ``w[g] [N, K]`` transposed → ``[M, N]``.
@@ -177,8 +190,14 @@ def _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, w1_scale, w2_
         return out.copy_((one_expert_rows(x, w1[0], w2[0], w3[0], swiglu_limit).float() * weight).to(out.dtype))
     rows, inv, offs = route_by_expert(topk_ids, w1.shape[0])
     xs = x.index_select(0, rows)  # [T*k, D] sorted by expert
-    act = swiglu(grouped_linear(xs, w1, offs, w1_scale), grouped_linear(xs, w3, offs, w3_scale),
-                 swiglu_limit)  # [T*k, I]
+    w13 = gate_up_stack(w1, w3) if w1_scale is None else None
+    if w13 is not None:  # gate and up as one grouped GEMM [T*k, 2I]: xs read once, twice the N of each half
+        inter = w1.shape[1]
+        y13 = grouped_linear(xs, w13, offs)
+        act = swiglu(y13[:, :inter], y13[:, inter:], swiglu_limit)  # [T*k, I]
+    else:
+        act = swiglu(grouped_linear(xs, w1, offs, w1_scale), grouped_linear(xs, w3, offs, w3_scale),
+                     swiglu_limit)  # [T*k, I]
     y = grouped_linear(act, w2, offs, w2_scale)  # [T*k, D]
     bd = min(1024, next_pow2(D))
     weights = topk_weights.to(torch.float32).contiguous()

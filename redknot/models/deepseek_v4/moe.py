@@ -65,6 +65,21 @@ class Experts(nn.Module):
         # row of the stacks. None: row e is expert e (all of them).
         self.logical_ids: Optional[Tuple[int, ...]] = None
 
+    def fuse_gate_up(self) -> int:
+        """Float experts: w1 and w3 keep their Parameters but view one ``[E, 2I, D]`` stack (each expert's w3 rows
+        after its w1 rows), so the routed experts' gate and up projections of a prefill run as one grouped GEMM
+        (``moe.gate_up_stack``). Checkpoint names and in-place loads are unchanged; restacking (``keep_only``)
+        makes them separate again. Returns the launches a layer saves (0: quantised, meta, or already fused)."""
+        w1, w3 = self.w1, self.w3
+        if self.w1_scale is not None or w1.device.type == "meta" or w1.dim() != 3:
+            return 0
+        inter = w1.shape[1]
+        if w1.stride(0) == 2 * inter * w1.shape[2]:   # already views of a stack
+            return 0
+        stack = torch.cat([w1.detach(), w3.detach()], dim=1)  # [E, 2I, D]
+        w1.data, w3.data = stack[:, :inter], stack[:, inter:]
+        return 1
+
     def keep_only(self, logical_ids: Sequence[int]) -> None:
         """Restack to these experts, in this order (an id may repeat: a replica). Works before loading
         (meta tensors: only the shapes change, and the loader then fills just these rows) and after."""
