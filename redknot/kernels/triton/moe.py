@@ -91,16 +91,17 @@ def route_by_expert(topk_ids: torch.Tensor, num_experts: int):
 
 
 def gate_up_stack(w1: torch.Tensor, w3: torch.Tensor) -> Optional[torch.Tensor]:
-    """``[E, 2I, D]``: w1 and w3 as one stack, where each expert's w3 rows follow its w1 rows in one storage
-    (``Experts.fuse_gate_up``); None otherwise."""
-    if w1.dim() != 3 or w1.shape != w3.shape or w1.dtype != w3.dtype or w1.stride() != w3.stride():
+    """``[E, 2I, D]`` (or ``[2I, D]`` for one expert's ``[I, D]``): w1 and w3 as one stack, where each expert's w3
+    rows follow its w1 rows in one storage (``Experts.fuse_gate_up``, ``SharedExpert.fuse_gate_up``); else None."""
+    if w1.dim() not in (2, 3) or w1.shape != w3.shape or w1.dtype != w3.dtype or w1.stride() != w3.stride():
         return None
-    e, inter, d = w1.shape
-    if w1.stride() != (2 * inter * d, d, 1) or w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+    inter, d = w1.shape[-2:]
+    if w1.stride() != (2 * inter * d, d, 1)[3 - w1.dim():]:
         return None
-    if w3.storage_offset() != w1.storage_offset() + inter * d:
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr() or \
+            w3.storage_offset() != w1.storage_offset() + inter * d:
         return None
-    return w1.as_strided((e, 2 * inter, d), w1.stride())
+    return w1.as_strided((*w1.shape[:-2], 2 * inter, d), w1.stride())
 
 
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,
@@ -174,8 +175,12 @@ def gemv_plan(x: torch.Tensor, k: int, w1: torch.Tensor, w2: torch.Tensor, w3: t
 
 def one_expert_rows(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                     swiglu_limit: Optional[float]) -> torch.Tensor:
-    """One expert's ``W2 swiglu(W1 x, W3 x)`` for every row (three library GEMMs and the SwiGLU), unweighted:
-    ``[T, D]`` in x's dtype."""
+    """One expert's ``W2 swiglu(W1 x, W3 x)`` for every row (three library GEMMs and the SwiGLU; two where w1 and
+    w3 are one stack, ``gate_up_stack``), unweighted: ``[T, D]`` in x's dtype."""
+    w13 = gate_up_stack(w1, w3)
+    if w13 is not None:
+        y13 = F.linear(x, w13)   # [T, 2I]
+        return F.linear(swiglu(y13[:, :w1.shape[0]], y13[:, w1.shape[0]:], swiglu_limit), w2)
     return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), swiglu_limit), w2)
 
 

@@ -14,7 +14,7 @@ from redknot.kernels import KernelSet
 from redknot.models.deepseek_v4.block import Block, MTPLayer
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.layers import Embedding, Linear, LinearGroup, Norm
-from redknot.models.deepseek_v4.moe import Experts
+from redknot.models.deepseek_v4.moe import Experts, SharedExpert
 from redknot.models.deepseek_v4.params import FLOAT, ParamFactory
 from redknot.models.deepseek_v4.rope import RopeTables
 from redknot.models.deepseek_v4.state import V4State
@@ -129,11 +129,11 @@ class DeepseekV4(nn.Module):
     def fuse_projections(self) -> int:
         """Concatenate the weights of the linears that read one input (each attention layer's projections of
         x, and of the q latent) so that each group runs as one linear per storage format, and the routed
-        experts' float gate and up stacks (one grouped GEMM of a prefill, ``Experts.fuse_gate_up``); the
+        experts' and the shared expert's float gate and up stacks (one GEMM each, ``Experts.fuse_gate_up``); the
         parameters keep their names and view the concatenations. Returns the linear launches a step saves (0 on
         the meta device)."""
         for m in self.modules():
-            if isinstance(m, Experts):
+            if isinstance(m, (Experts, SharedExpert)):
                 m.fuse_gate_up()
         return sum(m.fuse() for m in self.modules() if isinstance(m, LinearGroup))
 

@@ -70,15 +70,9 @@ class Experts(nn.Module):
         after its w1 rows), so the routed experts' gate and up projections of a prefill run as one grouped GEMM
         (``moe.gate_up_stack``). Checkpoint names and in-place loads are unchanged; restacking (``keep_only``)
         makes them separate again. Returns the launches a layer saves (0: quantised, meta, or already fused)."""
-        w1, w3 = self.w1, self.w3
-        if self.w1_scale is not None or w1.device.type == "meta" or w1.dim() != 3:
+        if self.w1_scale is not None:
             return 0
-        inter = w1.shape[1]
-        if w1.stride(0) == 2 * inter * w1.shape[2]:   # already views of a stack
-            return 0
-        stack = torch.cat([w1.detach(), w3.detach()], dim=1)  # [E, 2I, D]
-        w1.data, w3.data = stack[:, :inter], stack[:, inter:]
-        return 1
+        return _stack_gate_up(self.w1, self.w3)
 
     def keep_only(self, logical_ids: Sequence[int]) -> None:
         """Restack to these experts, in this order (an id may repeat: a replica). Works before loading
@@ -101,6 +95,26 @@ class SharedExpert(nn.Module):
         self.w1 = Linear(f, inter, d, f.linear_fmt)
         self.w2 = Linear(f, d, inter, f.linear_fmt)
         self.w3 = Linear(f, inter, d, f.linear_fmt)
+
+    def fuse_gate_up(self) -> int:
+        """As ``Experts.fuse_gate_up`` for the one expert: w1 and w3 view one ``[2I, D]`` stack (float weights)."""
+        if self.w1.scale is not None:
+            return 0
+        return _stack_gate_up(self.w1.weight, self.w3.weight)
+
+
+def _stack_gate_up(w1: nn.Parameter, w3: nn.Parameter) -> int:
+    """w1 and w3 (``[..., I, D]``) keep their Parameters but view one stack, each expert's w3 rows after its w1
+    rows; 1 if they were stacked now, 0 on the meta device or where they already are."""
+    if w1.device.type == "meta" or w1.shape != w3.shape or w1.dim() not in (2, 3):
+        return 0
+    inter, d = w1.shape[-2:]
+    if w1.stride()[0] == (2 * inter * d if w1.dim() == 3 else d) and \
+            w3.data_ptr() == w1.data_ptr() + inter * d * w1.element_size():   # already views of a stack
+        return 0
+    stack = torch.cat([w1.detach(), w3.detach()], dim=-2)   # [..., 2I, D]
+    w1.data, w3.data = stack[..., :inter, :], stack[..., inter:, :]
+    return 1
 
 
 class MoE(nn.Module):

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from redknot.kernels import KernelSet
 from redknot.kernels.triton import moe
 from redknot.models.deepseek_v4.model import DeepseekV4
-from redknot.models.deepseek_v4.moe import Experts
+from redknot.models.deepseek_v4.moe import Experts, SharedExpert
 from redknot.models.deepseek_v4.synthetic import TINY_ARCHITECTURE, randomize_, synthetic_config
 
 
@@ -39,6 +39,9 @@ def test_the_stack_is_recognised_only_where_w3_follows_w1_in_one_storage():
     other = torch.cat([w1, w3, w3], dim=1)                        # rows in between: strides differ
     assert moe.gate_up_stack(other[:, :8], other[:, 8:16]) is None
     assert moe.gate_up_stack(f1, f3.clone()) is None
+    s1, s3 = _stacked(w1[:1], w3[:1])                             # one expert's [I, D] halves (the shared expert)
+    assert torch.equal(moe.gate_up_stack(s1[0], s3[0]), torch.cat([w1[0], w3[0]]))
+    assert moe.gate_up_stack(w1[0], w3[0]) is None and moe.gate_up_stack(s3[0], s1[0]) is None
 
 
 @pytest.mark.parametrize("tokens,k,limit,dtype", [(9, 2, None, torch.bfloat16), (33, 3, 0.7, torch.bfloat16),
@@ -69,22 +72,53 @@ def test_one_gate_up_gemm_gives_the_rows_of_two(tokens, k, limit, dtype, kernel_
     torch.testing.assert_close(one, two, **tol)
     swapped = moe.moe_experts(x, ids, wts, f3, w2, f1, limit)   # the stack's halves are not interchangeable
     assert not torch.allclose(swapped.float(), two.float(), rtol=0.1, atol=0.1)
+    # one expert (the shared expert's path): one GEMM for both halves, the same rows as two
+    shared = moe.one_expert_rows(x, f1[2], w2[2], f3[2], limit)
+    torch.testing.assert_close(shared, moe.one_expert_rows(x, w1[2], w2[2], w3[2], limit), **tol)
 
 
 def test_the_model_fuses_its_float_experts_and_keeps_names_values_and_loads():
+    """``fuse_projections`` stacks every routed and shared expert's gate and up weights: the state dict keeps
+    its names and values, an in-place load writes into the stack, the model's logits are unchanged."""
     cfg = synthetic_config(TINY_ARCHITECTURE, quantize_fp8=False)
     plain = DeepseekV4(cfg, torch.float32, device="cpu", kernels=KernelSet(), with_mtp=False)
     randomize_(plain, seed=3)
     fused = copy.deepcopy(plain)
     fused.fuse_projections()
     experts = [m for m in fused.modules() if isinstance(m, Experts)]
+    shared = [m for m in fused.modules() if isinstance(m, SharedExpert)]
     assert experts and all(moe.gate_up_stack(m.w1, m.w3) is not None for m in experts)
-    assert all(m.fuse_gate_up() == 0 for m in experts)            # once only
+    assert shared and all(moe.gate_up_stack(m.w1.weight, m.w3.weight) is not None for m in shared)
+    assert all(m.fuse_gate_up() == 0 for m in experts + shared)   # once only
     a, b = plain.state_dict(), fused.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    triton = KernelSet("triton")
+    for m in (plain, fused):
+        m.set_kernels(triton)
+    meta, state = _prefill(plain.cfg)
+    want = plain.compute_logits(plain(meta, state[0])[meta.logits_indices])
+    got = fused.compute_logits(fused(meta, state[1])[meta.logits_indices])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     ex = experts[0]
     fresh = torch.randn_like(ex.w3)
     ex.w3.data.copy_(fresh)                                      # an in-place load writes into the stack
     assert torch.equal(moe.gate_up_stack(ex.w1, ex.w3)[:, ex.w1.shape[1]:], fresh)
     ex.keep_only([1, 0])                                          # a restack: separate again, still right
     assert moe.gate_up_stack(ex.w1, ex.w3) is None and torch.equal(ex.w3[1], fresh[0])
+
+
+def _prefill(cfg):
+    """One 40-token prefill of two sequences (past the GEMV rows: the grouped and the library GEMMs run)."""
+    from redknot.models.deepseek_v4.state import StateLayout, V4State
+    from redknot.step.metadata import StepMetadata
+    layout = StateLayout.create(cfg, block_size=128, kv_bytes=4)
+    lengths = [40, 23]
+    tables, at = [], 0
+    for n in lengths:
+        need = layout.blocks_for(n)
+        tables.append(list(range(at, at + need)))
+        at += need
+    gen = torch.Generator().manual_seed(11)
+    ids = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    meta = StepMetadata.build(ids, [0, 0], [0, 1], tables)
+    return meta, [V4State.allocate(cfg, layout, 2, at, "cpu", torch.float32) for _ in range(2)]
