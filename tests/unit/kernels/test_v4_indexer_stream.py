@@ -107,13 +107,14 @@ def test_the_op_tunes_prefill_chunks_per_stream_length_and_decode_steps_in_one_c
         keys_seen.append(key)
         return real_pick(key, run, device)
     monkeypatch.setattr(indexer.INDEXER_TUNER, "pick", spy)
+    monkeypatch.setattr(indexer, "sm_count", lambda t: 8)   # the CPU's nominal count on any device: 16 rows prefill
     seed = _fresh_seed()
     for ctx, new in (([300, 40], [12, 4]), ([1000, 40], [12, 4]), ([40, 9], [1, 1])):
         meta, q, w, keys = _inputs(kernel_device, ctx, new, seed)
         got = ops.indexer_topk(q, w, keys, meta, RATIO, 8, DIM ** -0.5)
         _assert_valid(got, meta, q, w, keys, 8)
     base = (HEADS, DIM, 8, "torch.float32")
-    # 16 tokens on the CPU's nominal 8 SMs: prefill; longest streams 312 // 4 = 78 and 1012 // 4 = 253 entries
+    # 16 tokens on 8 SMs: prefill; longest streams 312 // 4 = 78 and 1012 // 4 = 253 entries
     assert keys_seen == [("prefill", *base, 128), ("prefill", *base, 256), ("decode", *base)]
 
 
