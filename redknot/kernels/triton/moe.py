@@ -207,9 +207,11 @@ def _moe_rows(x, topk_ids, topk_weights, w1, w2, w3, swiglu_limit, w1_scale, w2_
     bd = min(1024, next_pow2(D))
     weights = topk_weights.to(torch.float32).contiguous()
     aw = None if add is None else add_weight.reshape(T).to(torch.float32).contiguous()
+    # no fused multiply-adds: each weighted row is rounded before it is added, as PyTorch's mul and add round it
+    # (in fp32 an FMA would skip that rounding, and the shared rows added here would differ from two calls' sum)
     _combine[(T, triton.cdiv(D, bd))](y, inv, weights, out, y if add is None else add, weights if aw is None else aw,
                                       D, y.stride(0), out.stride(0), 0 if add is None else add.stride(0), K=k,
-                                      BLOCK_D=bd, ADD=add is not None, num_warps=4)
+                                      BLOCK_D=bd, ADD=add is not None, num_warps=4, enable_fp_fusion=False)
     return out
 
 
