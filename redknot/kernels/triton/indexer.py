@@ -391,13 +391,12 @@ INDEXER_TUNER = ConfigTuner("indexer_topk.2", [
     IndexerConfig(block_t=2, block_n=128, num_warps=8, num_stages=2),
     IndexerXConfig(2, 64, 4, 3), IndexerXConfig(4, 64, 8, 3), IndexerXConfig(2, 128, 8, 3),
     IndexerXConfig(2, 64, 4, 3, cut="select"), IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168),
-    IndexerXConfig(2, 64, 4, 3, cut="select", late_keys=True),
-    IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168, late_keys=True),
 ])
 # Measured on the H200 (ms; prefill chunk of 8192 queries at 8K / decode b2 at 8K): heads on N 2.44 / 0.57;
 # heads on M 2.87 / 0.39; heads on M, 128-entry blocks 3.13 / 0.36. Dropped: 4 tokens a tile, heads on N 2.55;
 # 4 stages 2.88; ``prefetch`` 2.87. ``IndexerXConfig``: prefill classes only, after a first-use check; V4.1's stream
-# (H100): select 22.1 -> 17.6 ms, max_regs 15.4 -> 12.9. V4 untimed (sm_90a: max_regs 3 programs an SM, not 2).
+# (H100): select 22.1 -> 17.6 ms, max_regs 15.4 -> 12.9. V4 on the H100 (32768-query chunks; classes of 8K / 16K /
+# 32K entries): select 12.6 / 28.5 / 41.9 ms, max_regs 10.2 / 23.3 / 34.4; dropped: ``late_keys`` 3-4 % slower.
 TUNE_ENTRIES = 1 << 16   # prefill classes: the longest stream's entries as a power of two, counts above merged
 
 

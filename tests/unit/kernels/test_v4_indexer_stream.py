@@ -84,8 +84,8 @@ def test_config_text_keeps_the_stored_names_and_names_the_register_cap():
     capped = IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168)
     assert repr(capped).endswith("cut='select', max_regs=168)")
     assert capped in CANDIDATES
-    late = IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168, late_keys=True)
-    assert repr(late).endswith("cut='select', max_regs=168, late_keys=True)") and late in CANDIDATES
+    late = IndexerXConfig(2, 64, 4, 2, cut="select", max_regs=168, late_keys=True)   # measured slower: not offered
+    assert repr(late).endswith("cut='select', max_regs=168, late_keys=True)") and late not in CANDIDATES
 
 
 def test_the_stream_length_class_rounds_up_to_a_power_of_two_and_merges_long_streams():
