@@ -41,6 +41,20 @@ def routed_slots(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Ten
     return slots.view(t, k, -1)
 
 
+def gate_up_stack(w1: torch.Tensor, w3: torch.Tensor) -> Optional[torch.Tensor]:
+    """``[E, 2I, D]`` (or ``[2I, D]`` for one expert's ``[I, D]``): w1 and w3 as one stack, where each expert's w3
+    rows follow its w1 rows in one storage (``Experts.fuse_gate_up``, ``SharedExpert.fuse_gate_up``); else None."""
+    if w1.dim() not in (2, 3) or w1.shape != w3.shape or w1.dtype != w3.dtype or w1.stride() != w3.stride():
+        return None
+    inter, d = w1.shape[-2:]
+    if w1.stride() != (2 * inter * d, d, 1)[3 - w1.dim():]:
+        return None
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr() or \
+            w3.storage_offset() != w1.storage_offset() + inter * d:
+        return None
+    return w1.as_strided((*w1.shape[:-2], 2 * inter, d), w1.stride())
+
+
 @register("moe")
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, w1: torch.Tensor,
         w2: torch.Tensor, w3: torch.Tensor, swiglu_limit: float, w1_scale: Optional[torch.Tensor] = None,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from redknot.kernels.ref_moe import gate_up_stack
 from redknot.kernels.triton import gemv_bf16
 from redknot.kernels.triton._common import next_pow2
 from redknot.kernels.triton.fp8 import block_scaled_mm
@@ -88,20 +89,6 @@ def route_by_expert(topk_ids: torch.Tensor, num_experts: int):
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts, 0).to(torch.int32)
     return order // topk_ids.shape[1], inv, offs
-
-
-def gate_up_stack(w1: torch.Tensor, w3: torch.Tensor) -> Optional[torch.Tensor]:
-    """``[E, 2I, D]`` (or ``[2I, D]`` for one expert's ``[I, D]``): w1 and w3 as one stack, where each expert's w3
-    rows follow its w1 rows in one storage (``Experts.fuse_gate_up``, ``SharedExpert.fuse_gate_up``); else None."""
-    if w1.dim() not in (2, 3) or w1.shape != w3.shape or w1.dtype != w3.dtype or w1.stride() != w3.stride():
-        return None
-    inter, d = w1.shape[-2:]
-    if w1.stride() != (2 * inter * d, d, 1)[3 - w1.dim():]:
-        return None
-    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr() or \
-            w3.storage_offset() != w1.storage_offset() + inter * d:
-        return None
-    return w1.as_strided((*w1.shape[:-2], 2 * inter, d), w1.stride())
 
 
 def grouped_linear(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor,

@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from redknot.kernels.ref_moe import gate_up_stack
 from redknot.models.deepseek_v4.config import V4Config
 from redknot.models.deepseek_v4.layers import Linear
 from redknot.models.deepseek_v4.params import ParamFactory
@@ -68,7 +69,7 @@ class Experts(nn.Module):
     def fuse_gate_up(self) -> int:
         """Float experts: w1 and w3 keep their Parameters but view one ``[E, 2I, D]`` stack (each expert's w3 rows
         after its w1 rows), so the routed experts' gate and up projections of a prefill run as one grouped GEMM
-        (``moe.gate_up_stack``). Checkpoint names and in-place loads are unchanged; restacking (``keep_only``)
+        (``ref_moe.gate_up_stack``). Checkpoint names and in-place loads are unchanged; restacking (``keep_only``)
         makes them separate again. Returns the launches a layer saves (0: quantised, meta, or already fused)."""
         if self.w1_scale is not None:
             return 0
@@ -106,12 +107,9 @@ class SharedExpert(nn.Module):
 def _stack_gate_up(w1: nn.Parameter, w3: nn.Parameter) -> int:
     """w1 and w3 (``[..., I, D]``) keep their Parameters but view one stack, each expert's w3 rows after its w1
     rows; 1 if they were stacked now, 0 on the meta device or where they already are."""
-    if w1.device.type == "meta" or w1.shape != w3.shape or w1.dim() not in (2, 3):
+    if w1.device.type == "meta" or w1.shape != w3.shape or w1.dim() not in (2, 3) or gate_up_stack(w1, w3) is not None:
         return 0
-    inter, d = w1.shape[-2:]
-    if w1.stride()[0] == (2 * inter * d if w1.dim() == 3 else d) and \
-            w3.data_ptr() == w1.data_ptr() + inter * d * w1.element_size():   # already views of a stack
-        return 0
+    inter = w1.shape[-2]
     stack = torch.cat([w1.detach(), w3.detach()], dim=-2)   # [..., 2I, D]
     w1.data, w3.data = stack[..., :inter, :], stack[..., inter:, :]
     return 1
