@@ -14,7 +14,11 @@ from redknot.kernels import KernelSet
 from redknot.kernels.triton import moe
 from redknot.models.deepseek_v4.model import DeepseekV4
 from redknot.models.deepseek_v4.moe import Experts, SharedExpert
-from redknot.models.deepseek_v4.synthetic import TINY_ARCHITECTURE, randomize_, synthetic_config
+from redknot.models.deepseek_v4.synthetic import (
+    TINY_ARCHITECTURE,
+    randomize_,
+    synthetic_config,
+)
 
 
 def _fresh_seed() -> int:
@@ -68,7 +72,7 @@ def test_one_gate_up_gemm_gives_the_rows_of_two(tokens, k, limit, dtype, kernel_
     one = moe.moe_experts(x, ids, wts, f1, w2, f3, limit)
     assert calls == [2 * inter, d]
     # the same products; a library GEMM of twice the width may sum in another order: the rows agree to rounding
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(one, two, **tol)
     swapped = moe.moe_experts(x, ids, wts, f3, w2, f1, limit)   # the stack's halves are not interchangeable
     assert not torch.allclose(swapped.float(), two.float(), rtol=0.1, atol=0.1)
