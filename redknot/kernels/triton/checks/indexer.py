@@ -23,6 +23,7 @@ import torch
 
 from redknot.kernels import ref_attention
 from redknot.kernels.triton import indexer, ops, oracle
+from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.checks.common import CheckResult, Dims, paged_step
 
 RTOL_RANDOM = 1e-4
@@ -185,7 +186,7 @@ def check_inputs(device, dtype=torch.bfloat16, *, seed: int, heads: int = 64, di
     from position 0) over a shuffled paged pool of fresh random keys, and their float64 scores ``[T, N]``."""
     g = torch.Generator().manual_seed(seed)
     lens = [ctx + new, short]
-    pages = [indexer.cdiv(n, block_size) + 1 for n in lens]
+    pages = [cdiv(n, block_size) + 1 for n in lens]
     perm = torch.randperm(sum(pages) + 2, generator=g)
     width = max(pages)
     bt = torch.zeros(2, width, dtype=torch.int32)
