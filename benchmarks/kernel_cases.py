@@ -97,12 +97,12 @@ def _paged_call(args, config):
 def attention_variant_case(d: Dims, device, mode: str, context: int, new: int, batch: int, config,
                            baseline) -> Case:
     """The case of :func:`attention_case` with one fixed launch shape ``config`` (``attention.AttnConfig`` or
-    the transposed prefill kernel's ``attention.PrefillTConfig``); its reference is the same call with the
+    the transposed prefill kernel's ``attention.PrefillTConfig``, the Gluon kernel's ``PrefillWGConfig``); its reference is the same call with the
     ``baseline`` shape (checked against the reference op in the tuned row), so ``ref ms`` / ``speedup`` read
     as the baseline's time and the variant's gain over it."""
     args, t, flops, nbytes = _attention_inputs(d, device, mode, context, new, batch)
     tag = "/".join(str(v) if not isinstance(v, bool) else ("pf" if v else "") for v in vars(config).values())
-    kind = "T" if type(config).__name__ == "PrefillTConfig" else "S"
+    kind = {"PrefillTConfig": "T", "PrefillWGConfig": "WG"}.get(type(config).__name__, "S")
     return Case("sparse_attention", f"{mode} {kind}[{tag.rstrip('/')}]", context, t,
                 lambda: _paged_call(args, config), lambda: _paged_call(args, baseline), flops, nbytes)
 

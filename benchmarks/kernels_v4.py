@@ -52,7 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--ref-max-context", type=int, default=32768, help="time the reference up to this context")
     ap.add_argument("--attention-variants", default="prefill", choices=["prefill", "none"],
                     help="after each attention prefill row, one row per transposed-kernel launch shape of the "
-                         "prefill tuner (T[block_n/warps/d_split/heads/stages/pf]), each checked against the "
+                         "prefill tuner (T[block_n/warps/d_split/heads/stages/pf]; on a GPU also the Gluon "
+                         "kernel's, WG[block_n/stages]), each checked against the "
                          "earlier kernel's 64/32/8w/2-stage shape, whose time is its 'ref ms'; every candidate's "
                          "tuning time is printed under '# timed sparse_attention_prefill'")
     ap.add_argument("--indexer-variants", default="prefill", choices=["prefill", "none"],
@@ -182,7 +183,8 @@ def timed_plan(runner: Runner, d, smoke: bool):
     plan = []
     from redknot.kernels.triton import attention, indexer
     variants = [] if runner.args.attention_variants == "none" else \
-        [c for c in attention.ATTN_PREFILL_TUNER.candidates if isinstance(c, attention.PrefillTConfig)]
+        [c for c in attention.ATTN_PREFILL_TUNER.candidates if isinstance(c, attention.PrefillTConfig)
+         or (isinstance(c, attention.PrefillWGConfig) and str(dev).startswith("cuda"))]  # Gluon: GPU only
     if smoke:  # interpreter-sized transposed shapes (the toy dims have 4 heads)
         variants = [attention.PrefillTConfig(16, 4, 4, 16), attention.PrefillTConfig(16, 4, 2, 16, prefetch=True)]
     ix_variants = [] if runner.args.indexer_variants == "none" else \

@@ -27,6 +27,8 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import (LOG2E, ConfigTuner, as_i32, cdiv, check_last_dim_contiguous, dot_precision,
                                             next_pow2, sm_count)
+from redknot.kernels.triton.attention_prefill_wg import AVAILABLE as GLUON
+from redknot.kernels.triton.attention_prefill_wg import PrefillWGConfig
 
 COMP_NONE, COMP_TOPK, COMP_ALL = 0, 1, 2
 
@@ -301,7 +303,8 @@ ATTN_DECODE_TUNER = ConfigTuner("sparse_attention_decode", ATTN_TUNER.candidates
     AttnDecodeConfig(block_h=16, block_n=64, num_warps=4, num_stages=1, split_keys=64),
     AttnDecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=1, split_keys=64)])
 ATTN_PREFILL_TUNER = ConfigTuner("sparse_attention_prefill", ATTN_TUNER.candidates + [
-    PrefillTConfig(128, 8, 4, 64), PrefillTConfig(128, 8, 4, 64, prefetch=True), PrefillTConfig(128, 8, 4, 32)])
+    PrefillTConfig(128, 8, 4, 64), PrefillTConfig(128, 8, 4, 64, prefetch=True), PrefillTConfig(128, 8, 4, 32)]
+    + ([PrefillWGConfig(64, 2), PrefillWGConfig(32, 3), PrefillWGConfig(32, 4)] if GLUON else []))
 
 
 def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torch.Tensor, positions: torch.Tensor,
@@ -351,15 +354,18 @@ def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torc
 def _run(cfg, args: dict) -> torch.Tensor:
     """``cfg``'s kernel: ``AttnConfig`` this module's, ``PrefillTConfig`` the transposed prefill kernel (bf16 rows,
     after its first-use check on a GPU)."""
-    if isinstance(cfg, PrefillTConfig):
+    if isinstance(cfg, (PrefillTConfig, PrefillWGConfig)):
         from redknot.kernels.triton import attention_prefill
         q = args["q"]
         if q.dtype != torch.bfloat16:
             raise ValueError(f"sparse_attention_paged: {cfg} takes bf16 rows, not {q.dtype}")
+        if isinstance(cfg, PrefillWGConfig) and not q.is_cuda:
+            raise RuntimeError(f"sparse_attention_paged: {cfg} is a Gluon kernel, which runs on an SM90 GPU only "
+                               f"(no interpreter); pass a PrefillTConfig or AttnConfig for {q.device}")
         comp = "none" if args["cache"] is None else ("topk" if args["topk"] is not None else "all")
         if q.is_cuda and not attention_prefill.first_use_ok(cfg, q.device, args["rope_cos"] is not None, comp):
             raise RuntimeError(f"sparse_attention_paged: {cfg} failed its first-use check against the oracle")
-        return attention_prefill.launch_prefill_t(cfg, **args)
+        return attention_prefill.launcher(cfg)(cfg, **args)
     return _launch(cfg, **args)
 
 

@@ -236,10 +236,17 @@ def launch_prefill_t(cfg: PrefillTConfig, *, q, kv, token_seq, positions, contex
     return out
 
 
-_FIRST_USE: dict[tuple[PrefillTConfig, str, bool, str], bool] = {}
+_FIRST_USE: dict[tuple[object, str, bool, str], bool] = {}
 
 
-def first_use_ok(cfg: PrefillTConfig, device: torch.device, rope: bool = False, comp: str = "topk") -> bool:
+def launcher(cfg):
+    """The launch function of a prefill-only shape: ``launch_prefill_t`` for ``PrefillTConfig``, the Gluon kernel's
+    for ``attention_prefill_wg.PrefillWGConfig``."""
+    from redknot.kernels.triton import attention_prefill_wg as wg
+    return wg.launch_prefill_wg if isinstance(cfg, wg.PrefillWGConfig) else launch_prefill_t
+
+
+def first_use_ok(cfg, device: torch.device, rope: bool = False, comp: str = "topk") -> bool:
     """Whether ``cfg`` matches the float64 oracle on fresh random inputs at V4 width (64 heads x 512, window 128;
     a sequence with rows in the ring and in this step, compressed entries from a top-k list with -1 pads, and a
     query with no entry yet; ``comp`` and ``rope`` as :func:`check_inputs`: the compiled form the call will run);
@@ -253,7 +260,7 @@ def first_use_ok(cfg: PrefillTConfig, device: torch.device, rope: bool = False, 
         try:
             args = check_inputs(device, seed=int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF, rope=rope,
                                 comp=comp)
-            got = launch_prefill_t(cfg, **args).double()
+            got = launcher(cfg)(cfg, **args).double()
             want = oracle.sparse_attention_paged(**{k: v for k, v in args.items() if k != "out"})
             _FIRST_USE[key] = bool(float((got - want).norm() / want.norm()) < 1e-2)
         except Exception:  # noqa: BLE001 - a launch shape the compiler refuses on this device
