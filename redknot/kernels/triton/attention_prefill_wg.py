@@ -119,7 +119,7 @@ if AVAILABLE:
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, D // 2 if D // 2 <= 256 else 256, 16])
+                                                      instr_shape=[16, D // 2 if D // 2 <= 256 else 256, 16])  # noqa: FURB136
         row_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2,
                                                   element_bitwidth=16, rank=2)

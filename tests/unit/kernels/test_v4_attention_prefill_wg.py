@@ -94,7 +94,11 @@ def test_gluon_kernel_at_real_size(mode):
     queries and against the Triton transposed kernel on all of them."""
     from redknot.kernels.step_index import step_tensors
     from redknot.kernels.triton.checks.common import REAL as d
-    from redknot.kernels.triton.checks.common import paged_step, random_choice_lists, visible_lists
+    from redknot.kernels.triton.checks.common import (
+        paged_step,
+        random_choice_lists,
+        visible_lists,
+    )
     gen = torch.Generator().manual_seed(_fresh_seed())
     step = paged_step([8192 - 4096], [4096], d.block_size, "cuda", gen)
     meta, t = step.meta, step.num_tokens
