@@ -118,8 +118,8 @@ if AVAILABLE:
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, D // 2 if D // 2 <= 256 else 256, 16])  # noqa: FURB136
+        ON: gl.constexpr = D // 2 if D // 2 <= 256 else 256  # noqa: FURB136 - a constexpr expression
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, ON, 16])
         row_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2,
                                                   element_bitwidth=16, rank=2)
