@@ -171,13 +171,14 @@ if AVAILABLE:
             cp.wait_group(STAGES - 2)  # this thread's pieces of block i have landed
             gl.thread_barrier()        # everyone's have; everyone is done with block i - 1's buffer and with P
             fence_async_shared()
+            kbuf = k_smem.index(i % STAGES)
+            sc = warpgroup_mma(q_smem, kbuf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # while the scores run: the next gather (its top-k ids and block-table loads, then the copies)
             nxt = i + STAGES - 1
             _gather(k_smem.index(nxt % STAGES), nxt * BLOCK_N, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr,
                     ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce,
                     stride_bt, stride_tk, ring_size, ratio, block_size, D, BLOCK_N, ld, COMP, HAS_RING)
             cp.commit_group()
-            kbuf = k_smem.index(i % STAGES)
-            sc = warpgroup_mma(q_smem, kbuf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             _, valid = _rows(i * BLOCK_N, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr,
                              bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt,
                              stride_tk, ring_size, ratio, block_size, BLOCK_N, gl.SliceLayout(0, s_l), COMP,
