@@ -92,16 +92,18 @@ if AVAILABLE:
         return ptr, valid
 
     @gluon.jit
-    def _gather(smem, kb, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr,
-                stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio,
-                block_size, D: gl.constexpr, BLOCK_N: gl.constexpr, ld: gl.constexpr, COMP: gl.constexpr,
+    def _gather(smem, bias_smem, kb, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
+                topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size,
+                ratio, block_size, D: gl.constexpr, BLOCK_N: gl.constexpr, ld: gl.constexpr, COMP: gl.constexpr,
                 HAS_RING: gl.constexpr):
-        """``cp.async`` of the rows of keys ``kb .. kb+BLOCK_N`` into ``smem`` (zeros for invalid keys)."""
+        """``cp.async`` of the rows of keys ``kb .. kb+BLOCK_N`` into ``smem`` (zeros for invalid keys), and their
+        score bias (0 valid, -inf not) into ``bias_smem``: the addressing runs once, one row a thread."""
         ptr, valid = _rows(kb, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
                            topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk,
                            ring_size, ratio, block_size, BLOCK_N, gl.SliceLayout(1, ld), COMP, HAS_RING)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
         cp.async_copy_global_to_shared(smem, ptr[:, None] + cols[None, :], mask=valid[:, None])
+        bias_smem.store(gl.where(valid, 0.0, float("-inf")))
 
     @gluon.jit
     def _sparse_attn_prefill_wg(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, tok_seq_ptr, pos_ptr, ctx_ptr,
@@ -114,8 +116,8 @@ if AVAILABLE:
                                 ROPE: gl.constexpr):
         """One program per (query, 64 heads); 8 warps (``num_warps`` must be 8)."""
         BH: gl.constexpr = 64
-        # gathers: 16-byte pieces, a warp over 2 rows x 256 columns
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+        # gathers: 16-byte pieces, a warp over BLOCK_N / 8 rows, so a thread addresses one row of a block
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [BLOCK_N // 8, 256 // BLOCK_N], [8, 1], [1, 0])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, BLOCK_N // 2, 16])
         ON: gl.constexpr = D // 2 if D // 2 <= 256 else 256  # noqa: FURB136 - a constexpr expression
@@ -126,6 +128,8 @@ if AVAILABLE:
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], row_sl)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], row_sl)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BLOCK_N], p_sl)
+        bias_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N],
+                                              gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
         tok = gl.program_id(0)
         b = gl.load(tok_seq_ptr + tok)
@@ -153,9 +157,9 @@ if AVAILABLE:
         cp.async_copy_global_to_shared(q_smem, q_ptr + tok64 * stride_qt + qh.to(gl.int64)[:, None] * stride_qh
                                        + qc[None, :], mask=(qh < H)[:, None])
         for s in gl.static_range(STAGES - 1):
-            _gather(k_smem.index(s), s * BLOCK_N, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
-                    cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt,
-                    stride_tk, ring_size, ratio, block_size, D, BLOCK_N, ld, COMP, HAS_RING)
+            _gather(k_smem.index(s), bias_smem.index(s), s * BLOCK_N, n_tot, n_swa, lo, ctx, qs, slot, b, tok,
+                    kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb,
+                    stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, D, BLOCK_N, ld, COMP, HAS_RING)
             cp.commit_group()
 
         heads_s = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
@@ -173,18 +177,16 @@ if AVAILABLE:
             fence_async_shared()
             kbuf = k_smem.index(i % STAGES)
             sc = warpgroup_mma(q_smem, kbuf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            # while the scores run: the next gather (its top-k ids and block-table loads, then the copies)
+            # while the scores run: the next gather (its top-k ids and block-table loads, the copies, the bias)
             nxt = i + STAGES - 1
-            _gather(k_smem.index(nxt % STAGES), nxt * BLOCK_N, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr,
-                    ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce,
-                    stride_bt, stride_tk, ring_size, ratio, block_size, D, BLOCK_N, ld, COMP, HAS_RING)
+            _gather(k_smem.index(nxt % STAGES), bias_smem.index(nxt % STAGES), nxt * BLOCK_N, n_tot, n_swa, lo,
+                    ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs,
+                    stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, D, BLOCK_N,
+                    ld, COMP, HAS_RING)
             cp.commit_group()
-            _, valid = _rows(i * BLOCK_N, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr,
-                             bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt,
-                             stride_tk, ring_size, ratio, block_size, BLOCK_N, gl.SliceLayout(0, s_l), COMP,
-                             HAS_RING)
+            bias = bias_smem.index(i % STAGES).load(gl.SliceLayout(0, s_l))
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            z = gl.where(valid[None, :], sc * qk_scale, float("-inf"))
+            z = sc * qk_scale + bias[None, :]
             m_new = gl.maximum(m, gl.max(z, axis=1))
             alpha = gl.exp2(m - m_new)
             p = gl.exp2(z - m_new[:, None])
