@@ -17,7 +17,8 @@ columns). What the Triton forms cannot say and this one does:
 * the softmax denominator is kept as a [64, BLOCK_N] tile (rescaled like the accumulator) and summed once at
   the end, so a block needs one cross-warpgroup reduction (the row maximum), not two.
 
-One CTA barrier per block orders everything: after it, block ``i``'s rows are in shared memory for both
+One CTA barrier per block orders the buffers (each thread fences its own writes for the tensor cores before
+it, as CUTLASS does): after it, block ``i``'s rows are in shared memory for both
 warpgroups and both finished the previous block's products, so the buffer that block used can take the next
 gather and P can be overwritten. Gluon has no interpreter: this kernel runs on an SM90 GPU only, as a
 ``ATTN_PREFILL_TUNER`` candidate behind the float64-oracle first-use check of :mod:`attention_prefill`.
@@ -173,8 +174,8 @@ if AVAILABLE:
         s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_l)
         for i in range(nblk):
             cp.wait_group(STAGES - 2)  # this thread's pieces of block i have landed
-            gl.thread_barrier()        # everyone's have; everyone is done with block i - 1's buffer and with P
-            fence_async_shared()
+            fence_async_shared()       # ... and are visible to the tensor cores' reads
+            gl.thread_barrier()        # everyone's are; everyone is done with block i - 1's buffer and with P
             kbuf = k_smem.index(i % STAGES)
             sc = warpgroup_mma(q_smem, kbuf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             # while the scores run: the next gather (its top-k ids and block-table loads, the copies, the bias)
@@ -193,8 +194,8 @@ if AVAILABLE:
             l2 = l2 * alpha[:, None] + p
             m = m_new
             p_smem.store(p.to(gl.bfloat16))
-            gl.thread_barrier()
             fence_async_shared()
+            gl.thread_barrier()
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             acc = warpgroup_mma(p_smem, kbuf, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
