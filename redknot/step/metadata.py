@@ -8,6 +8,7 @@ model family's layers and by the kernels. See :mod:`redknot.step` for the whole 
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -105,19 +106,23 @@ class StepMetadata:
         counts = [len(t) for t in token_ids]
         if any(n == 0 for n in counts):
             raise ValueError("StepMetadata.build: every sequence needs at least one new token")
-        ids = [int(x) for t in token_ids for x in t]
-        pos = [c + i for c, n in zip(context_lens, counts) for i in range(n)]
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
+        # the per-token work in C (a 32K-token chunk: ~2 ms here, ~10 ms as python comprehensions)
+        ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.long)
+        if len(counts) == starts[-1]:  # one token a sequence (decode): its position is its context length
+            pos = torch.tensor([int(c) for c in context_lens], dtype=torch.long)
+        else:
+            shift = torch.tensor([int(c) - s for c, s in zip(context_lens, starts)], dtype=torch.long)
+            pos = torch.arange(starts[-1], dtype=torch.long) + torch.repeat_interleave(
+                shift, torch.tensor(counts, dtype=torch.long), output_size=starts[-1])
         if logits_indices is None:
             logits_indices = [s - 1 for s in starts[1:]]
         width = max(1, max(len(bt) for bt in block_tables))
-        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for i, bt in enumerate(block_tables):
-            table[i, :len(bt)] = torch.tensor(list(bt), dtype=torch.int32)
+        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables], dtype=torch.int32)
         as_long = dict(dtype=torch.long, device=device)
-        return cls(input_ids=torch.tensor(ids, **as_long), positions=torch.tensor(pos, **as_long),
+        return cls(input_ids=ids.to(device), positions=pos.to(device),
                    query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                    seq_slots=torch.tensor(list(seq_slots), dtype=torch.int32, device=device),
                    block_tables=table.to(device), logits_indices=torch.tensor(list(logits_indices), **as_long),
