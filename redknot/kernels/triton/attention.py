@@ -304,8 +304,7 @@ ATTN_DECODE_TUNER = ConfigTuner("sparse_attention_decode", ATTN_TUNER.candidates
     AttnDecodeConfig(block_h=32, block_n=32, num_warps=4, num_stages=1, split_keys=64)])
 ATTN_PREFILL_TUNER = ConfigTuner("sparse_attention_prefill", ATTN_TUNER.candidates + [
     PrefillTConfig(128, 8, 4, 64), PrefillTConfig(128, 8, 4, 64, prefetch=True), PrefillTConfig(128, 8, 4, 32)]
-    + ([PrefillWGConfig(64, 2), PrefillWGConfig(32, 3), PrefillWGConfig(32, 4), PrefillWGConfig(32, 3, overlap=True),
-        PrefillWGConfig(32, 4, overlap=True)] if GLUON else []))
+    + ([PrefillWGConfig(64, 2), PrefillWGConfig(32, 3), PrefillWGConfig(32, 4)] if GLUON else []))
 
 
 def sparse_attention_paged(q: torch.Tensor, kv: torch.Tensor, *, token_seq: torch.Tensor, positions: torch.Tensor,

@@ -51,14 +51,13 @@ HEADS = 64  # heads a program: the M of both products, one warpgroup's 4 x 16 ro
 class PrefillWGConfig:
     """Launch shape of the Gluon prefill kernel (``attention_prefill_wg``), a candidate of ``ATTN_PREFILL_TUNER``
     (bf16 rows, 64-head programs, 8 warps). Shared memory: Q (64 x D bf16) + ``stages`` key buffers
-    (block_n x D bf16) + two P buffers (64 x block_n bf16): 208 KB at D = 512, block_n 64, 2 stages."""
+    (block_n x D bf16) + P (64 x block_n bf16): 200 KB at D = 512, block_n 64, 2 stages."""
     block_n: int = 64
     stages: int = 2
-    overlap: bool = False  # block i + 1's scores and softmax beside block i's PV product (stages >= 3)
 
 
 def smem_bytes(cfg: PrefillWGConfig, dim: int) -> int:
-    return 2 * (HEADS * dim + cfg.stages * cfg.block_n * dim + 2 * HEADS * cfg.block_n)
+    return 2 * (HEADS * dim + cfg.stages * cfg.block_n * dim + HEADS * cfg.block_n)
 
 
 if AVAILABLE:
@@ -125,10 +124,8 @@ if AVAILABLE:
                                 qk_scale, ring_size, window, ratio, block_size, num_topk, H,
                                 D: gl.constexpr, RD: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                 COMP: gl.constexpr, HAS_RING: gl.constexpr, HAS_SINK: gl.constexpr,
-                                ROPE: gl.constexpr, OVERLAP: gl.constexpr):
-        """One program per (query, 64 heads); 8 warps (``num_warps`` must be 8). OVERLAP: block i + 1's scores
-        and block i's PV product are issued back to back and block i + 1's softmax runs while the PV product does
-        (P double-buffered; STAGES >= 3, since block i + STAGES - 1's gather waits for block i - 1's buffer)."""
+                                ROPE: gl.constexpr):
+        """One program per (query, 64 heads); 8 warps (``num_warps`` must be 8)."""
         BH: gl.constexpr = 64
         # gathers: 16-byte pieces, a warp over BLOCK_N / 8 rows, so a thread addresses one row of a block
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [BLOCK_N // 8, 256 // BLOCK_N], [8, 1], [1, 0])
@@ -141,7 +138,7 @@ if AVAILABLE:
                                                   element_bitwidth=16, rank=2)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], row_sl)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], row_sl)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BLOCK_N], p_sl)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BLOCK_N], p_sl)
         bias_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N],
                                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
@@ -185,63 +182,28 @@ if AVAILABLE:
         l2 = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_l)
         acc = gl.zeros([BH, D], gl.float32, layout=o_l)
         s_zero = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_l)
-        if OVERLAP:
-            # block 0's scores and softmax first; then per block i: block i + 1's scores and block i's PV issued
-            # back to back, block i + 1's softmax while the PV product runs
-            cp.wait_group(STAGES - 3)  # blocks 0 and 1
-            fence_async_shared()
-            gl.thread_barrier()
-            sc = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            bias = bias_smem.index(0).load(gl.SliceLayout(0, s_l))
+        for i in range(nblk):
+            cp.wait_group(STAGES - 2)  # this thread's pieces of block i have landed
+            fence_async_shared()       # ... and are visible to the tensor cores' reads
+            gl.thread_barrier()        # everyone's are; everyone is done with block i - 1's buffer and with P
+            kbuf = k_smem.index(i % STAGES)
+            sc = warpgroup_mma(q_smem, kbuf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            # while the scores run: the next gather (its top-k ids and block-table loads, the copies, the bias)
+            nxt = i + STAGES - 1
+            _gather(k_smem.index(nxt % STAGES), bias_smem.index(nxt % STAGES), nxt * BLOCK_N, n_tot, n_swa,
+                    lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt,
+                    stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio,
+                    block_size, D, BLOCK_N, ld, COMP, HAS_RING)
+            cp.commit_group()
+            bias = bias_smem.index(i % STAGES).load(gl.SliceLayout(0, s_l))
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             m, l2, alpha, p = _online(sc, bias, m, l2, qk_scale)
-            p_smem.index(0).store(p.to(gl.bfloat16))
+            p_smem.store(p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            for i in range(nblk):
-                # the buffer block i - 1 used takes block i + STAGES - 1 (every thread is past its products)
-                nxt = i + STAGES - 1
-                _gather(k_smem.index(nxt % STAGES), bias_smem.index(nxt % STAGES), nxt * BLOCK_N, n_tot, n_swa,
-                        lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt,
-                        stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio,
-                        block_size, D, BLOCK_N, ld, COMP, HAS_RING)
-                cp.commit_group()
-                # past the last block, block i + 1 is all invalid keys (zero rows, bias -inf): alpha 1, P 0
-                sc = warpgroup_mma(q_smem, k_smem.index((i + 1) % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                acc = warpgroup_mma(p_smem.index(i % 2), k_smem.index(i % STAGES), acc, is_async=True)
-                bias = bias_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_l))
-                sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-                m, l2, alpha, p = _online(sc, bias, m, l2, qk_scale)
-                p_smem.index((i + 1) % 2).store(p.to(gl.bfloat16))
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                cp.wait_group(STAGES - 3)  # this thread's pieces of block i + 2
-                fence_async_shared()
-                gl.thread_barrier()
-        else:
-            for i in range(nblk):
-                cp.wait_group(STAGES - 2)  # this thread's pieces of block i have landed
-                fence_async_shared()       # ... and are visible to the tensor cores' reads
-                gl.thread_barrier()        # everyone's are; everyone is done with block i - 1's buffer and with P
-                kbuf = k_smem.index(i % STAGES)
-                sc = warpgroup_mma(q_smem, kbuf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                # while the scores run: the next gather (its top-k ids and block-table loads, the copies, the bias)
-                nxt = i + STAGES - 1
-                _gather(k_smem.index(nxt % STAGES), bias_smem.index(nxt % STAGES), nxt * BLOCK_N, n_tot, n_swa,
-                        lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt,
-                        stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio,
-                        block_size, D, BLOCK_N, ld, COMP, HAS_RING)
-                cp.commit_group()
-                bias = bias_smem.index(i % STAGES).load(gl.SliceLayout(0, s_l))
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                m, l2, alpha, p = _online(sc, bias, m, l2, qk_scale)
-                p_smem.index(0).store(p.to(gl.bfloat16))
-                fence_async_shared()
-                gl.thread_barrier()
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-                acc = warpgroup_mma(p_smem.index(0), kbuf, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+            acc = warpgroup_mma(p_smem, kbuf, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
 
         denom = gl.sum(l2, axis=1) + gl.exp2(sink - m)
@@ -274,9 +236,8 @@ def launch_prefill_wg(cfg: PrefillWGConfig, *, q, kv, token_seq, positions, cont
     if D % 64 or q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_attention_paged: {cfg} takes bf16 rows of a multiple of 64 columns, "
                          f"not {q.dtype} x {D}")
-    if cfg.stages < (3 if cfg.overlap else 2) or cfg.block_n not in (32, 64):
-        raise ValueError(f"sparse_attention_paged: {cfg} needs 32 or 64 keys a block and at least "
-                         f"{3 if cfg.overlap else 2} stages")
+    if cfg.stages < 2 or cfg.block_n not in (32, 64):
+        raise ValueError(f"sparse_attention_paged: {cfg} needs 32 or 64 keys a block and at least 2 stages")
     comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
     rope = rope_cos is not None
     rd = 2 * rope_cos.shape[-1] if rope else 16
@@ -294,5 +255,5 @@ def launch_prefill_wg(cfg: PrefillWGConfig, *, q, kv, token_seq, positions, cont
         scale * LOG2E, ring.shape[1] if ring is not None else 1, window, max(ratio, 1), max(block_size, 1),
         tk.shape[1] if comp == COMP_TOPK else 0, H,
         D=D, RD=rd, BLOCK_N=cfg.block_n, STAGES=cfg.stages, COMP=comp, HAS_RING=ring is not None,
-        HAS_SINK=sink is not None, ROPE=rope, OVERLAP=cfg.overlap, num_warps=8)
+        HAS_SINK=sink is not None, ROPE=rope, num_warps=8)
     return out

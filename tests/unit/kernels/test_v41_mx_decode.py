@@ -78,7 +78,9 @@ def test_the_prefill_only_attention_shapes_match_the_reference(kernel_device):
     from redknot.kernels.triton import attention_mx
     from redknot.kernels.triton.checks_mx import TOY_V41, attention_inputs
 
-    extra = [c for c in attention_mx.ATTN_MX_PREFILL_TUNER.candidates if c not in attention_mx.ATTN_MX_TUNER.candidates]
+    # the Gluon shapes run on an SM90 GPU only, at V4.1 width: test_v41_attention_prefill_wg.py
+    extra = [c for c in attention_mx.ATTN_MX_PREFILL_TUNER.candidates if c not in attention_mx.ATTN_MX_TUNER.candidates
+             and not isinstance(c, attention_mx.PrefillMXWGConfig)]
     assert extra
     q, win, widx, comp, cidx, sinks = attention_inputs(TOY_V41, kernel_device, seed=5)
     want = ref_v41.sparse_attention_mx(q, win, widx, sinks, 0.125, comp, cidx).float()

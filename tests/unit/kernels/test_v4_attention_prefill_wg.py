@@ -30,8 +30,7 @@ def test_the_tuner_offers_the_gluon_shapes_where_gluon_imports():
     assert bool(SHAPES) == wg.AVAILABLE
     for cfg in SHAPES:
         assert wg.smem_bytes(cfg, 512) + 1024 <= HOPPER_SMEM, cfg  # + the compiler's reduction scratch
-        assert cfg.block_n % 32 == 0 and cfg.stages >= (3 if cfg.overlap else 2), cfg
-    assert any(c.overlap for c in SHAPES) == wg.AVAILABLE  # the overlapped schedule is among them
+        assert cfg.block_n % 32 == 0 and cfg.stages >= 2, cfg
     # a shape that cannot fit is not offered: three 64-key buffers at D = 512
     assert wg.smem_bytes(wg.PrefillWGConfig(64, 3), 512) > HOPPER_SMEM
 
@@ -46,11 +45,11 @@ def test_the_op_refuses_the_gluon_kernel_for_fp32_rows():
 def test_the_op_refuses_the_gluon_kernel_off_the_gpu():
     args = prefill.check_inputs("cpu", seed=_fresh_seed(), heads=4, dim=64, window=8, ratio=4, block_size=16,
                                 topk=7, ctx=37, new=3)
-    with pytest.raises(RuntimeError, match=r"PrefillWGConfig\(block_n=64, stages=2, overlap=False\).*SM90 GPU only"):
+    with pytest.raises(RuntimeError, match=r"PrefillWGConfig\(block_n=64, stages=2\).*SM90 GPU only"):
         attention.sparse_attention_paged(**{**args, "out": None}, config=wg.PrefillWGConfig())
 
 
-@pytest.mark.parametrize("cfg", [wg.PrefillWGConfig(32, 2, overlap=True), wg.PrefillWGConfig(48, 2)], ids=str)
+@pytest.mark.parametrize("cfg", [wg.PrefillWGConfig(32, 1), wg.PrefillWGConfig(48, 2)], ids=str)
 def test_the_launch_refuses_shapes_it_cannot_run(cfg):
     args = prefill.check_inputs("cpu", seed=_fresh_seed(), heads=4, dim=64, window=8, ratio=4, block_size=16,
                                 topk=7, ctx=37, new=3)
