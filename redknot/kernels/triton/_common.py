@@ -266,7 +266,9 @@ class ConfigTuner:
     capture or while ``ConfigTuner.enabled`` is off, the first candidate is used untimed (and not
     remembered). ``choices`` and ``timings`` are readable by benchmarks. Measured choices persist across
     processes through ``tuning_cache`` (per GPU, compute capability, torch and triton version and class);
-    a class no stored choice covers may take the shipped seed's choice for the same environment.
+    a class no stored choice covers may take the shipped seed's choice for the same environment. Candidates
+    added since a class was stored are timed against its stored choice only (the other candidates keep their
+    stored times), so adding one candidate costs a class two timings, not one per candidate.
     """
 
     enabled = True
@@ -300,9 +302,11 @@ class ConfigTuner:
         entry, source = tuning_cache.lookup(env, self.name, key_text) if env is not None else (None, None)
         stored = tuning_cache.restore(entry, self.candidates) if entry is not None else None
         new = tuning_cache.untimed(entry, self.candidates) if stored is not None else []
-        if new:   # candidates added since the entry was measured: the class is compared again, all of them
-            log.info("%s %s: %s choice %s predates candidates %s; tuning again", self.name, key, source,
-                     stored[0], ", ".join(new))
+        best = None
+        if new:   # candidates added since the entry was measured: timed here against the stored choice
+            log.info("%s %s: %s choice %s predates candidates %s; timing them against it", self.name, key,
+                     source, stored[0], ", ".join(new))
+            best = self._tune_added(key, run, stored, new, entry.get("failed") or [])
         elif stored is not None:
             try:
                 run(stored[0])  # the first-use guard: a stored choice that no longer builds or runs is re-tuned
@@ -316,7 +320,8 @@ class ConfigTuner:
                 return stored[0]
         elif entry is not None:
             log.info("%s %s: %s choice %r is no candidate; tuning again", self.name, key, source, entry["choice"])
-        best = self._tune(key, run)
+        if best is None:
+            best = self._tune(key, run)
         if env is not None and store is not None:
             texts = [(tuning_cache.describe(c), ms) for c, ms in self.timings[key]]
             choice = tuning_cache.describe(best)
@@ -325,11 +330,32 @@ class ConfigTuner:
                 store.record(env, self.name, key_text, choice, texts, failed)
         return best
 
-    def _tune(self, key: Hashable, run: Callable[[Any], Any]) -> Any:
+    def _tune_added(self, key: Hashable, run: Callable[[Any], Any], stored: Tuple[Any, list], new: List[str],
+                    failed_before: List[str]) -> Any:
+        """The stored choice and the candidates added since (``new``, described) timed here, side by side; the
+        other candidates keep their stored times (each was slower than the stored choice where it was measured)
+        and failures, so a class with one added candidate is timed twice, not once per candidate. None when the
+        stored choice no longer runs (the caller then times every candidate)."""
+        from redknot.kernels import tuning_cache
+
+        subset = [stored[0]] + [c for c in self.candidates if tuning_cache.describe(c) in new]
+        try:
+            best = self._tune(key, run, subset)
+        except RuntimeError:  # nothing in the subset ran
+            return None
+        if any(c == stored[0] for c, _ in self.failures.get(key, [])):
+            return None
+        self.timings[key] = list(self.timings[key]) + [(c, ms) for c, ms in stored[1] if c not in subset]
+        self.failures[key] = list(self.failures.get(key, [])) + [
+            (c, "failed where the stored entry was measured") for c in self.candidates
+            if tuning_cache.describe(c) in failed_before and c not in subset]
+        return best
+
+    def _tune(self, key: Hashable, run: Callable[[Any], Any], candidates: Sequence[Any] | None = None) -> Any:
         from triton.testing import do_bench
 
         results, failed = [], []
-        for cfg in self.candidates:
+        for cfg in self.candidates if candidates is None else candidates:
             try:
                 results.append((cfg, float(do_bench(lambda: run(cfg), warmup=3, rep=10, return_mode="median"))))
             except Exception as exc:  # a config the compiler rejects (resources, layout) is just skipped

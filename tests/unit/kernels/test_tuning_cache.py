@@ -153,19 +153,52 @@ def test_a_stored_choice_that_fails_its_first_use_is_tuned_again(cache, monkeypa
 
 
 def test_a_candidate_added_after_the_measurement_is_compared(cache, monkeypatch):
-    """A stored choice predating a candidate does not hide it: the class is timed again (all candidates), and
-    the new entry then serves the next process untimed."""
+    """A stored choice predating a candidate does not hide it: the new candidate is timed against the stored
+    choice (two timings, not one per candidate), and the new entry then serves the next process untimed."""
     bench = Bench(monkeypatch)
     ConfigTuner("toy", ["a", "b", "c"])._measure(("k",), _run, CPU)
     assert bench.calls == 3
     times = {**TIMES, "d": 0.5}
+    ran = []
     for _ in range(2):
         tuning_cache.reset()
         tuning_cache.set_path(str(cache))
-        assert ConfigTuner("toy", ["a", "b", "c", "d"])._measure(("k",), lambda cfg: times[cfg], CPU) == "d"
-    assert bench.calls == 3 + 4
+        assert ConfigTuner("toy", ["a", "b", "c", "d"])._measure(
+            ("k",), lambda cfg: ran.append(cfg) or times[cfg], CPU) == "d"
+    assert bench.calls == 3 + 2 and set(ran) == {"b", "d"}   # the stored choice "b" and the new "d" only
     entry = json.loads(cache.read_text())["entries"].popitem()[1]["toy"]["('k',)"]
-    assert entry["choice"] == "'d'" and len(entry["timings"]) == 4
+    assert entry["choice"] == "'d'" and dict(entry["timings"]) == {"'a'": 3.0, "'b'": 1.0, "'c'": 2.0, "'d'": 0.5}
+
+
+def test_an_added_candidate_that_is_slower_leaves_the_choice(cache, monkeypatch):
+    """The added candidate loses to the stored choice: the choice stays, every candidate keeps a time, a
+    candidate that failed before stays failed (so no later process takes it for a new one), and a stored
+    choice that no longer runs sends the class to a full timing."""
+    bench = Bench(monkeypatch)
+
+    def run(cfg):
+        if cfg == "c":
+            raise RuntimeError("out of resources")
+        return {**TIMES, "d": 5.0}[cfg]
+    ConfigTuner("toy", ["a", "b", "c"])._measure(("k",), run, CPU)
+    assert bench.calls == 3
+    tuning_cache.reset()
+    tuning_cache.set_path(str(cache))
+    assert ConfigTuner("toy", ["a", "b", "c", "d"])._measure(("k",), run, CPU) == "b"
+    assert bench.calls == 3 + 2
+    entry = json.loads(cache.read_text())["entries"].popitem()[1]["toy"]["('k',)"]
+    assert entry["choice"] == "'b'" and {t for t, _ in entry["timings"]} == {"'a'", "'b'", "'d'"}
+    assert entry["failed"] == ["'c'"]
+    assert tuning_cache.untimed(entry, ["a", "b", "c", "d"]) == []
+
+    def broken(cfg):
+        if cfg in ("b", "c"):
+            raise RuntimeError("no longer builds")
+        return {**TIMES, "e": 4.0}[cfg]
+    tuning_cache.reset()
+    tuning_cache.set_path(str(cache))
+    assert ConfigTuner("toy", ["a", "b", "c", "e"])._measure(("k",), broken, CPU) == "a"
+    assert bench.calls == 3 + 2 + 2 + 4   # "b" and "e" side by side, then (b failing) all four in full
 
 
 def test_a_candidate_that_failed_counts_as_measured(cache, monkeypatch):
