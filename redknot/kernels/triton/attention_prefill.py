@@ -205,34 +205,42 @@ def _sparse_attn_prefill_t(q_ptr, kv_ptr, ring_ptr, cache_ptr, out_ptr, tok_seq_
                      D, RD, BLOCK_H, ROPE)
 
 
-def launch_prefill_t(cfg: PrefillTConfig, *, q, kv, token_seq, positions, context_lens, query_start, window, sink,
-                     scale, ring, seq_slots, cache, block_table, ratio, block_size, topk, rope_cos, rope_sin,
-                     out) -> torch.Tensor:
-    """``attention._launch``'s arguments (already normalised by ``sparse_attention_paged``), this kernel."""
-    T, H, D = q.shape
-    block_h = max(16, min(cfg.block_h, next_pow2(H)))
+def paged_launch_args(*, q, kv, token_seq, positions, context_lens, query_start, window, sink, scale, ring, seq_slots,
+                      cache, block_table, ratio, block_size, topk, rope_cos, rope_sin, out):
+    """The positional arguments the prefill kernels (``_sparse_attn_prefill_t``, the Gluon
+    ``_sparse_attn_prefill_wg``) share, from ``attention._launch``'s keywords, and their forms:
+    (args, COMP, ROPE, RD)."""
     comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
     rope = rope_cos is not None
     rd = 2 * rope_cos.shape[-1] if rope else 16
-    d_split = cfg.d_split
-    while d_split > 1 and (D // d_split < 16 or (rope and D // d_split < rd)):  # the rope columns in one chunk
-        d_split //= 2
     ring_t = ring if ring is not None else kv
     cache_t = cache if cache is not None else kv
     bt = block_table if block_table is not None else positions.view(1, -1)
     tk = topk if topk is not None else positions.view(-1, 1)
+    args = (q, kv, ring_t, cache_t, out, token_seq, positions, context_lens, query_start, seq_slots, bt, tk,
+            sink if sink is not None else q, rope_cos if rope else q, rope_sin if rope else q,
+            q.stride(0), q.stride(1), kv.stride(0),
+            ring_t.stride(0) if ring is not None else 0, ring_t.stride(1) if ring is not None else 0,
+            cache_t.stride(0) if cache is not None else 0, cache_t.stride(1) if cache is not None else 0,
+            out.stride(0), out.stride(1), bt.stride(0), tk.stride(0),
+            scale * LOG2E, ring.shape[1] if ring is not None else 1, window, max(ratio, 1), max(block_size, 1),
+            tk.shape[1] if comp == COMP_TOPK else 0, q.shape[1])
+    return args, comp, rope, rd
+
+
+def launch_prefill_t(cfg: PrefillTConfig, **kw) -> torch.Tensor:
+    """``attention._launch``'s arguments (already normalised by ``sparse_attention_paged``), this kernel."""
+    q, out = kw["q"], kw["out"]
+    T, H, D = q.shape
+    block_h = max(16, min(cfg.block_h, next_pow2(H)))
+    args, comp, rope, rd = paged_launch_args(**kw)
+    d_split = cfg.d_split
+    while d_split > 1 and (D // d_split < 16 or (rope and D // d_split < rd)):  # the rope columns in one chunk
+        d_split //= 2
     _sparse_attn_prefill_t[(T, cdiv(H, block_h))](
-        q, kv, ring_t, cache_t, out, token_seq, positions, context_lens, query_start, seq_slots, bt, tk,
-        sink if sink is not None else q, rope_cos if rope else q, rope_sin if rope else q,
-        q.stride(0), q.stride(1), kv.stride(0),
-        ring_t.stride(0) if ring is not None else 0, ring_t.stride(1) if ring is not None else 0,
-        cache_t.stride(0) if cache is not None else 0, cache_t.stride(1) if cache is not None else 0,
-        out.stride(0), out.stride(1), bt.stride(0), tk.stride(0),
-        scale * LOG2E, ring.shape[1] if ring is not None else 1, window, max(ratio, 1), max(block_size, 1),
-        tk.shape[1] if comp == COMP_TOPK else 0, H,
-        D=D, RD=rd, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=cfg.block_n, COMP=comp, HAS_RING=ring is not None,
-        HAS_SINK=sink is not None, ROPE=rope, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        *args, D=D, RD=rd, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=cfg.block_n, COMP=comp,
+        HAS_RING=kw["ring"] is not None, HAS_SINK=kw["sink"] is not None, ROPE=rope, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -42,7 +42,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the tuner never offers this f
 except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
 
-from redknot.kernels.triton._common import LOG2E, cdiv
+from redknot.kernels.triton._common import cdiv
 
 HEADS = 64  # heads a program: the M of both products, one warpgroup's 4 x 16 rows
 
@@ -223,37 +223,22 @@ if AVAILABLE:
                  o.to(out_ptr.dtype.element_ty), mask=(oh < H)[:, None])
 
 
-def launch_prefill_wg(cfg: PrefillWGConfig, *, q, kv, token_seq, positions, context_lens, query_start, window,
-                      sink, scale, ring, seq_slots, cache, block_table, ratio, block_size, topk, rope_cos, rope_sin,
-                      out) -> torch.Tensor:
+def launch_prefill_wg(cfg: PrefillWGConfig, **kw) -> torch.Tensor:
     """``attention._launch``'s arguments (already normalised by ``sparse_attention_paged``), this kernel."""
-    from redknot.kernels.triton.attention import COMP_ALL, COMP_NONE, COMP_TOPK
+    from redknot.kernels.triton.attention_prefill import paged_launch_args
 
     if not AVAILABLE:
         raise RuntimeError("sparse_attention_paged: the Gluon prefill form needs Triton with "
                            "triton.experimental.gluon (>= 3.5)")
+    q = kw["q"]
     T, H, D = q.shape
     if D % 64 or q.dtype != torch.bfloat16:
         raise ValueError(f"sparse_attention_paged: {cfg} takes bf16 rows of a multiple of 64 columns, "
                          f"not {q.dtype} x {D}")
     if cfg.stages < 2 or cfg.block_n not in (32, 64):
         raise ValueError(f"sparse_attention_paged: {cfg} needs 32 or 64 keys a block and at least 2 stages")
-    comp = COMP_NONE if cache is None else (COMP_TOPK if topk is not None else COMP_ALL)
-    rope = rope_cos is not None
-    rd = 2 * rope_cos.shape[-1] if rope else 16
-    ring_t = ring if ring is not None else kv
-    cache_t = cache if cache is not None else kv
-    bt = block_table if block_table is not None else positions.view(1, -1)
-    tk = topk if topk is not None else positions.view(-1, 1)
+    args, comp, rope, rd = paged_launch_args(**kw)
     _sparse_attn_prefill_wg[(T, cdiv(H, HEADS))](
-        q, kv, ring_t, cache_t, out, token_seq, positions, context_lens, query_start, seq_slots, bt, tk,
-        sink if sink is not None else q, rope_cos if rope else q, rope_sin if rope else q,
-        q.stride(0), q.stride(1), kv.stride(0),
-        ring_t.stride(0) if ring is not None else 0, ring_t.stride(1) if ring is not None else 0,
-        cache_t.stride(0) if cache is not None else 0, cache_t.stride(1) if cache is not None else 0,
-        out.stride(0), out.stride(1), bt.stride(0), tk.stride(0),
-        scale * LOG2E, ring.shape[1] if ring is not None else 1, window, max(ratio, 1), max(block_size, 1),
-        tk.shape[1] if comp == COMP_TOPK else 0, H,
-        D=D, RD=rd, BLOCK_N=cfg.block_n, STAGES=cfg.stages, COMP=comp, HAS_RING=ring is not None,
-        HAS_SINK=sink is not None, ROPE=rope, num_warps=8)
-    return out
+        *args, D=D, RD=rd, BLOCK_N=cfg.block_n, STAGES=cfg.stages, COMP=comp, HAS_RING=kw["ring"] is not None,
+        HAS_SINK=kw["sink"] is not None, ROPE=rope, num_warps=8)
+    return kw["out"]
