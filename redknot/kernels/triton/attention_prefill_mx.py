@@ -259,6 +259,20 @@ class PrefillAttnConfig:
     lookahead: bool = False  # load each column chunk's bytes one chunk ahead of its decode (more live registers)
 
 
+def mx_launch_args(q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, out):
+    """The positional arguments the prefill kernels (``_attn_prefill_t``, the Gluon ``_attn_prefill_mx_wg``)
+    share, and whether the compressed list takes part: (args, has_comp)."""
+    H = q.shape[1]
+    has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
+    widx = window_idx.contiguous()
+    cidx = comp_idx.contiguous() if has_comp else widx
+    ccache = comp_cache if has_comp else window_cache
+    args = (q, window_cache, widx, ccache, cidx, sinks.float().contiguous(), out, H, widx.shape[1],
+            cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
+            ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E)
+    return args, has_comp
+
+
 def prefill_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx: torch.Tensor,
                          sinks: torch.Tensor, scale: float, comp_cache=None, comp_idx=None,
                          config: PrefillAttnConfig = PrefillAttnConfig()) -> torch.Tensor:
@@ -267,21 +281,14 @@ def prefill_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx
     out = torch.empty_like(q)
     if T == 0:
         return out
-    has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
-    widx = window_idx.contiguous()
-    cidx = comp_idx.contiguous() if has_comp else widx
-    ccache = comp_cache if has_comp else window_cache
+    args, has_comp = mx_launch_args(q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, out)
     d_split = config.d_split
     while d_split > 1 and D // d_split < 32:  # a chunk holds whole E8M0 groups
         d_split //= 2
     block_h = min(config.block_h, max(16, next_pow2(H)))
     _attn_prefill_t[(T, cdiv(H, block_h))](
-        q, window_cache, widx, ccache, cidx, sinks.float().contiguous(), out, H, widx.shape[1],
-        cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
-        ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
-        HAS_COMP=has_comp, D=D, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=config.block_n, PIN=_compiled(),
-        LOOKAHEAD=config.lookahead,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        *args, HAS_COMP=has_comp, D=D, D_SPLIT=d_split, BLOCK_H=block_h, BLOCK_N=config.block_n, PIN=_compiled(),
+        LOOKAHEAD=config.lookahead, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

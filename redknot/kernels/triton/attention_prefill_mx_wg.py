@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from redknot.kernels.triton._common import LOG2E, cdiv
+from redknot.kernels.triton._common import cdiv
 from redknot.kernels.triton.attention_prefill_wg import AVAILABLE
 
 if AVAILABLE:
@@ -239,13 +239,9 @@ def prefill_attention_mx_wg(q: torch.Tensor, window_cache: torch.Tensor, window_
     out = torch.empty_like(q)
     if T == 0:
         return out
-    has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
-    widx = window_idx.contiguous()
-    cidx = comp_idx.contiguous() if has_comp else widx
-    ccache = comp_cache if has_comp else window_cache
-    _attn_prefill_mx_wg[(T, cdiv(H, HEADS))](
-        q, window_cache, widx, ccache, cidx, sinks.float().contiguous(), out, H, widx.shape[1],
-        cidx.shape[1] if has_comp else 0, q.stride(0), q.stride(1), window_cache.stride(0), widx.stride(0),
-        ccache.stride(0), cidx.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
-        HAS_COMP=has_comp, D=D, BLOCK_N=config.block_n, STAGES=config.stages, num_warps=8)
+    from redknot.kernels.triton.attention_prefill_mx import mx_launch_args
+
+    args, has_comp = mx_launch_args(q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, out)
+    _attn_prefill_mx_wg[(T, cdiv(H, HEADS))](*args, HAS_COMP=has_comp, D=D, BLOCK_N=config.block_n,
+                                             STAGES=config.stages, num_warps=8)
     return out
