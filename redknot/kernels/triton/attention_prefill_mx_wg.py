@@ -41,6 +41,13 @@ if AVAILABLE:
         warpgroup_mma_wait,
     )
 
+    from redknot.kernels.triton.attention_prefill_wg import (
+        out_layout,
+        p_smem_layout,
+        row_smem_layout,
+        score_layout,
+    )
+
 HEADS = 64
 
 
@@ -137,13 +144,10 @@ if AVAILABLE:
         l3w: gl.constexpr = gl.BlockedLayout([1, 1, 32], [BLOCK_N // 8, 256 // BLOCK_N, 1], [8, 1, 1], [2, 1, 0])
         l2c: gl.constexpr = gl.BlockedLayout([1, 8], [BLOCK_N // 8, 256 // BLOCK_N], [8, 1], [1, 0])
         lq: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, BLOCK_N // 2, 16])
-        ON: gl.constexpr = D // 2 if D // 2 <= 256 else 256  # noqa: FURB136 - a constexpr expression
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, ON, 16])
-        row_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2,
-                                                  element_bitwidth=16, rank=2)
+        s_l: gl.constexpr = score_layout(BLOCK_N)
+        o_l: gl.constexpr = out_layout(D)
+        row_sl: gl.constexpr = row_smem_layout()
+        p_sl: gl.constexpr = p_smem_layout(BLOCK_N)
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], row_sl)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, D], row_sl)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 try:  # Gluon ships with Triton >= 3.5; without it the tuner never offers this form
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
@@ -61,6 +62,26 @@ def smem_bytes(cfg: PrefillWGConfig, dim: int) -> int:
 
 
 if AVAILABLE:
+    @triton.constexpr_function
+    def score_layout(block_n):
+        """S = Q·Kᵀ [64 heads, block_n keys] over two warpgroups side by side: each owns half of the keys."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, block_n // 2, 16])
+
+    @triton.constexpr_function
+    def out_layout(d):
+        """O = P·K [64 heads, d] over two warpgroups side by side: each owns half of the columns."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, min(d // 2, 256), 16])
+
+    @triton.constexpr_function
+    def row_smem_layout():
+        """bf16 rows for the tensor cores (Q, keys): 128-byte swizzle."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    @triton.constexpr_function
+    def p_smem_layout(block_n):
+        """P [64, block_n] bf16, the PV product's A operand: the swizzle its row width allows."""
+        return gl.NVMMASharedLayout(swizzle_byte_width=min(128, block_n * 2), element_bitwidth=16, rank=2)
+
     @gluon.jit
     def _rows(kb, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr,
               stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio,
@@ -129,13 +150,10 @@ if AVAILABLE:
         BH: gl.constexpr = 64
         # gathers: 16-byte pieces, a warp over BLOCK_N / 8 rows, so a thread addresses one row of a block
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [BLOCK_N // 8, 256 // BLOCK_N], [8, 1], [1, 0])
-        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, BLOCK_N // 2, 16])
-        ON: gl.constexpr = D // 2 if D // 2 <= 256 else 256  # noqa: FURB136 - a constexpr expression
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, ON, 16])
-        row_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if BLOCK_N >= 64 else BLOCK_N * 2,
-                                                  element_bitwidth=16, rank=2)
+        s_l: gl.constexpr = score_layout(BLOCK_N)
+        o_l: gl.constexpr = out_layout(D)
+        row_sl: gl.constexpr = row_smem_layout()
+        p_sl: gl.constexpr = p_smem_layout(BLOCK_N)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], row_sl)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, D], row_sl)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, BLOCK_N], p_sl)
