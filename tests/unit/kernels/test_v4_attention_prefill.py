@@ -125,6 +125,21 @@ def test_the_prefill_kernel_refuses_fp32_rows(kernel_device):
         attention.sparse_attention_paged(**{**args, "out": None}, config=SHAPES[0])
 
 
+@pytest.mark.parametrize("mode", ["csa", "hca"])
+def test_the_chunk_arguments_of_the_gpu_cases_at_toy_dims(mode, kernel_device):
+    """``checks.common.prefill_attention_args`` (the chunk the GPU cases below and the Gluon kernel's run) at toy
+    dims: a transposed launch on them matches the oracle, and the compressed lists hold visible entries only."""
+    from redknot.kernels.triton.checks.common import TOY as d
+    from redknot.kernels.triton.checks.common import prefill_attention_args
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    args = prefill_attention_args(d, mode, 96, 40, kernel_device, gen)
+    ratio = d.csa_ratio if mode == "csa" else d.hca_ratio
+    assert bool((args["topk"] < ((args["positions"][:, None] + 1) // ratio)).all())
+    want = _oracle({**args, "out": None})
+    got = attention.sparse_attention_paged(**args, config=SHAPES[2])
+    assert _rel(got, want) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["csa", "hca"])
@@ -132,27 +147,10 @@ def test_prefill_kernel_at_real_size_on_the_gpu(mode):
     """A 4096-query chunk at context 8192 with V4 dims (as ``benchmarks/kernels_v4.py`` times it): every transposed
     launch shape passes its first-use check and matches the float64 oracle on 128 sampled queries and the
     earlier kernel on all of them; the tuned op stays within bound."""
-    from redknot.kernels.step_index import step_tensors
-    from redknot.kernels.triton.checks.common import REAL as d
-    from redknot.kernels.triton.checks.common import (
-        paged_step,
-        random_choice_lists,
-        visible_lists,
-    )
+    from redknot.kernels.triton.checks.common import REAL, prefill_attention_args
     gen = torch.Generator().manual_seed(_fresh_seed())
-    step = paged_step([8192 - 4096], [4096], d.block_size, "cuda", gen)
-    meta, t = step.meta, step.num_tokens
-    rnd = lambda *s: torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)
-    ratio = d.csa_ratio if mode == "csa" else d.hca_ratio
-    st = step_tensors(meta)
-    args = {"q": rnd(t, d.heads, d.head_dim), "kv": rnd(t, d.head_dim), "token_seq": st.token_seq,
-            "positions": meta.positions, "context_lens": st.context_lens, "query_start": st.query_start,
-            "window": d.window, "sink": torch.randn(d.heads, generator=gen).cuda(), "scale": d.head_dim ** -0.5,
-            "ring": rnd(step.num_slots, d.window + 8, d.head_dim), "seq_slots": meta.seq_slots,
-            "cache": rnd(step.num_blocks, d.block_size // ratio, d.head_dim), "block_table": meta.block_tables,
-            "ratio": 1, "block_size": d.block_size // ratio,
-            "topk": (random_choice_lists(meta.positions, ratio, d.topk, gen) if mode == "csa"
-                     else visible_lists(meta.positions, ratio))}
+    args = prefill_attention_args(REAL, mode, 8192, 4096, "cuda", gen)
+    t = args["q"].shape[0]
     base = attention.sparse_attention_paged(**args, config=attention.AttnConfig(num_stages=2))
     rows = torch.randperm(t, generator=gen)[:128].cuda()
     sub = dict(args, q=args["q"][rows], positions=args["positions"][rows], token_seq=args["token_seq"][rows],

@@ -102,27 +102,10 @@ def test_first_use_check_accepts_each_shape_and_refuses_a_wrong_one(monkeypatch)
 def test_gluon_kernel_at_real_size(mode):
     """A 4096-query chunk at context 8192 with V4 dims: each shape against the float64 oracle on 128 sampled
     queries and against the Triton transposed kernel on all of them."""
-    from redknot.kernels.step_index import step_tensors
-    from redknot.kernels.triton.checks.common import REAL as d
-    from redknot.kernels.triton.checks.common import (
-        paged_step,
-        random_choice_lists,
-        visible_lists,
-    )
+    from redknot.kernels.triton.checks.common import REAL, prefill_attention_args
     gen = torch.Generator().manual_seed(_fresh_seed())
-    step = paged_step([8192 - 4096], [4096], d.block_size, "cuda", gen)
-    meta, t = step.meta, step.num_tokens
-    rnd = lambda *s: torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)
-    ratio = d.csa_ratio if mode == "csa" else d.hca_ratio
-    st = step_tensors(meta)
-    args = {"q": rnd(t, d.heads, d.head_dim), "kv": rnd(t, d.head_dim), "token_seq": st.token_seq,
-            "positions": meta.positions, "context_lens": st.context_lens, "query_start": st.query_start,
-            "window": d.window, "sink": torch.randn(d.heads, generator=gen).cuda(), "scale": d.head_dim ** -0.5,
-            "ring": rnd(step.num_slots, d.window + 8, d.head_dim), "seq_slots": meta.seq_slots,
-            "cache": rnd(step.num_blocks, d.block_size // ratio, d.head_dim), "block_table": meta.block_tables,
-            "ratio": 1, "block_size": d.block_size // ratio,
-            "topk": (random_choice_lists(meta.positions, ratio, d.topk, gen) if mode == "csa"
-                     else visible_lists(meta.positions, ratio))}
+    args = prefill_attention_args(REAL, mode, 8192, 4096, "cuda", gen)
+    t = args["q"].shape[0]
     base = attention.sparse_attention_paged(**args, config=attention.PrefillTConfig(128, 8, 4, 64))
     rows = torch.randperm(t, generator=gen)[:128].cuda()
     sub = dict(args, q=args["q"][rows], positions=args["positions"][rows], token_seq=args["token_seq"][rows],

@@ -139,6 +139,28 @@ def random_choice_lists(positions: torch.Tensor, ratio: int, topk: int, generato
     return idx
 
 
+def prefill_attention_args(d: Dims, mode: str, context: int, new: int, device, generator: torch.Generator) -> dict:
+    """``sparse_attention_paged`` keyword arguments of one sequence's prefill chunk (``new`` queries ending at
+    ``context``) at dims ``d``: fresh random bf16 rows in this step, the ring and the compressed cache, a
+    shuffled block table; the compressed entries as the kernels read them after the indexer (``mode`` "csa":
+    ``d.topk`` random distinct visible entries a query, -1 padded; "hca": every visible entry), already mapped
+    to cache rows (ratio 1 over ``block_size // ratio`` rows a block)."""
+    from redknot.kernels.step_index import step_tensors
+    step = paged_step([context - new], [new], d.block_size, device, generator)
+    meta, t = step.meta, step.num_tokens
+    rnd = lambda *shape: torch.randn(*shape, generator=generator).to(device, torch.bfloat16)
+    ratio = d.csa_ratio if mode == "csa" else d.hca_ratio
+    st = step_tensors(meta)
+    return {"q": rnd(t, d.heads, d.head_dim), "kv": rnd(t, d.head_dim), "token_seq": st.token_seq,
+            "positions": meta.positions, "context_lens": st.context_lens, "query_start": st.query_start,
+            "window": d.window, "sink": torch.randn(d.heads, generator=generator).to(device),
+            "scale": d.head_dim ** -0.5, "ring": rnd(step.num_slots, d.window + 8, d.head_dim),
+            "seq_slots": meta.seq_slots, "cache": rnd(step.num_blocks, d.block_size // ratio, d.head_dim),
+            "block_table": meta.block_tables, "ratio": 1, "block_size": d.block_size // ratio,
+            "topk": (random_choice_lists(meta.positions, ratio, d.topk, generator) if mode == "csa"
+                     else visible_lists(meta.positions, ratio))}
+
+
 def rope_tables(positions: torch.Tensor, rope_dim: int) -> tuple:
     """cos/sin ``[T, rope_dim/2]`` fp32 of a YaRN-free rope with base 160000 at the given positions."""
     inv = 160000.0 ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=positions.device) / rope_dim)
