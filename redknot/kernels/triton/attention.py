@@ -27,8 +27,12 @@ import triton.language as tl
 
 from redknot.kernels.triton._common import (LOG2E, ConfigTuner, as_i32, cdiv, check_last_dim_contiguous, dot_precision,
                                             next_pow2, sm_count)
-from redknot.kernels.triton.attention_prefill_wg import AVAILABLE as GLUON
-from redknot.kernels.triton.attention_prefill_wg import PrefillWGConfig
+
+try:  # Gluon ships with Triton >= 3.5; without it the prefill tuners never offer the Gluon forms
+    import triton.experimental.gluon  # noqa: F401
+    GLUON = True
+except ImportError:  # pragma: no cover - older Triton
+    GLUON = False
 
 COMP_NONE, COMP_TOPK, COMP_ALL = 0, 1, 2
 
@@ -63,6 +67,15 @@ class PrefillTConfig:
     block_h: int = 64    # heads per program
     num_stages: int = 1
     prefetch: bool = False  # the next block's row pointers one block ahead
+
+
+@dataclass(frozen=True)
+class PrefillWGConfig:
+    """Launch shape of the Gluon prefill kernel (``attention_prefill_wg``), a candidate of ``ATTN_PREFILL_TUNER``
+    (bf16 rows, 64-head programs, 8 warps). Shared memory: Q (64 x D bf16) + ``stages`` key buffers
+    (block_n x D bf16) + P (64 x block_n bf16): 200 KB at D = 512, block_n 64, 2 stages."""
+    block_n: int = 64
+    stages: int = 2
 
 
 @triton.jit
@@ -100,7 +113,18 @@ def _key_rows(kb, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cach
               ring_size, ratio, block_size, BLOCK_N: tl.constexpr, COMP: tl.constexpr,
               HAS_RING: tl.constexpr):
     """Row pointers and validity of the virtual keys ``kb .. kb+BLOCK_N``."""
-    kv_i = kb + tl.arange(0, BLOCK_N)
+    return key_rows_at(kb + tl.arange(0, BLOCK_N), k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr,
+                       cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce,
+                       stride_bt, stride_tk, ring_size, ratio, block_size, COMP, HAS_RING)
+
+
+@triton.jit
+def key_rows_at(kv_i, k_hi, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr,
+                stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio,
+                block_size, COMP: tl.constexpr, HAS_RING: tl.constexpr):
+    """Row pointers and validity of the virtual keys ``kv_i`` (in the layout ``kv_i`` has: the Gluon prefill
+    kernel calls this with its own): the window's rows from this step's ``kv`` or the ring, then the compressed
+    entries through the top-k list (COMP 1) or by index (COMP 2) and the block table."""
     in_rng = kv_i < k_hi
     is_swa = kv_i < n_swa
     p = lo + kv_i

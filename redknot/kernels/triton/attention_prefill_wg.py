@@ -25,8 +25,6 @@ gather and P can be overwritten. Gluon has no interpreter: this kernel runs on a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 try:  # Gluon ships with Triton >= 3.5; without it the tuner never offers this form
@@ -44,17 +42,9 @@ except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
 
 from redknot.kernels.triton._common import cdiv
+from redknot.kernels.triton.attention import PrefillWGConfig, key_rows_at
 
 HEADS = 64  # heads a program: the M of both products, one warpgroup's 4 x 16 rows
-
-
-@dataclass(frozen=True)
-class PrefillWGConfig:
-    """Launch shape of the Gluon prefill kernel (``attention_prefill_wg``), a candidate of ``ATTN_PREFILL_TUNER``
-    (bf16 rows, 64-head programs, 8 warps). Shared memory: Q (64 x D bf16) + ``stages`` key buffers
-    (block_n x D bf16) + P (64 x block_n bf16): 200 KB at D = 512, block_n 64, 2 stages."""
-    block_n: int = 64
-    stages: int = 2
 
 
 def smem_bytes(cfg: PrefillWGConfig, dim: int) -> int:
@@ -87,31 +77,11 @@ if AVAILABLE:
               stride_kvt, stride_rs, stride_rr, stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio,
               block_size, BLOCK_N: gl.constexpr, layout: gl.constexpr, COMP: gl.constexpr,
               HAS_RING: gl.constexpr):
-        """Row pointers and validity of the virtual keys ``kb .. kb+BLOCK_N`` (``attention._key_rows``), in
+        """Row pointers and validity of the virtual keys ``kb .. kb+BLOCK_N`` (``attention.key_rows_at``), in
         ``layout`` (a 1-D slice layout)."""
-        kv_i = kb + gl.arange(0, BLOCK_N, layout=layout)
-        in_rng = kv_i < n_tot
-        is_swa = kv_i < n_swa
-        p = lo + kv_i
-        ptr = kv_ptr + (qs + p - ctx).to(gl.int64) * stride_kvt
-        if HAS_RING:
-            ring_row = slot.to(gl.int64) * stride_rs + (p % ring_size).to(gl.int64) * stride_rr
-            ptr = gl.where(p >= ctx, ptr, ring_ptr + ring_row)
-        valid = in_rng & is_swa
-        if COMP != 0:
-            ci = kv_i - n_swa
-            comp_ok = in_rng & (kv_i >= n_swa)
-            if COMP == 1:
-                w = gl.load(topk_ptr + tok.to(gl.int64) * stride_tk + ci, mask=comp_ok, other=-1)
-                comp_ok = comp_ok & (w >= 0)
-            else:
-                w = ci
-            first = w * ratio
-            blk = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + first // block_size, mask=comp_ok, other=0)
-            crow = blk.to(gl.int64) * stride_cb + ((first % block_size) // ratio).to(gl.int64) * stride_ce
-            ptr = gl.where(is_swa, ptr, cache_ptr + crow)
-            valid = valid | comp_ok
-        return ptr, valid
+        return key_rows_at(kb + gl.arange(0, BLOCK_N, layout=layout), n_tot, n_swa, lo, ctx, qs, slot, b, tok,
+                           kv_ptr, ring_ptr, cache_ptr, bt_ptr, topk_ptr, stride_kvt, stride_rs, stride_rr,
+                           stride_cb, stride_ce, stride_bt, stride_tk, ring_size, ratio, block_size, COMP, HAS_RING)
 
     @gluon.jit
     def _gather(smem, bias_smem, kb, n_tot, n_swa, lo, ctx, qs, slot, b, tok, kv_ptr, ring_ptr, cache_ptr, bt_ptr,
