@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
 
 from redknot.kernels.triton._common import cdiv
-from redknot.kernels.triton.attention import PrefillWGConfig, key_rows_at
+from redknot.kernels.triton.attention import PrefillWGConfig, _query_span, key_rows_at
 
 HEADS = 64  # heads a program: the M of both products, one warpgroup's 4 x 16 rows
 
@@ -131,20 +131,8 @@ if AVAILABLE:
                                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 
         tok = gl.program_id(0)
-        b = gl.load(tok_seq_ptr + tok)
-        t = gl.load(pos_ptr + tok)
-        ctx = gl.load(ctx_ptr + b)
-        qs = gl.load(qstart_ptr + b)
-        slot = 0
-        if HAS_RING:
-            slot = gl.load(slot_ptr + b)
-        lo = gl.maximum(t - window + 1, 0)
-        n_swa = t - lo + 1
-        n_comp = 0
-        if COMP == 1:
-            n_comp = num_topk
-        elif COMP == 2:
-            n_comp = (t + 1) // ratio
+        b, ctx, qs, slot, lo, n_swa, n_comp = _query_span(tok, tok_seq_ptr, pos_ptr, ctx_ptr, qstart_ptr, slot_ptr,
+                                                          window, ratio, num_topk, COMP, HAS_RING)
         n_tot = n_swa + n_comp
         nblk = gl.cdiv(n_tot, BLOCK_N)
         h0 = gl.program_id(1) * BH
