@@ -42,6 +42,7 @@ if AVAILABLE:
     )
 
     from redknot.kernels.triton.attention_prefill_wg import (
+        _online,
         out_layout,
         p_smem_layout,
         row_smem_layout,
@@ -201,12 +202,7 @@ if AVAILABLE:
             cp.wait_group(STAGES - 2)  # this thread's bytes of block i + 1
             bias = bias_smem.index(i % STAGES).load(gl.SliceLayout(0, s_l))
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            z = sc * qk_scale + bias[None, :]
-            m_new = gl.maximum(m, gl.max(z, axis=1))
-            alpha = gl.exp2(m - m_new)
-            p = gl.exp2(z - m_new[:, None])
-            l2 = l2 * alpha[:, None] + p
-            m = m_new
+            m, l2, alpha, p = _online(sc, bias, m, l2, qk_scale)
             p_smem.store(p.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()    # P from both warpgroups; block i + 1's bytes from every thread

@@ -18,9 +18,9 @@ columns). What the Triton forms cannot say and this one does:
   the end, so a block needs one cross-warpgroup reduction (the row maximum), not two.
 
 One CTA barrier per block orders the buffers (each thread fences its own writes for the tensor cores before
-it, as CUTLASS does): after it, block ``i``'s rows are in shared memory for both
-warpgroups and both finished the previous block's products, so the buffer that block used can take the next
-gather and P can be overwritten. Gluon has no interpreter: this kernel runs on an SM90 GPU only, as a
+it, as CUTLASS does): after it, block ``i``'s rows are in shared memory for both warpgroups and both finished
+the previous block's products, so the buffer that block used can take the next gather and P can be
+overwritten. Gluon has no interpreter: this kernel runs on an SM90 GPU only, as a
 ``ATTN_PREFILL_TUNER`` candidate behind the float64-oracle first-use check of :mod:`attention_prefill`.
 """
 from __future__ import annotations
