@@ -49,9 +49,9 @@ def build_step_inputs(sched: SchedulerOutput) -> StepInputs:
     owners: List[Tuple[str, int]] = []
     row = 0
     for sr in sched.requests:
-        for i, tok in enumerate(sr.token_ids):
-            if tok == PLACEHOLDER_TOKEN:
-                placeholders.append((row + i, sr.req_id))
+        if PLACEHOLDER_TOKEN in sr.token_ids:  # a scan in C first: a prefill chunk has none
+            placeholders.extend((row + i, sr.req_id) for i, tok in enumerate(sr.token_ids)
+                                if tok == PLACEHOLDER_TOKEN)
         token_ids.append(sr.token_ids)
         ctx.append(sr.start_pos)
         slots.append(sr.slot)
