@@ -51,7 +51,12 @@ def test_step_inputs_mark_the_in_flight_tokens_and_fill_them():
     with its request, wherever the request sits in the step, and ``fill_placeholders`` writes that request's
     newest sampled token there (a request that got none: 0); a prefill chunk has no such row."""
     from redknot.engine.inputs import build_step_inputs
-    from redknot.engine.messages import PLACEHOLDER_TOKEN, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+    from redknot.engine.messages import (
+        PLACEHOLDER_TOKEN,
+        ModelRunnerOutput,
+        ScheduledRequest,
+        SchedulerOutput,
+    )
 
     reqs = [ScheduledRequest("p", 0, [0, 1], 0, list(range(7, 7 + 300)), 0),           # a prefill chunk
             ScheduledRequest("d1", 1, [2], 40, [PLACEHOLDER_TOKEN], 1),                 # decode, token in flight
