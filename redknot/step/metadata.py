@@ -111,12 +111,9 @@ class StepMetadata:
             starts.append(starts[-1] + n)
         # the per-token work in C (a 32K-token chunk: ~2 ms here, ~10 ms as python comprehensions)
         ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.long)
-        if len(counts) == starts[-1]:  # one token a sequence (decode): its position is its context length
-            pos = torch.tensor([int(c) for c in context_lens], dtype=torch.long)
-        else:
-            shift = torch.tensor([int(c) - s for c, s in zip(context_lens, starts)], dtype=torch.long)
-            pos = torch.arange(starts[-1], dtype=torch.long) + torch.repeat_interleave(
-                shift, torch.tensor(counts, dtype=torch.long), output_size=starts[-1])
+        shift = torch.tensor([int(c) - s for c, s in zip(context_lens, starts)], dtype=torch.long)
+        pos = torch.arange(starts[-1], dtype=torch.long) + torch.repeat_interleave(
+            shift, torch.tensor(counts, dtype=torch.long), output_size=starts[-1])
         if logits_indices is None:
             logits_indices = [s - 1 for s in starts[1:]]
         width = max(1, max(len(bt) for bt in block_tables))

@@ -383,9 +383,6 @@ def _run(cfg, args: dict) -> torch.Tensor:
         q = args["q"]
         if q.dtype != torch.bfloat16:
             raise ValueError(f"sparse_attention_paged: {cfg} takes bf16 rows, not {q.dtype}")
-        if isinstance(cfg, PrefillWGConfig) and not q.is_cuda:
-            raise RuntimeError(f"sparse_attention_paged: {cfg} is a Gluon kernel, which runs on an SM90 GPU only "
-                               f"(no interpreter); pass a PrefillTConfig or AttnConfig for {q.device}")
         comp = "none" if args["cache"] is None else ("topk" if args["topk"] is not None else "all")
         if q.is_cuda and not attention_prefill.first_use_ok(cfg, q.device, args["rope_cos"] is not None, comp):
             raise RuntimeError(f"sparse_attention_paged: {cfg} failed its first-use check against the oracle")

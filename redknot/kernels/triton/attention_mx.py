@@ -21,10 +21,10 @@ from redknot.kernels.triton._common import LOG2E, ConfigTuner, cdiv, interpretin
 from redknot.kernels.triton.attention_prefill_mx import (
     PrefillAttnConfig,
     first_use_ok,
-    prefill_attention_mx,
+    launcher,
 )
 from redknot.kernels.triton.attention_prefill_mx_wg import AVAILABLE as GLUON
-from redknot.kernels.triton.attention_prefill_mx_wg import PrefillMXWGConfig, prefill_attention_mx_wg
+from redknot.kernels.triton.attention_prefill_mx_wg import PrefillMXWGConfig
 from redknot.kernels.triton.quant_mx import e2m1_half, e8m0_decode
 from redknot.kernels.triton.step_rope_v41 import _rotate_pairs
 
@@ -219,15 +219,10 @@ def sparse_attention_mx(q: torch.Tensor, window_cache: torch.Tensor, window_idx:
         tuner = ATTN_MX_PREFILL_TUNER if T >= PREFILL_QUERIES else ATTN_MX_TUNER
         config = tuner.pick(key, lambda cfg: sparse_attention_mx(
             q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, cfg), q.device)
-    if isinstance(config, PrefillMXWGConfig) and not q.is_cuda:
-        raise RuntimeError(f"sparse_attention_mx: {config} is a Gluon kernel, which runs on an SM90 GPU only "
-                           f"(no interpreter); pass a PrefillAttnConfig or AttnMxConfig for {q.device}")
     if isinstance(config, (PrefillAttnConfig, PrefillMXWGConfig)):
         if q.is_cuda and not first_use_ok(config, q.device):
             raise RuntimeError(f"sparse_attention_mx: {config} failed its first-use check against the reference")
-        if isinstance(config, PrefillMXWGConfig):
-            return prefill_attention_mx_wg(q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, config)
-        return prefill_attention_mx(q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, config)
+        return launcher(config)(q, window_cache, window_idx, sinks, scale, comp_cache, comp_idx, config)
     block_h, block_n, num_warps, splits = config.block_h, config.block_n, config.num_warps, config.splits
     has_comp = comp_idx is not None and comp_cache is not None and comp_idx.shape[1] > 0
     widx = window_idx.contiguous()

@@ -300,7 +300,7 @@ def _compiled() -> bool:
 _FIRST_USE: dict[tuple[object, str], bool] = {}
 
 
-def _launcher(config):
+def launcher(config):
     """``prefill_attention_mx`` for ``PrefillAttnConfig``; the Gluon kernel's launch for ``PrefillMXWGConfig``."""
     from redknot.kernels.triton import attention_prefill_mx_wg as wg
     return wg.prefill_attention_mx_wg if isinstance(config, wg.PrefillMXWGConfig) else prefill_attention_mx
@@ -321,7 +321,7 @@ def first_use_ok(config, device: torch.device) -> bool:
             q, win, widx, comp, cidx, sinks = attention_inputs(REAL_V41, device, seed=seed, tokens=4, n_window=256,
                                                                n_comp=1024)
             scale = REAL_V41.latent ** -0.5
-            got = _launcher(config)(q, win, widx, sinks, scale, comp, cidx, config).float()
+            got = launcher(config)(q, win, widx, sinks, scale, comp, cidx, config).float()
             want = ref_v41.sparse_attention_mx(q, win, widx, sinks, scale, comp, cidx).float()
             _FIRST_USE[key] = bool(float((got - want).norm() / want.norm()) < 1e-2)
         except Exception:  # noqa: BLE001 - a launch shape the compiler refuses on this device

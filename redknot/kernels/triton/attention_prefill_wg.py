@@ -213,6 +213,9 @@ def launch_prefill_wg(cfg: PrefillWGConfig, **kw) -> torch.Tensor:
                          f"not {q.dtype} x {D}")
     if cfg.stages < 2 or cfg.block_n not in (32, 64):
         raise ValueError(f"sparse_attention_paged: {cfg} needs 32 or 64 keys a block and at least 2 stages")
+    if not q.is_cuda:
+        raise RuntimeError(f"sparse_attention_paged: {cfg} is a Gluon kernel, which runs on an SM90 GPU only "
+                           f"(no interpreter); pass a PrefillTConfig or AttnConfig for {q.device}")
     args, comp, rope, rd = paged_launch_args(**kw)
     _sparse_attn_prefill_wg[(T, cdiv(H, HEADS))](
         *args, D=D, RD=rd, BLOCK_N=cfg.block_n, STAGES=cfg.stages, COMP=comp, HAS_RING=kw["ring"] is not None,
